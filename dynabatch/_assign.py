@@ -1,0 +1,188 @@
+"""Spreading micro-batches over data-parallel ranks and ordering them within each rank.
+
+Assignment minimizes the slowest rank's pipeline time, estimated as ``sum + (S-1) * max`` of
+the rank's micro-batch times: longest-processing-time-first with an optional equal count per
+rank (so every rank runs the same number of micro-batches and DDP never waits on a missing
+one), then pairwise swaps (and, without the equal-count rule, moves) out of the slowest rank
+while they help. The order within a rank is chosen by simulating the pipeline schedule for a
+few candidate orders instead of trusting the closed form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .simulate import makespan_kernel
+
+
+@njit(cache=True)
+def _rank_stats(times, rank_of, ranks):
+    s = np.zeros(ranks)
+    m1 = np.zeros(ranks)  # largest
+    m2 = np.zeros(ranks)  # second largest
+    for k in range(times.shape[0]):
+        r = rank_of[k]
+        t = times[k]
+        s[r] += t
+        if t > m1[r]:
+            m2[r] = m1[r]
+            m1[r] = t
+        elif t > m2[r]:
+            m2[r] = t
+    return s, m1, m2
+
+
+@njit(cache=True)
+def _max_without(t, m1, m2):
+    return m2 if t == m1 else m1
+
+
+@njit(cache=True)
+def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
+    """Rank of each micro-batch (int32 [M]) minimizing max over ranks of sum + (S-1)*max."""
+    m = times.shape[0]
+    rank_of = np.zeros(m, np.int32)
+    cap = m // ranks if equal_counts else m
+    order = np.argsort(-times, kind="mergesort")
+    s = np.zeros(ranks)
+    mx = np.zeros(ranks)
+    cnt = np.zeros(ranks, np.int64)
+    w = stages - 1
+    for idx in order:
+        t = times[idx]
+        best = -1
+        best_v = np.inf
+        for r in range(ranks):
+            if cnt[r] >= cap:
+                continue
+            v = s[r] + t + w * max(mx[r], t)
+            if v < best_v:
+                best_v = v
+                best = r
+        rank_of[idx] = best
+        s[best] += t
+        mx[best] = max(mx[best], t)
+        cnt[best] += 1
+    for _ in range(max_rounds):
+        s, m1, m2 = _rank_stats(times, rank_of, ranks)
+        obj = s + w * m1
+        rmax = np.argmax(obj)
+        cur = obj[rmax]
+        best_gain = 1e-12 * cur
+        best_a = -1
+        best_b = -1
+        for a in range(m):
+            if rank_of[a] != rmax:
+                continue
+            ta = times[a]
+            rest_max_a = _max_without(ta, m1[rmax], m2[rmax])
+            for b in range(m):
+                r = rank_of[b]
+                if r == rmax:
+                    continue
+                tb = times[b]
+                if tb >= ta:
+                    continue
+                o1 = s[rmax] - ta + tb + w * max(rest_max_a, tb)
+                o2 = s[r] - tb + ta + w * max(_max_without(tb, m1[r], m2[r]), ta)
+                gain = cur - max(o1, o2)
+                if gain > best_gain:
+                    best_gain = gain
+                    best_a = a
+                    best_b = b
+            if not equal_counts:
+                for r in range(ranks):
+                    if r == rmax:
+                        continue
+                    o1 = s[rmax] - ta + w * rest_max_a
+                    o2 = s[r] + ta + w * max(m1[r], ta)
+                    gain = cur - max(o1, o2)
+                    if gain > best_gain:
+                        best_gain = gain
+                        best_a = a
+                        best_b = -1 - r
+        if best_a < 0:
+            break
+        if best_b >= 0:
+            rank_of[best_a], rank_of[best_b] = rank_of[best_b], rank_of[best_a]
+        else:
+            rank_of[best_a] = -1 - best_b
+    return rank_of
+
+
+@njit(cache=True)
+def _candidate_orders(times):
+    """Candidate execution orders of a rank's micro-batches (rows of the result)."""
+    k = times.shape[0]
+    asc = np.argsort(times, kind="mergesort")
+    out = np.empty((4, k), np.int64)
+    for q in range(k):
+        out[0, q] = asc[k - 1 - q]  # longest first
+        out[1, q] = asc[q]  # shortest first
+    # shortest first, then longest to shortest
+    out[2, 0] = asc[0]
+    for q in range(1, k):
+        out[2, q] = asc[k - q]
+    # shortest first, second shortest last, the rest longest first (short fill and drain)
+    out[3, 0] = asc[0]
+    if k > 1:
+        out[3, k - 1] = asc[1]
+        for q in range(1, k - 1):
+            out[3, q] = asc[k - q]
+    return out
+
+
+@njit(cache=True)
+def simulate_rank(times, p2p, fwd_fraction, stages, ops):
+    """Pipeline makespan (seconds) of one rank running micro-batches in the given order on
+    ``stages`` identical stages."""
+    k = times.shape[0]
+    fwd = np.empty((stages, k))
+    bwd = np.empty((stages, k))
+    for s in range(stages):
+        for j in range(k):
+            fwd[s, j] = times[j] * fwd_fraction
+            bwd[s, j] = times[j] - fwd[s, j]
+    return makespan_kernel(fwd, bwd, p2p, ops)
+
+
+@njit(cache=True)
+def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
+    """Execution order within each rank and each rank's simulated makespan.
+
+    Returns (perm, rank_time): ``perm`` lists micro-batch indices rank by rank in execution order.
+    With ``optimize`` the best of `_candidate_orders` by simulation is used; otherwise the given
+    order. ``ops_by_count[k]`` is the schedule for k micro-batches (padded with zeros).
+    """
+    m = times.shape[0]
+    perm = np.empty(m, np.int64)
+    rank_time = np.zeros(ranks)
+    pos = 0
+    for r in range(ranks):
+        idx = np.flatnonzero(rank_of == r)
+        k = idx.shape[0]
+        if k == 0:
+            continue
+        ops = np.ascontiguousarray(ops_by_count[k][:, : 2 * k])
+        t = times[idx]
+        p = p2p[idx]
+        if optimize and k > 1:
+            cands = _candidate_orders(t)
+            best = np.inf
+            best_c = 0
+            for c in range(cands.shape[0]):
+                o = cands[c]
+                v = simulate_rank(t[o], p[o], fwd_fraction, stages, ops)
+                if v < best:
+                    best = v
+                    best_c = c
+            chosen = cands[best_c]
+            rank_time[r] = best
+        else:
+            chosen = np.arange(k)
+            rank_time[r] = simulate_rank(t, p, fwd_fraction, stages, ops)
+        for q in range(k):
+            perm[pos + q] = idx[chosen[q]]
+        pos += k
+    return perm, rank_time

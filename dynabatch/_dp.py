@@ -1,0 +1,405 @@
+"""The DynaPipe-style dynamic program that cuts an ordered global batch into micro-batches.
+
+Given samples in a fixed order, choose cut points so that contiguous segments become
+micro-batches, minimizing the pipeline objective ``sum(t) / R + (S - 1) * max(t)`` (the sum is
+shared by ``R`` data-parallel ranks, the bubble is paid once per rank) subject to each segment's
+activation memory staying under the limit. For a fixed cap ``T`` on the largest micro-batch the
+minimal sum is a 1-D DP; the kernel enumerates candidate caps (the distinct segment times, coarse
+on a log grid and then refined around the best coarse cap) and keeps the best objective. Finally
+the DP is rerun at the best caps with the number of micro-batches tracked modulo ``R`` so every
+rank can receive the same count.
+
+Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
+table), so there is no Python callback per candidate. `dp_reference` is the same algorithm in
+plain Python; tests check that both reach the same optimum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
+
+INFEASIBLE_SAMPLE = -1
+TOO_FEW_SAMPLES = -2
+
+
+@njit(cache=True)
+def segment_cost(main, dec, tiles, j, i, varlen, pad_multiple, tile_patches, tcoef, mcoef,
+                 use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, phi):
+    """(time, memory) of the micro-batch made of samples j..i-1 (any order of evaluation)."""
+    if varlen:
+        for k in range(NUM_FEATURES):
+            phi[k] = 0.0
+        for s in range(j, i):
+            L = float(main[s])
+            T = float(dec[s])
+            v = float(tiles[s]) * tile_patches
+            phi[0] += L
+            phi[1] += L * L
+            phi[2] += T
+            phi[3] += T * T
+            phi[4] += T * L
+            phi[5] += v
+            phi[6] += v * tile_patches
+        phi[7] = 1.0
+        phi[8] = 1.0 if phi[5] > 0 else 0.0
+        return dot(tcoef, phi), dot(mcoef, phi)
+    L = 0
+    T = 0
+    v = 0
+    for s in range(j, i):
+        L = max(L, main[s])
+        T = max(T, dec[s])
+        v += tiles[s]
+    L = round_up(L, pad_multiple)
+    T = round_up(T, pad_multiple)
+    if use_table:
+        t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, L, T, extrapolate)
+        m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, L, T, extrapolate)
+        return t, m
+    padded_features(i - j, L, T, v, tile_patches, phi)
+    return dot(tcoef, phi), dot(mcoef, phi)
+
+
+@njit(cache=True)
+def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit,
+                       use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
+    """All memory-feasible segments, grouped by end: for end i (exclusive) the starts are
+    i-1, i-2, ... i-count[i]; their times are seg_time[offset[i] : offset[i]+count[i]].
+
+    Returns (offset, count, seg_time, bad) where bad is the position of a sample that does not
+    fit even alone (-1 if none). Growing a segment never lowers its memory, so the scan for each
+    end stops at the first infeasible start.
+    """
+    n = main.shape[0]
+    phi = np.zeros(NUM_FEATURES)
+    offset = np.zeros(n + 1, np.int64)
+    count = np.zeros(n + 1, np.int64)
+    cap = 16 * n + 16
+    seg_time = np.empty(cap)
+    used = 0
+    # running aggregates while extending a segment to the left
+    for i in range(1, n + 1):
+        offset[i] = used
+        L = 0
+        T = 0
+        v = 0
+        s0 = 0.0
+        s1 = 0.0
+        s2 = 0.0
+        s3 = 0.0
+        s4 = 0.0
+        s5 = 0.0
+        s6 = 0.0
+        for j in range(i - 1, -1, -1):
+            if varlen:
+                Lf = float(main[j])
+                Tf = float(dec[j])
+                vf = float(tiles[j]) * tile_patches
+                s0 += Lf
+                s1 += Lf * Lf
+                s2 += Tf
+                s3 += Tf * Tf
+                s4 += Tf * Lf
+                s5 += vf
+                s6 += vf * tile_patches
+                phi[0] = s0
+                phi[1] = s1
+                phi[2] = s2
+                phi[3] = s3
+                phi[4] = s4
+                phi[5] = s5
+                phi[6] = s6
+                phi[7] = 1.0
+                phi[8] = 1.0 if s5 > 0 else 0.0
+                t = dot(tcoef, phi)
+                m = dot(mcoef, phi)
+            else:
+                L = max(L, main[j])
+                T = max(T, dec[j])
+                v += tiles[j]
+                Lp = round_up(L, pad_multiple)
+                Tp = round_up(T, pad_multiple)
+                if use_table:
+                    t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, Lp, Tp, extrapolate)
+                    m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, Lp, Tp, extrapolate)
+                else:
+                    padded_features(i - j, Lp, Tp, v, tile_patches, phi)
+                    t = dot(tcoef, phi)
+                    m = dot(mcoef, phi)
+            if m > mem_limit or not np.isfinite(t):
+                break
+            if used == cap:
+                cap *= 2
+                grown = np.empty(cap)
+                grown[:used] = seg_time[:used]
+                seg_time = grown
+            seg_time[used] = t
+            used += 1
+        count[i] = used - offset[i]
+        if count[i] == 0:
+            return offset, count, seg_time[:used], i - 1
+    offset[n] = offset[n] if n > 0 else 0
+    return offset, count, seg_time[:used], -1
+
+
+@njit(cache=True)
+def dp_for_cap(offset, count, seg_time, cap, n, f, back, mx):
+    """Minimal sum of micro-batch times over partitions whose largest micro-batch is <= cap.
+    Fills f (best sum of prefix), back (start of last segment) and mx (largest time on the path)."""
+    f[0] = 0.0
+    mx[0] = 0.0
+    for i in range(1, n + 1):
+        best = np.inf
+        arg = -1
+        bmx = 0.0
+        o = offset[i]
+        for k in range(count[i]):
+            t = seg_time[o + k]
+            if t > cap:
+                break  # times grow with the segment (more rows, larger maxima)
+            j = i - 1 - k
+            c = f[j] + t
+            if c < best:
+                best = c
+                arg = j
+                bmx = max(mx[j], t)
+        f[i] = best
+        back[i] = arg
+        mx[i] = bmx
+    return f[n]
+
+
+@njit(cache=True)
+def dp_mod_ranks(offset, count, seg_time, cap, n, ranks):
+    """The capped DP with the number of micro-batches tracked modulo ``ranks``; returns the
+    segment starts of the best partition whose count is a multiple of ``ranks`` (empty if none)."""
+    g = np.full((n + 1, ranks), np.inf)
+    back = np.full((n + 1, ranks), -1, np.int64)
+    g[0, 0] = 0.0
+    for i in range(1, n + 1):
+        o = offset[i]
+        for k in range(count[i]):
+            t = seg_time[o + k]
+            if t > cap:
+                break
+            j = i - 1 - k
+            for c in range(ranks):
+                if g[j, c] < np.inf:
+                    c2 = (c + 1) % ranks
+                    v = g[j, c] + t
+                    if v < g[i, c2]:
+                        g[i, c2] = v
+                        back[i, c2] = j
+    if not g[n, 0] < np.inf:
+        return np.empty(0, np.int64)
+    starts = []
+    i = n
+    c = 0
+    while i > 0:
+        j = back[i, c]
+        starts.append(j)
+        i = j
+        c = (c - 1) % ranks
+    out = np.empty(len(starts), np.int64)
+    for k in range(len(starts)):
+        out[k] = starts[len(starts) - 1 - k]
+    return out
+
+
+@njit(cache=True)
+def _pick_caps(values, lo_index, count):
+    """Up to ``count`` entries of sorted unique ``values[lo_index:]`` spread evenly in log space."""
+    m = values.shape[0] - lo_index
+    if m <= count:
+        return values[lo_index:].copy()
+    lo = np.log(values[lo_index])
+    hi = np.log(values[-1])
+    out = np.empty(count)
+    used = 0
+    pos = lo_index
+    for k in range(count):
+        target = np.exp(lo + (hi - lo) * k / (count - 1))
+        while pos < values.shape[0] - 1 and values[pos] < target:
+            pos += 1
+        if used == 0 or values[pos] != out[used - 1]:
+            out[used] = values[pos]
+            used += 1
+    return out[:used]
+
+
+@njit(cache=True)
+def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
+              max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
+    """Best partition of the ordered samples. Returns (starts, status): the first position of each
+    micro-batch, and 0, or INFEASIBLE_SAMPLE with starts=[position of the sample that cannot fit],
+    or TOO_FEW_SAMPLES when fewer samples than ranks make equal counts impossible."""
+    n = main.shape[0]
+    offset, count, seg_time, bad = enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches,
+                                                      tcoef, mcoef, mem_limit, use_table, grid_r, grid_l,
+                                                      grid_d, tab_t, tab_m, extrapolate)
+    if bad >= 0:
+        out = np.empty(1, np.int64)
+        out[0] = bad
+        return out, INFEASIBLE_SAMPLE
+    if n < ranks:
+        return np.empty(0, np.int64), TOO_FEW_SAMPLES
+    # The cap can never be below the costliest single sample.
+    floor = 0.0
+    for i in range(1, n + 1):
+        floor = max(floor, seg_time[offset[i]])
+    values = np.unique(seg_time)
+    lo_index = np.searchsorted(values, floor)
+    f = np.empty(n + 1)
+    back = np.empty(n + 1, np.int64)
+    mx = np.empty(n + 1)
+    coarse = _pick_caps(values, lo_index, max_caps)
+    best_obj = np.inf
+    best_k = 0
+    objs = np.empty(coarse.shape[0])
+    for k in range(coarse.shape[0]):
+        s = dp_for_cap(offset, count, seg_time, coarse[k], n, f, back, mx)
+        objs[k] = s / ranks + (stages - 1) * mx[n]
+        if objs[k] < best_obj:
+            best_obj = objs[k]
+            best_k = k
+    # Refine between the coarse neighbours of the best cap.
+    lo_v = coarse[best_k - 1] if best_k > 0 else coarse[0]
+    hi_v = coarse[best_k + 1] if best_k + 1 < coarse.shape[0] else coarse[-1]
+    a = np.searchsorted(values, lo_v)
+    b = np.searchsorted(values, hi_v, side="right")
+    fine = _pick_caps(values[a:b], 0, max_caps)
+    caps = np.concatenate((coarse, fine))
+    cobj = np.concatenate((objs, np.full(fine.shape[0], np.inf)))
+    for k in range(coarse.shape[0], caps.shape[0]):
+        s = dp_for_cap(offset, count, seg_time, caps[k], n, f, back, mx)
+        cobj[k] = s / ranks + (stages - 1) * mx[n]
+    order = np.argsort(cobj, kind="mergesort")
+    if ranks == 1:
+        dp_for_cap(offset, count, seg_time, caps[order[0]], n, f, back, mx)
+        starts = []
+        i = n
+        while i > 0:
+            starts.append(back[i])
+            i = back[i]
+        out = np.empty(len(starts), np.int64)
+        for k in range(len(starts)):
+            out[k] = starts[len(starts) - 1 - k]
+        return out, 0
+    # Equal micro-batch counts per rank: rerun the best few caps with the count tracked mod R.
+    best_starts = np.empty(0, np.int64)
+    best_val = np.inf
+    tried = 0
+    for idx in order:
+        if tried == 3 or not cobj[idx] < np.inf:
+            break
+        tried += 1
+        st = dp_mod_ranks(offset, count, seg_time, caps[idx], n, ranks)
+        if st.shape[0] == 0:
+            continue
+        total = 0.0
+        big = 0.0
+        for q in range(st.shape[0]):
+            end = st[q + 1] if q + 1 < st.shape[0] else n
+            t = seg_time[offset[end] + (end - 1 - st[q])]
+            total += t
+            big = max(big, t)
+        val = total / ranks + (stages - 1) * big
+        if val < best_val:
+            best_val = val
+            best_starts = st
+    if best_starts.shape[0] == 0:
+        # Every cap that was tried forbids a multiple of R; the largest cap admits any split.
+        best_starts = dp_mod_ranks(offset, count, seg_time, values[-1], n, ranks)
+    return best_starts, 0
+
+
+def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
+                 max_caps):
+    """Plain-Python version of `dp_kernel` (analytic costs only) for tests: same caps, same DP."""
+    main = [int(x) for x in main]
+    dec = [int(x) for x in dec]
+    tiles = [int(x) for x in tiles]
+    n = len(main)
+
+    def cost(j, i):
+        if varlen:
+            phi = [0.0] * NUM_FEATURES
+            for s in range(j, i):
+                L, T, v = float(main[s]), float(dec[s]), float(tiles[s]) * tile_patches
+                for k, x in enumerate((L, L * L, T, T * T, T * L, v, v * tile_patches)):
+                    phi[k] += x
+            phi[7] = 1.0
+            phi[8] = 1.0 if phi[5] > 0 else 0.0
+        else:
+            def up(x):
+                return -(-x // pad_multiple) * pad_multiple if pad_multiple > 1 else x
+            r = i - j
+            L, T = up(max(main[j:i])), up(max(dec[j:i]))
+            v = float(sum(tiles[j:i])) * tile_patches
+            phi = [r * L, r * L * L, r * T, r * T * T, r * T * L, v, v * tile_patches, 1.0, 1.0 if v > 0 else 0.0]
+        return sum(c * p for c, p in zip(tcoef, phi)), sum(c * p for c, p in zip(mcoef, phi))
+
+    seg = {}  # (j, i) -> time, for feasible segments (contiguous starts per end, as in the kernel)
+    for i in range(1, n + 1):
+        for j in range(i - 1, -1, -1):
+            t, m = cost(j, i)
+            if m > mem_limit:
+                break
+            seg[(j, i)] = t
+        if (i - 1, i) not in seg:
+            return [i - 1], INFEASIBLE_SAMPLE
+    if n < ranks:
+        return [], TOO_FEW_SAMPLES
+
+    def best_for_cap(cap, mod):
+        g = {(0, 0): (0.0, None)}
+        for i in range(1, n + 1):
+            for j in range(i - 1, -1, -1):
+                t = seg.get((j, i))
+                if t is None or t > cap:
+                    break
+                for c in range(mod):
+                    if (j, c) in g:
+                        c2 = (c + 1) % mod
+                        v = g[(j, c)][0] + t
+                        if (i, c2) not in g or v < g[(i, c2)][0]:
+                            g[(i, c2)] = (v, j)
+        if (n, 0) not in g:
+            return None
+        starts, i, c = [], n, 0
+        while i > 0:
+            j = g[(i, c)][1]
+            starts.append(j)
+            i, c = j, (c - 1) % mod
+        starts.reverse()
+        return starts
+
+    def objective(starts):
+        ends = starts[1:] + [n]
+        times = [seg[(a, b)] for a, b in zip(starts, ends)]
+        return sum(times) / ranks + (stages - 1) * max(times)
+
+    floor = max(seg[(i - 1, i)] for i in range(1, n + 1))
+    values = np.unique(np.array(list(seg.values())))
+    caps = list(_pick_caps(values, int(np.searchsorted(values, floor)), max_caps))
+    objs = [objective(best_for_cap(c, 1)) for c in caps]
+    k = int(np.argmin(objs))
+    lo_v, hi_v = caps[max(k - 1, 0)], caps[min(k + 1, len(caps) - 1)]
+    window = values[np.searchsorted(values, lo_v): np.searchsorted(values, hi_v, side="right")]
+    fine = list(_pick_caps(window, 0, max_caps))
+    caps += fine
+    objs += [objective(best_for_cap(c, 1)) for c in fine]
+    order = np.argsort(np.array(objs), kind="mergesort")
+    if ranks == 1:
+        return best_for_cap(caps[order[0]], 1), 0
+    best, best_val = None, np.inf
+    for idx in order[:3]:
+        st = best_for_cap(caps[idx], ranks)
+        if st is not None and objective(st) < best_val:
+            best, best_val = st, objective(st)
+    if best is None:
+        best = best_for_cap(values[-1], ranks)
+    return best, 0

@@ -1,0 +1,241 @@
+"""`plan_microbatches`: cut one global batch into micro-batches, spread them over ranks, order them.
+
+``method="dp"`` (padded collation) and ``method="dp_varlen"`` (packed varlen collation) run the
+numba dynamic program of `dynabatch._dp` on an ordering of the samples that keeps similar shapes
+adjacent, then balance ranks and order each rank's micro-batches by simulating the schedule
+(`dynabatch._assign`). The baselines of `dynabatch.baselines` go through the same costing and
+simulation so every comparison is one ``method=`` flag.
+
+Planning only groups and orders *within* a global batch; `split_global_batches` forms the global
+batches as random samples of the stream so no step is all-short or all-long.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import baselines as _bl
+from ._assign import assign_ranks, order_ranks
+from ._dp import INFEASIBLE_SAMPLE, TOO_FEW_SAMPLES, dp_kernel
+from .batchplan import BatchPlan
+from .cost import CostModel
+from .shapes import Shapes
+from .simulate import schedule_kernel
+
+METHODS = ("dp", "dp_varlen") + _bl.BASELINES
+SCHEDULES = {"gpipe": 0, "1f1b": 1}
+
+
+class PlanningError(ValueError):
+    """A global batch cannot be planned (a sample too large for memory, too few samples...)."""
+
+
+def split_global_batches(shapes: Shapes, tokens_per_batch: int, *, seed: int = 0, tokens=None,
+                         drop_last: bool = False) -> list[np.ndarray]:
+    """Positions of each global batch: a seeded random permutation of the samples, cut whenever the
+    running token count reaches ``tokens_per_batch``. ``tokens`` overrides the per-sample token
+    count (default: ``shapes.total_tokens``). The last, smaller batch is kept unless ``drop_last``."""
+    if tokens_per_batch <= 0:
+        raise ValueError("tokens_per_batch must be positive")
+    tok = shapes.total_tokens if tokens is None else np.asarray(tokens, np.int64)
+    perm = np.random.default_rng(seed).permutation(len(shapes))
+    cum = np.cumsum(tok[perm])
+    # batch k holds the samples whose cumulative count falls in ((k)*B, (k+1)*B], so each batch
+    # closes with the sample that reaches its budget.
+    bounds = np.searchsorted(cum, np.arange(tokens_per_batch, int(cum[-1]) + tokens_per_batch, tokens_per_batch)
+                             if len(cum) else np.zeros(0, np.int64), side="left") + 1
+    bounds = np.unique(np.minimum(bounds, len(perm)))
+    parts = np.split(perm, bounds[:-1]) if len(bounds) else [perm]
+    parts = [p for p in parts if len(p)]
+    if drop_last and parts and tok[parts[-1]].sum() < tokens_per_batch:
+        parts = parts[:-1]
+    return parts
+
+
+def _ordering(cost: CostModel, main, dec, tiles) -> np.ndarray:
+    """Sample order that keeps similar shapes adjacent: by length for decoder-only models; by the
+    sample's own cost (ties by main then decoder length) for 2-D shapes, so a contiguous segment
+    of the order pads little in either dimension."""
+    if cost.kind == "decoder":
+        return np.argsort(main, kind="stable")
+    own, _ = cost.padded(1, main, dec, tiles)
+    return np.lexsort((dec, main, own))
+
+
+def _schedule_ops(stages: int, counts: np.ndarray, code: int) -> np.ndarray:
+    kmax = int(counts.max()) if len(counts) else 0
+    ops = np.zeros((kmax + 1, stages, 2 * max(kmax, 1)), np.int32)
+    for k in np.unique(counts):
+        if k > 0:
+            ops[k, :, : 2 * k] = schedule_kernel(stages, int(k), code)
+    return ops
+
+
+def plan_microbatches(
+    shapes: Shapes,
+    cost_model: CostModel,
+    *,
+    num_stages: int = 1,
+    num_ranks: int = 1,
+    memory_limit: float | None = None,
+    method: str = "dp",
+    max_len: int | None = None,
+    max_target_len: int | None = None,
+    schedule: str = "1f1b",
+    equal_microbatches: bool = True,
+    step: int = 0,
+    max_caps: int = 48,
+    **method_options,
+) -> BatchPlan:
+    """Plan one global batch: which samples form each micro-batch, on which rank, in which order.
+
+    ``shapes`` are the samples of the global batch; ``memory_limit`` (bytes of activations per
+    micro-batch per stage) defaults to ``cost_model.memory_limit(num_stages, num_ranks)``;
+    ``max_len``/``max_target_len`` truncate sample lengths in tokens. ``equal_microbatches`` gives
+    every rank the same number of micro-batches (dp methods). Baselines take their knob from
+    ``method_options`` (see `dynabatch.baselines.BASELINE_KNOBS`). Raises `PlanningError` when a
+    sample cannot fit in memory even alone, naming its sample id.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(SCHEDULES)}")
+    if num_stages < 1 or num_ranks < 1:
+        raise ValueError("num_stages and num_ranks must be >= 1")
+    if len(shapes) < num_ranks:
+        raise PlanningError(f"a global batch of {len(shapes)} samples cannot feed {num_ranks} ranks")
+    limit = cost_model.memory_limit(num_stages, num_ranks) if memory_limit is None else float(memory_limit)
+    main, dec, tiles = cost_model.sample_dims(shapes, max_len, max_target_len)
+
+    if method in ("dp", "dp_varlen"):
+        unknown = set(method_options) - {"order"}
+        if unknown:
+            raise TypeError(f"method {method!r} takes no options {sorted(unknown)}")
+        collation = "packed" if method == "dp_varlen" else "padded"
+        grouping = _dp_grouping(cost_model, shapes.sample_id, main, dec, tiles, collation, limit, num_ranks, num_stages,
+                                max_caps, method_options.get("order"))
+    else:
+        collation = _bl.BASELINE_COLLATION[method]
+        grouping = _baseline_grouping(method, cost_model, main, dec, tiles, num_ranks, max_len, max_target_len,
+                                      method_options)
+    return _assemble(shapes, cost_model, main, dec, tiles, grouping, collation, method, num_ranks, num_stages,
+                     schedule, limit, step, rebalance=method in ("dp", "dp_varlen"),
+                     equal=equal_microbatches and method in ("dp", "dp_varlen"),
+                     options={"max_len": max_len, "max_target_len": max_target_len, **method_options})
+
+
+def _table_args(cost: CostModel):
+    t = cost.table
+    if t is None:
+        z1 = np.zeros(1)
+        z3 = np.zeros((1, 1, 1))
+        return False, z1, z1, z1, z3, z3, False
+    return True, t.rows, t.main_len, t.dec_len, t.time_s, t.memory_bytes, t.extrapolate
+
+
+def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, stages, max_caps,
+                 order) -> _bl.Grouping:
+    perm = _ordering(cost, main, dec, tiles) if order is None else np.asarray(order, np.int64)
+    varlen = collation == "packed"
+    use_table = (cost.table is not None) and not varlen
+    _, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate = _table_args(cost)
+    starts, status = dp_kernel(
+        main[perm], dec[perm], tiles[perm], varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef,
+        cost.mem_coef, limit, ranks, stages, max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate,
+    )
+    if status == INFEASIBLE_SAMPLE:
+        p = int(perm[starts[0]])
+        one = cost.padded_features(1, main[p], dec[p], tiles[p]) if not varlen else \
+            cost.packed_features(main[p:p + 1], dec[p:p + 1], tiles[p:p + 1], np.zeros(1, np.int64))
+        raise PlanningError(
+            f"sample_id {int(sample_ids[p])} ({int(main[p])} main tokens, {int(dec[p])} decoder tokens, "
+            f"{int(tiles[p])} tiles) needs {float(cost.memory(one)[0]):.4g} bytes of activations alone, over the "
+            f"memory limit of {limit:.4g} bytes per micro-batch; raise the limit, truncate it (max_len) or use more stages")
+    if status == TOO_FEW_SAMPLES:
+        raise PlanningError(f"a global batch of {len(main)} samples cannot feed {ranks} ranks")
+    offsets = np.append(starts, len(perm)).astype(np.int64)
+    return _bl.Grouping(perm, offsets, np.zeros(len(starts), np.int32), np.zeros(len(perm), np.int32))
+
+
+def _baseline_grouping(method, cost, main, dec, tiles, ranks, max_len, max_target_len, opts) -> _bl.Grouping:
+    knob, _ = _bl.BASELINE_KNOBS[method]
+    unknown = set(opts) - {knob}
+    if unknown:
+        raise TypeError(f"method {method!r} takes the option {knob!r}, not {sorted(unknown)}")
+    tokens = main + dec
+    kw = {knob: int(opts[knob])} if knob in opts else {}
+    if method == "pad":
+        return _bl.pad(tokens, ranks, **kw)
+    if method == "group_by_length":
+        return _bl.group_by_length(tokens, ranks, **kw)
+    if method == "token_budget":
+        return _bl.token_budget(tokens, ranks, pad_multiple=cost.pad_multiple, **kw)
+    if method in ("pack", "pack_varlen"):
+        L = int(max_len) if max_len is not None else int(main.max(initial=1))
+        T = int(max_target_len) if max_target_len is not None else int(dec.max(initial=0))
+        fn = _bl.pack if method == "pack" else _bl.pack_varlen
+        return fn(main, dec, ranks, max_len=L, max_target_len=T, **kw)
+    if method == "rebalance":
+        own, _ = cost.padded(1, main, dec, tiles)
+        return _bl.rebalance(tokens, own, ranks, **kw)
+    return _bl.kk(tokens, ranks, **kw)
+
+
+def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method, ranks, stages, schedule, limit,
+              step, rebalance, equal, options) -> BatchPlan:
+    pos, off = g.positions, g.offsets
+    starts = off[:-1]
+    sizes = np.diff(off)
+    m_main, m_dec, m_tiles = main[pos], dec[pos], tiles[pos]
+    n_tiles = np.add.reduceat(m_tiles, starts) if len(pos) else np.zeros(0, np.int64)
+    L = np.maximum.reduceat(m_main, starts) if len(pos) else np.zeros(0, np.int64)
+    T = np.maximum.reduceat(m_dec, starts) if len(pos) else np.zeros(0, np.int64)
+    real = np.add.reduceat(m_main + m_dec, starts) if len(pos) else np.zeros(0, np.int64)
+    if collation == "packed":
+        group = np.repeat(np.arange(len(sizes)), sizes)
+        phi = cost.packed_features(m_main, m_dec, m_tiles, group)
+        rows = sizes.astype(np.int64)
+        time_s, mem = cost.time(phi), cost.memory(phi)
+        computed = real
+    else:
+        if collation == "packed_rows":
+            rows = np.maximum.reduceat(g.row.astype(np.int64), starts) + 1
+            L = np.full(len(sizes), int(options.get("max_len") or main.max(initial=1)), np.int64)
+            T = np.full(len(sizes), int(options.get("max_target_len") or dec.max(initial=0)) if dec.any() else 0, np.int64)
+        else:
+            rows = sizes.astype(np.int64)
+        p = cost.pad_multiple
+        L = -(-L // p) * p
+        T = -(-T // p) * p
+        phi = cost.padded_features(rows, L, T, n_tiles)
+        time_s, mem = cost.padded(rows, L, T, n_tiles)
+        computed = rows * (L + T)
+    if len(sizes) and mem.max() > limit:
+        k = int(np.argmax(mem))
+        options = {**options, "over_memory_limit": True}
+        if method in ("dp", "dp_varlen"):
+            raise PlanningError(f"micro-batch {k} needs {mem[k]:.3g} bytes > limit {limit:.3g}")
+    p2p = cost.p2p_time(phi)
+    if rebalance:
+        rank_of = assign_ranks(time_s, ranks, stages, equal and len(sizes) % ranks == 0)
+    else:
+        rank_of = g.rank
+    counts = np.bincount(rank_of, minlength=ranks)
+    ops = _schedule_ops(stages, counts, SCHEDULES[schedule])
+    perm, rank_time = order_ranks(time_s, p2p, rank_of.astype(np.int32), ranks, cost.forward_fraction, stages, ops,
+                                  rebalance)
+    # micro-batches in execution order, rank by rank
+    mb_rank = rank_of[perm].astype(np.int32)
+    mb_order = (np.arange(len(perm)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+    new_sizes = sizes[perm]
+    new_off = np.concatenate(([0], np.cumsum(new_sizes))).astype(np.int64)
+    take = np.concatenate([np.arange(off[k], off[k + 1]) for k in perm]) if len(perm) else np.zeros(0, np.int64)
+    return BatchPlan(
+        method=method, collation=collation, num_ranks=ranks, num_stages=stages, schedule=schedule,
+        sample_ids=shapes.sample_id[pos[take]], sample_row=g.row[take].astype(np.int32), mb_offsets=new_off,
+        mb_rank=mb_rank, mb_order=mb_order, mb_rows=rows[perm], mb_input_len=L[perm].astype(np.int64),
+        mb_target_len=T[perm].astype(np.int64), mb_vision_tiles=n_tiles[perm].astype(np.int64),
+        mb_tokens=computed[perm].astype(np.int64), mb_real_tokens=real[perm].astype(np.int64),
+        mb_time_s=time_s[perm], mb_memory_bytes=mem[perm], rank_time_s=rank_time, step=step,
+        options={k: v for k, v in options.items() if v is not None},
+    )
