@@ -6,8 +6,8 @@ shared by ``R`` data-parallel ranks, the bubble is paid once per rank) subject t
 activation memory staying under the limit. For a fixed cap ``T`` on the largest micro-batch the
 minimal sum is a 1-D DP; the kernel enumerates candidate caps (the distinct segment times, coarse
 on a log grid and then refined around the best coarse cap) and keeps the best objective. Finally
-the DP is rerun at the best caps with the number of micro-batches tracked modulo ``R`` so every
-rank can receive the same count.
+the DP is rerun with the number of micro-batches tracked modulo ``R`` so every rank can
+receive the same count, over caps in order of their unconstrained objective until none can win.
 
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate. `dp_reference` is the same algorithm in
@@ -141,7 +141,6 @@ def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tco
         count[i] = used - offset[i]
         if count[i] == 0:
             return offset, count, seg_time[:used], i - 1
-    offset[n] = offset[n] if n > 0 else 0
     return offset, count, seg_time[:used], -1
 
 
@@ -288,14 +287,14 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
         for k in range(len(starts)):
             out[k] = starts[len(starts) - 1 - k]
         return out, 0
-    # Equal micro-batch counts per rank: rerun the best few caps with the count tracked mod R.
+    # Equal micro-batch counts per rank: rerun caps, best unconstrained objective first, with the
+    # count tracked mod R. A cap's constrained optimum is never below its unconstrained one, so
+    # the search stops once no remaining cap can beat the best constrained plan found.
     best_starts = np.empty(0, np.int64)
     best_val = np.inf
-    tried = 0
     for idx in order:
-        if tried == 3 or not cobj[idx] < np.inf:
+        if not cobj[idx] < best_val:
             break
-        tried += 1
         st = dp_mod_ranks(offset, count, seg_time, caps[idx], n, ranks)
         if st.shape[0] == 0:
             continue
@@ -311,7 +310,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
             best_val = val
             best_starts = st
     if best_starts.shape[0] == 0:
-        # Every cap that was tried forbids a multiple of R; the largest cap admits any split.
+        # No candidate cap admits a multiple of R; the largest segment time admits every split.
         best_starts = dp_mod_ranks(offset, count, seg_time, values[-1], n, ranks)
     return best_starts, 0
 
@@ -396,7 +395,9 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
     if ranks == 1:
         return best_for_cap(caps[order[0]], 1), 0
     best, best_val = None, np.inf
-    for idx in order[:3]:
+    for idx in order:
+        if not objs[idx] < best_val:
+            break
         st = best_for_cap(caps[idx], ranks)
         if st is not None and objective(st) < best_val:
             best, best_val = st, objective(st)

@@ -108,6 +108,14 @@ class BatchPlan:
         return float(self.rank_time_s.max()) if len(self.rank_time_s) else 0.0
 
     @property
+    def objective_s(self) -> float:
+        """The balanced pipeline objective the planner minimizes: total micro-batch time over the
+        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.bounds`)."""
+        if self.num_microbatches == 0:
+            return 0.0
+        return float(self.mb_time_s.sum() / self.num_ranks + (self.num_stages - 1) * self.mb_time_s.max())
+
+    @property
     def rank_imbalance(self) -> float:
         """Slowest rank's time over the mean rank time (1.0 = perfectly balanced)."""
         mean = float(self.rank_time_s.mean())

@@ -1,0 +1,239 @@
+"""`dynabatch bench plan`: every planning method on the same global batches.
+
+Baselines are tuned fairly: each one's knob (rows per micro-batch, token budget, ...) is swept
+over `dynabatch.baselines.BASELINE_KNOBS` and the value with the best mean simulated iteration
+time that fits in memory is reported. The planner's own methods have no knob.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .. import baselines as _bl
+from .._dp import dp_kernel, dp_reference
+from ..bounds import iteration_lower_bound
+from ..cost import CostModel
+from ..plan import METHODS, _ordering, plan_microbatches, split_global_batches
+from ..shapes import Shapes
+
+
+@dataclass(frozen=True)
+class PlanBenchConfig:
+    """What `run_plan_bench` plans: model/device presets, world layout, batch size in tokens."""
+
+    model: str = "gpt"
+    device: str = "a100-80gb"
+    stages: int = 4
+    ranks: int = 8
+    global_batch_tokens: int = 65536
+    max_len: int = 2048
+    max_target_len: int = 512
+    num_batches: int = 64
+    seed: int = 0
+    data: str = "synthetic"
+
+
+def _summarize(plans, lbs, plan_ms) -> dict:
+    it = np.array([p.iteration_time_s for p in plans])
+    obj = np.array([p.objective_s for p in plans])
+    real = sum(int(p.mb_real_tokens.sum()) for p in plans)
+    computed = sum(int(p.mb_tokens.sum()) for p in plans)
+    return {
+        "iteration_time_s": float(it.mean()),
+        "objective_s": float(obj.mean()),
+        "padding_efficiency": real / computed if computed else 1.0,
+        "ratio_to_lower_bound": float(obj.mean() / np.mean(lbs)),
+        "rank_imbalance": float(np.mean([p.rank_imbalance for p in plans])),
+        "num_microbatches": float(np.mean([p.num_microbatches for p in plans])),
+        "plan_ms_median": float(statistics.median(plan_ms)),
+        "over_memory_limit": any(p.options.get("over_memory_limit", False) for p in plans),
+    }
+
+
+def _run_method(batches, cost, cfg, method, options):
+    plans, times = [], []
+    for k, g in enumerate(batches):
+        kw = dict(num_stages=cfg.stages, num_ranks=cfg.ranks, method=method, max_len=cfg.max_len,
+                  max_target_len=cfg.max_target_len, step=k, **options)
+        if k == 0:
+            plan_microbatches(g, cost, **kw)  # warm: numba compile and caches
+        t0 = time.perf_counter()
+        plans.append(plan_microbatches(g, cost, **kw))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return plans, times
+
+
+def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, methods=METHODS, *, progress=True,
+                   reference=False):
+    """Plan ``cfg.num_batches`` random global batches of ``shapes`` with every method.
+
+    Returns (result, plans): ``result`` is the JSON document of `dynabatch bench plan --json`,
+    ``plans[method]`` the list of BatchPlans of the chosen configuration.
+    """
+    batches_idx = split_global_batches(shapes, cfg.global_batch_tokens, seed=cfg.seed,
+                                       tokens=np.add(*cost.sample_dims(shapes, cfg.max_len, cfg.max_target_len)[:2]),
+                                       drop_last=True)
+    if not batches_idx:
+        raise ValueError(f"the data ({len(shapes)} samples) holds less than one global batch of "
+                         f"{cfg.global_batch_tokens} tokens")
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.num_batches and len(batches_idx) > cfg.num_batches:
+        pick = np.sort(rng.choice(len(batches_idx), cfg.num_batches, replace=False))
+        batches_idx = [batches_idx[i] for i in pick]
+    batches = [shapes.take(i) for i in batches_idx]
+    lbs = [iteration_lower_bound(g, cost, num_stages=cfg.stages, num_ranks=cfg.ranks, max_len=cfg.max_len,
+                                 max_target_len=cfg.max_target_len) for g in batches]
+    jobs = []
+    for m in methods:
+        if m in _bl.BASELINE_KNOBS:
+            knob, values = _bl.BASELINE_KNOBS[m]
+            jobs.extend((m, {knob: v}) for v in values)
+        else:
+            jobs.append((m, {}))
+    results: dict[str, list] = {}
+    bar = tqdm(jobs, desc=f"bench plan ({cfg.model})", disable=not progress, unit="config")
+    for m, opts in bar:
+        bar.set_postfix_str(f"{m} {opts}" if opts else m)
+        plans, ms = _run_method(batches, cost, cfg, m, opts)
+        results.setdefault(m, []).append((opts, plans, ms))
+    out_methods, chosen = {}, {}
+    for m, runs in results.items():
+        feasible = [r for r in runs if not any(p.options.get("over_memory_limit") for p in r[1])] or runs
+        opts, plans, ms = min(feasible, key=lambda r: np.mean([p.iteration_time_s for p in r[1]]))
+        out_methods[m] = {**_summarize(plans, lbs, ms), "options": opts}
+        chosen[m] = plans
+    if "pack" in out_methods:
+        base = out_methods["pack"]["iteration_time_s"]
+        for v in out_methods.values():
+            v["speedup_vs_pack"] = base / v["iteration_time_s"]
+    result = {
+        "config": {**asdict(cfg), "num_batches": len(batches), "samples": int(sum(len(g) for g in batches)),
+                   "memory_limit_bytes": cost.memory_limit(cfg.stages, cfg.ranks),
+                   "forward_fraction": cost.forward_fraction},
+        "lower_bound_s": float(np.mean(lbs)),
+        "methods": out_methods,
+    }
+    if reference:
+        result["reference"] = time_reference(batches[0], cost, cfg)
+    return result, chosen
+
+
+def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict:
+    """Time the numba DP kernel and the pure-Python reference on one global batch (ms), and check
+    that they reach the same objective."""
+    main, dec, tiles = cost.sample_dims(batch, cfg.max_len, cfg.max_target_len)
+    order = _ordering(cost, main, dec, tiles)
+    main, dec, tiles = main[order], dec[order], tiles[order]
+    limit = cost.memory_limit(cfg.stages, cfg.ranks)
+    z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
+    args = (main, dec, tiles, False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef, cost.mem_coef,
+            limit, cfg.ranks, cfg.stages, 48)
+    dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    t0 = time.perf_counter()
+    starts, _ = dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    kernel_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    ref, _ = dp_reference(main, dec, tiles, varlen=False, pad_multiple=cost.pad_multiple,
+                          tile_patches=cost.model.tile_patches, tcoef=cost.time_coef, mcoef=cost.mem_coef,
+                          mem_limit=limit, ranks=cfg.ranks, stages=cfg.stages, max_caps=48)
+    ref_ms = (time.perf_counter() - t0) * 1e3
+    return {"samples": len(batch), "dp_kernel_ms": kernel_ms, "dp_reference_ms": ref_ms,
+            "same_partition": bool(np.array_equal(np.asarray(starts), np.asarray(ref)))}
+
+
+_COLUMNS = (
+    ("method", "{}", "method"),
+    ("iteration_time_s", "{:.1f}", "iter ms"),
+    ("padding_efficiency", "{:.3f}", "pad eff"),
+    ("speedup_vs_pack", "{:.2f}x", "vs pack"),
+    ("ratio_to_lower_bound", "{:.3f}", "obj/LB"),
+    ("rank_imbalance", "{:.3f}", "max/mean rank"),
+    ("num_microbatches", "{:.1f}", "micro-batches"),
+    ("plan_ms_median", "{:.2f}", "plan ms"),
+    ("options", "{}", "tuned knob"),
+)
+
+
+def format_table(result: dict) -> str:
+    """The benchmark result as an aligned text table (times in ms)."""
+    rows = []
+    for m, v in result["methods"].items():
+        row = []
+        for key, fmt, _ in _COLUMNS:
+            if key == "method":
+                row.append(m + (" (OOM)" if v.get("over_memory_limit") else ""))
+            elif key == "iteration_time_s":
+                row.append(fmt.format(v[key] * 1e3))
+            elif key == "options":
+                row.append(", ".join(f"{k}={x}" for k, x in v[key].items()) or "-")
+            else:
+                row.append(fmt.format(v[key]) if key in v else "-")
+        rows.append(row)
+    head = [c[2] for c in _COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    cfg = result["config"]
+    title = (f"{cfg['model']} on {cfg['device']}: {cfg['ranks']} ranks x {cfg['stages']} stages, "
+             f"{cfg['global_batch_tokens']}-token global batches, max len {cfg['max_len']}, "
+             f"{cfg['num_batches']} batches from {cfg['data']}")
+    lb = f"lower bound of the pipeline objective: {result['lower_bound_s'] * 1e3:.1f} ms per step"
+    return "\n".join([title, lb, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plot(result: dict, plans: dict, path: str) -> None:
+    """Three panels: mean iteration time per method with the lower bound; per-rank simulated time
+    of the first batch for dp and pack; the dp plan's pipeline timeline on its slowest rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..simulate import simulate_pipeline
+
+    methods = list(result["methods"])
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    vals = [result["methods"][m]["iteration_time_s"] * 1e3 for m in methods]
+    colors = ["tab:green" if m.startswith("dp") else "tab:gray" for m in methods]
+    ax.bar(methods, vals, color=colors)
+    ax.axhline(result["lower_bound_s"] * 1e3, color="tab:red", ls="--", label="objective lower bound")
+    ax.set_ylabel("simulated iteration time (ms)")
+    ax.set_title("methods, same global batches")
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend()
+    ax = axes[1]
+    shown = [m for m in ("dp", "pack") if m in plans]
+    width = 0.8 / max(len(shown), 1)
+    for q, m in enumerate(shown):
+        p = plans[m][0]
+        ax.bar(np.arange(p.num_ranks) + q * width, p.rank_time_s * 1e3, width, label=m)
+    ax.set_xlabel("data-parallel rank")
+    ax.set_ylabel("simulated pipeline time (ms)")
+    ax.set_title("per-rank time, first global batch")
+    ax.legend()
+    ax = axes[2]
+    key = "dp" if "dp" in plans else methods[0]
+    p = plans[key][0]
+    r = int(np.argmax(p.rank_time_s))
+    sel = p.mb_rank == r
+    t = p.mb_time_s[sel]
+    ff = result["config"].get("forward_fraction", 1 / 3)
+    sim = simulate_pipeline(t * ff, t * (1 - ff), num_stages=p.num_stages, schedule=p.schedule)
+    cmap = plt.get_cmap("tab20")
+    for s in range(p.num_stages):
+        for j in range(len(t)):
+            for kind in (0, 1):
+                a, b = sim.start_s[s, j, kind] * 1e3, sim.end_s[s, j, kind] * 1e3
+                ax.barh(s, b - a, left=a, color=cmap(j % 20), alpha=1.0 if kind == 0 else 0.55, edgecolor="k", lw=0.3)
+    ax.invert_yaxis()
+    ax.set_ylabel("pipeline stage")
+    ax.set_xlabel("time (ms); solid = forward, light = backward")
+    ax.set_title(f"{key}: rank {r} timeline ({p.schedule}, {len(t)} micro-batches)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

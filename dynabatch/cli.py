@@ -1,0 +1,158 @@
+"""The ``dynabatch`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+dynabatch plans micro-batches of variable-length samples so that every micro-batch costs about
+the same, spreads them evenly over data-parallel ranks and pipeline stages, and compares the
+result with the usual ways of batching (padding, length grouping, token budgets, packing).
+
+Start here:
+  dynabatch demo                       plan generated FLAN-like and image+text data, print the plans
+  dynabatch bench plan                 all planning methods on the same global batches
+  dynabatch bench plan --model t5 --data ../shared/data/text --json
+"""
+
+BENCH_PLAN_EPILOG = """\
+columns:
+  iter ms        simulated 1F1B iteration time of the slowest rank (mean over global batches)
+  pad eff        real tokens / computed tokens (1.0 = no padding)
+  vs pack        pack's iteration time / this method's
+  obj/LB         the plan's objective (sum of micro-batch times + (stages-1) x largest, slowest
+                 rank) over a lower bound of that objective for any plan of the same batch
+  max/mean rank  slowest rank's simulated time over the mean rank's
+  plan ms        median wall time of planning one global batch (after numba compilation)
+  tuned knob     baselines are swept over their knob; the best setting that fits in memory is shown
+
+data (--data, files or directories):
+  text JSONL/Parquet with inputs/targets (or input/output, instruction/response, source/target):
+      token counts are estimated as ceil(UTF-8 bytes / 4), +1 EOS on targets;
+  shape records with input_tokens/target_tokens/vision_tokens columns (e.g. `dynabatch scan` output);
+  vision-language length records {vit_num, token_num} (OmniBal's files: 448-px tiles, LLM tokens
+      including 256 per tile).
+
+examples:
+  dynabatch bench plan --model gpt --data ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz
+  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
+  dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
+"""
+
+
+def _add_bench_plan(sub) -> None:
+    from .cost import DEVICE_PRESETS, MODEL_PRESETS
+    from .plan import METHODS
+
+    p = sub.add_parser("plan", help="compare planning methods on the same global batches",
+                       description="Plan the same random global batches with dynabatch's DP and every baseline, "
+                                   "simulate the pipeline, and print one row per method.",
+                       epilog=BENCH_PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", nargs="+", metavar="PATH", help="files or directories of samples (see below)")
+    src.add_argument("--synthetic", action="store_true", help="use the project's generator (default)")
+    p.add_argument("--samples", type=int, default=40000, help="synthetic samples to generate (default 40000)")
+    p.add_argument("--model", choices=MODEL_PRESETS, default="gpt", help="model preset (default gpt)")
+    p.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb", help="device preset")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
+    p.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
+    p.add_argument("--global-batch-tokens", type=int, default=65536, help="tokens per global batch (default 65536)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="truncate samples to this many main-stack tokens (default 2048; 8192 for vlm)")
+    p.add_argument("--max-target-len", type=int, default=512, help="decoder tokens for t5 (default 512, as FLAN)")
+    p.add_argument("--batches", type=int, default=64, help="global batches to plan, 0 = all (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed for forming global batches (default 0)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to run")
+    p.add_argument("--reference", action="store_true",
+                   help="also time the pure-Python DP reference on the first batch (slow)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", help="write bars per method and a per-rank timeline")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_cmd_bench_plan)
+
+
+def _cmd_bench_plan(args) -> int:
+    from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
+    from .cost import CostModel
+    from .shape_sources import read_shapes, synthetic_shapes
+
+    if args.data:
+        shapes, _ = read_shapes(args.data)
+        data = " ".join(Path(d).name for d in args.data)
+    else:
+        shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
+        data = f"synthetic ({args.samples} samples)"
+    max_len = args.max_len or (8192 if args.model == "vlm" else 2048)
+    cfg = PlanBenchConfig(model=args.model, device=args.device, stages=args.stages, ranks=args.ranks,
+                          global_batch_tokens=args.global_batch_tokens, max_len=max_len,
+                          max_target_len=args.max_target_len, num_batches=args.batches, seed=args.seed, data=data)
+    cost = CostModel.preset(args.model, args.device, num_stages=args.stages)
+    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=not args.no_progress and not args.json,
+                                   reference=args.reference)
+    if args.plot:
+        plot(result, plans, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_table(result))
+        if "reference" in result:
+            r = result["reference"]
+            print(f"DP on one batch of {r['samples']} samples: numba {r['dp_kernel_ms']:.2f} ms, "
+                  f"pure-Python reference {r['dp_reference_ms']:.0f} ms, same partition: {r['same_partition']}")
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(out_dir=args.out, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``dynabatch`` command."""
+    parser = argparse.ArgumentParser(prog="dynabatch", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"dynabatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser("demo", help="plan generated FLAN-like and image+text data and print the plans",
+                          description="Generate FLAN-like text and image+text sample shapes, plan one step for "
+                                      "GPT, T5 and a vision-language model with dynabatch and with packing, and "
+                                      "print the micro-batch table.")
+    demo.add_argument("--out", default=None, help="also write the generated shapes and plans (Parquet) here")
+    demo.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    demo.set_defaults(func=_cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks that print a table and ratios against baselines",
+                           description="Benchmarks. Each runs dynabatch and its baselines in the same process "
+                                       "and reports ratios, not just seconds.")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    _add_bench_plan(bench_sub)
+    bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``dynabatch`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from .plan import PlanningError
+    from .shape_sources import ShapeSourceError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ShapeSourceError, PlanningError) as e:
+        print(f"dynabatch: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
