@@ -1,0 +1,65 @@
+"""Tokenizer adapters, formatting and sample shaping (token and vision-token counts).
+
+Standalone: this package never imports ``dynabatch`` or ``loaders``. It reads sample dicts
+(``sample_id``, ``key``, ``inputs``, ``targets``, ``task``, ``images``, optional
+``image_sizes`` and ``messages``) and writes the length table that ``dynabatch.Shapes``
+reads (`SHAPE_SCHEMA`). Nothing here ever downloads a tokenizer.
+"""
+
+from ._adapters import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    TransformersTokenizer,
+    load_tokenizer,
+)
+from ._format import ChatTemplate, EncodedSample, FormatConfig, Formatter
+from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
+from ._scan import (
+    SCAN_STATS_KEY,
+    SHAPE_SCHEMA,
+    TASK_NAMES_KEY,
+    ScanStats,
+    concat_length_tables,
+    scan_shapes,
+    scan_stats,
+    task_names_of,
+)
+from ._vision import (
+    DynamicTiling,
+    FixedResolution,
+    ImageError,
+    VisionPolicy,
+    read_image_size,
+    sample_image_sizes,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "ChatTemplate",
+    "DynamicTiling",
+    "EncodedSample",
+    "FixedResolution",
+    "FormatConfig",
+    "Formatter",
+    "HFTokenizer",
+    "IGNORE_INDEX",
+    "ImageError",
+    "SCAN_STATS_KEY",
+    "SHAPE_SCHEMA",
+    "SampleError",
+    "ScanStats",
+    "SentencePieceTokenizer",
+    "TASK_NAMES_KEY",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TransformersTokenizer",
+    "VisionPolicy",
+    "concat_length_tables",
+    "load_tokenizer",
+    "read_image_size",
+    "sample_image_sizes",
+    "scan_shapes",
+    "scan_stats",
+    "task_names_of",
+]

@@ -1,0 +1,420 @@
+"""Formatting samples into model token sequences for the two model families.
+
+Encoder-decoder: ``input_ids`` = [BOS] + inputs, ``target_ids`` = targets + EOS.
+Decoder-only: ``input_ids`` = [BOS] + prompt + response + EOS with ``labels`` equal to the ids
+on the response (+EOS) and ``IGNORE_INDEX`` (-100) on BOS and the prompt. Prompt and
+response are tokenized separately (the usual SFT practice: the mask boundary is exact).
+
+Every text of a batch goes to the tokenizer in one ``encode_batch`` call; truncation is
+plain numpy arithmetic on token counts, shared by the formatters and `scan_shapes` so the
+length table always equals what the formatter produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+
+from ._adapters import load_tokenizer
+from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
+from ._vision import VisionPolicy, vision_tokens_batch
+
+Family = Literal["decoder", "encoder_decoder"]
+OnError = Literal["raise", "skip"]
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Plain-text template that joins conversation turns (``messages``) into one sequence.
+
+    Decoder-only: a user turn is ``user_prefix + content + turn_suffix`` (masked), an
+    assistant turn is ``assistant_prefix`` (masked) then ``content`` + EOS (trained);
+    ``system`` turns use ``system_prefix`` and are masked like user turns. Encoder-decoder:
+    every turn but a final assistant turn is rendered as ``prefix + content + turn_suffix``
+    into the input; the final assistant turn is the target. The markers are ordinary text,
+    so the template works with any tokenizer.
+    """
+
+    user_prefix: str = "User: "
+    assistant_prefix: str = "Assistant: "
+    system_prefix: str = "System: "
+    turn_suffix: str = "\n"
+
+    def prefix(self, role: str) -> str:
+        """Marker text that opens a turn of ``role`` (user, assistant or system)."""
+        if role == "user":
+            return self.user_prefix
+        if role == "assistant":
+            return self.assistant_prefix
+        if role == "system":
+            return self.system_prefix
+        raise ValueError(f"unknown message role {role!r} (expected 'user', 'assistant' or 'system')")
+
+
+@dataclass(frozen=True)
+class FormatConfig:
+    """Model family, max lengths (tokens) and truncation policy.
+
+    ``max_input_tokens`` caps the input part (BOS included), ``max_target_tokens`` the target
+    part (EOS included; the EOS is always kept, the response is cut before it),
+    ``max_total_tokens`` their sum (vision tokens are not counted: images are never cut).
+    When the sum is over, the input is shortened first, then the target. Inputs are cut on
+    ``truncation_side`` ("right" keeps the start, "left" keeps the end, nearest the
+    response); targets always keep their start. Conversations (decoder-only) are one
+    sequence: only ``max_total_tokens`` applies, cutting on ``truncation_side``; BOS is kept.
+    ``add_bos`` prepends the tokenizer's BOS id to the input (it counts as input).
+    ``None`` means no limit.
+    """
+
+    family: Family = "decoder"
+    max_input_tokens: int | None = None
+    max_target_tokens: int | None = None
+    max_total_tokens: int | None = None
+    truncation_side: Literal["right", "left"] = "right"
+    add_bos: bool = False
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+
+    def __post_init__(self) -> None:
+        if self.family not in ("decoder", "encoder_decoder"):
+            raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {self.family!r}")
+        if self.truncation_side not in ("right", "left"):
+            raise ValueError(f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}")
+        b = int(self.add_bos)
+        for name, least in (("max_input_tokens", max(b, 0)), ("max_target_tokens", 1), ("max_total_tokens", b + 1)):
+            val = getattr(self, name)
+            if val is not None and val < least:
+                raise ValueError(f"{name} must be >= {least} (room for the special tokens), got {val}")
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedSample:
+    """One formatted sample.
+
+    ``input_ids`` are the encoder input (encoder-decoder) or the whole sequence
+    (decoder-only); ``target_ids`` are the decoder targets (encoder-decoder only, else
+    None); ``labels`` align with ``input_ids`` with -100 on masked positions (decoder-only,
+    else None). ``input_tokens``/``target_tokens`` are the counts written to the length
+    table (decoder-only: prompt/masked part and response part, which sum to
+    ``len(input_ids)``). ``vision_tokens`` is the sample's image token count and
+    ``truncated`` says whether any text token was cut. Ids are int32 arrays.
+    """
+
+    sample_id: int
+    input_ids: np.ndarray
+    target_ids: np.ndarray | None
+    labels: np.ndarray | None
+    input_tokens: int
+    target_tokens: int
+    vision_tokens: int
+    truncated: bool
+
+
+def sample_key(sample: dict) -> object:
+    """The name used for a sample in error messages: its ``key``, else its ``sample_id``."""
+    return sample.get("key", sample.get("sample_id"))
+
+
+def _text_field(sample: dict, name: str, required: bool) -> str:
+    value = sample.get(name)
+    if value is None:
+        if required:
+            raise SampleError(sample_key(sample), f"has no {name!r} text")
+        return ""
+    if not isinstance(value, str):
+        raise SampleError(sample_key(sample), f"field {name!r} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _sample_id(sample: dict) -> int:
+    value = sample.get("sample_id")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SampleError(sample_key(sample), f"needs an integer 'sample_id', got {value!r}")
+    return int(value)
+
+
+def _messages(sample: dict, template: ChatTemplate) -> list[tuple[str, str]] | None:
+    msgs = sample.get("messages")
+    if not msgs:
+        return None
+    out = []
+    for i, m in enumerate(msgs):
+        try:
+            role, content = m["role"], m["content"]
+            template.prefix(role)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SampleError(sample_key(sample), f"message {i} is malformed: {exc}") from exc
+        if not isinstance(content, str):
+            raise SampleError(sample_key(sample), f"message {i} content must be a str")
+        out.append((role, content))
+    return out
+
+
+# Segment table of a batch: one row per piece of a sequence, in order. A piece is a text
+# (index into the batch's text list) or one special token. PART_* says which length-table
+# column it counts towards.
+PART_INPUT, PART_TARGET = 0, 1
+
+
+class _Segments:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.sample: list[int] = []
+        self.text: list[int] = []  # -1 for a special token
+        self.special: list[int] = []
+        self.part: list[int] = []
+        self.trained: list[bool] = []
+
+    def add(self, sample: int, part: int, trained: bool, text: str | None = None, special: int = -1) -> None:
+        self.sample.append(sample)
+        self.part.append(part)
+        self.trained.append(trained)
+        self.special.append(special)
+        if text is None:
+            self.text.append(-1)
+        else:
+            self.text.append(len(self.texts))
+            self.texts.append(text)
+
+
+def _render_history(msgs: list[tuple[str, str]], t: ChatTemplate) -> str:
+    return "".join(t.prefix(role) + content + t.turn_suffix for role, content in msgs)
+
+
+def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> bool:
+    """Append sample ``i``'s segments; returns True for a decoder-only conversation."""
+    t = cfg.chat_template
+    msgs = _messages(sample, t)
+    decoder = cfg.family == "decoder"
+    if msgs is not None and decoder:
+        if cfg.add_bos:
+            seg.add(i, PART_INPUT, False, special=tok.bos_id)
+        pending = ""  # consecutive masked text is encoded as one piece
+        for role, content in msgs:
+            if role != "assistant":
+                pending += t.prefix(role) + content + t.turn_suffix
+                continue
+            seg.add(i, PART_INPUT, False, text=pending + t.assistant_prefix)
+            pending = ""
+            seg.add(i, PART_TARGET, True, text=content)
+            seg.add(i, PART_TARGET, True, special=tok.eos_id)
+        if pending:
+            seg.add(i, PART_INPUT, False, text=pending)
+        return True
+    if msgs is not None:
+        last_is_reply = msgs[-1][0] == "assistant"
+        prompt = _render_history(msgs[:-1] if last_is_reply else msgs, t)
+        response = msgs[-1][1] if last_is_reply else ""
+    else:
+        prompt = _text_field(sample, "inputs", required=True)
+        response = _text_field(sample, "targets", required=False)
+    # Decoder-only text without a response is language-modelling data: train on all of it.
+    lm = decoder and not response
+    if cfg.add_bos:
+        seg.add(i, PART_INPUT, False, special=tok.bos_id)
+    seg.add(i, PART_INPUT, lm, text=prompt)
+    seg.add(i, PART_TARGET, True, text=response)
+    seg.add(i, PART_TARGET, True, special=tok.eos_id)
+    return False
+
+
+def _keep_counts(
+    lengths: np.ndarray, sample: np.ndarray, part: np.ndarray, is_text: np.ndarray, conv: np.ndarray, cfg: FormatConfig
+) -> np.ndarray:
+    """Tokens kept per segment under the max lengths (vectorised over the batch)."""
+    keep = lengths.copy()
+    n = len(conv)
+    b = int(cfg.add_bos)
+    seg_conv = conv[sample]
+
+    # Plain samples have exactly one input text and one target text; specials are always kept.
+    plain = ~seg_conv & is_text
+    p_seg = np.flatnonzero(plain & (part == PART_INPUT))
+    r_seg = np.flatnonzero(plain & (part == PART_TARGET))
+    p, r = lengths[p_seg], lengths[r_seg]
+    if cfg.max_input_tokens is not None:
+        p = np.minimum(p, cfg.max_input_tokens - b)
+    if cfg.max_target_tokens is not None:
+        r = np.minimum(r, cfg.max_target_tokens - 1)
+    if cfg.max_total_tokens is not None:
+        over = np.maximum(p + r - (cfg.max_total_tokens - b - 1), 0)
+        cut_p = np.minimum(over, p)
+        p, r = p - cut_p, r - (over - cut_p)
+    keep[p_seg], keep[r_seg] = p, r
+
+    # Conversations: cut by position, BOS excluded, from the end ("right") or start ("left").
+    if cfg.max_total_tokens is not None and seg_conv.any():
+        body = np.flatnonzero(seg_conv & ~((part == PART_INPUT) & ~is_text))
+        lens, owner = lengths[body], sample[body]
+        ends = np.cumsum(lens)
+        totals = np.bincount(owner, weights=lens, minlength=n).astype(np.int64)
+        first = np.concatenate([[0], np.cumsum(totals)[:-1]])[owner]
+        end_in_sample = ends - first
+        before = end_in_sample - lens if cfg.truncation_side == "right" else totals[owner] - end_in_sample
+        keep[body] = np.clip(cfg.max_total_tokens - b - before, 0, lens)
+    return keep
+
+
+@dataclass
+class _BatchPlan:
+    """Per kept sample counts plus the segment table (ids already cut) of one batch."""
+
+    index: np.ndarray  # positions of the kept samples in the batch
+    sample_id: np.ndarray
+    input_tokens: np.ndarray
+    target_tokens: np.ndarray
+    vision_tokens: np.ndarray
+    truncated: np.ndarray
+    skipped: list[tuple[int, SampleError]]
+    seg_sample: np.ndarray
+    seg_ids: list[np.ndarray]
+    seg_trained: np.ndarray
+    seg_part: np.ndarray
+
+
+def plan_batch(
+    samples: Sequence[dict],
+    tokenizer: Tokenizer,
+    cfg: FormatConfig,
+    vision: VisionPolicy | None = None,
+    on_error: OnError = "raise",
+    with_ids: bool = True,
+) -> _BatchPlan:
+    """Tokenize and truncate a batch; the shared core of `Formatter` and `scan_shapes`."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    vis, skipped = vision_tokens_batch(samples, vision, on_error=on_error)
+    bad = {i for i, _ in skipped}
+    seg = _Segments()
+    kept: list[int] = []
+    sample_ids: list[int] = []
+    conv: list[bool] = []
+    for i, s in enumerate(samples):
+        if i in bad:
+            continue
+        mark, text_mark = len(seg.sample), len(seg.texts)
+        try:
+            sid = _sample_id(s)
+            c = _add_sample(seg, len(kept), s, cfg, tokenizer)
+        except SampleError as exc:
+            if on_error != "skip":
+                raise
+            for lst in (seg.sample, seg.text, seg.special, seg.part, seg.trained):
+                del lst[mark:]
+            del seg.texts[text_mark:]
+            skipped.append((i, exc))
+            continue
+        kept.append(i)
+        sample_ids.append(sid)
+        conv.append(c)
+    skipped.sort(key=lambda e: e[0])
+
+    encoded = tokenizer.encode_batch(seg.texts) if seg.texts else []
+    text_idx = np.asarray(seg.text, dtype=np.int64)
+    is_text = text_idx >= 0
+    lengths = np.ones(len(text_idx), dtype=np.int64)
+    lengths[is_text] = [len(a) for a in encoded]  # texts were numbered in segment order
+    sample = np.asarray(seg.sample, dtype=np.int64)
+    part = np.asarray(seg.part, dtype=np.int64)
+    keep = _keep_counts(lengths, sample, part, is_text, np.asarray(conv, dtype=bool), cfg)
+
+    n = len(kept)
+    inp = np.bincount(sample, weights=keep * (part == PART_INPUT), minlength=n).astype(np.int64)
+    tgt = np.bincount(sample, weights=keep * (part == PART_TARGET), minlength=n).astype(np.int64)
+    truncated = np.bincount(sample, weights=keep < lengths, minlength=n) > 0
+
+    seg_ids: list[np.ndarray] = []
+    if with_ids:
+        # Which end a cut text keeps: inputs and conversations follow truncation_side,
+        # plain targets always keep their beginning.
+        from_end = (cfg.truncation_side == "left") & ((part == PART_INPUT) | np.asarray(conv, dtype=bool)[sample])
+        for j in range(len(text_idx)):
+            piece = encoded[text_idx[j]] if is_text[j] else np.array([seg.special[j]], dtype=np.int32)
+            k = int(keep[j])
+            seg_ids.append(piece[len(piece) - k:] if from_end[j] else piece[:k])
+    return _BatchPlan(
+        index=np.asarray(kept, dtype=np.int64),
+        sample_id=np.asarray(sample_ids, dtype=np.int64),
+        input_tokens=inp,
+        target_tokens=tgt,
+        vision_tokens=vis[kept] if n else np.zeros(0, np.int64),
+        truncated=truncated,
+        skipped=skipped,
+        seg_sample=sample,
+        seg_ids=seg_ids,
+        seg_trained=np.asarray(seg.trained, dtype=bool),
+        seg_part=part,
+    )
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int32, copy=False) if parts else np.zeros(0, np.int32)
+
+
+class Formatter:
+    """Turns samples into `EncodedSample` s for one tokenizer, family and set of max lengths.
+
+    ``vision`` (a `FixedResolution` or `DynamicTiling`) fills ``vision_tokens``; image
+    placeholder tokens are not inserted into the ids (they are model specific), the count
+    is reported separately. Keyword arguments build the `FormatConfig` when ``config`` is
+    not given; ``tokenizer`` may be a `load_tokenizer` spec.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | str,
+        config: FormatConfig | None = None,
+        *,
+        vision: VisionPolicy | None = None,
+        **config_kwargs,
+    ) -> None:
+        if config is not None and config_kwargs:
+            raise TypeError("pass either config= or FormatConfig keyword arguments, not both")
+        self.config = config if config is not None else FormatConfig(**config_kwargs)
+        tokenizer = load_tokenizer(tokenizer)
+        if self.config.add_bos and tokenizer.bos_id is None:
+            raise ValueError(f"add_bos=True but tokenizer {tokenizer.name!r} has no BOS token")
+        self.tokenizer = tokenizer
+        self.vision = vision
+
+    def encode(self, sample: dict) -> EncodedSample:
+        """Format one sample (raises `SampleError` for a bad sample)."""
+        result = self.encode_batch([sample])[0]
+        assert result is not None
+        return result
+
+    def encode_batch(self, samples: Sequence[dict], *, on_error: OnError = "raise") -> list[EncodedSample | None]:
+        """Format a list of samples with one batched tokenizer call.
+
+        With ``on_error="skip"`` a sample raising `SampleError` (bad fields, unreadable
+        image) gives ``None`` at its position instead of failing the batch.
+        """
+        samples = list(samples)
+        plan = plan_batch(samples, self.tokenizer, self.config, self.vision, on_error)
+        out: list[EncodedSample | None] = [None] * len(samples)
+        bounds = np.searchsorted(plan.seg_sample, np.arange(len(plan.index) + 1))
+        decoder = self.config.family == "decoder"
+        for k, pos in enumerate(plan.index):
+            segs = range(bounds[k], bounds[k + 1])
+            if decoder:
+                input_ids = _cat([plan.seg_ids[j] for j in segs])
+                labels = _cat(
+                    [plan.seg_ids[j] if plan.seg_trained[j] else np.full(len(plan.seg_ids[j]), IGNORE_INDEX) for j in segs]
+                )
+                target_ids = None
+            else:
+                input_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] == PART_INPUT])
+                target_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] == PART_TARGET])
+                labels = None
+            out[pos] = EncodedSample(
+                sample_id=int(plan.sample_id[k]),
+                input_ids=input_ids,
+                target_ids=target_ids,
+                labels=labels,
+                input_tokens=int(plan.input_tokens[k]),
+                target_tokens=int(plan.target_tokens[k]),
+                vision_tokens=int(plan.vision_tokens[k]),
+                truncated=bool(plan.truncated[k]),
+            )
+        return out
