@@ -1,6 +1,55 @@
-"""dynabatch: cost-balanced dynamic micro-batching for variable-length training data."""
+"""dynabatch: cost-balanced dynamic micro-batching for variable-length training data.
 
+Measure what each sample costs (`CostModel`), cut each global batch into micro-batches of about
+equal cost and spread them evenly over data-parallel ranks and pipeline stages
+(`plan_microbatches` -> `BatchPlan`), and check the result with the pipeline simulator
+(`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
+"""
+
+from .batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch
+from .bounds import iteration_lower_bound
+from .cost import (
+    DEVICE_PRESETS,
+    FEATURES,
+    MODEL_PRESETS,
+    CostModel,
+    DeviceProfile,
+    ModelConfig,
+    ProfiledTable,
+    device_preset,
+    model_preset,
+)
+from .plan import METHODS, PlanningError, plan_microbatches, split_global_batches
+from .shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 from .shapes import SHAPES_SCHEMA, Shapes
+from .simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
 
-__all__ = ["SHAPES_SCHEMA", "Shapes"]
+__all__ = [
+    "BatchPlan",
+    "CostModel",
+    "DEVICE_PRESETS",
+    "DeviceProfile",
+    "FEATURES",
+    "METHODS",
+    "MODEL_PRESETS",
+    "MicroBatch",
+    "ModelConfig",
+    "PLAN_SCHEMA_VERSION",
+    "PipelineDeadlock",
+    "PlanningError",
+    "ProfiledTable",
+    "SHAPES_SCHEMA",
+    "ShapeSourceError",
+    "Shapes",
+    "SimResult",
+    "device_preset",
+    "iteration_lower_bound",
+    "model_preset",
+    "pipeline_schedule",
+    "plan_microbatches",
+    "read_shapes",
+    "simulate_pipeline",
+    "split_global_batches",
+    "synthetic_shapes",
+]
 __version__ = "0.1.0"
