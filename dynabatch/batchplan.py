@@ -33,6 +33,9 @@ _MB_COLUMNS = {
     "mb_memory_bytes": (np.float64, "predicted peak activation bytes on one stage"),
 }
 
+#: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
+_ARROW_NAME = {"mb_order": "microbatch"}
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -164,11 +167,11 @@ class BatchPlan:
         sample_id, plus the micro-batch's shape and predicted cost columns; metadata carries the
         schema version, method, collation, world layout, rank times and options."""
         sizes = np.diff(self.mb_offsets)
-        per_sample = {name[3:]: np.repeat(getattr(self, name), sizes) for name in _MB_COLUMNS}
+        per_sample = {_ARROW_NAME.get(name, name[3:]): np.repeat(getattr(self, name), sizes) for name in _MB_COLUMNS}
         cols = {
             "step": np.full(len(self.sample_ids), self.step, np.int64),
             "rank": per_sample.pop("rank"),
-            "microbatch": per_sample.pop("order"),
+            "microbatch": per_sample.pop("microbatch"),
             "row": self.sample_row.astype(np.int32),
             "sample_id": self.sample_ids.astype(np.int64),
         }
@@ -208,7 +211,7 @@ class BatchPlan:
         change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
         starts = np.concatenate(([0], change))
         offsets = np.concatenate((starts, [len(sel)])).astype(np.int64)
-        mb = {name: col[name[3:]][starts].astype(dtype) for name, (dtype, _) in _MB_COLUMNS.items()}
+        mb = {name: col[_ARROW_NAME.get(name, name[3:])][starts].astype(dtype) for name, (dtype, _) in _MB_COLUMNS.items()}
         num_ranks = int(meta["dynabatch.num_ranks"])
         rank_times = json.loads(meta.get("dynabatch.rank_time_s", "{}")).get(str(step), [0.0] * num_ranks)
         return cls(
