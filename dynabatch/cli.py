@@ -15,7 +15,7 @@ result with the usual ways of batching (padding, length grouping, token budgets,
 Start here:
   dynabatch demo                       plan generated FLAN-like and image+text data, print the plans
   dynabatch bench plan                 all planning methods on the same global batches
-  dynabatch bench plan --model t5 --data ../shared/data/text --json
+  dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz --json
 """
 
 BENCH_PLAN_EPILOG = """\
