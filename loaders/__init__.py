@@ -1,0 +1,66 @@
+"""Streaming sample sources: JSONL, Parquet/Arrow, HF datasets, webdataset."""
+
+from ._errors import (
+    BadFieldError,
+    BadImageError,
+    CorruptFileError,
+    EmptyTextError,
+    ImageError,
+    InvalidJSONError,
+    LoaderError,
+    MissingDependencyError,
+    MissingFieldError,
+    MissingImageError,
+    SchemaError,
+    StateError,
+    TruncatedFileError,
+)
+from ._iterator import SlotIterator
+from ._mixture import Mixture, MixtureIterator
+from ._open import (
+    ArrowSource,
+    HFIterableSource,
+    HFSource,
+    JsonlSource,
+    JsonSource,
+    ParquetSource,
+    WebDatasetSource,
+    open_source,
+)
+from ._schema import Mapped, Schema
+from ._sharding import Layout, WorkUnit
+from ._source import Source
+from ._state import merge_states
+
+__all__ = [
+    "ArrowSource",
+    "BadFieldError",
+    "BadImageError",
+    "CorruptFileError",
+    "EmptyTextError",
+    "HFIterableSource",
+    "HFSource",
+    "ImageError",
+    "InvalidJSONError",
+    "JsonSource",
+    "JsonlSource",
+    "Layout",
+    "LoaderError",
+    "Mapped",
+    "MissingDependencyError",
+    "MissingFieldError",
+    "MissingImageError",
+    "Mixture",
+    "MixtureIterator",
+    "ParquetSource",
+    "SchemaError",
+    "Schema",
+    "SlotIterator",
+    "Source",
+    "StateError",
+    "TruncatedFileError",
+    "WebDatasetSource",
+    "WorkUnit",
+    "merge_states",
+    "open_source",
+]

@@ -1,0 +1,49 @@
+"""Image references: normalize to ``{"bytes": ...}`` / ``{"path": ...}`` and check they open.
+
+Decoding pixels is the tokenization package's job. Here ``PIL.Image.open`` only reads the
+header (for ``.size``), which is enough to catch missing files and non-images early.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+from ._errors import BadFieldError, BadImageError, MissingImageError
+
+
+def image_ref(value, root: str, where: str, field: str) -> dict:
+    """One image value (path str, bytes, or ``{"bytes", "path"}`` dict) as a reference dict."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"bytes": bytes(value)}
+    if isinstance(value, str):
+        if not value:
+            raise BadFieldError("empty image path", where=where, field=field)
+        return {"path": value if os.path.isabs(value) else os.path.abspath(os.path.join(root, value))}
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return {"bytes": bytes(value["bytes"])}
+        if value.get("path"):
+            return image_ref(value["path"], root, where, field)
+    raise BadFieldError(f"cannot use {type(value).__name__} as an image", where=where, field=field)
+
+
+def image_refs(value, root: str, where: str, field: str) -> list[dict]:
+    """A single image value or a list of them, as a list of reference dicts."""
+    values = value if isinstance(value, list) else [value]
+    return [image_ref(v, root, where, field) for v in values if v is not None]
+
+
+def image_size(ref: dict, where: str) -> tuple[int, int]:
+    """(width, height) from the image header; raise if the file is missing or not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if "path" in ref and not os.path.isfile(ref["path"]):
+        raise MissingImageError(f"image file not found: {ref['path']}", where=where, field="image")
+    source = ref["path"] if "path" in ref else io.BytesIO(ref["bytes"])
+    try:
+        with Image.open(source) as im:
+            return im.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        name = ref.get("path", "embedded image bytes")
+        raise BadImageError(f"cannot open image {name}: {e}", where=where, field="image") from None
