@@ -6,7 +6,7 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 (`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
 """
 
-from .batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch
+from .batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch, plans_to_arrow
 from .bounds import iteration_lower_bound
 from .cost import (
     DEVICE_PRESETS,
@@ -47,6 +47,7 @@ __all__ = [
     "model_preset",
     "pipeline_schedule",
     "plan_microbatches",
+    "plans_to_arrow",
     "read_shapes",
     "simulate_pipeline",
     "split_global_batches",

@@ -23,6 +23,7 @@ from .cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
 
 INFEASIBLE_SAMPLE = -1
 TOO_FEW_SAMPLES = -2
+NO_EQUAL_SPLIT = -3
 
 
 @njit(cache=True)
@@ -231,10 +232,12 @@ def _pick_caps(values, lo_index, count):
 
 @njit(cache=True)
 def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
-              max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
+              max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal_counts=True):
     """Best partition of the ordered samples. Returns (starts, status): the first position of each
     micro-batch, and 0, or INFEASIBLE_SAMPLE with starts=[position of the sample that cannot fit],
-    or TOO_FEW_SAMPLES when fewer samples than ranks make equal counts impossible."""
+    TOO_FEW_SAMPLES when fewer samples than ranks make equal counts impossible, or NO_EQUAL_SPLIT
+    when no partition under the memory limit has a multiple of ``ranks`` micro-batches.
+    ``equal_counts=False`` drops the multiple-of-``ranks`` requirement."""
     n = main.shape[0]
     offset, count, seg_time, bad = enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches,
                                                       tcoef, mcoef, mem_limit, use_table, grid_r, grid_l,
@@ -243,7 +246,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
         out = np.empty(1, np.int64)
         out[0] = bad
         return out, INFEASIBLE_SAMPLE
-    if n < ranks:
+    if equal_counts and n < ranks:
         return np.empty(0, np.int64), TOO_FEW_SAMPLES
     # The cap can never be below the costliest single sample.
     floor = 0.0
@@ -276,7 +279,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
         s = dp_for_cap(offset, count, seg_time, caps[k], n, f, back, mx)
         cobj[k] = s / ranks + (stages - 1) * mx[n]
     order = np.argsort(cobj, kind="mergesort")
-    if ranks == 1:
+    if ranks == 1 or not equal_counts:
         dp_for_cap(offset, count, seg_time, caps[order[0]], n, f, back, mx)
         starts = []
         i = n
@@ -312,11 +315,13 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
     if best_starts.shape[0] == 0:
         # No candidate cap admits a multiple of R; the largest segment time admits every split.
         best_starts = dp_mod_ranks(offset, count, seg_time, values[-1], n, ranks)
+        if best_starts.shape[0] == 0:
+            return best_starts, NO_EQUAL_SPLIT
     return best_starts, 0
 
 
 def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
-                 max_caps):
+                 max_caps, equal_counts=True):
     """Plain-Python version of `dp_kernel` (analytic costs only) for tests: same caps, same DP."""
     main = [int(x) for x in main]
     dec = [int(x) for x in dec]
@@ -350,7 +355,7 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
             seg[(j, i)] = t
         if (i - 1, i) not in seg:
             return [i - 1], INFEASIBLE_SAMPLE
-    if n < ranks:
+    if equal_counts and n < ranks:
         return [], TOO_FEW_SAMPLES
 
     def best_for_cap(cap, mod):
@@ -392,7 +397,7 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
     caps += fine
     objs += [objective(best_for_cap(c, 1)) for c in fine]
     order = np.argsort(np.array(objs), kind="mergesort")
-    if ranks == 1:
+    if ranks == 1 or not equal_counts:
         return best_for_cap(caps[order[0]], 1), 0
     best, best_val = None, np.inf
     for idx in order:
@@ -403,4 +408,6 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
             best, best_val = st, objective(st)
     if best is None:
         best = best_for_cap(values[-1], ranks)
+        if best is None:
+            return [], NO_EQUAL_SPLIT
     return best, 0

@@ -188,6 +188,11 @@ class BatchPlan:
         }
         return pa.table(cols).replace_schema_metadata(meta)
 
+    @staticmethod
+    def steps_in(table: pa.Table) -> np.ndarray:
+        """The step numbers a plan table holds, in ascending order."""
+        return np.unique(table.column("step").to_numpy())
+
     @classmethod
     def from_arrow(cls, table: pa.Table, step: int | None = None) -> "BatchPlan":
         """Read the plan of one step (the only step if ``step`` is None) from `to_arrow`'s table."""
@@ -195,7 +200,7 @@ class BatchPlan:
         version = meta.get("dynabatch.plan_schema_version")
         if version is None:
             raise ValueError("not a dynabatch plan table: no dynabatch.plan_schema_version in its metadata")
-        if int(version) != PLAN_SCHEMA_VERSION:
+        if not version.isdigit() or int(version) != PLAN_SCHEMA_VERSION:
             raise ValueError(f"plan schema version {version} is not supported (this dynabatch reads {PLAN_SCHEMA_VERSION})")
         steps = table.column("step").to_numpy()
         if step is None:
@@ -221,3 +226,32 @@ class BatchPlan:
             mb_offsets=offsets, rank_time_s=np.asarray(rank_times, np.float64), step=step,
             options=json.loads(meta.get("dynabatch.options", "{}")), **mb,
         )
+
+
+_SHARED_META = ("dynabatch.plan_schema_version", "dynabatch.method", "dynabatch.collation", "dynabatch.num_ranks",
+                "dynabatch.num_stages", "dynabatch.schedule")
+
+
+def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = None) -> pa.Table:
+    """One table holding several steps' plans (a whole run), readable step by step with
+    `BatchPlan.from_arrow(table, step=k)`. The plans must share method, collation, world layout
+    and schedule; each step's rank times are kept. ``metadata`` adds run-level entries (dataset
+    fingerprint, cost model, options...)."""
+    if not plans:
+        raise ValueError("plans_to_arrow needs at least one plan")
+    steps = [p.step for p in plans]
+    if len(set(steps)) != len(steps):
+        raise ValueError("plans_to_arrow: two plans have the same step number")
+    tables = [p.to_arrow() for p in plans]
+    first = {k.decode(): v.decode() for k, v in tables[0].schema.metadata.items()}
+    rank_times = {}
+    for p, t in zip(plans, tables):
+        meta = {k.decode(): v.decode() for k, v in t.schema.metadata.items()}
+        for key in _SHARED_META:
+            if meta[key] != first[key]:
+                raise ValueError(f"step {p.step} differs in {key}: {meta[key]!r} vs {first[key]!r}")
+        rank_times[str(p.step)] = p.rank_time_s.tolist()
+    merged = dict(first)
+    merged["dynabatch.rank_time_s"] = json.dumps(rank_times)
+    merged.update(metadata or {})
+    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(merged)

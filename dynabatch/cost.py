@@ -368,7 +368,7 @@ class CostModel:
 
     def __init__(self, model: ModelConfig, device: DeviceProfile, *, time_coef=None, mem_coef=None,
                  table: ProfiledTable | None = None, pad_multiple: int = 8, forgetting: float = 0.98,
-                 prior_strength: float = 1e-2):
+                 prior_strength: float = 1e-3):
         t0, m0 = analytic_coefficients(model, device)
         self.model = model
         self.device = device
@@ -584,10 +584,13 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> "CostModel":
-        """Read a cost model written by `save`."""
+        """Read a cost model written by `save`; a file that is not one raises ValueError naming it."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(d, dict):
+                raise TypeError(f"expected a JSON object, found {type(d).__name__}")
+            return cls.from_dict(d)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON and Unicode errors are ValueErrors
             raise ValueError(f"{path}: not a valid dynabatch cost model file ({e})") from e
 
     def with_device(self, device: str | DeviceProfile) -> "CostModel":
@@ -616,9 +619,12 @@ def _fit_with_prior(phi, y, w, prior, strength) -> np.ndarray:
     sw = np.sqrt(w)
     A = X * sw[:, None]
     b = (y - X.sum(axis=1)) * sw
-    scale = max(float(np.mean(y**2 * w)), 1e-30)
-    reg = strength * scale * len(y) * np.eye(A.shape[1])
-    delta = np.linalg.solve(A.T @ A + reg, A.T @ b)
+    gram = A.T @ A
+    # Damping proportional to each column's own energy (Levenberg-Marquardt style): every
+    # coefficient is pulled towards the prior by the same relative amount, however small its
+    # feature's share of the time.
+    reg = strength * np.diag(np.maximum(np.diag(gram), 1e-30))
+    delta = np.linalg.solve(gram + reg, A.T @ b)
     c = prior.copy()
     c[active] = np.maximum(prior[active] * (1.0 + delta), 0.0)
     return c

@@ -16,7 +16,9 @@ import numpy as np
 
 from . import baselines as _bl
 from ._assign import assign_ranks, order_ranks
-from ._dp import INFEASIBLE_SAMPLE, TOO_FEW_SAMPLES, dp_kernel
+from numba import njit
+
+from ._dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
 from .batchplan import BatchPlan
 from .cost import CostModel
 from .shapes import Shapes
@@ -30,24 +32,38 @@ class PlanningError(ValueError):
     """A global batch cannot be planned (a sample too large for memory, too few samples...)."""
 
 
+@njit(cache=True)
+def _greedy_cuts(tokens, budget):
+    """End positions of consecutive groups, each closed by the sample that brings it to ``budget``."""
+    ends = []
+    acc = 0
+    for i in range(tokens.shape[0]):
+        acc += tokens[i]
+        if acc >= budget:
+            ends.append(i + 1)
+            acc = 0
+    if acc > 0 or len(ends) == 0:
+        ends.append(tokens.shape[0])
+    return np.array(ends, np.int64)
+
+
 def split_global_batches(shapes: Shapes, tokens_per_batch: int, *, seed: int = 0, tokens=None,
                          drop_last: bool = False) -> list[np.ndarray]:
-    """Positions of each global batch: a seeded random permutation of the samples, cut whenever the
-    running token count reaches ``tokens_per_batch``. ``tokens`` overrides the per-sample token
-    count (default: ``shapes.total_tokens``). The last, smaller batch is kept unless ``drop_last``."""
+    """Positions of each global batch: a seeded random permutation of the samples, cut each time a
+    batch's own token count reaches ``tokens_per_batch`` (so every batch but the last holds at least
+    that many tokens). ``tokens`` overrides the per-sample token count (default
+    ``shapes.total_tokens``). The last, smaller batch is kept unless ``drop_last``."""
     if tokens_per_batch <= 0:
         raise ValueError("tokens_per_batch must be positive")
     tok = shapes.total_tokens if tokens is None else np.asarray(tokens, np.int64)
+    if len(tok) != len(shapes):
+        raise ValueError(f"tokens has {len(tok)} entries for {len(shapes)} samples")
     perm = np.random.default_rng(seed).permutation(len(shapes))
-    cum = np.cumsum(tok[perm])
-    # batch k holds the samples whose cumulative count falls in ((k)*B, (k+1)*B], so each batch
-    # closes with the sample that reaches its budget.
-    bounds = np.searchsorted(cum, np.arange(tokens_per_batch, int(cum[-1]) + tokens_per_batch, tokens_per_batch)
-                             if len(cum) else np.zeros(0, np.int64), side="left") + 1
-    bounds = np.unique(np.minimum(bounds, len(perm)))
-    parts = np.split(perm, bounds[:-1]) if len(bounds) else [perm]
-    parts = [p for p in parts if len(p)]
-    if drop_last and parts and tok[parts[-1]].sum() < tokens_per_batch:
+    if len(perm) == 0:
+        return []
+    ends = _greedy_cuts(tok[perm].astype(np.int64), int(tokens_per_batch))
+    parts = np.split(perm, ends[:-1])
+    if drop_last and tok[parts[-1]].sum() < tokens_per_batch:
         parts = parts[:-1]
     return parts
 
@@ -102,20 +118,22 @@ def plan_microbatches(
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(SCHEDULES)}")
     if num_stages < 1 or num_ranks < 1:
         raise ValueError("num_stages and num_ranks must be >= 1")
+    if max_caps < 2:
+        raise ValueError(f"max_caps must be >= 2 (candidate caps on the largest micro-batch), got {max_caps}")
     if len(shapes) < num_ranks:
         raise PlanningError(f"a global batch of {len(shapes)} samples cannot feed {num_ranks} ranks")
     limit = cost_model.memory_limit(num_stages, num_ranks) if memory_limit is None else float(memory_limit)
     main, dec, tiles = cost_model.sample_dims(shapes, max_len, max_target_len)
 
+    collation = {"dp": "padded", "dp_varlen": "packed"}.get(method) or _bl.BASELINE_COLLATION[method]
+    _check_samples_fit(cost_model, shapes.sample_id, main, dec, tiles, collation, limit)
     if method in ("dp", "dp_varlen"):
         unknown = set(method_options) - {"order"}
         if unknown:
             raise TypeError(f"method {method!r} takes no options {sorted(unknown)}")
-        collation = "packed" if method == "dp_varlen" else "padded"
         grouping = _dp_grouping(cost_model, shapes.sample_id, main, dec, tiles, collation, limit, num_ranks, num_stages,
-                                max_caps, method_options.get("order"))
+                                max_caps, method_options.get("order"), equal_microbatches)
     else:
-        collation = _bl.BASELINE_COLLATION[method]
         grouping = _baseline_grouping(method, cost_model, main, dec, tiles, num_ranks, max_len, max_target_len,
                                       method_options)
     return _assemble(shapes, cost_model, main, dec, tiles, grouping, collation, method, num_ranks, num_stages,
@@ -133,8 +151,33 @@ def _table_args(cost: CostModel):
     return True, t.rows, t.main_len, t.dec_len, t.time_s, t.memory_bytes, t.extrapolate
 
 
+def _check_samples_fit(cost, sample_ids, main, dec, tiles, collation, limit) -> None:
+    """Raise `PlanningError` naming the first sample that cannot fit in memory even alone."""
+    # Alone means a batch of one in its own length; a fixed-length packed row that overflows the
+    # limit is a setting of that baseline (flagged over_memory_limit), not a sample that cannot fit.
+    if collation == "packed":
+        t, m = cost.packed(main, dec, tiles, np.arange(len(main)))
+    else:
+        t, m = cost.padded(1, main, dec, tiles)
+    bad = np.flatnonzero((m > limit) | ~np.isfinite(t) | ~np.isfinite(m))
+    if not len(bad):
+        return
+    k = int(bad[0])
+    what = (f"sample_id {int(sample_ids[k])} ({int(main[k])} main tokens, {int(dec[k])} decoder tokens, "
+            f"{int(tiles[k])} tiles)")
+    if not np.isfinite(t[k]) or not np.isfinite(m[k]):
+        tab = cost.table
+        raise PlanningError(
+            f"{what} lies outside the profiled cost table (rows {tab.rows[0]:g}-{tab.rows[-1]:g}, main length "
+            f"{tab.main_len[0]:g}-{tab.main_len[-1]:g}, decoder length {tab.dec_len[0]:g}-{tab.dec_len[-1]:g}); "
+            f"profile larger shapes, truncate with max_len, or build the table with extrapolate=True")
+    raise PlanningError(
+        f"{what} needs {float(m[k]):.4g} bytes of activations alone ({collation} collation), over the memory "
+        f"limit of {limit:.4g} bytes per micro-batch; raise the limit, truncate it (max_len) or use more stages")
+
+
 def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, stages, max_caps,
-                 order) -> _bl.Grouping:
+                 order, equal) -> _bl.Grouping:
     perm = _ordering(cost, main, dec, tiles) if order is None else np.asarray(order, np.int64)
     varlen = collation == "packed"
     use_table = (cost.table is not None) and not varlen
@@ -142,17 +185,18 @@ def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, st
     starts, status = dp_kernel(
         main[perm], dec[perm], tiles[perm], varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef,
         cost.mem_coef, limit, ranks, stages, max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate,
+        equal,
     )
-    if status == INFEASIBLE_SAMPLE:
+    if status == INFEASIBLE_SAMPLE:  # _check_samples_fit runs first; kept for direct kernel callers
         p = int(perm[starts[0]])
-        one = cost.padded_features(1, main[p], dec[p], tiles[p]) if not varlen else \
-            cost.packed_features(main[p:p + 1], dec[p:p + 1], tiles[p:p + 1], np.zeros(1, np.int64))
-        raise PlanningError(
-            f"sample_id {int(sample_ids[p])} ({int(main[p])} main tokens, {int(dec[p])} decoder tokens, "
-            f"{int(tiles[p])} tiles) needs {float(cost.memory(one)[0]):.4g} bytes of activations alone, over the "
-            f"memory limit of {limit:.4g} bytes per micro-batch; raise the limit, truncate it (max_len) or use more stages")
+        raise PlanningError(f"sample_id {int(sample_ids[p])} cannot fit in memory alone")
     if status == TOO_FEW_SAMPLES:
         raise PlanningError(f"a global batch of {len(main)} samples cannot feed {ranks} ranks")
+    if status == NO_EQUAL_SPLIT:
+        raise PlanningError(
+            f"the {len(main)} samples of this global batch cannot be cut into a multiple of {ranks} micro-batches "
+            f"under the memory limit ({limit:.4g} bytes), so ranks cannot get equal micro-batch counts; use a larger "
+            f"global batch, raise the memory limit, or pass equal_microbatches=False")
     offsets = np.append(starts, len(perm)).astype(np.int64)
     return _bl.Grouping(perm, offsets, np.zeros(len(starts), np.int32), np.zeros(len(perm), np.int32))
 

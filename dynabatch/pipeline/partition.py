@@ -1,0 +1,368 @@
+"""Split an ordered list of layers into pipeline stages.
+
+The split is searched, not uniform: per-layer forward/backward seconds on a representative set of
+micro-batches (measured by `profile_layers`, or given) are summed per candidate stage and the
+candidate's step is simulated with the pipeline simulator (`dynabatch.simulate`); the partition
+with the smallest simulated makespan wins (OmniBal-style). Small problems are enumerated
+exhaustively; large ones start from the min-max (bottleneck) partition found by binary search and
+move stage boundaries while the simulated makespan improves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..simulate import SCHEDULE_KINDS, makespan_kernel, schedule_kernel
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs on ``M`` representative micro-batches: ``forward_s``/``backward_s`` are
+    [n_layers, M] seconds, ``memory_bytes`` [n_layers, M] activation bytes each layer keeps for its
+    backward, ``boundary_bytes`` [M] bytes of the state passed between layers."""
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    memory_bytes: np.ndarray | None = None
+    boundary_bytes: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        f = np.atleast_2d(np.asarray(self.forward_s, np.float64))
+        b = np.atleast_2d(np.asarray(self.backward_s, np.float64))
+        if f.shape != b.shape or f.size == 0:
+            raise ValueError(f"forward_s and backward_s must both be [n_layers, M], got {f.shape} and {b.shape}")
+        if not (np.all(np.isfinite(f)) and np.all(np.isfinite(b))) or f.min() < 0 or b.min() < 0:
+            raise ValueError("layer times must be finite, non-negative seconds")
+        object.__setattr__(self, "forward_s", f)
+        object.__setattr__(self, "backward_s", b)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return self.forward_s.shape[0]
+
+    @property
+    def num_microbatches(self) -> int:
+        """Number of representative micro-batches."""
+        return self.forward_s.shape[1]
+
+    def stage_times(self, bounds: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward seconds [S, M] of the stages cut at layer offsets ``bounds``."""
+        b = np.asarray(bounds, np.int64)
+        pf = np.vstack([np.zeros((1, self.num_microbatches)), np.cumsum(self.forward_s, axis=0)])
+        pb = np.vstack([np.zeros((1, self.num_microbatches)), np.cumsum(self.backward_s, axis=0)])
+        return pf[b[1:]] - pf[b[:-1]], pb[b[1:]] - pb[b[:-1]]
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """Contiguous layer ranges per stage: stage ``s`` holds layers ``bounds[s]:bounds[s+1]``.
+    ``makespan_s`` is the simulated step time (seconds) on the representative micro-batches and
+    ``stage_busy_s`` each stage's total forward+backward seconds."""
+
+    bounds: tuple[int, ...]
+    makespan_s: float
+    stage_busy_s: tuple[float, ...]
+    schedule: str
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.bounds) - 1
+
+    def layers_of(self, stage: int) -> range:
+        """Layer indices of ``stage``."""
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+
+def _check_bounds(bounds: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    b = tuple(int(x) for x in bounds)
+    if len(b) < 2 or b[0] != 0 or b[-1] != n_layers or any(y <= x for x, y in zip(b[:-1], b[1:])):
+        raise ValueError(f"bounds must rise strictly from 0 to {n_layers} (one layer at least per stage), got {b}")
+    return b
+
+
+def _ops(num_stages: int, m: int, schedule: str) -> np.ndarray:
+    code = SCHEDULE_KINDS.get(schedule)
+    if code is None:
+        raise ValueError(f"partition search simulates 'gpipe' or '1f1b', not {schedule!r}")
+    return schedule_kernel(num_stages, m, code)
+
+
+def _p2p(p2p_s, m: int) -> np.ndarray:
+    arr = np.asarray(p2p_s, np.float64)
+    return np.ascontiguousarray(np.full(m, float(arr)) if arr.ndim == 0 else arr)
+
+
+def partition_makespan(costs: LayerCosts, bounds: Sequence[int], *, schedule: str = "1f1b", p2p_s=0.0) -> float:
+    """Simulated makespan (seconds) of one step over the representative micro-batches with the
+    stages cut at ``bounds``; ``p2p_s`` is the per-hop transfer time (scalar or [M] seconds)."""
+    b = _check_bounds(bounds, costs.num_layers)
+    f, bw = costs.stage_times(b)
+    ops = _ops(len(b) - 1, costs.num_microbatches, schedule)
+    return float(makespan_kernel(np.ascontiguousarray(f), np.ascontiguousarray(bw), _p2p(p2p_s, costs.num_microbatches), ops))
+
+
+def _result(costs, bounds, schedule, p2p_s) -> StagePartition:
+    f, bw = costs.stage_times(bounds)
+    return StagePartition(tuple(int(x) for x in bounds), partition_makespan(costs, bounds, schedule=schedule, p2p_s=p2p_s),
+                          tuple(float(x) for x in (f + bw).sum(axis=1)), schedule)
+
+
+def uniform_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1f1b", p2p_s=0.0) -> StagePartition:
+    """Equal layer counts per stage (the first stages get one more when it does not divide) — the
+    baseline a searched partition is compared with."""
+    n = costs.num_layers
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    sizes = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
+    return _result(costs, np.concatenate(([0], np.cumsum(sizes))), schedule, p2p_s)
+
+
+def _minmax_bounds(weights: np.ndarray, num_stages: int) -> list[int]:
+    """Contiguous partition minimizing the largest stage weight (binary search on the cap with a
+    greedy feasibility check; exact for non-negative weights up to float resolution)."""
+    n = len(weights)
+
+    def cuts(cap: float):
+        bounds, acc = [0], 0.0
+        for i, w in enumerate(weights):
+            # leave at least one layer for each remaining stage
+            if acc > 0 and (acc + w > cap or n - i == num_stages - len(bounds) + 1):
+                bounds.append(i)
+                acc = 0.0
+            acc += w
+        bounds.append(n)
+        return bounds
+
+    lo, hi = float(weights.max()), float(weights.sum())
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if len(cuts(mid)) - 1 <= num_stages:
+            hi = mid
+        else:
+            lo = mid
+    b = cuts(hi)
+    # the greedy may use fewer stages than allowed: split the largest stages until S stages exist
+    while len(b) - 1 < num_stages:
+        sizes = np.diff(b)
+        s = int(np.argmax(np.where(sizes > 1, [weights[b[k]:b[k + 1]].sum() for k in range(len(sizes))], -1)))
+        b.insert(s + 1, b[s] + sizes[s] // 2)
+    return b
+
+
+def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1f1b", p2p_s=0.0,
+                       exhaustive_limit: int = 20000, max_rounds: int = 200) -> StagePartition:
+    """The contiguous split of the layers into ``num_stages`` stages with the smallest simulated
+    makespan on the representative micro-batches of ``costs``.
+
+    Every partition is simulated when there are at most ``exhaustive_limit`` of them; otherwise the
+    search starts from the min-max partition of per-layer busy time and moves single boundaries
+    (by up to 2 layers) while the makespan improves, for at most ``max_rounds`` rounds.
+    """
+    n, m = costs.num_layers, costs.num_microbatches
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    ops = _ops(num_stages, m, schedule)
+    p2p = _p2p(p2p_s, m)
+    pf = np.vstack([np.zeros((1, m)), np.cumsum(costs.forward_s, axis=0)])
+    pb = np.vstack([np.zeros((1, m)), np.cumsum(costs.backward_s, axis=0)])
+    total = (costs.forward_s + costs.backward_s).sum(axis=1)
+
+    def score(bounds) -> tuple[float, float]:
+        b = np.asarray(bounds, np.int64)
+        f = np.ascontiguousarray(pf[b[1:]] - pf[b[:-1]])
+        bw = np.ascontiguousarray(pb[b[1:]] - pb[b[:-1]])
+        # ties in makespan go to the partition with the smaller bottleneck stage
+        return float(makespan_kernel(f, bw, p2p, ops)), float((f + bw).sum(axis=1).max())
+
+    if math.comb(n - 1, num_stages - 1) <= exhaustive_limit:
+        best, best_score = None, (math.inf, math.inf)
+        for inner in itertools.combinations(range(1, n), num_stages - 1):
+            b = (0, *inner, n)
+            sc = score(b)
+            if sc < best_score:
+                best, best_score = b, sc
+        return _result(costs, best, schedule, p2p_s)
+
+    best = _minmax_bounds(total, num_stages)
+    best_score = score(best)
+    for _ in range(max_rounds):
+        improved = False
+        for k in range(1, num_stages):
+            for d in (-2, -1, 1, 2):
+                cand = list(best)
+                cand[k] += d
+                if not cand[k - 1] < cand[k] < cand[k + 1]:
+                    continue
+                sc = score(cand)
+                if sc < best_score:
+                    best, best_score, improved = cand, sc, True
+        if not improved:
+            break
+    return _result(costs, best, schedule, p2p_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# stages as modules
+
+
+class PipelineStage(nn.Module):
+    """The layers ``first_layer .. first_layer + len(layers) - 1`` of a model, run as one stage.
+
+    The first stage feeds the micro-batch dictionary to the model's embedding; the last stage calls
+    the head with ``(state, batch)`` and returns ``(loss_sum, num_tokens)``; the others map state to
+    state. A one-tensor state may be passed bare.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], first_layer: int, num_model_layers: int):
+        super().__init__()
+        if not layers:
+            raise ValueError("a pipeline stage needs at least one layer")
+        self.layers = nn.ModuleList(layers)
+        self.first_layer = int(first_layer)
+        self.num_model_layers = int(num_model_layers)
+        self.is_first = self.first_layer == 0
+        self.is_last = self.first_layer + len(layers) == self.num_model_layers
+
+    @property
+    def last_layer(self) -> int:
+        """Index (in the whole model) of this stage's last layer."""
+        return self.first_layer + len(self.layers) - 1
+
+    def forward(self, x, batch: dict | None = None):
+        layers = list(self.layers)
+        if self.is_first:
+            x = layers.pop(0)(batch)
+        head = layers.pop() if self.is_last else None
+        for layer in layers:
+            x = layer(x)
+        return head(x, batch) if head is not None else x
+
+
+def split_model(layers: Sequence[nn.Module], bounds: Sequence[int] | StagePartition) -> list[PipelineStage]:
+    """Cut ``layers`` (a list or ``nn.Sequential``; embedding first, head last) into stages at
+    ``bounds`` (layer offsets, or a `StagePartition`)."""
+    layers = list(layers)
+    b = _check_bounds(bounds.bounds if isinstance(bounds, StagePartition) else bounds, len(layers))
+    return [PipelineStage(layers[b[s]:b[s + 1]], b[s], len(layers)) for s in range(len(b) - 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# profiling
+
+
+def _float_tensors(state) -> list[torch.Tensor]:
+    items = state if isinstance(state, (tuple, list)) else (state,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _detach(state):
+    """Cut the autograd graph at a layer boundary so each layer's backward can be timed alone."""
+    def one(t):
+        if isinstance(t, torch.Tensor):
+            d = t.detach()
+            return d.requires_grad_(True) if d.is_floating_point() else d
+        return t
+    return tuple(one(t) for t in state) if isinstance(state, (tuple, list)) else one(state)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _SavedBytes:
+    """Counts bytes of activation tensors autograd saves for backward (parameters excluded)."""
+
+    def __init__(self, param_ptrs: set[int]):
+        self.param_ptrs = param_ptrs
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.param_ptrs and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.bytes += storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse)
+            pass
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repeats: int = 3, warmup: int = 1,
+                   device=None) -> LayerCosts:
+    """Time every layer's forward and backward (seconds, median of ``repeats``) on each micro-batch
+    of ``batches``, plus the activation bytes it saves for backward and the boundary state's bytes.
+
+    Layers run one at a time with the graph cut between them, so a layer's backward is timed alone.
+    On CUDA the device is synchronized around each timed region.
+    """
+    layers = list(layers)
+    if len(layers) < 2:
+        raise ValueError("profile_layers needs an embedding and a head (at least 2 layers)")
+    device = torch.device(device) if device is not None else next(layers[0].parameters()).device
+    n, m = len(layers), len(batches)
+    fwd = np.zeros((n, m))
+    bwd = np.zeros((n, m))
+    mem = np.zeros((n, m))
+    boundary = np.zeros(m)
+    param_ptrs = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    for j, raw in enumerate(batches):
+        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+        tf = [[] for _ in range(n)]
+        tb = [[] for _ in range(n)]
+        for rep in range(warmup + repeats):
+            ins, outs, saved = [], [], []
+            x = batch
+            for i, layer in enumerate(layers):
+                if i > 0:
+                    x = _detach(x)
+                counter = _SavedBytes(param_ptrs)
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                    y = layer(x) if i == 0 else (layer(x, batch) if i == n - 1 else layer(x))
+                _sync(device)
+                if rep >= warmup:
+                    tf[i].append(time.perf_counter() - t0)
+                ins.append(x)
+                outs.append(y)
+                saved.append(counter.bytes)
+                x = y
+            grads = None
+            for i in range(n - 1, -1, -1):
+                _sync(device)
+                t0 = time.perf_counter()
+                if i == n - 1:
+                    outs[i][0].backward()
+                else:
+                    pairs = [(o, g) for o, g in zip(_float_tensors(outs[i]), grads) if o.requires_grad and g is not None]
+                    if pairs:
+                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                _sync(device)
+                if rep >= warmup:
+                    tb[i].append(time.perf_counter() - t0)
+                grads = [t.grad for t in _float_tensors(ins[i])] if i > 0 else None
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            mem[:, j] = saved
+            boundary[j] = sum(t.numel() * t.element_size() for t in (outs[0] if isinstance(outs[0], tuple) else (outs[0],))
+                              if isinstance(t, torch.Tensor))
+        fwd[:, j] = [np.median(t) for t in tf]
+        bwd[:, j] = [np.median(t) for t in tb]
+    return LayerCosts(fwd, bwd, mem, boundary)

@@ -1,0 +1,307 @@
+"""Per-stage op orders (GPipe, 1F1B, memory-aware adaptive) and the communication program each
+rank executes, computed from the plan alone so that every rank derives the same thing.
+
+Op encoding is the simulator's: ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)`` its
+backward; an order is an int32 ``[S, 2M]`` array.
+
+Why a *program* and not just an order: NCCL matches point-to-point operations between two ranks
+first-in first-out and ignores tags, and a posted operation blocks the ones posted after it on the
+same communicator until its peer posts the match. So every pair of neighbouring stages must post
+the messages between them in the same order, and the order must be executable. We get both from
+one witness: simulate the step with small integer durations (identical on every rank, no float
+drift), give every message the time its producer finishes, and let every rank post its messages
+sorted by ``(time, tie-break)`` — with each compute placed at its start time. The globally first
+unfinished message is then at the head of both endpoints' queues, so nothing can deadlock
+(`check_programs` verifies this under strict one-queue-per-rank NCCL semantics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..simulate import PipelineDeadlock, pipeline_schedule, simulate_pipeline
+
+SCHEDULES = ("gpipe", "1f1b", "adaptive")
+
+#: Integer time units of the largest micro-batch's forward in the witness simulation.
+TIME_LEVELS = 16
+
+
+class ProgramError(RuntimeError):
+    """A set of per-rank communication programs that mismatches or deadlocks under NCCL semantics."""
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """One boundary transfer: ``kind`` ``"act"`` (forward activations, ``src = dst - 1``) or ``"grad"``
+    (gradients, ``src = dst + 1``) of micro-batch ``microbatch`` between stages ``src`` and ``dst``."""
+
+    microbatch: int
+    kind: str
+    src: int
+    dst: int
+
+    def describe(self) -> str:
+        """``act F3 0->1`` style text."""
+        op = "F" if self.kind == "act" else "B"
+        return f"{self.kind} {op}{self.microbatch} {self.src}->{self.dst}"
+
+
+@dataclass(frozen=True)
+class Post:
+    """Post (non-blocking) the send or the receive of ``message`` on this stage."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run op ``op`` (``j + 1`` forward, ``-(j + 1)`` backward of micro-batch ``j``); a compute that
+    consumes a message first waits for its receive."""
+
+    op: int
+
+    @property
+    def microbatch(self) -> int:
+        """The micro-batch index ``j``."""
+        return abs(self.op) - 1
+
+    @property
+    def forward(self) -> bool:
+        """True for a forward."""
+        return self.op > 0
+
+
+Instruction = Post | Compute
+
+
+def quantize_times(time_s, levels: int = TIME_LEVELS) -> np.ndarray:
+    """Positive integer time units (int64, 1..``levels``) proportional to ``time_s`` seconds, so that the
+    witness simulation is exact integer arithmetic on every rank; all ones when times are unknown."""
+    t = np.asarray(time_s, np.float64)
+    if t.size == 0 or not np.all(np.isfinite(t)) or t.max() <= 0:
+        return np.ones(t.shape, np.int64)
+    return np.maximum(1, np.rint(levels * t / t.max())).astype(np.int64)
+
+
+def adaptive_orders(num_stages: int, time_units, memory_bytes=None, memory_limit: float | None = None) -> np.ndarray:
+    """Memory-aware op orders (DynaPipe-style), int32 ``[S, 2M]``.
+
+    List scheduling on the witness times (forward ``u_j``, backward ``2 u_j`` units): a free stage
+    runs a ready backward if it has one (the earliest-ready; backwards free memory), otherwise the
+    next forward in micro-batch order if its input is ready and the stage's in-flight activation
+    bytes (forwarded, not yet backwarded) stay within ``memory_limit`` after adding it — or the
+    stage holds nothing (a micro-batch larger than the limit still runs, alone). Without memory
+    figures every micro-batch counts 1 and the limit is ``S`` (1F1B's stage-0 depth).
+    The result never deadlocks (the last stage always drains) and is checked by the simulator.
+    """
+    u = np.asarray(time_units, np.int64)
+    S, M = int(num_stages), len(u)
+    if S < 1 or M < 1:
+        raise ValueError("adaptive_orders needs at least one stage and one micro-batch")
+    mem = None if memory_bytes is None else np.asarray(memory_bytes, np.float64)
+    if mem is None or mem.shape != (M,) or not np.all(np.isfinite(mem)) or mem.max() <= 0:
+        mem, limit = np.ones(M), float(S)
+    else:
+        limit = float(S * mem.max()) if memory_limit is None else float(memory_limit)
+    INF = np.iinfo(np.int64).max
+    fwd_end = np.full((S, M), INF, np.int64)
+    bwd_end = np.full((S, M), INF, np.int64)
+    free = np.zeros(S, np.int64)
+    next_f = np.zeros(S, np.int64)
+    held = np.zeros(S)
+    pending_b = [set() for _ in range(S)]  # forwarded, not yet backwarded
+    orders = [[] for _ in range(S)]
+    t = 0
+    done = 0
+    while done < 2 * S * M:
+        progressed = False
+        for s in range(S):
+            if free[s] > t:
+                continue
+            best_b, best_ready = -1, INF
+            for j in sorted(pending_b[s]):
+                ready = fwd_end[s, j] if s == S - 1 else bwd_end[s + 1, j]
+                if ready <= t and ready < best_ready:
+                    best_b, best_ready = j, ready
+            if best_b >= 0:
+                j = best_b
+                bwd_end[s, j] = t + 2 * u[j]
+                free[s] = bwd_end[s, j]
+                pending_b[s].discard(j)
+                held[s] -= mem[j]
+                orders[s].append(-(j + 1))
+                done += 1
+                progressed = True
+                continue
+            j = int(next_f[s])
+            if j < M and (s == 0 or fwd_end[s - 1, j] <= t) and (not pending_b[s] or held[s] + mem[j] <= limit):
+                fwd_end[s, j] = t + u[j]
+                free[s] = fwd_end[s, j]
+                next_f[s] += 1
+                pending_b[s].add(j)
+                held[s] += mem[j]
+                orders[s].append(j + 1)
+                done += 1
+                progressed = True
+        if done == 2 * S * M:
+            break
+        # advance to the next instant something can change
+        cands = [x for x in np.concatenate((free, fwd_end.ravel(), bwd_end.ravel())) if t < x < INF]
+        if not cands:
+            if progressed:
+                continue
+            raise PipelineDeadlock("adaptive order construction stalled (internal error)", 0, 0)
+        t = int(min(cands))
+    ops = np.array(orders, dtype=np.int32)
+    simulate_pipeline(np.ones(M), np.ones(M), schedule=ops)  # raises PipelineDeadlock if invalid
+    return ops
+
+
+def stage_orders(schedule: str, num_stages: int, num_microbatches: int, *, time_s=None, memory_bytes=None,
+                 memory_limit: float | None = None) -> np.ndarray:
+    """Op orders int32 ``[S, 2M]`` for ``schedule`` ``gpipe``, ``1f1b`` or ``adaptive`` (which uses the
+    plan's predicted ``time_s`` seconds and ``memory_bytes`` per micro-batch and ``memory_limit``
+    bytes of in-flight activations per stage; see `adaptive_orders`)."""
+    if schedule in ("gpipe", "1f1b"):
+        return pipeline_schedule(num_stages, num_microbatches, schedule)
+    if schedule == "adaptive":
+        units = quantize_times(np.ones(num_microbatches) if time_s is None else time_s)
+        return adaptive_orders(num_stages, units, memory_bytes, memory_limit)
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+def build_programs(orders: np.ndarray, time_units=None) -> list[list[Instruction]]:
+    """The instruction list of every stage for op orders ``orders`` (see the module docstring).
+
+    ``time_units`` are the witness durations (positive integers per micro-batch; forward ``u``,
+    backward ``2u``); only the relative order of posts depends on them, never correctness.
+    """
+    orders = np.asarray(orders, np.int32)
+    S, two_m = orders.shape
+    M = two_m // 2
+    u = np.ones(M, np.int64) if time_units is None else np.asarray(time_units, np.int64)
+    if u.shape != (M,) or u.min(initial=1) < 1:
+        raise ValueError("time_units must be M positive integers")
+    fwd = np.broadcast_to(u.astype(np.float64), (S, M))
+    sim = simulate_pipeline(fwd, 2 * fwd, schedule=orders)  # integer-valued floats: exact
+    start, end = sim.start_s, sim.end_s
+    events: list[list[tuple]] = [[] for _ in range(S)]
+    for s in range(S):
+        for op in orders[s]:
+            j, k = abs(int(op)) - 1, int(op < 0)
+            events[s].append((float(start[s, j, k]), 1, 0, Compute(int(op))))
+    for s in range(S - 1):
+        for j in range(M):
+            for msg, t in ((Message(j, "act", s, s + 1), end[s, j, 0]), (Message(j, "grad", s + 1, s), end[s + 1, j, 1])):
+                # the same key on both endpoints: (send time, messages before computes, global tie-break)
+                key = (float(t), 0, (j, msg.kind, min(msg.src, msg.dst)), Post(msg))
+                events[msg.src].append(key)
+                events[msg.dst].append(key)
+    return [[e[3] for e in sorted(ev, key=lambda e: e[:3])] for ev in events]
+
+
+def check_programs(programs: list[list[Instruction]]) -> None:
+    """Raise `ProgramError` unless the per-stage programs run to completion under strict NCCL-like
+    semantics: one FIFO queue of posted operations per rank (across all peers); the head operation
+    completes only together with the matching head operation (same message, opposite side) of its
+    peer; a compute blocks until the receive of the message it consumes has completed; a send may
+    only be posted after the compute that produces it."""
+    S = len(programs)
+    queues: list[list[tuple[str, Message]]] = [[] for _ in range(S)]
+    pc = [0] * S
+    computed = [set() for _ in range(S)]
+    received = [set() for _ in range(S)]
+    posted = [set() for _ in range(S)]
+    for s, prog in enumerate(programs):
+        for ins in prog:
+            if isinstance(ins, Post) and s not in (ins.message.src, ins.message.dst):
+                raise ProgramError(f"stage {s} posts {ins.message.describe()}, which is not its message")
+    while True:
+        moved = False
+        for s in range(S):  # run each host until it blocks
+            while pc[s] < len(programs[s]):
+                ins = programs[s][pc[s]]
+                if isinstance(ins, Post):
+                    m = ins.message
+                    side = "send" if m.src == s else "recv"
+                    if (m, side) in posted[s]:
+                        raise ProgramError(f"stage {s} posts the {side} of {m.describe()} twice")
+                    if side == "send" and (m.microbatch + 1) * (1 if m.kind == "act" else -1) not in computed[s]:
+                        raise ProgramError(f"stage {s} posts the send of {m.describe()} before computing it")
+                    posted[s].add((m, side))
+                    queues[s].append((side, m))
+                else:
+                    j = ins.microbatch
+                    need = None
+                    if ins.forward and s > 0:
+                        need = Message(j, "act", s - 1, s)
+                    elif not ins.forward and s < S - 1:
+                        need = Message(j, "grad", s + 1, s)
+                    if not ins.forward and ins.op * -1 not in computed[s]:
+                        raise ProgramError(f"stage {s} runs B{j} before F{j}")
+                    if need is not None and need not in received[s]:
+                        break
+                    computed[s].add(ins.op)
+                pc[s] += 1
+                moved = True
+        for s in range(S):  # match queue heads pairwise
+            while queues[s]:
+                side, m = queues[s][0]
+                peer = m.dst if side == "send" else m.src
+                if not queues[peer] or queues[peer][0] != ("recv" if side == "send" else "send", m):
+                    break
+                queues[s].pop(0)
+                queues[peer].pop(0)
+                received[m.dst].add(m)
+                moved = True
+        if not moved:
+            break
+    if all(pc[s] == len(programs[s]) and not queues[s] for s in range(S)):
+        return
+    stuck = []
+    for s in range(S):
+        what = "done" if pc[s] == len(programs[s]) else f"host at {programs[s][pc[s]]}"
+        head = f"queue head {queues[s][0][0]} {queues[s][0][1].describe()}" if queues[s] else "queue empty"
+        stuck.append(f"stage {s}: {what}, {head}")
+    raise ProgramError("communication programs deadlock under NCCL semantics: " + "; ".join(stuck))
+
+
+def naive_programs(orders: np.ndarray) -> list[list[Instruction]]:
+    """Programs that post each receive right before the compute that needs it and each send right
+    after its compute. Correct for GPipe; deadlocks under NCCL for 1F1B (kept to show why
+    `build_programs` exists, and to test `check_programs`)."""
+    orders = np.asarray(orders)
+    S = orders.shape[0]
+    progs = []
+    for s in range(S):
+        prog: list[Instruction] = []
+        for op in orders[s]:
+            j = abs(int(op)) - 1
+            if op > 0:
+                if s > 0:
+                    prog.append(Post(Message(j, "act", s - 1, s)))
+                prog.append(Compute(int(op)))
+                if s < S - 1:
+                    prog.append(Post(Message(j, "act", s, s + 1)))
+            else:
+                if s < S - 1:
+                    prog.append(Post(Message(j, "grad", s + 1, s)))
+                prog.append(Compute(int(op)))
+                if s > 0:
+                    prog.append(Post(Message(j, "grad", s, s - 1)))
+        progs.append(prog)
+    return progs
+
+
+def peer_sequences(program: list[Instruction], stage: int) -> dict[int, list[tuple[str, Message]]]:
+    """The (side, message) sequence ``stage`` posts towards each peer stage, in program order."""
+    out: dict[int, list[tuple[str, Message]]] = {}
+    for ins in program:
+        if isinstance(ins, Post):
+            m = ins.message
+            side = "send" if m.src == stage else "recv"
+            out.setdefault(m.dst if side == "send" else m.src, []).append((side, m))
+    return out

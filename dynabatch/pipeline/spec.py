@@ -1,0 +1,93 @@
+"""What crosses a pipeline boundary: `TensorSpec` (shape, dtype, whether a gradient flows back) and
+`MicroBatchShape` (a micro-batch's shape as every rank knows it from the plan).
+
+Receive buffers are allocated from these specs, so no rank ever asks a peer for a shape: the plan
+that all ranks hold is the single source of truth (see `docs/pipeline.md`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..batchplan import BatchPlan, MicroBatch
+
+#: Collations the runner understands. ``packed_rows`` (rows of several samples padded to a fixed
+#: length) travels exactly like ``padded``.
+RUNNER_COLLATIONS = ("padded", "packed", "packed_rows")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a boundary message: ``shape`` (elements per dimension), ``dtype``, and
+    ``requires_grad`` (True for hidden states whose gradient is sent back; False for masks and ids)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, device) -> torch.Tensor:
+        """An uninitialized tensor of this spec on ``device`` (a receive buffer)."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has exactly this shape and dtype."""
+        return tuple(t.shape) == tuple(self.shape) and t.dtype == self.dtype
+
+    def describe(self) -> str:
+        """``[2, 48, 16] float32`` style text for error messages."""
+        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}"
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """A micro-batch's shape as the plan states it (tokens, seconds, bytes).
+
+    ``collation`` is ``padded``/``packed_rows`` (``rows`` x ``input_len`` main tokens and ``rows`` x
+    ``target_len`` decoder tokens) or ``packed`` (``rows`` sequences concatenated into one row of
+    ``tokens`` tokens, the longest ``input_len``). ``time_s`` and ``memory_bytes`` are the plan's
+    predicted forward+backward seconds and activation bytes on one stage.
+    """
+
+    collation: str
+    rows: int
+    input_len: int
+    target_len: int = 0
+    tokens: int = 0
+    time_s: float = 0.0
+    memory_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.collation not in RUNNER_COLLATIONS:
+            raise ValueError(f"collation must be one of {RUNNER_COLLATIONS}, got {self.collation!r}")
+        if self.rows < 1 or self.input_len < 1 or self.target_len < 0:
+            raise ValueError(f"a micro-batch needs rows >= 1 and input_len >= 1, got {self}")
+        if self.packed and self.tokens < 1:
+            raise ValueError("a packed micro-batch needs its total token count (tokens >= 1)")
+
+    @property
+    def packed(self) -> bool:
+        """True for varlen collation (one row, block-diagonal attention from ``cu_seqlens``)."""
+        return self.collation == "packed"
+
+    @classmethod
+    def from_microbatch(cls, mb: MicroBatch, collation: str) -> "MicroBatchShape":
+        """The shape of one `MicroBatch` of a plan with the given collation."""
+        return cls(collation, int(mb.rows), int(mb.input_len), int(mb.target_len), int(mb.tokens),
+                   float(mb.time_s), float(mb.memory_bytes))
+
+
+def plan_shapes(plan: BatchPlan, replica: int) -> list[MicroBatchShape]:
+    """The micro-batch shapes data-parallel replica ``replica`` runs, in the plan's execution order."""
+    if not 0 <= replica < plan.num_ranks:
+        raise ValueError(f"replica {replica} is not in a plan for {plan.num_ranks} ranks")
+    return [MicroBatchShape.from_microbatch(mb, plan.collation) for mb in plan.microbatches(rank=replica)]
