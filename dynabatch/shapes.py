@@ -109,6 +109,16 @@ class Shapes:
             self.input_tokens.astype(np.int64) + self.target_tokens + self.vision_tokens.astype(np.int64)
         )
 
+    def fingerprint(self) -> str:
+        """Stable 16-hex-digit hash of every column: the dataset identity offline plans are tied to."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name in SHAPES_SCHEMA:
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(getattr(self, name)).tobytes())
+        return h.hexdigest()[:16]
+
     def to_arrow(self) -> pa.Table:
         """Zero-copy Arrow table with the columns of ``SHAPES_SCHEMA``."""
         return pa.table({name: pa.array(getattr(self, name)) for name in SHAPES_SCHEMA})
