@@ -186,3 +186,57 @@ def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, 
             perm[pos + q] = idx[chosen[q]]
         pos += k
     return perm, rank_time
+
+
+def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
+    """Plain-Python version of `assign_ranks` for tests (same greedy start, same swaps)."""
+    times = [float(t) for t in times]
+    m = len(times)
+    w = stages - 1
+    cap = m // ranks if equal_counts else m
+    rank_of = [0] * m
+    s, mx, cnt = [0.0] * ranks, [0.0] * ranks, [0] * ranks
+    for idx in sorted(range(m), key=lambda k: -times[k]):
+        t = times[idx]
+        options = [(s[r] + t + w * max(mx[r], t), r) for r in range(ranks) if cnt[r] < cap]
+        best = min(options)[1]
+        rank_of[idx] = best
+        s[best] += t
+        mx[best] = max(mx[best], t)
+        cnt[best] += 1
+
+    def objective(r, members):
+        ts = [times[k] for k in members]
+        return sum(ts) + w * max(ts, default=0.0)
+
+    for _ in range(max_rounds):
+        members = [[k for k in range(m) if rank_of[k] == r] for r in range(ranks)]
+        obj = [objective(r, members[r]) for r in range(ranks)]
+        rmax = max(range(ranks), key=lambda r: (obj[r], -r))
+        cur = obj[rmax]
+        best_gain, move = 1e-12 * cur, None
+        for a in members[rmax]:
+            for b in range(m):
+                r = rank_of[b]
+                if r == rmax or times[b] >= times[a]:
+                    continue
+                o1 = objective(rmax, [k for k in members[rmax] if k != a] + [b])
+                o2 = objective(r, [k for k in members[r] if k != b] + [a])
+                if cur - max(o1, o2) > best_gain:
+                    best_gain, move = cur - max(o1, o2), (a, b)
+            if not equal_counts:
+                for r in range(ranks):
+                    if r == rmax:
+                        continue
+                    o1 = objective(rmax, [k for k in members[rmax] if k != a])
+                    o2 = objective(r, members[r] + [a])
+                    if cur - max(o1, o2) > best_gain:
+                        best_gain, move = cur - max(o1, o2), (a, -1 - r)
+        if move is None:
+            break
+        a, b = move
+        if b >= 0:
+            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
+        else:
+            rank_of[a] = -1 - b
+    return rank_of

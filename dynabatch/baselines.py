@@ -173,6 +173,39 @@ def _pack_rows(order, main, dec, cap_main, cap_dec, best_fit):
     return row, nrows
 
 
+def pack_rows_reference(order, main, dec, cap_main, cap_dec, best_fit):
+    """Plain-Python version of `_pack_rows` for tests."""
+    free, row = [], []
+    for s in order:
+        lm, ld = min(int(main[s]), cap_main), min(int(dec[s]), cap_dec)
+        fits = [r for r, (fm, fd) in enumerate(free) if fm >= lm and fd >= ld]
+        if not fits:
+            free.append((cap_main, cap_dec))
+            chosen = len(free) - 1
+        elif best_fit:
+            chosen = min(fits, key=lambda r: (free[r][0] - lm, r))
+        else:
+            chosen = fits[0]
+        free[chosen] = (free[chosen][0] - lm, free[chosen][1] - ld)
+        row.append(chosen)
+    return row, len(free)
+
+
+def budget_cuts_reference(sorted_len, max_tokens, pad_multiple):
+    """Plain-Python version of `_budget_cuts` for tests."""
+    def up(x):
+        return -(-x // pad_multiple) * pad_multiple if pad_multiple > 1 else x
+
+    starts, a, n = [], 0, len(sorted_len)
+    while a < n:
+        b = a + 1
+        while b < n and (b - a + 1) * up(int(sorted_len[b])) <= max_tokens:
+            b += 1
+        starts.append(a)
+        a = b
+    return starts
+
+
 def _packed(main, dec, ranks, rows, max_len, max_target_len, best_fit) -> Grouping:
     groups, owner, row_lists = [], [], []
     for r, share in enumerate(_rank_shares(len(main), ranks)):

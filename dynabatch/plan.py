@@ -47,6 +47,19 @@ def _greedy_cuts(tokens, budget):
     return np.array(ends, np.int64)
 
 
+def greedy_cuts_reference(tokens, budget):
+    """Plain-Python version of `_greedy_cuts` for tests."""
+    ends, acc = [], 0
+    for i, t in enumerate(tokens):
+        acc += int(t)
+        if acc >= budget:
+            ends.append(i + 1)
+            acc = 0
+    if acc > 0 or not ends:
+        ends.append(len(tokens))
+    return ends
+
+
 def split_global_batches(shapes: Shapes, tokens_per_batch: int, *, seed: int = 0, tokens=None,
                          drop_last: bool = False) -> list[np.ndarray]:
     """Positions of each global batch: a seeded random permutation of the samples, cut each time a
