@@ -27,44 +27,6 @@ NO_EQUAL_SPLIT = -3
 
 
 @njit(cache=True)
-def segment_cost(main, dec, tiles, j, i, varlen, pad_multiple, tile_patches, tcoef, mcoef,
-                 use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, phi):
-    """(time, memory) of the micro-batch made of samples j..i-1 (any order of evaluation)."""
-    if varlen:
-        for k in range(NUM_FEATURES):
-            phi[k] = 0.0
-        for s in range(j, i):
-            L = float(main[s])
-            T = float(dec[s])
-            v = float(tiles[s]) * tile_patches
-            phi[0] += L
-            phi[1] += L * L
-            phi[2] += T
-            phi[3] += T * T
-            phi[4] += T * L
-            phi[5] += v
-            phi[6] += v * tile_patches
-        phi[7] = 1.0
-        phi[8] = 1.0 if phi[5] > 0 else 0.0
-        return dot(tcoef, phi), dot(mcoef, phi)
-    L = 0
-    T = 0
-    v = 0
-    for s in range(j, i):
-        L = max(L, main[s])
-        T = max(T, dec[s])
-        v += tiles[s]
-    L = round_up(L, pad_multiple)
-    T = round_up(T, pad_multiple)
-    if use_table:
-        t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, L, T, extrapolate)
-        m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, L, T, extrapolate)
-        return t, m
-    padded_features(i - j, L, T, v, tile_patches, phi)
-    return dot(tcoef, phi), dot(mcoef, phi)
-
-
-@njit(cache=True)
 def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit,
                        use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
     """All memory-feasible segments, grouped by end: for end i (exclusive) the starts are
