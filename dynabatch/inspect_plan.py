@@ -1,0 +1,314 @@
+"""`dynabatch inspect`: what a run plan file predicts, as a text table and a PNG.
+
+`summarize_plan(run)` computes the figures (JSON-able dict), `format_summary` prints them,
+`plot_plan` draws four panels. Everything is read from the plan file itself: micro-batch shapes
+and predicted costs from its rows, per-rank simulated times from ``dynabatch.rank_time_s``, the
+task of each placement from its ``task_id`` column and ``dynabatch.task_names``. Times are
+seconds in the dict and milliseconds in the table; memory is bytes in the dict, GiB in the table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .offline.reader import RunPlan
+
+GiB = float(1 << 30)
+_MB_FIELDS = ("step", "rank", "microbatch", "rows", "input_len", "target_len", "vision_tiles", "tokens",
+              "real_tokens", "time_s", "memory_bytes")
+
+
+def microbatch_columns(run: RunPlan) -> dict[str, np.ndarray]:
+    """One entry per micro-batch of the run (in file order): the plan's micro-batch columns, plus
+    ``samples`` (sample placements in it) and ``length`` (padded row length = input_len +
+    target_len tokens; for packed collation the longest sample)."""
+    t = run.table
+    step, rank, mb = (t.column(c).to_numpy() for c in ("step", "rank", "microbatch"))
+    n = len(step)
+    if n == 0:
+        return {k: np.zeros(0) for k in (*_MB_FIELDS, "samples", "length")}
+    new = np.ones(n, bool)
+    new[1:] = (np.diff(step) != 0) | (np.diff(rank) != 0) | (np.diff(mb) != 0)
+    starts = np.flatnonzero(new)
+    out = {k: t.column(k).to_numpy()[starts] for k in _MB_FIELDS}
+    out["samples"] = np.diff(np.append(starts, n))
+    out["length"] = out["input_len"] + out["target_len"]
+    return out
+
+
+def _pow2_edges(top: float, first: int) -> list[int]:
+    edges = [first]
+    while edges[-1] < top:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def shape_histogram(rows: np.ndarray, length: np.ndarray) -> dict:
+    """Counts of micro-batches by rows (1, 2-3, 4-7, ...) x padded length (<=128, <=256, ... tokens)."""
+    row_edges = _pow2_edges(float(rows.max(initial=1)) + 1, 1)  # bucket i: [edge_i, edge_{i+1})
+    len_edges = _pow2_edges(float(length.max(initial=1)), 128)  # bucket j: (edge_{j-1}, edge_j]
+    ri = np.searchsorted(row_edges, rows, side="right") - 1
+    li = np.searchsorted(len_edges, length, side="left")
+    counts = np.zeros((len(row_edges) - 1, len(len_edges)), np.int64)
+    np.add.at(counts, (np.clip(ri, 0, counts.shape[0] - 1), np.clip(li, 0, counts.shape[1] - 1)), 1)
+    return {"row_edges": row_edges, "length_edges": len_edges, "counts": counts.tolist()}
+
+
+def task_share(run: RunPlan, top: int = 10) -> dict:
+    """Tokens of each task over the run (``sample_tokens`` summed by ``task_id``), biggest first."""
+    t = run.table
+    if "task_id" not in t.column_names:
+        return {"num_tasks": 0, "top": [], "other": None}
+    tid = t.column("task_id").to_numpy().astype(np.int64)
+    tok = (t.column("sample_tokens").to_numpy() if "sample_tokens" in t.column_names
+           else t.column("input_len").to_numpy() * 0 + 1).astype(np.int64)
+    names = run.task_names
+    known = tid >= 0
+    per = np.bincount(tid[known], weights=tok[known], minlength=len(names))
+    total = float(tok.sum()) or 1.0
+    order = np.argsort(-per, kind="stable")
+    present = order[per[order] > 0]
+    rows = [{"task": names[k] if k < len(names) else str(k), "tokens": int(per[k]), "share": float(per[k] / total)}
+            for k in present[:top]]
+    rest = present[top:]
+    unknown = float(tok[~known].sum())
+    other = None
+    if len(rest) or unknown:
+        other = {"tasks": int(len(rest)), "tokens": int(per[rest].sum() + unknown),
+                 "share": float((per[rest].sum() + unknown) / total)}
+    return {"num_tasks": int(len(present)), "top": rows, "other": other}
+
+
+def _stats(x: np.ndarray) -> dict:
+    if len(x) == 0:
+        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0}
+    return {"mean": float(x.mean()), "p50": float(np.percentile(x, 50)), "p95": float(np.percentile(x, 95)),
+            "max": float(x.max())}
+
+
+def step_detail(run: RunPlan, step: int) -> dict:
+    """One step: its predicted time, each rank's simulated time and micro-batches."""
+    plan = run.step(step)
+    ranks = []
+    length = plan.mb_input_len + plan.mb_target_len
+    span = lambda x: [int(x.min()), int(x.max())] if len(x) else [0, 0]  # noqa: E731
+    for r in range(plan.num_ranks):
+        sel = plan.mb_rank == r
+        sizes = np.diff(plan.mb_offsets)[sel]
+        ranks.append({
+            "rank": r, "microbatches": int(sel.sum()), "samples": int(sizes.sum()),
+            "rows": span(plan.mb_rows[sel]), "length": span(length[sel]),
+            "compute_s": float(plan.mb_time_s[sel].sum()),
+            "simulated_s": float(plan.rank_time_s[r]),
+        })
+    return {"step": int(step), "epoch": run.epoch_of(step), "iteration_time_s": plan.iteration_time_s,
+            "padding_efficiency": plan.padding_efficiency, "rank_imbalance": plan.rank_imbalance,
+            "microbatches": plan.num_microbatches, "samples": int(len(plan.sample_ids)), "ranks": ranks}
+
+
+def summarize_plan(run: RunPlan, step: int | None = None, top_tasks: int = 10) -> dict:
+    """The figures of `dynabatch inspect` (see its ``--help``); ``step`` picks the step detailed
+    (default: the slowest step)."""
+    mb = microbatch_columns(run)
+    it = run.iteration_times_s()
+    rt = run.rank_times_s()
+    cost = run.cost_model()
+    real, computed = int(mb["real_tokens"].sum()), int(mb["tokens"].sum())
+    mean_rank = rt.mean(axis=1) if rt.size else np.zeros(0)
+    imbalance = np.divide(it, mean_rank, out=np.ones_like(it), where=mean_rank > 0)
+    rank_total = rt.sum(axis=0) if rt.size else np.zeros(run.num_ranks)
+    try:
+        limit = cost.memory_limit(run.num_stages, run.num_ranks)
+    except ValueError:
+        limit = float("nan")
+    if step is None:
+        step = int(run.steps[int(np.argmax(it))]) if len(it) else 0
+    t_ms = mb["time_s"] * 1e3
+    ids = run.table.column("sample_id").to_numpy()
+    return {
+        "file": run.path,
+        "method": run.method, "collation": run.collation, "schedule": run.metadata.get("dynabatch.schedule"),
+        "model": cost.model.name, "device": cost.device.name, "ranks": run.num_ranks, "stages": run.num_stages,
+        "dataset_fingerprint": run.dataset_fingerprint, "options": run.options,
+        "samples_in_index": run.index_info.get("samples"),
+        "epochs": run.epochs, "steps": run.num_steps, "steps_per_epoch": run.steps_per_epoch,
+        "placements": int(run.table.num_rows), "unique_samples": int(len(np.unique(ids))),
+        "real_tokens": real, "computed_tokens": computed,
+        "padding_efficiency": real / computed if computed else 1.0,
+        "iteration_time_s": _stats(it),
+        "run_time_s": float(it.sum()),
+        "tokens_per_s": real / float(it.sum()) if it.sum() > 0 else 0.0,
+        "rank_imbalance": {"mean": float(imbalance.mean()) if len(imbalance) else 1.0,
+                           "worst": float(imbalance.max(initial=1.0)),
+                           "worst_step": int(run.steps[int(np.argmax(imbalance))]) if len(imbalance) else 0},
+        "rank_total_s": rank_total.tolist(),
+        "rank_total_max_over_min": (float(rank_total.max() / rank_total.min())
+                                    if len(rank_total) and rank_total.min() > 0 else 1.0),
+        "microbatches_per_step": float(len(t_ms) / max(run.num_steps, 1)),
+        "microbatch_time_ms": {"mean": float(t_ms.mean()) if len(t_ms) else 0.0,
+                               "cv": float(t_ms.std() / t_ms.mean()) if len(t_ms) and t_ms.mean() > 0 else 0.0,
+                               "max": float(t_ms.max(initial=0.0))},
+        "peak_memory_bytes": float(mb["memory_bytes"].max(initial=0.0)),
+        "memory_limit_bytes": limit,
+        "shape_histogram": shape_histogram(mb["rows"], mb["length"]),
+        "task_share": task_share(run, top_tasks),
+        "step_detail": step_detail(run, step) if run.num_steps else None,
+    }
+
+
+def _fmt_len(x: int) -> str:
+    return f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x)
+
+
+def _histogram_text(h: dict) -> list[str]:
+    re_, le = h["row_edges"], h["length_edges"]
+    counts = np.array(h["counts"])
+    rows_lab = [f"{re_[i]}" if re_[i + 1] - re_[i] == 1 else f"{re_[i]}-{re_[i + 1] - 1}" for i in range(len(re_) - 1)]
+    cols_lab = [f"<={_fmt_len(e)}" for e in le]
+    keep_r = counts.sum(axis=1) > 0
+    keep_c = counts.sum(axis=0) > 0
+    if keep_c.any():  # show the populated range of lengths, not every empty bucket below it
+        a, b = np.flatnonzero(keep_c)[[0, -1]]
+        keep_c[a:b + 1] = True
+    w = max(6, *(len(c) for c in cols_lab), len(str(counts.max(initial=0))) + 1)
+    head = "rows \\ len".ljust(11) + "".join(c.rjust(w) for c, k in zip(cols_lab, keep_c) if k)
+    lines = [head]
+    for i, lab in enumerate(rows_lab):
+        if keep_r[i]:
+            cells = [(str(v) if v else ".").rjust(w) for v, k in zip(counts[i], keep_c) if k]
+            lines.append(lab.ljust(11) + "".join(cells))
+    return lines
+
+
+def format_summary(s: dict) -> str:
+    """The summary as aligned text (times in ms, memory in GiB)."""
+    o = s["options"]
+    it = s["iteration_time_s"]
+    ri = s["rank_imbalance"]
+    mt = s["microbatch_time_ms"]
+    spe = s["steps_per_epoch"]
+    per_epoch = f"{spe[0]} per epoch" if len(set(spe)) == 1 else "per epoch " + ", ".join(map(str, spe))
+    limit = s["memory_limit_bytes"]
+    mem = f"{s['peak_memory_bytes'] / GiB:.2f} GiB"
+    if limit == limit:  # not NaN
+        mem += f" of {limit / GiB:.2f} GiB limit ({100 * s['peak_memory_bytes'] / limit:.0f}%)"
+    figures = [
+        ("steps", f"{s['steps']} ({per_epoch}, {s['epochs']} epoch{'s' if s['epochs'] != 1 else ''})"),
+        ("samples placed",
+         f"{s['placements']} ({s['unique_samples']} distinct of {s['samples_in_index']} in the index)"),
+        ("predicted iteration time (ms)", f"mean {it['mean'] * 1e3:.1f}  p50 {it['p50'] * 1e3:.1f}  "
+                                          f"p95 {it['p95'] * 1e3:.1f}  max {it['max'] * 1e3:.1f}"),
+        ("predicted run time", f"{s['run_time_s']:.1f} s ({s['run_time_s'] / 3600:.2f} h)"),
+        ("predicted throughput", f"{s['tokens_per_s']:,.0f} real tokens/s"),
+        ("padding efficiency", f"{s['padding_efficiency']:.3f} (real / computed tokens)"),
+        ("rank balance (max/mean rank)", f"mean {ri['mean']:.3f}  worst {ri['worst']:.3f} (step {ri['worst_step']})"),
+        ("rank totals over the run", f"max/min {s['rank_total_max_over_min']:.4f}"),
+        ("micro-batches per step",
+         f"{s['microbatches_per_step']:.1f} ({s['microbatches_per_step'] / s['ranks']:.1f} per rank)"),
+        ("micro-batch time (ms)", f"mean {mt['mean']:.2f}  cv {mt['cv']:.3f}  max {mt['max']:.2f}"),
+        ("peak micro-batch memory", mem),
+    ]
+    w = max(len(k) for k, _ in figures)
+    lines = [
+        f"run plan {s['file'] or ''}: {s['method']} ({s['collation']}) for {s['model']} on {s['device']}, "
+        f"{s['ranks']} ranks x {s['stages']} stages, {s['schedule']}",
+        f"data: fingerprint {s['dataset_fingerprint']}, {o.get('global_batch_tokens')}-token global batches, "
+        f"seed {o.get('seed')}, max len {o.get('max_len')}, tokenizer {o.get('tokenizer')}",
+        "",
+    ]
+    lines += [f"{k.ljust(w)}  {v}" for k, v in figures]
+    lines += ["", "micro-batch shapes (number of micro-batches; rows x padded length in tokens)"]
+    lines += _histogram_text(s["shape_histogram"])
+    ts = s["task_share"]
+    if ts["top"]:
+        lines += ["", f"token share by task (top {len(ts['top'])} of {ts['num_tasks']} tasks)"]
+        tw = max(24, *(len(r["task"]) for r in ts["top"]))
+        lines.append(f"{'task'.ljust(tw)}  {'tokens':>12}  {'share':>6}")
+        for r in ts["top"]:
+            lines.append(f"{r['task'].ljust(tw)}  {r['tokens']:>12,}  {100 * r['share']:>5.1f}%")
+        if ts["other"]:
+            lab = f"other ({ts['other']['tasks']} tasks)"
+            lines.append(f"{lab.ljust(tw)}  {ts['other']['tokens']:>12,}  {100 * ts['other']['share']:>5.1f}%")
+    d = s["step_detail"]
+    if d:
+        lines += ["", f"step {d['step']} (epoch {d['epoch']}): predicted {d['iteration_time_s'] * 1e3:.1f} ms, "
+                      f"{d['microbatches']} micro-batches, {d['samples']} samples, padding efficiency "
+                      f"{d['padding_efficiency']:.3f}, max/mean rank {d['rank_imbalance']:.3f}"]
+        lines.append("rank  micro-batches  samples  rows     padded len    compute ms  simulated ms")
+        for r in d["ranks"]:
+            lines.append(f"{r['rank']:>4}  {r['microbatches']:>13}  {r['samples']:>7}  "
+                         f"{r['rows'][0]:>3}-{r['rows'][1]:<4} {r['length'][0]:>5}-{r['length'][1]:<6}  "
+                         f"{r['compute_s'] * 1e3:>10.1f}  {r['simulated_s'] * 1e3:>12.1f}")
+    return "\n".join(lines)
+
+
+def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int = 20000) -> None:
+    """Four panels: micro-batch shapes (rows vs padded length, coloured by predicted time);
+    predicted iteration time of every step; per-rank simulated time (run mean and the chosen
+    step); the chosen step's pipeline timeline on its slowest rank (default step: the slowest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    from .simulate import simulate_pipeline
+
+    mb = microbatch_columns(run)
+    it = run.iteration_times_s()
+    rt = run.rank_times_s()
+    if step is None:
+        step = int(run.steps[int(np.argmax(it))])
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
+    ax = axes[0, 0]
+    n = len(mb["rows"])
+    pick = np.random.default_rng(0).choice(n, max_points, replace=False) if n > max_points else np.arange(n)
+    t_ms = np.maximum(mb["time_s"][pick] * 1e3, 1e-3)
+    sc = ax.scatter(mb["length"][pick], mb["rows"][pick], c=t_ms, s=8, cmap="viridis", norm=LogNorm(), alpha=0.7)
+    fig.colorbar(sc, ax=ax, label="predicted fwd+bwd ms per stage")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("padded length (tokens)")
+    ax.set_ylabel("rows (sequences)")
+    ax.set_title(f"micro-batch shapes ({n} micro-batches{', sampled' if n > max_points else ''})")
+    ax = axes[0, 1]
+    ax.plot(run.steps, it * 1e3, lw=0.8, color="tab:blue", label="predicted iteration time")
+    for end in np.cumsum(run.steps_per_epoch)[:-1]:
+        ax.axvline(end - 0.5, color="gray", ls=":", lw=1)
+    ax.axvline(step, color="tab:red", lw=1, label=f"step {step}")
+    ax.set_xlabel("step (dotted: epoch boundaries)")
+    ax.set_ylabel("ms")
+    ax.set_title("predicted iteration time per step (slowest rank)")
+    ax.legend(fontsize=8)
+    ax = axes[1, 0]
+    plan = run.step(step)
+    x = np.arange(run.num_ranks)
+    ax.bar(x - 0.2, rt.mean(axis=0) * 1e3 if rt.size else np.zeros(run.num_ranks), 0.4, label="mean over the run")
+    ax.bar(x + 0.2, plan.rank_time_s * 1e3, 0.4, label=f"step {step}")
+    ax.set_xlabel("data-parallel rank")
+    ax.set_ylabel("simulated pipeline time (ms)")
+    ax.set_title("per-rank cost")
+    ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    r = int(np.argmax(plan.rank_time_s))
+    t = plan.mb_time_s[plan.mb_rank == r]
+    ff = run.cost_model().forward_fraction
+    if len(t):
+        sim = simulate_pipeline(t * ff, t * (1 - ff), num_stages=plan.num_stages, schedule=plan.schedule)
+        cmap = plt.get_cmap("tab20")
+        for s in range(plan.num_stages):
+            for j in range(len(t)):
+                for kind in (0, 1):
+                    a, b = sim.start_s[s, j, kind] * 1e3, sim.end_s[s, j, kind] * 1e3
+                    ax.barh(s, b - a, left=a, color=cmap(j % 20), hatch=None if kind == 0 else "//",
+                            edgecolor="k", lw=0.3)
+    ax.set_yticks(range(plan.num_stages))
+    ax.invert_yaxis()
+    ax.set_ylabel("pipeline stage")
+    ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward")
+    ax.set_title(f"step {step}: rank {r} timeline ({plan.schedule}, {len(t)} micro-batches)")
+    fig.suptitle(f"{run.path or 'run plan'}: {run.method} ({run.collation}), {run.num_ranks} ranks x "
+                 f"{run.num_stages} stages, {run.num_steps} steps", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,380 @@
+"""The ``dynabatch scan``, ``dynabatch plan`` and ``dynabatch inspect`` subcommands.
+
+`add_commands(subparsers)` registers them on the ``dynabatch`` parser (`dynabatch.cli`). Each
+handler prints a one-line ``dynabatch: error: ...`` and returns 1 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+TOKENIZER_HELP = ("tokenizer that counts tokens: 'bytes' (default: built-in, one token per UTF-8 byte, an "
+                  "OVER-estimate of subword counts, ~4x for English), a local tokenizer.json, a sentencepiece "
+                  ".model, a local transformers folder, or a tiktoken encoding name (cl100k_base, "
+                  "tiktoken:o200k_base; must already be in the tiktoken cache). Nothing is downloaded.")
+
+DATA_HELP = """\
+data (DATA, files, globs or folders): JSONL(.gz/.zst), JSON arrays, Parquet, Arrow, webdataset .tar
+shards or a datasets save_to_disk folder, read by the `loaders` package: FLAN inputs/targets,
+instruction/response, prompt/completion, conversations (LLaVA), image+text (see docs/loaders.md).
+"""
+
+SCAN_EPILOG = DATA_HELP + """
+the index (--out, Parquet), one row per sample, sorted by sample_id:
+  sample_id      (file index << 32) | line/row: the loaders' stable id of the sample
+  input_tokens   input (encoder-decoder) or prompt (decoder-only) tokens
+  target_tokens  target / response tokens, EOS included
+  vision_tokens  image tokens summed over the sample's images (--vision), 0 for text
+  task_id        index into the sorted task names stored in the metadata, -1 = unknown
+metadata: dynabatch.task_names, dynabatch.scan_stats (samples, skipped, truncated),
+dynabatch.scan (paths, tokenizer, options, loader error counts), dynabatch.dataset_fingerprint.
+The bytes do not depend on --workers or --engine (rows and task names are sorted).
+
+parallelism: the rows are split into 2 x --workers parts with the loaders' rank/world_size layout
+and each part is tokenized in its own process (--engine local) or Ray Data task (--engine ray,
+pip install 'dynabatch[ray]'; uses $RAY_ADDRESS or starts a local Ray of --workers CPUs).
+
+examples:
+  dynabatch scan ../shared/data/text/niv2_sample.jsonl.gz --tokenizer bytes --out niv2.index.parquet
+  dynabatch scan data/*.jsonl --tokenizer tokenizer.json --family encoder_decoder --max-len 2048 \\
+      --max-target-len 512 --on-error skip --workers 8 --json --out index.parquet
+  dynabatch scan llava.jsonl --vision tiling --out vlm.index.parquet
+"""
+
+PLAN_EPILOG = """\
+input: DATA (a raw dataset, see `dynabatch scan --help`) is scanned first with --tokenizer;
+INDEX is a `dynabatch scan` output or any file with input_tokens[/target_tokens/vision_tokens]
+columns (or OmniBal's vit_num/token_num records). The kind is detected from the records.
+
+global batches and steps: epoch e shuffles the samples with seed (--seed + e) and cuts them each
+time a batch reaches --global-batch-tokens tokens (after truncation to --max-len/--max-target-len);
+the last, smaller batch of an epoch is dropped unless --keep-last. Steps are numbered from 0
+across epochs. Every global batch is planned independently (in parallel) with --method.
+
+the plan (--out, Parquet), one row per sample placement, grouped by step, rank, micro-batch:
+  step           global step, 0-based across epochs
+  rank           data-parallel rank that runs the micro-batch
+  microbatch     position of the micro-batch in its rank's execution order
+  row            row of the sample in the micro-batch (packed_rows: the packed row it shares)
+  sample_id      the sample (the index's sample_id)
+  rows           rows of the micro-batch (padded), sequences (packed) or packed rows
+  input_len      padded main-stack length in tokens (packed: longest sample)
+  target_len     padded decoder length in tokens (encoder-decoder; packed: longest sample)
+  vision_tiles   image tiles the vision encoder processes
+  tokens         tokens computed: rows x (input_len + target_len), or the packed total
+  real_tokens    tokens of the micro-batch's samples (no padding)
+  time_s         predicted forward+backward seconds of the micro-batch on one stage
+  memory_bytes   predicted peak activation bytes of the micro-batch on one stage
+  epoch          epoch of the step
+  task_id        the sample's task (index into dynabatch.task_names; only when the index has tasks)
+  sample_tokens  the sample's own tokens after truncation
+metadata: dynabatch.dataset_fingerprint, dynabatch.cost_model (JSON), dynabatch.options (JSON:
+method, collation, max_len, max_target_len, global_batch_tokens, seed, epochs, tokenizer,
+drop_last, schedule, family), dynabatch.epochs, dynabatch.seed, dynabatch.steps_per_epoch,
+dynabatch.rank_time_s (simulated time of every rank at every step), schema versions.
+Read it with dynabatch.offline.load_run_plan(path): .step(k) -> BatchPlan, .check(...).
+
+examples:
+  dynabatch plan ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz \\
+      --tokenizer bytes --model gpt --ranks 8 --stages 4 --global-batch-tokens 65536 --epochs 2 --out plan.parquet
+  dynabatch plan index.parquet --model t5 --collate packed --out plan.parquet
+  dynabatch plan index.parquet --model costs.json --engine ray --out plan.parquet
+  dynabatch inspect plan.parquet --plot plan.png
+"""
+
+INSPECT_EPILOG = """\
+table (times predicted by the plan's cost model; ms unless noted):
+  predicted iteration time  per step: the slowest rank's simulated pipeline time (mean/p50/p95/max)
+  predicted run time        sum of the steps' iteration times
+  predicted throughput      real (unpadded) tokens / predicted run time
+  padding efficiency        real tokens / computed tokens over the run (1.0 = no padding)
+  rank balance              per step, slowest rank / mean rank (1.0 = balanced); mean and worst step
+  rank totals               each rank's time summed over the run: max/min over ranks
+  micro-batches per step    over all ranks (and per rank)
+  micro-batch time          predicted fwd+bwd time of one micro-batch on one stage; cv = std/mean
+  peak micro-batch memory   largest predicted activation memory of a micro-batch vs the memory limit
+  micro-batch shapes        how many micro-batches have R rows (1, 2-3, 4-7, ...) and a padded
+                            length (input_len + target_len) in each power-of-two bucket
+  token share by task       sample tokens of each task / all tokens (needs the plan's task_id column)
+  step K                    per rank: micro-batches, samples, rows and padded length ranges, summed
+                            compute time and simulated pipeline time (default K: the slowest step)
+
+plot (--plot, PNG): micro-batch shapes (rows vs padded length, colour = predicted time); predicted
+iteration time per step; per-rank simulated time (run mean and step K); step K's pipeline timeline
+on its slowest rank (plain = forward, hatched = backward).
+"""
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _guarded(fn):
+    def run(args) -> int:
+        from ..plan import PlanningError
+        from ..shape_sources import ShapeSourceError
+        from .engines import EngineError
+
+        try:
+            return int(fn(args) or 0)
+        except (PlanningError, ShapeSourceError, EngineError, ValueError, OSError, ImportError) as e:
+            print(f"dynabatch: error: {_one_line(e)}", file=sys.stderr)
+            return 1
+    return run
+
+
+def _data_args(args) -> list[str]:
+    paths = list(args.data or []) + list(getattr(args, "data_opt", None) or [])
+    if not paths:
+        raise ValueError("no data: give files, globs or folders (DATA or --data)")
+    return paths
+
+
+def _add_data(p, metavar: str, what: str) -> None:
+    p.add_argument("data", nargs="*", metavar=metavar, help=what)
+    p.add_argument("--data", dest="data_opt", nargs="+", metavar="PATH", help="same as the positional paths")
+
+
+def _add_scan_options(p, for_plan: bool) -> None:
+    g = p.add_argument_group("tokenization" + (" (when DATA is a raw dataset)" if for_plan else ""))
+    g.add_argument("--tokenizer", default=None, metavar="SPEC", help=TOKENIZER_HELP)
+    g.add_argument("--family", choices=("decoder", "encoder_decoder"), default=None,
+                   help="how samples are formatted: prompt+response in one sequence (decoder) or "
+                        "input -> target (encoder_decoder)" +
+                        (" (default: from --model: encoder_decoder for t5)" if for_plan else " (default decoder)"))
+    if not for_plan:
+        g.add_argument("--max-len", type=int, default=None,
+                       help="keep at most this many tokens per sample (decoder: input+target; encoder_decoder: "
+                            "input); default: full lengths")
+        g.add_argument("--max-target-len", type=int, default=None,
+                       help="keep at most this many target tokens (EOS included); default: full lengths")
+    g.add_argument("--vision", choices=("fixed", "tiling"), default=None,
+                   help="image tokens for image+text data: fixed (one 336-px image = 576 tokens) or tiling "
+                        "(InternVL 448-px dynamic tiles, 256 tokens each)" +
+                        (" (default: tiling for --model vlm)" if for_plan else ""))
+    g.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="bad samples: stop with an error naming file and line (raise, default) or skip and "
+                        "count them (skip)")
+
+
+def _add_engine_options(p) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--workers", type=int, default=None,
+                   help="processes (local) or Ray CPUs (default: the CPUs available)")
+    g.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local processes (default) or Ray Data (pip install 'dynabatch[ray]')")
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_commands(sub) -> None:
+    """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
+    from ..cost import DEVICE_PRESETS, MODEL_PRESETS
+    from ..plan import METHODS
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("scan", help="tokenize a dataset into a length index (token counts per sample)",
+                       description="Count the tokens of every sample of a dataset, in parallel, and write the "
+                                   "length index that `dynabatch plan` reads.",
+                       epilog=SCAN_EPILOG, formatter_class=fmt)
+    _add_data(p, "DATA", "dataset files, globs or folders")
+    p.add_argument("--out", required=True, metavar="INDEX.parquet", help="where to write the index")
+    _add_scan_options(p, for_plan=False)
+    _add_engine_options(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    p.set_defaults(func=_guarded(_cmd_scan))
+
+    p = sub.add_parser("plan", help="plan a whole run offline: every step, rank and micro-batch, to Parquet",
+                       description="Plan every step of a training run (global batches -> micro-batches -> ranks, "
+                                   "with predicted time and memory) and write it as one Parquet file that a "
+                                   "DataLoader replays.",
+                       epilog=PLAN_EPILOG, formatter_class=fmt)
+    _add_data(p, "DATA|INDEX", "a raw dataset (scanned first) or a length index")
+    p.add_argument("--out", required=True, metavar="PLAN.parquet", help="where to write the plan")
+    g = p.add_argument_group("model and world layout")
+    g.add_argument("--model", default="gpt", metavar="PRESET|COSTS.json",
+                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default gpt) or a saved cost model "
+                        "JSON (CostModel.save, e.g. from profiling)")
+    g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
+                   help="device preset for a --model preset (default a100-80gb)")
+    g.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
+    g.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule (default 1f1b)")
+    g = p.add_argument_group("batches")
+    g.add_argument("--global-batch-tokens", type=int, default=65536,
+                   help="tokens per global batch (all ranks together; default 65536)")
+    g.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="base seed; epoch e uses seed+e (default 0)")
+    g.add_argument("--keep-last", action="store_true", help="keep each epoch's last, smaller global batch")
+    g.add_argument("--max-len", type=int, default=None,
+                   help="truncate samples to this many main-stack tokens (default 2048; 8192 for vlm)")
+    g.add_argument("--max-target-len", type=int, default=512, help="decoder tokens for t5 (default 512)")
+    g.add_argument("--method", choices=METHODS, default="dp", help="planning method (default dp)")
+    g.add_argument("--collate", choices=("padded", "packed"), default=None,
+                   help="padded rows (dp) or packed varlen sequences (dp_varlen); default: the method's own")
+    _add_scan_options(p, for_plan=True)
+    p.add_argument("--save-index", metavar="INDEX.parquet", help="also write the scanned index here")
+    _add_engine_options(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    p.set_defaults(func=_guarded(_cmd_plan))
+
+    p = sub.add_parser("inspect", help="summarize a plan file: predicted times, balance, shapes, tasks; PNG plot",
+                       description="Print what a run plan predicts (iteration time, padding, rank balance, "
+                                   "micro-batch shapes, token share per task) and optionally plot it.",
+                       epilog=INSPECT_EPILOG, formatter_class=fmt)
+    p.add_argument("plan", metavar="PLAN.parquet", help="a file written by dynabatch plan")
+    p.add_argument("--plot", metavar="OUT.png", help="write the four-panel PNG here")
+    p.add_argument("--step", type=int, default=None, help="step to detail and draw (default: the slowest)")
+    p.add_argument("--top-tasks", type=int, default=10, help="tasks listed in the token share (default 10)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=_guarded(_cmd_inspect))
+
+
+# -- handlers --------------------------------------------------------------------------------
+
+
+def _cmd_scan(args) -> int:
+    from .scan import ScanConfig, scan_dataset
+
+    cfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=args.family or "decoder", max_len=args.max_len,
+                     max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error)
+    result = scan_dataset(_data_args(args), cfg, engine=args.engine, workers=args.workers,
+                          progress=not args.no_progress and not args.json)
+    result.write(args.out)
+    s = {**result.summary(), "out": str(args.out)}
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    skipped = ", ".join(f"{k} {v}" for k, v in s["skipped_by_kind"].items()) or "none"
+    tps = s["tokens_per_sample"]
+    print(f"scanned {s['samples']} samples ({s['tasks']} tasks) with {s['tokenizer']} in {s['seconds']:.1f} s "
+          f"({s['engine']}, {s['workers']} workers, {s['parts']} parts)")
+    print(f"tokens: input {s['input_tokens']:,}, target {s['target_tokens']:,}, vision {s['vision_tokens']:,}; "
+          f"per sample mean {tps['mean']:.0f}, p50 {tps['p50']:.0f}, p99 {tps['p99']:.0f}, max {tps['max']}")
+    print(f"skipped: {skipped}; truncated: {s['truncated']}; fingerprint {s['fingerprint']}")
+    for key, reason in s["skipped_examples"]:
+        print(f"  skipped {key}: {reason}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cost_model(args):
+    from ..cost import MODEL_PRESETS, CostModel
+
+    if args.model in MODEL_PRESETS:
+        return CostModel.preset(args.model, args.device, num_stages=args.stages)
+    if not Path(args.model).is_file():
+        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a cost "
+                         "model JSON file")
+    return CostModel.load(args.model)
+
+
+def _method(args) -> str:
+    from ..baselines import BASELINE_COLLATION
+
+    if args.collate is None:
+        return args.method
+    if args.method in ("dp", "dp_varlen"):
+        return "dp_varlen" if args.collate == "packed" else "dp"
+    own = BASELINE_COLLATION[args.method]
+    if own.startswith(args.collate):
+        return args.method
+    raise ValueError(f"--method {args.method} collates {own}, not {args.collate}; drop --collate")
+
+
+def _cmd_plan(args) -> int:
+    from ..inspect_plan import microbatch_columns
+    from .engines import default_workers
+    from .inputs import is_index, read_index, tokenizer_spec
+    from .runplan import RunPlanConfig, plan_run
+    from .scan import ScanConfig, scan_dataset
+
+    quiet = args.no_progress or args.json
+    cost = _cost_model(args)
+    paths = _data_args(args)
+    t0 = time.perf_counter()
+    scan_s = 0.0
+    scanned = not is_index(paths)
+    if not scanned:
+        index = read_index(paths)
+        recorded = index.scan_options.get("tokenizer")
+        if args.tokenizer and recorded and tokenizer_spec(args.tokenizer) != recorded:
+            raise ValueError(f"the index was scanned with tokenizer {recorded!r}, not {args.tokenizer!r}; "
+                             "re-scan or drop --tokenizer")
+        tokenizer = recorded or (tokenizer_spec(args.tokenizer) if args.tokenizer else None)
+        family = index.scan_options.get("family")
+        scan_s = time.perf_counter() - t0
+    else:
+        family = args.family or ("encoder_decoder" if cost.kind == "encoder_decoder" else "decoder")
+        vision = args.vision or ("tiling" if cost.kind == "vision_language" else None)
+        scfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=family, vision=vision, on_error=args.on_error)
+        result = scan_dataset(paths, scfg, engine=args.engine, workers=args.workers, progress=not quiet)
+        if args.save_index:
+            result.write(args.save_index)
+        index = result.index
+        tokenizer = scfg.tokenizer
+        scan_s = time.perf_counter() - t0
+        if not quiet:
+            skipped = result.summary()["skipped"]
+            print(f"scanned {len(index.shapes)} samples with {tokenizer} in {scan_s:.1f} s"
+                  + (f" ({skipped} skipped)" if skipped else ""), file=sys.stderr)
+    max_len = args.max_len or (8192 if cost.kind == "vision_language" else 2048)
+    cfg = RunPlanConfig(num_ranks=args.ranks, num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
+                        epochs=args.epochs, seed=args.seed, method=_method(args), max_len=max_len,
+                        max_target_len=args.max_target_len, schedule=args.schedule, drop_last=not args.keep_last,
+                        tokenizer=tokenizer, family=family)
+    t1 = time.perf_counter()
+    run = plan_run(index, cost, cfg, engine=args.engine, workers=args.workers, progress=not quiet)
+    plan_s = time.perf_counter() - t1
+    run.write(args.out)
+    it = run.iteration_times_s()
+    mb = microbatch_columns(run)
+    real, computed = int(mb["real_tokens"].sum()), int(mb["tokens"].sum())
+    rt = run.rank_times_s()
+    summary = {
+        "out": str(args.out), "steps": run.num_steps, "steps_per_epoch": run.steps_per_epoch,
+        "samples": len(index.shapes), "placements": run.table.num_rows, "method": run.method,
+        "collation": run.collation, "model": cost.model.name, "device": cost.device.name,
+        "ranks": run.num_ranks, "stages": run.num_stages, "dataset_fingerprint": run.dataset_fingerprint,
+        "iteration_time_s": {"mean": float(it.mean()), "max": float(it.max())},
+        "padding_efficiency": real / computed if computed else 1.0,
+        "rank_imbalance_mean": float((rt.max(axis=1) / rt.mean(axis=1)).mean()),
+        "scanned": scanned, "scan_s": round(scan_s, 3), "plan_s": round(plan_s, 3), "engine": args.engine,
+        "workers": args.workers or default_workers(),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"planned {summary['steps']} steps ({' + '.join(map(str, run.steps_per_epoch))} over {cfg.epochs} "
+          f"epoch{'s' if cfg.epochs != 1 else ''}) of {summary['samples']} samples: {run.method} ({run.collation}) "
+          f"for {cost.model.name} on {cost.device.name}, {run.num_ranks} ranks x {run.num_stages} stages")
+    print(f"predicted iteration time mean {it.mean() * 1e3:.1f} ms, max {it.max() * 1e3:.1f} ms; padding efficiency "
+          f"{summary['padding_efficiency']:.3f}; max/mean rank {summary['rank_imbalance_mean']:.3f}")
+    print(f"{'scan' if scanned else 'read index'} {scan_s:.1f} s, plan {plan_s:.1f} s "
+          f"({summary['workers']} workers, {args.engine}); wrote "
+          f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
+    print(f"next: dynabatch inspect {args.out} --plot plan.png")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from ..inspect_plan import format_summary, plot_plan, summarize_plan
+    from .reader import load_run_plan
+
+    run = load_run_plan(args.plan)
+    if args.step is not None and args.step not in set(run.steps.tolist()):
+        raise ValueError(f"--step {args.step} is not in {args.plan} (steps 0..{run.num_steps - 1})")
+    s = summarize_plan(run, step=args.step, top_tasks=args.top_tasks)
+    if args.plot:
+        plot_plan(run, args.plot, step=s["step_detail"]["step"] if s["step_detail"] else None)
+    if args.json:
+        print(json.dumps(s, indent=1, default=float))
+        return 0
+    print(format_summary(s))
+    if args.plot:
+        print(f"\nplot written to {args.plot}")
+    return 0

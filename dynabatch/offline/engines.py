@@ -1,0 +1,212 @@
+"""Run one function over many independent parts: in this process, in local worker processes, or
+on Ray Data.
+
+`map_parts(fn, items, context, ...)` calls ``fn(context, item)`` for every item and returns the
+results in item order, whatever order they finish in. ``context`` is what every call shares
+(a sample source, the Shapes of a dataset and a cost model...): it is sent once per worker
+process (local) or stored once in Ray's object store (ray), not once per item. ``fn`` must be
+a module-level function so that it pickles by reference.
+
+Engines:
+
+* ``local`` (default): a `concurrent.futures.ProcessPoolExecutor` of ``workers`` processes
+  (default: the CPU count); ``workers=1`` (or a single item) runs in this process.
+* ``ray``: ``ray.data.range(len(items)).map(...)`` with one block per item. Uses the running
+  Ray instance, else ``ray.init(address=$RAY_ADDRESS)`` when that variable is set, else starts a
+  local instance with ``num_cpus=workers``. Install with ``pip install dynabatch[ray]``.
+
+A tqdm bar (``progress=True``) counts the items' ``weights`` (samples, steps...) as parts finish.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Any
+
+from tqdm.auto import tqdm
+
+ENGINES = ("local", "ray")
+
+_CONTEXT: Any = None  # set in each local worker process by _init_worker
+
+
+class EngineError(RuntimeError):
+    """The engine itself cannot run (Ray missing or not startable); the message says what to do."""
+
+
+def default_workers() -> int:
+    """Worker processes used when ``workers`` is not given: the CPUs this process may use."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def _init_worker(context: Any) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+    # Fast tokenizers start their own thread pool; one per process is oversubscription.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _call_in_worker(fn: Callable, item: Any) -> Any:
+    return fn(_CONTEXT, item)
+
+
+def map_parts(
+    fn: Callable[[Any, Any], Any],
+    items: Sequence[Any],
+    context: Any = None,
+    *,
+    engine: str = "local",
+    workers: int | None = None,
+    progress: bool = True,
+    desc: str = "",
+    unit: str = "part",
+    weights: Sequence[int] | None = None,
+) -> list:
+    """``[fn(context, item) for item in items]``, computed in parallel on ``engine``.
+
+    ``workers`` is the number of processes (local) or CPUs of a Ray instance started here;
+    ``weights`` the progress-bar amount of each item (default 1 each). The first exception
+    raised by ``fn`` cancels the remaining work and is re-raised here.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    weights = [1] * len(items) if weights is None else [int(w) for w in weights]
+    bar = tqdm(total=sum(weights), desc=desc, unit=unit, disable=not progress, dynamic_ncols=True)
+    try:
+        if engine == "ray":
+            return _map_ray(fn, items, context, workers, bar, weights)
+        workers = min(workers or default_workers(), max(len(items), 1))
+        if workers <= 1:
+            out = []
+            for item, w in zip(items, weights):
+                out.append(fn(context, item))
+                bar.update(w)
+            return out
+        return _map_local(fn, items, context, workers, bar, weights)
+    finally:
+        bar.close()
+
+
+def _map_local(fn, items, context, workers, bar, weights) -> list:
+    results: list = [None] * len(items)
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(context,))
+    try:
+        index = {pool.submit(_call_in_worker, fn, item): i for i, item in enumerate(items)}
+        pending = set(index)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = index[fut]
+                results[i] = fut.result()  # re-raises the worker's exception
+                bar.update(weights[i])
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return results
+
+
+class _RayCall:
+    """The Ray Data map function: row ``{"id": i}`` -> ``{"id": i, "result": pickled fn(context, items[i])}``."""
+
+    def __init__(self, fn, context_ref, items_ref):
+        self.fn = fn
+        self.context_ref = context_ref
+        self.items_ref = items_ref
+
+    def __call__(self, row: dict) -> dict:
+        import ray
+
+        i = int(row["id"])
+        context, items = ray.get([self.context_ref, self.items_ref])
+        try:
+            out = ("ok", self.fn(context, items[i]))
+        except Exception as e:  # sent back as a value: Ray's own wrappers would lose its type and message
+            out = ("error", _portable(e))
+        return {"id": i, "result": pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)}
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def ray_init(workers: int | None = None) -> None:
+    """Connect to Ray: the running instance, ``$RAY_ADDRESS``, or a new local one of ``workers`` CPUs."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise EngineError(f"--engine ray needs Ray Data: pip install 'dynabatch[ray]' (or 'ray[data]>=2.9'): "
+                          f"{e}") from None
+    if ray.is_initialized():
+        return
+    import logging
+
+    kw = dict(ignore_reinit_error=True, log_to_driver=False, logging_level=logging.WARNING)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**kw)
+    else:
+        ray.init(num_cpus=workers or default_workers(), include_dashboard=False, **kw)
+
+
+def _map_ray(fn, items, context, workers, bar, weights) -> list:
+    ray_init(workers)
+    import logging
+
+    import ray
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # our own bar counts samples/steps instead of blocks
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    n = len(items)
+    if n == 0:
+        return []
+    context_ref, items_ref = ray.put(context), ray.put(list(items))
+    try:
+        ds = ray.data.range(n, override_num_blocks=n)
+    except TypeError:  # Ray < 2.10 names it parallelism
+        ds = ray.data.range(n, parallelism=n)
+    ds = ds.map(_RayCall(fn, context_ref, items_ref), num_cpus=1)
+    results: list = [None] * n
+    try:
+        for row in ds.iter_rows():
+            i = int(row["id"])
+            status, value = pickle.loads(row["result"])
+            if status == "error":
+                raise _UserError(value)
+            results[i] = value
+            bar.update(weights[i])
+    except _UserError as e:
+        raise e.error from None
+    except Exception as e:
+        raise _ray_failure(e) from e
+    return results
+
+
+class _UserError(Exception):
+    """Carries the exception a part raised out of the row loop (internal)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _ray_failure(e: BaseException) -> EngineError:
+    """A failure of Ray itself (a worker died, the cluster went away) as a one-line EngineError."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return EngineError(f"Ray Data failed ({type(e).__name__}): {first}")
