@@ -33,6 +33,15 @@ _MB_COLUMNS = {
     "mb_memory_bytes": (np.float64, "predicted peak activation bytes on one stage"),
 }
 
+def _json_value(obj):
+    """numpy scalars and arrays as their Python values in plan metadata; anything else as text."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)
+
+
 #: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
 _ARROW_NAME = {"mb_order": "microbatch"}
 
@@ -184,7 +193,7 @@ class BatchPlan:
             "dynabatch.num_stages": str(self.num_stages),
             "dynabatch.schedule": self.schedule,
             "dynabatch.rank_time_s": json.dumps({str(self.step): self.rank_time_s.tolist()}),
-            "dynabatch.options": json.dumps(self.options, sort_keys=True, default=str),
+            "dynabatch.options": json.dumps(self.options, sort_keys=True, default=_json_value),
         }
         return pa.table(cols).replace_schema_metadata(meta)
 

@@ -279,8 +279,12 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         rank_of = g.rank
     counts = np.bincount(rank_of, minlength=ranks)
     ops = _schedule_ops(stages, counts, SCHEDULES[schedule])
+    if not np.all(np.isfinite(time_s)):
+        # Shapes outside a profiled table: the plan cannot run as measured.
+        options = {**options, "over_memory_limit": True, "outside_profile": True}
     perm, rank_time = order_ranks(time_s, p2p, rank_of.astype(np.int32), ranks, cost.forward_fraction, stages, ops,
                                   rebalance)
+    rank_time = np.where(np.isnan(rank_time), np.inf, rank_time)
     # micro-batches in execution order, rank by rank
     mb_rank = rank_of[perm].astype(np.int32)
     mb_order = (np.arange(len(perm)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
