@@ -151,6 +151,11 @@ class HFTokenizer(_Adapter):
         """Token ids (int32) of each text, no special tokens added."""
         return as_id_arrays([e.ids for e in self._encode(list(texts), add_special_tokens=False)])
 
+    def count_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """Token counts of each text (the lengths of `encode_batch`'s arrays), without id arrays."""
+        encs = self._encode(list(texts), add_special_tokens=False)
+        return np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids``, special tokens dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -310,11 +310,17 @@ def plan_batch(
         conv.append(c)
     skipped.sort(key=lambda e: e[0])
 
-    encoded = tokenizer.encode_batch(seg.texts) if seg.texts else []
+    counter = getattr(tokenizer, "count_batch", None)
+    if with_ids or counter is None:
+        encoded = tokenizer.encode_batch(seg.texts) if seg.texts else []
+        counts = [len(a) for a in encoded]
+    else:  # a length scan needs counts only: skip building id arrays
+        encoded = []
+        counts = counter(seg.texts) if seg.texts else []
     text_idx = np.asarray(seg.text, dtype=np.int64)
     is_text = text_idx >= 0
     lengths = np.ones(len(text_idx), dtype=np.int64)
-    lengths[is_text] = [len(a) for a in encoded]  # texts were numbered in segment order
+    lengths[is_text] = counts  # texts were numbered in segment order
     sample = np.asarray(seg.sample, dtype=np.int64)
     part = np.asarray(seg.part, dtype=np.int64)
     keep = _keep_counts(lengths, sample, part, is_text, np.asarray(conv, dtype=bool), cfg)

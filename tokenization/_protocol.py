@@ -48,6 +48,9 @@ class Tokenizer(Protocol):
         """Text of ``ids``, special tokens dropped."""
         ...
 
+    # Optional: ``count_batch(texts) -> np.ndarray`` (int64 token counts, equal to the lengths
+    # of ``encode_batch``'s arrays). Length scans use it when present to skip building ids.
+
 
 def as_id_arrays(batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Lists of ids (as tokenizer libraries return them) -> int32 arrays."""
@@ -73,6 +76,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """UTF-8 bytes of each text shifted past the special ids (int32 arrays)."""
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) + self.offset for t in texts]
+
+    def count_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """Token counts of each text (UTF-8 byte lengths), without building id arrays."""
+        return np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids``; special ids are dropped and broken UTF-8 becomes U+FFFD."""
