@@ -15,7 +15,11 @@ result with the usual ways of batching (padding, length grouping, token budgets,
 Start here:
   dynabatch demo                       plan generated FLAN-like and image+text data, print the plans
   dynabatch bench plan                 all planning methods on the same global batches
+  dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
+  dynabatch datagen --out DIR --text 20000 --image-text 500   write generated sample shards
   dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz --json
+  dynabatch plan DATA --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
+  dynabatch inspect plan.parquet --plot plan.png                                  what it predicts
 """
 
 BENCH_PLAN_EPILOG = """\
@@ -128,12 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="also write the generated shapes and plans (Parquet) here")
     demo.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     demo.set_defaults(func=_cmd_demo)
+    from .datagen import add_datagen_command  # `dynabatch datagen`
+
+    add_datagen_command(sub)
     bench = sub.add_parser("bench", help="benchmarks that print a table and ratios against baselines",
                            description="Benchmarks. Each runs dynabatch and its baselines in the same process "
                                        "and reports ratios, not just seconds.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     _add_bench_plan(bench_sub)
+    from .bench.load import add_bench_load_command  # `dynabatch bench load`
+
+    add_bench_load_command(bench_sub)
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
+    from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
+
+    _add_offline_commands(sub)
+    from .profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
+
+    add_profile_command(sub)
     return parser
 
 

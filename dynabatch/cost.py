@@ -42,6 +42,7 @@ NUM_FEATURES = len(FEATURES)
 KINDS = ("decoder", "encoder_decoder", "vision_language")
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 GiB = float(1 << 30)
+MAX_OBSERVATIONS = 100_000  # micro-batch timings CostModel.observe keeps for refit
 
 
 @dataclass(frozen=True)
@@ -401,8 +402,8 @@ class CostModel:
         cm = cls(model, device, table=table, **kw)
         r, l, d = np.meshgrid(table.rows, table.main_len, table.dec_len, indexing="ij")
         phi = cm.padded_features(r.ravel(), l.ravel(), d.ravel(), np.zeros(r.size))
-        cm.time_coef = _fit_with_prior(phi, table.time_s.ravel(), np.ones(r.size), cm.prior_time_coef, 1e-6)
-        cm.mem_coef = _fit_with_prior(phi, table.memory_bytes.ravel(), np.ones(r.size), cm.mem_coef, 1e-6)
+        cm.time_coef = fit_relative(phi, table.time_s.ravel(), np.ones(r.size), cm.prior_time_coef, 1e-6)
+        cm.mem_coef = fit_relative(phi, table.memory_bytes.ravel(), np.ones(r.size), cm.mem_coef, 1e-6)
         return cm
 
     @property
@@ -536,6 +537,11 @@ class CostModel:
         self._obs.phi.extend(phi)
         self._obs.time_s.extend(y)
         self._obs.weight.extend([weight] * len(y))
+        # Forgotten observations no longer move the fit: drop them so memory stays bounded.
+        keep = next((k for k, w in enumerate(self._obs.weight) if w >= 1e-6 * weight), len(self._obs.weight))
+        keep = max(keep, len(self._obs.weight) - MAX_OBSERVATIONS)
+        if keep:
+            del self._obs.phi[:keep], self._obs.time_s[:keep], self._obs.weight[:keep]
 
     @property
     def num_observations(self) -> int:
@@ -547,7 +553,7 @@ class CostModel:
         analytic prior (so few observations cannot produce a wild model). Returns the new coefficients."""
         if not self._obs.time_s:
             raise ValueError("refit() needs observations: call observe(phi, measured_seconds) first")
-        self.time_coef = _fit_with_prior(np.array(self._obs.phi), np.array(self._obs.time_s),
+        self.time_coef = fit_relative(np.array(self._obs.phi), np.array(self._obs.time_s),
                                          np.array(self._obs.weight), self.prior_time_coef, self.prior_strength)
         return self.time_coef.copy()
 
@@ -609,7 +615,7 @@ class CostModel:
         return f"CostModel({self.model.name}, {self.device.name}, {src})"
 
 
-def _fit_with_prior(phi, y, w, prior, strength) -> np.ndarray:
+def fit_relative(phi, y, w, prior, strength) -> np.ndarray:
     """Weighted least squares on *relative* residuals with a Gaussian prior on the relative
     deviation from ``prior``.
 

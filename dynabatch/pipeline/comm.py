@@ -14,6 +14,8 @@ ends of every link post the same sequence).
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -92,6 +94,7 @@ class DistContext:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self.monitor.close()
         if self.owns_process_group and dist.is_initialized():
             try:
@@ -145,7 +148,9 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        kw = {"device_id": device} if backend == "nccl" else {}
+        # device_id (torch >= 2.3) binds the NCCL communicators to this rank's GPU eagerly
+        kw = {"device_id": device} if backend == "nccl" and "device_id" in inspect.signature(
+            dist.init_process_group).parameters else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **kw)
     else:
@@ -177,6 +182,9 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     monitor.start()
     ctx = DistContext(rank, world_size, num_stages, backend, device, store, pp_group, dp_group, monitor,
                       float(timeout_s), owns)
+    # Without an explicit close() the store's host could exit while others finish their last step;
+    # at interpreter exit every rank checks in and the host waits for them (skipped after a failure).
+    atexit.register(ctx.close)
     if backend == "nccl":
         # NCCL wants the first operation on a communicator to involve all its ranks
         dist.barrier(group=pp_group)

@@ -133,8 +133,9 @@ class FailureMonitor:
         self._active -= 1
 
     def raise_if_failed(self) -> None:
-        """Raise `PipelineAborted` if some rank has reported a failure (cheap: no store access)."""
-        if self._failure is not None and not self._own:
+        """Raise `PipelineAborted` if some rank (this one included, in an earlier step) has reported a
+        failure (cheap: no store access)."""
+        if self._failure is not None:
             raise PipelineAborted(self._failure)
 
     def _lookup(self, grace_s: float) -> str | None:
@@ -163,14 +164,12 @@ class FailureMonitor:
         self._handling = True
         try:
             if isinstance(exc, PipelineAborted):
-                root = str(exc)
+                out = exc
             else:
                 root = self._lookup(grace_s=min(2.0, self.timeout_s) if comm_error else 0.0)
-            if root is None:
-                root = self._publish(exc)
-            out = exc if self._own else PipelineAborted(root)
-            if out is not exc:
-                out.__cause__ = exc
+                if root is None:
+                    root = self._publish(exc)
+                out = exc if self._own else PipelineAborted(root)
             self._ack(self.store)
             if self.is_host:
                 self._wait_for_acks(self.store)

@@ -217,7 +217,8 @@ def _gpt_boundary(hidden: int, dtype: torch.dtype):
                     TensorSpec((shape.rows + 1,), torch.int32))
         if shape.target_len:
             raise ValueError("a decoder-only model has no decoder tokens; its plan must have target_len 0")
-        return TensorSpec((shape.rows, shape.input_len, hidden), dtype, True), TensorSpec((shape.rows, shape.input_len), torch.int64)
+        r, L = shape.rows, shape.input_len
+        return TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, L), torch.int64)
     return boundary
 
 
@@ -255,7 +256,7 @@ def gpt_random_batch(vocab: int):
 
 
 def gpt_tiny(*, vocab: int = 512, hidden: int = 256, layers: int = 4, heads: int = 4, ffn: int | None = None,
-             max_positions: int = 4096, dtype: torch.dtype = torch.float32, seed: int = 0) -> LayeredModel:
+             max_positions: int = 2048, dtype: torch.dtype = torch.float32, seed: int = 0) -> LayeredModel:
     """A GPT-style decoder as ``[embedding, block x layers, head]`` (about 3.4M parameters by default).
 
     ``seed`` fixes the initialization so every rank can build the same model and keep its stage.
@@ -389,7 +390,7 @@ def t5_random_batch(vocab: int):
 
 
 def t5_tiny(*, vocab: int = 512, hidden: int = 256, encoder_layers: int = 2, decoder_layers: int = 2,
-            heads: int = 4, ffn: int | None = None, max_positions: int = 4096, dtype: torch.dtype = torch.float32,
+            heads: int = 4, ffn: int | None = None, max_positions: int = 2048, dtype: torch.dtype = torch.float32,
             seed: int = 0) -> LayeredModel:
     """A T5-style encoder-decoder as ``[embedding, encoder x n, decoder x m, head]`` (about 3.5M
     parameters by default); encoder hidden states travel with the decoder states across stages."""

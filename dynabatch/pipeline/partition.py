@@ -135,8 +135,7 @@ def _minmax_bounds(weights: np.ndarray, num_stages: int) -> list[int]:
     def cuts(cap: float):
         bounds, acc = [0], 0.0
         for i, w in enumerate(weights):
-            # leave at least one layer for each remaining stage
-            if acc > 0 and (acc + w > cap or n - i == num_stages - len(bounds) + 1):
+            if i > bounds[-1] and acc + w > cap:
                 bounds.append(i)
                 acc = 0.0
             acc += w
@@ -306,7 +305,8 @@ class _SavedBytes:
 
 def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repeats: int = 3, warmup: int = 1,
                    device=None) -> LayerCosts:
-    """Time every layer's forward and backward (seconds, median of ``repeats``) on each micro-batch
+    """Time every layer's forward and backward (seconds, fastest of ``repeats``:
+    timing noise on a shared machine only adds) on each micro-batch
     of ``batches``, plus the activation bytes it saves for backward and the boundary state's bytes.
 
     Layers run one at a time with the graph cut between them, so a layer's backward is timed alone.
@@ -363,6 +363,6 @@ def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repe
             mem[:, j] = saved
             boundary[j] = sum(t.numel() * t.element_size() for t in (outs[0] if isinstance(outs[0], tuple) else (outs[0],))
                               if isinstance(t, torch.Tensor))
-        fwd[:, j] = [np.median(t) for t in tf]
-        bwd[:, j] = [np.median(t) for t in tb]
+        fwd[:, j] = [min(t) for t in tf]
+        bwd[:, j] = [min(t) for t in tb]
     return LayerCosts(fwd, bwd, mem, boundary)

@@ -1,0 +1,49 @@
+"""Pipeline-parallel execution of dynabatch plans (``torch.distributed``: NCCL on GPUs, gloo on CPU).
+
+* `partition`: split an ordered list of layers into stages by simulated makespan (`balanced_partition`).
+* `schedule`: per-stage op orders (GPipe, 1F1B, memory-aware adaptive) and NCCL-safe communication programs.
+* `comm`: process groups (`init_pipeline` -> `DistContext`) and point-to-point transfers (`P2P`).
+* `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`.
+* `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
+* `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `launch`: run N local ranks.
+
+See docs/pipeline.md.
+"""
+
+from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
+from .failure import PipelineAborted
+from .launch import ProcResult, free_port, launch_local
+from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, t5_tiny
+from .partition import (
+    LayerCosts,
+    PipelineStage,
+    StagePartition,
+    balanced_partition,
+    partition_makespan,
+    profile_layers,
+    split_model,
+    uniform_partition,
+)
+from .runner import PipelineRunner, PlanMismatch, RunnerConfig, StepResult, StepTiming, check_batch, sequential_step
+from .schedule import (
+    SCHEDULES,
+    Compute,
+    Message,
+    Post,
+    ProgramError,
+    adaptive_orders,
+    build_programs,
+    check_programs,
+    stage_orders,
+)
+from .spec import MicroBatchShape, TensorSpec, plan_shapes
+
+__all__ = [
+    "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
+    "Message", "MicroBatchShape", "P2P", "PipelineAborted", "PipelineRunner", "PipelineStage", "PlanMismatch",
+    "Post", "ProcResult", "ProgramError", "RunnerConfig", "ShapeMismatch", "StagePartition", "StepResult",
+    "StepTiming", "TensorSpec", "adaptive_orders", "balanced_partition", "build_programs", "check_batch",
+    "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
+    "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "sequential_step",
+    "split_model", "stage_orders", "t5_tiny", "uniform_partition",
+]

@@ -1,0 +1,445 @@
+"""`PipelineRunner`: execute one global batch's micro-batches on this rank's stage.
+
+Each step: derive the stage op order (GPipe, 1F1B or memory-aware adaptive) and this stage's
+communication program from the plan (identical on every rank: see `schedule`), run it with
+asynchronous point-to-point transfers, accumulate gradients over the step's variable-shape
+micro-batches, normalize the loss per real target token of the whole global batch, all-reduce the
+gradients over data-parallel replicas, and take one optimizer step.
+
+Loss normalization: the head returns the *sum* of token losses; backward runs on those sums; at
+the end one all-reduce over all ranks gives the global token count ``N`` (and the loss sum), and
+the gradients are divided by ``N``. This equals ``sum(token losses) / N`` differentiated once,
+whatever the micro-batch sizes — not a mean of per-micro-batch means.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..batchplan import BatchPlan, MicroBatch
+from .comm import CommEvent, DistContext, P2P
+from .partition import PipelineStage, StagePartition, split_model
+from .schedule import SCHEDULES, Message, Post, build_programs, quantize_times, stage_orders
+from .spec import MicroBatchShape, TensorSpec, plan_shapes
+
+
+class PlanMismatch(ValueError):
+    """A micro-batch's tensors do not have the shape its plan states."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the runner executes a step.
+
+    ``schedule``: ``gpipe``, ``1f1b`` or ``adaptive``. ``memory_limit_bytes``: in-flight activation
+    bytes per stage for ``adaptive`` (default ``num_stages`` x the step's largest micro-batch, i.e.
+    1F1B's depth). ``debug_shapes``: send a header before every message and check it against the
+    receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
+    (what `dynabatch.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
+    micro-batch dictionaries against the plan before running.
+    """
+
+    schedule: str = "1f1b"
+    memory_limit_bytes: float | None = None
+    debug_shapes: bool = False
+    gather_timing: bool = False
+    check_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Measured times of one step on one rank (seconds; CUDA events on GPU, ``perf_counter`` on CPU).
+
+    ``forward_s``/``backward_s`` [M]: this stage's forward and backward of each of its replica's
+    micro-batches (in plan order); ``wait_s``: host time blocked on receives; ``step_s``: wall time
+    of the whole step on this rank, gradient all-reduce and optimizer included.
+    """
+
+    step: int
+    rank: int
+    stage: int
+    replica: int
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    wait_s: float
+    step_s: float
+
+    @property
+    def compute_s(self) -> np.ndarray:
+        """Forward + backward seconds per micro-batch on this stage (what a cost model predicts)."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of `PipelineRunner.step`: ``loss`` is the sum of token losses over the global batch
+    divided by ``num_tokens`` (real target tokens over all ranks), identical on every rank."""
+
+    step: int
+    loss: float
+    num_tokens: int
+    timing: StepTiming
+    all_timings: tuple[StepTiming, ...] | None = None
+
+
+class _Clock:
+    """Times regions with CUDA events on GPU (resolved once per step) or ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[np.ndarray, int, object, object]] = []
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, t0, out: np.ndarray, j: int) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pending.append((out, j, t0, e))
+        else:
+            out[j] = time.perf_counter() - t0
+
+    def resolve(self) -> None:
+        if self.pending:
+            torch.cuda.synchronize()
+            for out, j, a, b in self.pending:
+                out[j] = a.elapsed_time(b) / 1e3
+            self.pending.clear()
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
+    """Raise `PlanMismatch` if a Hugging Face-style micro-batch dictionary does not have the plan's
+    shape: padded ``input_ids`` [rows, input_len] (``decoder_input_ids``/``labels`` [rows,
+    target_len] when target_len > 0); packed ``input_ids`` [1, tokens], ``cu_seqlens`` [rows + 1]."""
+    def need(key, want):
+        if key in batch and isinstance(batch[key], torch.Tensor) and tuple(batch[key].shape) != tuple(want):
+            raise PlanMismatch(f"{where}: {key} has shape {list(batch[key].shape)} but the plan says {list(want)} "
+                               f"({shape.collation}, rows {shape.rows}, input_len {shape.input_len}, "
+                               f"target_len {shape.target_len}, tokens {shape.tokens})")
+    if shape.packed:
+        need("input_ids", (1, shape.tokens))
+        need("position_ids", (1, shape.tokens))
+        need("labels", (1, shape.tokens))
+        need("cu_seqlens", (shape.rows + 1,))
+    else:
+        need("input_ids", (shape.rows, shape.input_len))
+        need("attention_mask", (shape.rows, shape.input_len))
+        tgt = (shape.rows, shape.target_len) if shape.target_len else (shape.rows, shape.input_len)
+        need("decoder_input_ids", tgt)
+        need("labels", tgt)
+
+
+class PipelineRunner:
+    """Runs steps of planned micro-batches on one stage of a pipeline (see the module docstring).
+
+    ``stage`` is this rank's `PipelineStage` (already on ``ctx.device``), ``boundary(shape, layer)``
+    the model's boundary `TensorSpec`s, ``recorder`` an optional hook receiving every posted
+    point-to-point operation (`CommEvent`).
+    """
+
+    def __init__(self, stage: PipelineStage, boundary: Callable[[MicroBatchShape, int], Sequence[TensorSpec]],
+                 ctx: DistContext, config: RunnerConfig = RunnerConfig(), *,
+                 recorder: Callable[[CommEvent], None] | None = None):
+        if stage.is_first != (ctx.stage == 0) or stage.is_last != (ctx.stage == ctx.num_stages - 1):
+            raise ValueError(f"rank {ctx.rank} is stage {ctx.stage} of {ctx.num_stages} but was given layers "
+                             f"{stage.first_layer}..{stage.last_layer} of {stage.num_model_layers}")
+        self.stage = stage
+        self.boundary = boundary
+        self.ctx = ctx
+        self.config = config
+        self.p2p = P2P(ctx, debug_shapes=config.debug_shapes, recorder=recorder)
+        self.step_index = 0
+        self._programs: OrderedDict = OrderedDict()
+        self._in_comm = False
+
+    @classmethod
+    def from_model(cls, model, ctx: DistContext, bounds: Sequence[int] | StagePartition,
+                   config: RunnerConfig = RunnerConfig(), **kw) -> "PipelineRunner":
+        """Keep this rank's stage of ``model`` (a `dynabatch.pipeline.models.LayeredModel`) cut at
+        ``bounds``, move it to ``ctx.device`` and build the runner."""
+        stages = split_model(model.layers, bounds)
+        if len(stages) != ctx.num_stages:
+            raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages}")
+        return cls(stages[ctx.stage].to(ctx.device), model.boundary, ctx, config, **kw)
+
+    def parameters(self):
+        """Parameters of this rank's stage (give these to the optimizer)."""
+        return self.stage.parameters()
+
+    # -- planning --------------------------------------------------------------------------------
+    def _program(self, shapes: Sequence[MicroBatchShape]) -> tuple[list, np.ndarray]:
+        cfg = self.config
+        S, M = self.ctx.num_stages, len(shapes)
+        times = np.array([sh.time_s for sh in shapes])
+        units = quantize_times(times)
+        mem = np.array([sh.memory_bytes for sh in shapes])
+        key = (cfg.schedule, S, M, units.tobytes(), mem.tobytes() if cfg.schedule == "adaptive" else b"")
+        hit = self._programs.get(key)
+        if hit is None:
+            orders = stage_orders(cfg.schedule, S, M, time_s=times, memory_bytes=mem,
+                                  memory_limit=cfg.memory_limit_bytes)
+            hit = (build_programs(orders, units)[self.ctx.stage], orders)
+            self._programs[key] = hit
+            if len(self._programs) > 512:
+                self._programs.popitem(last=False)
+        return hit
+
+    def orders(self, plan: BatchPlan | Sequence[MicroBatchShape]) -> np.ndarray:
+        """The op orders [S, 2M] this runner would use for ``plan`` (this rank's replica)."""
+        return self._program(self._shapes(plan))[1]
+
+    def _shapes(self, plan, collation: str | None = None) -> list[MicroBatchShape]:
+        if isinstance(plan, BatchPlan):
+            if plan.num_ranks != self.ctx.num_replicas:
+                raise ValueError(f"the plan is for {plan.num_ranks} data-parallel ranks but there are "
+                                 f"{self.ctx.num_replicas} pipeline replicas")
+            return plan_shapes(plan, self.ctx.replica)
+        out = []
+        for x in plan:
+            if isinstance(x, MicroBatch):
+                if collation is None:
+                    raise ValueError("pass collation= with a list of MicroBatch")
+                x = MicroBatchShape.from_microbatch(x, collation)
+            out.append(x)
+        return out
+
+    # -- execution -------------------------------------------------------------------------------
+    def step(self, plan: BatchPlan | Sequence[MicroBatchShape | MicroBatch], batches: Sequence[dict] | None = None, *,
+             optimizer: torch.optim.Optimizer | None = None, collation: str | None = None) -> StepResult:
+        """Run one global batch: this replica's micro-batches of ``plan`` through this stage, then
+        the gradient all-reduce and (if given) ``optimizer.step()``.
+
+        ``batches`` are the micro-batch dictionaries of this replica in plan order; the first and
+        the last stage need them (inputs, labels), the others may pass None. Instead of a plan, a list
+        of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works. Raises the original exception on the rank where something failed and
+        `PipelineAborted` (naming that rank and its error) on every other rank.
+        """
+        mon = self.ctx.monitor
+        mon.raise_if_failed()
+        mon.enter()
+        try:
+            return self._step(plan, batches, optimizer, collation)
+        except BaseException as e:  # publish (root cause) or translate (consequence), then end the step
+            out = mon.report(e, comm_error=self._in_comm)
+            if out is e:
+                raise
+            raise out from e
+        finally:
+            self._in_comm = False
+            mon.leave()
+
+    def _wait(self, works) -> float:
+        t0 = time.perf_counter()
+        self._in_comm = True
+        for w in works:
+            w.wait()
+        self._in_comm = False
+        return time.perf_counter() - t0
+
+    def _step(self, plan, batches, optimizer, collation) -> StepResult:
+        t_step = time.perf_counter()
+        ctx, stage, mon = self.ctx, self.stage, self.ctx.monitor
+        s = ctx.stage
+        shapes = self._shapes(plan, collation)
+        M = len(shapes)
+        if M == 0:
+            raise ValueError(f"replica {ctx.replica} has no micro-batches in this step")
+        needs_data = stage.is_first or stage.is_last
+        if needs_data and (batches is None or len(batches) != M):
+            raise ValueError(f"stage {s} needs the {M} micro-batch dictionaries of this step, got "
+                             f"{'None' if batches is None else len(batches)}")
+        if needs_data and self.config.check_inputs:
+            for j, (b, sh) in enumerate(zip(batches, shapes)):
+                check_batch(b, sh, f"step {self.step_index} micro-batch {j}")
+        program, _ = self._program(shapes)
+        self.p2p.step = self.step_index
+        spec_in = [tuple(self.boundary(sh, stage.first_layer - 1)) for sh in shapes] if not stage.is_first else None
+        spec_out = [tuple(self.boundary(sh, stage.last_layer)) for sh in shapes] if not stage.is_last else None
+        params = [p for p in stage.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+
+        clock = _Clock(ctx.device)
+        fwd_s, bwd_s = np.zeros(M), np.zeros(M)
+        wait_s = 0.0
+        inbox: dict[Message, tuple[list, list]] = {}
+        outbox: dict[Message, list[torch.Tensor]] = {}
+        sent: list = []
+        saved: dict[int, tuple] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        data = [None] * M
+
+        for ins in program:
+            mon.raise_if_failed()
+            if isinstance(ins, Post):
+                m = ins.message
+                if m.src == s:
+                    tensors = outbox.pop(m)
+                    specs = spec_out[m.microbatch] if m.kind == "act" else \
+                        [sp for sp in spec_in[m.microbatch] if sp.requires_grad]
+                    self._in_comm = True
+                    sent.append((tensors, self.p2p.send(m, tensors, specs)))
+                    self._in_comm = False
+                else:
+                    specs = spec_in[m.microbatch] if m.kind == "act" else \
+                        [sp for sp in spec_out[m.microbatch] if sp.requires_grad]
+                    self._in_comm = True
+                    inbox[m] = self.p2p.recv(m, specs)
+                    self._in_comm = False
+                continue
+            j = ins.microbatch
+            if needs_data and data[j] is None:
+                data[j] = _to_device(batches[j], ctx.device)
+            if ins.forward:
+                if stage.is_first:
+                    x, inputs = None, []
+                else:
+                    bufs, works = inbox.pop(Message(j, "act", s - 1, s))
+                    wait_s += self._wait(works)
+                    for b, sp in zip(bufs, spec_in[j]):
+                        if sp.requires_grad:
+                            b.requires_grad_(True)
+                    inputs = bufs
+                    x = bufs[0] if len(bufs) == 1 else tuple(bufs)
+                t0 = clock.start()
+                out = stage(x, data[j])
+                clock.stop(t0, fwd_s, j)
+                if stage.is_last:
+                    loss_j, ntok_j = out
+                    loss_sum += loss_j.detach().to(torch.float64)
+                    tokens += torch.as_tensor(ntok_j, device=ctx.device).to(torch.float64)
+                    saved[j] = (inputs, loss_j)
+                else:
+                    outs = _as_tuple(out)
+                    saved[j] = (inputs, outs)
+                    outbox[Message(j, "act", s, s + 1)] = [o.detach().contiguous() for o in outs]
+                if not stage.is_first and not stage.is_last:
+                    data[j] = None
+            else:
+                inputs, outs = saved.pop(j)
+                if stage.is_last:
+                    t0 = clock.start()
+                    outs.backward()
+                    clock.stop(t0, bwd_s, j)
+                else:
+                    bufs, works = inbox.pop(Message(j, "grad", s + 1, s))
+                    wait_s += self._wait(works)
+                    grad_outs = [o for o, sp in zip(outs, spec_out[j]) if sp.requires_grad]
+                    pairs = [(o, g) for o, g in zip(grad_outs, bufs) if o.requires_grad]
+                    t0 = clock.start()
+                    if pairs:
+                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                    clock.stop(t0, bwd_s, j)
+                if not stage.is_first:
+                    outbox[Message(j, "grad", s, s - 1)] = [
+                        (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, spec_in[j])
+                        if sp.requires_grad]
+                data[j] = None
+        for _, works in sent:
+            wait_s += self._wait(works)
+        if inbox or outbox or saved:
+            raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
+
+        # one all-reduce over every rank: [sum of token losses, real target tokens]
+        mon.raise_if_failed()
+        stats = torch.stack([loss_sum, tokens])
+        self._in_comm = True
+        dist.all_reduce(stats)
+        self._in_comm = False
+        total_loss, n_tokens = stats.tolist()
+        scale = 1.0 / max(n_tokens, 1.0)
+        grads = []
+        for p in params:
+            if p.grad is None:  # unused this step: the flattened layout must match across replicas
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if grads:
+            if ctx.num_replicas > 1:
+                mon.raise_if_failed()
+                flat = _flatten_dense_tensors(grads)
+                self._in_comm = True
+                dist.all_reduce(flat, group=ctx.dp_group)
+                self._in_comm = False
+                flat.mul_(scale)
+                for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(r)
+            else:
+                torch._foreach_mul_(grads, scale)
+        if optimizer is not None:
+            optimizer.step()
+        clock.resolve()
+        timing = StepTiming(self.step_index, ctx.rank, s, ctx.replica, fwd_s, bwd_s, wait_s,
+                            time.perf_counter() - t_step)
+        all_timings = self._gather(timing, plan, M) if self.config.gather_timing else None
+        self.step_index += 1
+        return StepResult(timing.step, total_loss * scale, int(round(n_tokens)), timing, all_timings)
+
+    def _gather(self, timing: StepTiming, plan, M: int) -> tuple[StepTiming, ...]:
+        ctx = self.ctx
+        counts = plan.microbatches_per_rank() if isinstance(plan, BatchPlan) else np.full(ctx.num_replicas, M)
+        width = int(counts.max())
+        mine = torch.zeros(3, width + 1, dtype=torch.float64)
+        mine[0, :M] = torch.from_numpy(timing.forward_s)
+        mine[1, :M] = torch.from_numpy(timing.backward_s)
+        mine[2, 0], mine[2, 1] = timing.wait_s, timing.step_s
+        mine = mine.to(ctx.device)
+        out = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        self._in_comm = True
+        dist.all_gather(out, mine)
+        self._in_comm = False
+        res = []
+        for r, t in enumerate(out):
+            t = t.cpu().numpy()
+            d, st = r // ctx.num_stages, r % ctx.num_stages
+            k = int(counts[d])
+            res.append(StepTiming(timing.step, r, st, d, t[0, :k].copy(), t[1, :k].copy(), float(t[2, 0]), float(t[2, 1])))
+        return tuple(res)
+
+
+def sequential_step(layers: Sequence[nn.Module], batches: Sequence[dict], *, device=None) -> tuple[float, int]:
+    """Reference: run ``batches`` through the whole model in one process with the runner's loss
+    normalization (sum of token losses over all micro-batches / all real target tokens) and leave
+    the gradients in the parameters' ``.grad``. Returns (loss, num_tokens)."""
+    whole = PipelineStage(list(layers), 0, len(layers))
+    if device is not None:
+        whole.to(device)
+        batches = [_to_device(b, torch.device(device)) for b in batches]
+    for p in whole.parameters():
+        p.grad = None
+    total, n = 0.0, 0
+    for b in batches:
+        loss, ntok = whole(None, b)
+        loss.backward()
+        total += float(loss.detach())
+        n += int(ntok)
+    for p in whole.parameters():
+        if p.grad is not None:
+            p.grad.div_(max(n, 1))
+    return total / max(n, 1), n

@@ -1,0 +1,134 @@
+"""Multi-process pipeline runs over gloo on 127.0.0.1: correctness against a single process, 1,000-step
+soak runs, per-peer operation order, failure propagation and debug shape headers.
+
+Every test launches real processes through `dynabatch.pipeline.launch_local`; the rank-side code is
+in ``test_pipeline_workers.py``.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dynabatch.pipeline import check_peer_sequences, launch_local
+
+WORKERS = str(Path(__file__).with_name("test_pipeline_workers.py"))
+SCHEDULES = ["gpipe", "1f1b", "adaptive"]
+
+
+def run(fn, nprocs, *args, timeout_s=120.0):
+    res = launch_local(f"{WORKERS}:{fn}", nprocs, args=args, timeout_s=timeout_s)
+    return res
+
+
+def ok(res):
+    for r in res:
+        assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
+    return [r.result for r in res]
+
+
+def check_correctness(results, world, stages):
+    for rank, out in enumerate(results):
+        assert out["cases"], "no cases ran"
+        for c in out["cases"]:
+            what = f"rank {rank} {c['model']} {c['collation']} {c['schedule']} step {c['step']}"
+            assert c["tokens"] == c["ref_tokens"], what
+            assert abs(c["loss"] - c["ref_loss"]) <= 1e-6 * abs(c["ref_loss"]), what
+            assert c["grad_scale"] > 0, what
+            assert c["max_grad_diff"] <= 1e-5 * c["grad_scale"] + 1e-9, (what, c["max_grad_diff"], c["grad_scale"])
+    # the stages of one replica derived the same op orders from the plan alone
+    for d in range(world // stages):
+        replica = results[d * stages:(d + 1) * stages]
+        for c in zip(*[out["cases"] for out in replica]):
+            assert all(x["orders"] == c[0]["orders"] for x in c)
+    for key in results[0]["comm"]:
+        per_rank = {r: {int(p): seq for p, seq in results[r]["comm"][key].items()} for r in range(world)}
+        check_peer_sequences(per_rank)
+
+
+def test_two_stages_match_single_process_all_schedules():
+    """gpt-tiny padded and packed, t5-tiny padded (with debug headers): 2-stage loss and gradients
+    equal a single-process run of the same micro-batches, for gpipe, 1f1b and adaptive."""
+    cases = [["gpt-tiny", [0, 2, 5], "padded", False], ["gpt-tiny", [0, 3, 5], "packed", False],
+             ["t5-tiny", [0, 3, 6], "padded", True]]
+    results = ok(run("correctness", 2, 2, cases, SCHEDULES, 2, False))
+    check_correctness(results, 2, 2)
+    seen = {(c["model"], c["collation"], c["schedule"]) for c in results[0]["cases"]}
+    assert len(seen) == 9
+
+
+def test_data_parallel_with_planner_matches_single_process():
+    """2 stages x 2 replicas, t5-tiny, micro-batches planned by plan_microbatches: gradients after the
+    data-parallel all-reduce equal the single-process gradients of the whole global batch."""
+    cases = [["t5-tiny", [0, 3, 6], "padded", False]]
+    results = ok(run("correctness", 4, 2, cases, SCHEDULES, 1, True))
+    check_correctness(results, 4, 2)
+
+
+def test_four_stages_uneven_replicas_match_single_process():
+    """4 stages, gpt-tiny, random micro-batch counts: every stage's gradients are right."""
+    cases = [["gpt-tiny", [0, 2, 3, 4, 5], "padded", False]]
+    results = ok(run("correctness", 4, 4, cases, SCHEDULES, 1, False))
+    check_correctness(results, 4, 4)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_thousand_variable_steps_no_hang(stages):
+    """1,000 steps of 1-2 random-shape micro-batches, cycling gpipe/1f1b/adaptive, finish well within
+    the time limit, and both ends of every link posted the same operation sequence."""
+    results = ok(run("soak", stages, stages, 1000, SCHEDULES, True, timeout_s=90))
+    assert all(r["steps"] == 1000 and r["finite"] for r in results)
+    per_rank = {r: {int(p): seq for p, seq in results[r]["comm"].items()} for r in range(stages)}
+    check_peer_sequences(per_rank)
+    assert sum(len(v) for v in per_rank[0].values()) >= 2000  # at least 1 act + 1 grad per step
+
+
+def test_failing_rank_stops_every_rank_with_its_error():
+    """2 stages x 2 replicas; rank 1 raises in step 3: every process exits non-zero within the
+    timeout, and every rank's error names rank 1's exception."""
+    res = run("failing", 4, 2, 1, 3, 0.0, timeout_s=40)
+    for r in res:
+        assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-2000:]}"
+        assert r.returncode != 0, f"rank {r.rank} exited 0"
+        assert "boom from rank 1 at step 3" in r.stderr, f"rank {r.rank}:\n{r.stderr[-2000:]}"
+    assert "ValueError" in res[1].stderr
+    # the others end soon after the failing rank (worker timeout_s=20, abort_after_s=3)
+    assert max(r.wall_s for r in res) - res[1].wall_s < 10.0
+    for r in (res[0], res[2], res[3]):
+        assert "rank 1 (stage 1, replica 0) failed: ValueError" in r.stderr
+
+
+def test_failing_rank_that_stays_alive_cannot_hang_the_others():
+    """The failing rank's process lingers 8 s before exiting (as if it caught the error): the other
+    rank, blocked on it, still ends (its watchdog, abort_after_s=3) soon after the failure, with its
+    error text."""
+    res = run("failing", 2, 2, 1, 3, 8.0, timeout_s=40)
+    assert res[1].returncode != 0 and not res[1].timed_out
+    assert res[0].returncode != 0 and not res[0].timed_out
+    assert "boom from rank 1 at step 3" in res[0].stderr
+    assert "aborting: still blocked" in res[0].stderr
+    assert res[0].wall_s < res[1].wall_s - 2.0, (res[0].wall_s, res[1].wall_s)
+
+
+def test_debug_headers_catch_a_wrong_planned_shape():
+    """Rank 1 holds a plan whose first micro-batch is 8 tokens longer; with debug headers both ranks
+    stop with a ShapeMismatch that states both shapes."""
+    res = run("wrong_plan", 2, 1, timeout_s=40)
+    for r in res:
+        assert not r.timed_out and r.returncode != 0
+        assert "ShapeMismatch" in r.stderr and "the ranks do not hold the same plan" in r.stderr, r.stderr[-2000:]
+    assert "planned to receive act F0 0->1" in res[1].stderr
+
+
+def test_feedback_loop_in_a_real_pipeline_plans_with_measured_costs():
+    """Plan -> run (timings gathered from every rank) -> FeedbackLoop.record -> refit -> plan the next
+    batch: every rank ends with the same coefficients (so they keep agreeing on the plan), which
+    moved away from the analytic prior, and the prediction error stays sane."""
+    res = ok(run("feedback_run", 2, 24))
+    a, b = res
+    assert a["coef"] == b["coef"] and a["history"] == b["history"]
+    assert len(a["history"]) == 6
+    assert a["consistent"] and b["consistent"]
+    assert not np.allclose(a["coef"], a["prior"], rtol=0.05)
+    assert np.mean(a["errors"][-8:]) < 0.6
