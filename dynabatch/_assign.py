@@ -205,33 +205,44 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
         mx[best] = max(mx[best], t)
         cnt[best] += 1
 
-    def objective(r, members):
-        ts = [times[k] for k in members]
-        return sum(ts) + w * max(ts, default=0.0)
+    def stats():
+        # rank sums accumulated in micro-batch order, largest and second largest, as the kernel does
+        s, m1, m2 = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
+        for k in range(m):
+            r, t = rank_of[k], times[k]
+            s[r] += t
+            if t > m1[r]:
+                m1[r], m2[r] = t, m1[r]
+            elif t > m2[r]:
+                m2[r] = t
+        return s, m1, m2
 
     for _ in range(max_rounds):
-        members = [[k for k in range(m) if rank_of[k] == r] for r in range(ranks)]
-        obj = [objective(r, members[r]) for r in range(ranks)]
-        rmax = max(range(ranks), key=lambda r: (obj[r], -r))
+        s, m1, m2 = stats()
+        obj = [s[r] + w * m1[r] for r in range(ranks)]
+        rmax = obj.index(max(obj))
         cur = obj[rmax]
         best_gain, move = 1e-12 * cur, None
-        for a in members[rmax]:
+        for a in range(m):
+            if rank_of[a] != rmax:
+                continue
+            ta = times[a]
+            rest_a = m2[rmax] if ta == m1[rmax] else m1[rmax]
             for b in range(m):
-                r = rank_of[b]
-                if r == rmax or times[b] >= times[a]:
+                r, tb = rank_of[b], times[b]
+                if r == rmax or tb >= ta:
                     continue
-                o1 = objective(rmax, [k for k in members[rmax] if k != a] + [b])
-                o2 = objective(r, [k for k in members[r] if k != b] + [a])
-                if cur - max(o1, o2) > best_gain:
-                    best_gain, move = cur - max(o1, o2), (a, b)
+                rest_b = m2[r] if tb == m1[r] else m1[r]
+                gain = cur - max(s[rmax] - ta + tb + w * max(rest_a, tb), s[r] - tb + ta + w * max(rest_b, ta))
+                if gain > best_gain:
+                    best_gain, move = gain, (a, b)
             if not equal_counts:
                 for r in range(ranks):
                     if r == rmax:
                         continue
-                    o1 = objective(rmax, [k for k in members[rmax] if k != a])
-                    o2 = objective(r, members[r] + [a])
-                    if cur - max(o1, o2) > best_gain:
-                        best_gain, move = cur - max(o1, o2), (a, -1 - r)
+                    gain = cur - max(s[rmax] - ta + w * rest_a, s[r] + ta + w * max(m1[r], ta))
+                    if gain > best_gain:
+                        best_gain, move = gain, (a, -1 - r)
         if move is None:
             break
         a, b = move
