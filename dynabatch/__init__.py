@@ -54,3 +54,20 @@ __all__ = [
     "synthetic_shapes",
 ]
 __version__ = "0.1.0"
+
+# The DataLoader and collation need torch: imported on first use so `import dynabatch` stays light.
+_LAZY = {
+    "DataLoader": "dataloader", "build_index": "dataloader", "collate_padded": "collate",
+    "collate_packed": "collate", "model_inputs": "collate", "Collective": "_collective",
+    "LocalCollective": "_collective", "ThreadCollective": "_collective", "TorchCollective": "_collective",
+    "PlanMismatchError": "_replay", "LoaderStateError": "_loader_state",
+}
+__all__ += sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

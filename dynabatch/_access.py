@@ -1,0 +1,370 @@
+"""Random access to a `loaders` source by ``sample_id``: the indexed mode's reader.
+
+``sample_id`` is ``(shard << 32) | position`` (the loaders convention; the row index for a HF
+``datasets.Dataset``), so a sample is found without any search. Costs, per format:
+
+* Parquet: the row-group starts come from the footer (already read by the source). A read groups
+  the wanted rows by row group and decodes each touched row group once per call (``read_row_group``
+  + ``take``), so a step whose samples are spread over the file decodes up to one row group per
+  sample: keep row groups small (a few thousand rows) for indexed training.
+* Arrow IPC files: memory-mapped; one record batch per touched batch, zero-copy ``take``.
+* JSONL: a byte offset per line, built once by one vectorized newline scan of each file (8 bytes
+  of memory per line, about 1 s per GB); reads are ``mmap`` slices. Compressed ``.gz``/``.zst`` files
+  have no byte offsets: they are decompressed once into memory (the whole file) and indexed there.
+* HF ``datasets.Dataset``: ``dataset[indices]`` through the Arrow formatter (one ``take``).
+* Anything else (webdataset, JSON arrays, streaming HF): the source's own reader over the nearby
+  positions; streaming HF datasets re-stream from the shard start, so they are not random access.
+
+Every reader maps raw records to the same normalized sample dicts the source yields (same schema
+mapping, ``key``, ``source`` name and ``sample_id``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+POSITION_BITS = 32
+POSITION_MASK = (1 << POSITION_BITS) - 1
+_CHUNK = 1 << 20
+# Positions further apart than this are read with separate range reads by the generic reader.
+_GAP = 256
+
+
+def split_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, position) of loaders sample ids."""
+    ids = np.asarray(sample_ids, np.int64)
+    return ids >> POSITION_BITS, ids & POSITION_MASK
+
+
+class SampleAccess:
+    """Reads normalized sample dicts by ``sample_id``. Subclasses implement `_read_shard`."""
+
+    random_access = True
+
+    def __init__(self, source, name: str | None = None, shard_offset: int = 0):
+        self.source = source
+        self.reader = source._reader
+        self.name = name or source.name
+        self.shard_offset = shard_offset
+        self._pid = os.getpid()
+
+    # handles opened in a parent process must not be shared with forked DataLoader workers
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._reset()
+
+    def _reset(self) -> None:
+        pass
+
+    def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict]:
+        """The samples with these ids, in the given order. Raises KeyError for an unknown id."""
+        self._check_pid()
+        ids = np.asarray(sample_ids, np.int64)
+        shard, pos = split_ids(ids)
+        shard = shard - self.shard_offset
+        found: dict[int, dict] = {}
+        for s in np.unique(shard):
+            sel = shard == s
+            if s < 0 or s >= len(self.reader.shards):
+                raise KeyError(f"sample_id {int(ids[sel][0])} names shard {int(s)}, but source "
+                               f"{self.name!r} has {len(self.reader.shards)} shards")
+            want = np.unique(pos[sel])
+            for p, raw in zip(want, self._read_shard(int(s), want)):
+                found[(int(s) << POSITION_BITS) | int(p)] = self._normalize(raw, int(s))
+        return [found[int(i) - (self.shard_offset << POSITION_BITS)] for i in ids]
+
+    def _read_shard(self, shard: int, positions: np.ndarray) -> list:
+        """`loaders` RawRecords at the sorted, unique ``positions`` of ``shard``, in that order."""
+        raise NotImplementedError
+
+    def _normalize(self, raw, shard: int) -> dict:
+        from loaders import LoaderError
+
+        if raw.error is not None:
+            raise raw.error
+        try:
+            m = self.source._schema(raw)
+        except LoaderError:
+            raise
+        sample = {"sample_id": ((shard + self.shard_offset) << POSITION_BITS) | raw.position, "key": raw.key,
+                  "inputs": m.inputs, "targets": m.targets, "task": m.task, "images": m.images}
+        if m.image_sizes is not None:
+            sample["image_sizes"] = [tuple(s) for s in m.image_sizes]
+        if m.messages is not None:
+            sample["messages"] = m.messages
+        sample["source"] = self.name
+        sample["meta"] = m.meta
+        return sample
+
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        self._drop_handles(d)
+        return d
+
+    @staticmethod
+    def _drop_handles(d: dict) -> None:
+        pass
+
+
+class GenericAccess(SampleAccess):
+    """Through the source's own reader: one range read per cluster of nearby positions."""
+
+    def __init__(self, source, name=None, shard_offset=0):
+        super().__init__(source, name, shard_offset)
+        self.random_access = bool(getattr(self.reader, "random_access", True))
+
+    def _read_shard(self, shard, positions):
+        got = {}
+        lo = hi = None
+        clusters = []
+        for p in positions.tolist():
+            if lo is not None and p - hi <= _GAP:
+                hi = p
+            else:
+                if lo is not None:
+                    clusters.append((lo, hi))
+                lo = hi = p
+        if lo is not None:
+            clusters.append((lo, hi))
+        wanted = set(positions.tolist())
+        for a, b in clusters:
+            for raw in self.reader.read(shard, a, b + 1):
+                if raw.position in wanted:
+                    got[raw.position] = raw
+        missing = [p for p in positions.tolist() if p not in got]
+        if missing:
+            info = self.reader.shards[shard]
+            raise KeyError(f"{info.name}: no sample at positions {missing[:5]} (blank lines, or the data changed)")
+        return [got[p] for p in positions.tolist()]
+
+
+class ParquetAccess(SampleAccess):
+    """Parquet files: row group + offset, one decode per touched row group per call."""
+
+    def __init__(self, source, name=None, shard_offset=0):
+        super().__init__(source, name, shard_offset)
+        self._files: dict[int, object] = {}
+
+    def _reset(self):
+        self._files = {}
+
+    @staticmethod
+    def _drop_handles(d):
+        d["_files"] = {}
+
+    def _file(self, shard):
+        import pyarrow.parquet as pq
+
+        if shard not in self._files:
+            self._files[shard] = pq.ParquetFile(self.reader.shards[shard].path)
+        return self._files[shard]
+
+    def _groups(self, shard, positions):
+        starts = np.asarray(self.reader._group_starts[shard], np.int64)
+        n = starts[-1] if len(starts) else 0
+        if len(positions) and positions[-1] >= n:
+            raise KeyError(f"{self.reader.shards[shard].name}: row {int(positions[-1])} is past the end ({n} rows)")
+        return starts, np.searchsorted(starts, positions, side="right") - 1
+
+    def _read_group(self, shard, group):
+        return self._file(shard).read_row_group(int(group), columns=self.reader.columns)
+
+    def _read_shard(self, shard, positions):
+        from loaders._types import RawRecord
+
+        info = self.reader.shards[shard]
+        base_dir = os.path.dirname(info.path)
+        starts, group = self._groups(shard, positions)
+        out = []
+        for g in np.unique(group):
+            sel = positions[group == g]
+            rows = self._read_group(shard, g).take(sel - starts[g]).to_pylist()
+            out += [RawRecord(int(p), f"{info.name}:{int(p)}", r, base_dir=base_dir) for p, r in zip(sel, rows)]
+        return out
+
+
+class ArrowAccess(ParquetAccess):
+    """Arrow IPC files (random-access format): memory-mapped record batches."""
+
+    def _file(self, shard):
+        import pyarrow as pa
+
+        if shard not in self._files:
+            mm = pa.memory_map(self.reader.shards[shard].path)
+            self._files[shard] = pa.ipc.open_file(mm)
+        return self._files[shard]
+
+    def _read_group(self, shard, group):
+        batch = self._file(shard).get_batch(int(group))
+        if self.reader.columns is not None:
+            batch = batch.select(self.reader.columns)
+        return batch
+
+
+class HFAccess(SampleAccess):
+    """A map-style ``datasets.Dataset``: ``sample_id`` is the row index."""
+
+    def _read_shard(self, shard, positions):
+        from loaders._types import RawRecord
+
+        n = self.reader.shards[0].num_rows
+        if len(positions) and positions[-1] >= n:
+            raise KeyError(f"row {int(positions[-1])} is past the end of dataset {self.name!r} ({n} rows)")
+        rows = self.reader._arrow[positions.tolist()].to_pylist()
+        return [RawRecord(int(p), f"{self.reader.name}:{int(p)}", r) for p, r in zip(positions, rows)]
+
+
+def line_offsets(data) -> np.ndarray:
+    """Byte offset of the start of every line, plus the end (int64, length lines + 1).
+
+    ``data`` is a bytes-like object or an open binary file; one vectorized newline scan.
+    """
+    parts = [np.zeros(1, np.int64)]
+    size = 0
+    if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):
+        buf = np.frombuffer(data, np.uint8)
+        parts.append(np.flatnonzero(buf == 10).astype(np.int64) + 1)
+        size = len(buf)
+    else:
+        while chunk := data.read(_CHUNK):
+            parts.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + 1 + size)
+            size += len(chunk)
+    offs = np.concatenate(parts)
+    if offs[-1] != size:  # last line without a trailing newline
+        offs = np.append(offs, size)
+    return offs
+
+
+class JsonlAccess(SampleAccess):
+    """JSON Lines: byte offset of every line (see the module docstring for the cost)."""
+
+    def __init__(self, source, name=None, shard_offset=0):
+        from loaders._files import is_compressed, open_binary
+
+        super().__init__(source, name, shard_offset)
+        self._offsets: list[np.ndarray] = []
+        self._memory: dict[int, bytes] = {}  # decompressed files
+        self._maps: dict[int, mmap.mmap] = {}
+        for info in self.reader.shards:
+            if is_compressed(info.path):
+                with open_binary(info.path) as f:
+                    self._memory[info.index] = f.read()
+                self._offsets.append(line_offsets(self._memory[info.index]))
+            else:
+                with open(info.path, "rb") as f:
+                    self._offsets.append(line_offsets(f))
+
+    def _reset(self):
+        self._maps = {}
+
+    @staticmethod
+    def _drop_handles(d):
+        d["_maps"] = {}
+
+    def _data(self, shard):
+        if shard in self._memory:
+            return self._memory[shard]
+        if shard not in self._maps:
+            with open(self.reader.shards[shard].path, "rb") as f:
+                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+        return self._maps[shard]
+
+    def _read_shard(self, shard, positions):
+        from loaders._jsonl import parse_json_object
+        from loaders._types import RawRecord
+        from loaders import InvalidJSONError
+
+        info = self.reader.shards[shard]
+        offs = self._offsets[shard]
+        if len(positions) and positions[-1] >= len(offs) - 1:
+            raise KeyError(f"{info.name}: line {int(positions[-1]) + 1} is past the end ({len(offs) - 1} lines)")
+        data = self._data(shard)
+        base_dir = os.path.dirname(info.path)
+        out = []
+        for p in positions.tolist():
+            where = f"{info.name}:{p + 1}"
+            text = bytes(data[offs[p]:offs[p + 1]]).strip()
+            if not text:
+                raise KeyError(f"{where}: blank line, no sample there (is the index from other data?)")
+            try:
+                out.append(RawRecord(p, where, parse_json_object(text, where), base_dir=base_dir))
+            except InvalidJSONError as e:
+                out.append(RawRecord(p, where, error=e))
+        return out
+
+
+class MixtureAccess:
+    """A `loaders.Mixture`: dispatch each id to its source by shard range."""
+
+    def __init__(self, mixture, generic: bool = False):
+        self.parts = []
+        for name in mixture.names:
+            child = mixture._children[name]
+            off = mixture._offsets[name]
+            self.parts.append((off, off + child.num_shards,
+                               open_access(child, name=name, shard_offset=off, generic=generic)))
+        self.random_access = all(p[2].random_access for p in self.parts)
+
+    def read(self, sample_ids) -> list[dict]:
+        ids = np.asarray(sample_ids, np.int64)
+        shard, _ = split_ids(ids)
+        out: list = [None] * len(ids)
+        for lo, hi, acc in self.parts:
+            sel = np.flatnonzero((shard >= lo) & (shard < hi))
+            if len(sel):
+                for i, s in zip(sel, acc.read(ids[sel])):
+                    out[i] = s
+        bad = [int(ids[i]) for i, s in enumerate(out) if s is None]
+        if bad:
+            raise KeyError(f"sample ids {bad[:5]} belong to no source of the mixture")
+        return out
+
+
+def open_access(source, name: str | None = None, shard_offset: int = 0, generic: bool = False):
+    """The best random-access reader for a `loaders.Source` (or `Mixture`). ``generic`` uses the
+    source's own range reads, which need no index of their own (for the few re-reads of a resume)."""
+    import loaders
+    from loaders._arrow import ArrowIPCReader, ParquetReader
+    from loaders._hf import HFDatasetReader
+    from loaders._jsonl import JsonlReader
+
+    if isinstance(source, loaders.Mixture):
+        return MixtureAccess(source, generic)
+    reader = source._reader
+    if generic:
+        return GenericAccess(source, name, shard_offset)
+    if isinstance(reader, ParquetReader):
+        return ParquetAccess(source, name, shard_offset)
+    if isinstance(reader, ArrowIPCReader) and _all_ipc_files(reader):
+        return ArrowAccess(source, name, shard_offset)
+    if isinstance(reader, JsonlReader):
+        return JsonlAccess(source, name, shard_offset)
+    if isinstance(reader, HFDatasetReader):
+        return HFAccess(source, name, shard_offset)
+    return GenericAccess(source, name, shard_offset)
+
+
+def _all_ipc_files(reader) -> bool:
+    import pyarrow as pa
+
+    try:
+        for info in reader.shards:
+            with pa.memory_map(info.path) as mm:
+                pa.ipc.open_file(mm)
+        return True
+    except (pa.ArrowInvalid, OSError):
+        return False
+
+
+def supports_indexed(source) -> bool:
+    """Whether a source can be read by ``sample_id`` cheaply enough for the indexed mode."""
+    import loaders
+
+    if isinstance(source, loaders.Mixture):
+        return False
+    return bool(getattr(source._reader, "random_access", True)) and source.num_rows is not None

@@ -1,0 +1,272 @@
+"""Records shared by the indexed and streaming modes: a step's plan for one rank, tokenized
+samples, and the step -> collated micro-batch dicts conversion.
+
+A `StepPlan` is what one rank runs in one optimizer step: its micro-batches in execution order
+(padded with zero-token placeholders up to the step's micro-batch count, which is the same on every
+rank) and the whole global batch's token and sample counts (all ranks), for loss normalization.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import _pixels
+from .batchplan import BatchPlan
+from .collate import IGNORE_INDEX, collate_packed, collate_padded, placeholder_batch
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One micro-batch of one rank: sample ids in row order and the plan's padded shape.
+
+    ``rows`` is each sample's row for packed-rows collation (None otherwise); ``input_len`` and
+    ``target_len`` are the plan's padded lengths in tokens (0: derive from the samples);
+    ``real_tokens`` the plan's count of real tokens (input + target + vision);
+    ``predicted_time_s`` the cost model's forward+backward seconds on one stage.
+    """
+
+    sample_ids: np.ndarray
+    rows: np.ndarray | None = None
+    input_len: int = 0
+    target_len: int = 0
+    real_tokens: int = 0
+    predicted_time_s: float = 0.0
+    is_padding: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One rank's share of one optimizer step (see the module docstring).
+
+    ``step`` counts from 0 across epochs; ``step_in_epoch`` within the epoch. ``step_real_tokens``,
+    ``step_target_tokens`` (labels that count in the loss) and ``step_samples`` cover all ranks.
+    ``plan_time_s`` is the wall time spent planning the step (seconds).
+    """
+
+    step: int
+    epoch: int
+    step_in_epoch: int
+    collation: str
+    microbatches: tuple[MicroBatchPlan, ...]
+    step_real_tokens: int
+    step_target_tokens: int
+    step_samples: int
+    plan_time_s: float = 0.0
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    def sample_ids(self) -> np.ndarray:
+        """This rank's sample ids of the step, micro-batch by micro-batch."""
+        parts = [mb.sample_ids for mb in self.microbatches]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+@dataclass
+class TokSample:
+    """A tokenized sample: the `EncodedSample` plus what collation needs of its images.
+
+    ``tiles`` is the sample's vision tile count under the vision policy (0 without images);
+    ``images`` keeps the image references only when pixels will be decoded.
+    """
+
+    sample_id: int
+    enc: object
+    tiles: int = 0
+    images: list | None = None
+
+    @property
+    def input_tokens(self) -> int:
+        return int(self.enc.input_tokens)
+
+    @property
+    def target_tokens(self) -> int:
+        return int(self.enc.target_tokens)
+
+    @property
+    def vision_tokens(self) -> int:
+        return int(self.enc.vision_tokens)
+
+
+def label_tokens(enc, family: str) -> int:
+    """Labels of one sample that count in the loss after collation (the first is masked for
+    decoder-only models, see `dynabatch.collate`)."""
+    if family == "encoder_decoder":
+        return len(enc.target_ids)
+    labels = enc.labels if enc.labels is not None else enc.input_ids
+    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
+
+
+def label_counts(encs: Sequence, family: str) -> np.ndarray:
+    """`label_tokens` of many samples at once (one pass over their concatenated labels)."""
+    if not len(encs):
+        return np.zeros(0, np.int64)
+    if family == "encoder_decoder":
+        return np.fromiter((len(e.target_ids) for e in encs), np.int64, count=len(encs))
+    labels = [e.labels if e.labels is not None else e.input_ids for e in encs]
+    lengths = np.fromiter((len(a) for a in labels), np.int64, count=len(labels))
+    trained = np.concatenate(labels) != IGNORE_INDEX
+    starts = np.cumsum(lengths) - lengths
+    trained[starts[lengths > 0]] = False  # the first label of each sample is masked at collation
+    counts = np.zeros(len(encs), np.int64)
+    nz = lengths > 0
+    counts[nz] = np.add.reduceat(trained.astype(np.int64), starts[nz])
+    return counts
+
+
+def encode_samples(samples: Sequence[dict], formatter, vision, keep_images: bool,
+                   on_error: str = "raise") -> list[TokSample]:
+    """Tokenize samples with one batched tokenizer call; skipped samples (``on_error="skip"``)
+    are left out."""
+    encoded = formatter.encode_batch(samples, on_error=on_error)
+    keep = [i for i, e in enumerate(encoded) if e is not None]
+    kept = [samples[i] for i in keep]
+    tiles = _pixels.sample_tiles(kept, vision) if vision is not None else np.zeros(len(kept), np.int64)
+    return [TokSample(int(encoded[i].sample_id), encoded[i], int(t),
+                      list(samples[i].get("images") or []) if keep_images else None)
+            for i, t in zip(keep, tiles)]
+
+
+def rank_step(plan: BatchPlan, rank: int, *, epoch: int, step_in_epoch: int, step_target_tokens: int,
+              plan_time_s: float = 0.0, rank_map: np.ndarray | None = None) -> StepPlan:
+    """This rank's `StepPlan` from a global `BatchPlan`: its micro-batches in execution order,
+    padded with placeholders up to the largest per-rank count (equal on every rank).
+
+    ``rank_map`` maps the plan's ranks to loader ranks (a global batch with fewer samples than
+    ranks is planned on fewer ranks; the others only get placeholders).
+    """
+    mb_rank = plan.mb_rank if rank_map is None else np.asarray(rank_map)[plan.mb_rank]
+    counts = np.bincount(mb_rank, minlength=rank + 1)
+    K = int(counts.max(initial=0))
+    mine = np.flatnonzero(mb_rank == rank)
+    mine = mine[np.argsort(plan.mb_order[mine], kind="stable")]
+    packed_rows = plan.collation == "packed_rows"
+    mbs = []
+    for k in mine:
+        a, b = plan.mb_offsets[k], plan.mb_offsets[k + 1]
+        mbs.append(MicroBatchPlan(
+            sample_ids=plan.sample_ids[a:b].copy(),
+            rows=plan.sample_row[a:b].copy() if packed_rows else None,
+            input_len=int(plan.mb_input_len[k]) if plan.collation != "packed" else 0,
+            target_len=int(plan.mb_target_len[k]) if plan.collation != "packed" else 0,
+            real_tokens=int(plan.mb_real_tokens[k]),
+            predicted_time_s=float(plan.mb_time_s[k]),
+        ))
+    mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
+    return StepPlan(step=int(plan.step), epoch=epoch, step_in_epoch=step_in_epoch, collation=plan.collation,
+                    microbatches=tuple(mbs), step_real_tokens=int(plan.mb_real_tokens.sum()),
+                    step_target_tokens=int(step_target_tokens), step_samples=len(plan.sample_ids),
+                    plan_time_s=plan_time_s)
+
+
+@dataclass(frozen=True)
+class CollateConfig:
+    """How micro-batches are collated: layout, model family, special ids and vision handling.
+
+    ``collation`` is the plan's (``padded``, ``packed``, ``packed_rows``); ``pad_to_multiple_of``
+    is also the placeholder length (tokens).
+    """
+
+    collation: str
+    family: str
+    pad_id: int
+    pad_to_multiple_of: int = 8
+    decoder_start_token_id: int | None = None
+    vision: object = None
+    load_pixels: bool = False
+    pixel_mean: tuple = _pixels.IMAGENET_MEAN
+    pixel_std: tuple = _pixels.IMAGENET_STD
+
+
+@dataclass
+class ReadyStep:
+    """A collated step: this rank's micro-batch dicts plus what the loader's state needs."""
+
+    step: StepPlan
+    batches: list
+    snapshot: dict | None = None  # streaming: the planner's state before this step
+    load_time_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def pin_memory(self) -> "ReadyStep":
+        """Page-locked copies of the tensors (called by the torch DataLoader's pin-memory thread)."""
+        batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                   for b in self.batches]
+        return ReadyStep(self.step, batches, self.snapshot, self.load_time_s, self.extra)
+
+
+class ShapeMismatch(Warning):
+    """The samples are longer than the plan said (the length index is stale or was built with
+    other tokenization settings)."""
+
+
+def collate_step(step: StepPlan, samples: Mapping[int, TokSample], cfg: CollateConfig,
+                 on_mismatch=None) -> list[dict]:
+    """Collate every micro-batch of a `StepPlan` and attach the metadata keys.
+
+    ``samples`` maps sample id -> `TokSample` (at least this rank's samples of the step).
+    ``on_mismatch(message)`` is called when a sample is longer than the plan's padded length.
+    """
+    out = []
+    K = step.num_microbatches
+    for i, mb in enumerate(step.microbatches):
+        if mb.is_padding:
+            batch = placeholder_batch(cfg.collation, family=cfg.family, pad_id=cfg.pad_id,
+                                      length=cfg.pad_to_multiple_of,
+                                      decoder_start_token_id=cfg.decoder_start_token_id)
+            toks: list[TokSample] = []
+            real = 0
+        else:
+            toks = [samples[int(s)] for s in mb.sample_ids]
+            encs = [t.enc for t in toks]
+            if cfg.collation == "packed":
+                batch = collate_packed(encs, family=cfg.family, pad_id=cfg.pad_id,
+                                       decoder_start_token_id=cfg.decoder_start_token_id)
+            else:
+                has_vision = any(t.vision_tokens for t in toks)
+                # The plan's main length counts vision tokens the model inserts itself; the text ids
+                # are then padded to their own longest row.
+                want_in = 0 if has_vision else mb.input_len
+                batch = collate_padded(encs, family=cfg.family, pad_id=cfg.pad_id,
+                                       pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,
+                                       target_len=mb.target_len, rows=mb.rows,
+                                       decoder_start_token_id=cfg.decoder_start_token_id)
+                if on_mismatch is not None and not has_vision and mb.input_len and (
+                        batch["input_ids"].shape[1] > mb.input_len
+                        or ("decoder_input_ids" in batch and batch["decoder_input_ids"].shape[1] > mb.target_len)):
+                    on_mismatch(f"step {step.step} micro-batch {i}: samples need {tuple(batch['input_ids'].shape)} "
+                                f"but the plan padded to {mb.input_len} (target {mb.target_len}) tokens")
+            real = mb.real_tokens
+        if cfg.vision is not None:
+            batch["image_tiles"] = torch.tensor([t.tiles for t in toks], dtype=torch.int64)
+            if cfg.load_pixels:
+                batch["pixel_values"] = _pixels.pixel_values([t.images or [] for t in toks], cfg.vision,
+                                                             cfg.pixel_mean, cfg.pixel_std)
+        batch.update(
+            step=step.step, epoch=step.epoch, microbatch=i, num_microbatches=K, real_tokens=int(real),
+            step_real_tokens=step.step_real_tokens, step_target_tokens=step.step_target_tokens,
+            step_samples=step.step_samples, predicted_time_s=float(mb.predicted_time_s),
+            plan_time_s=float(step.plan_time_s), is_padding=bool(mb.is_padding),
+            sample_ids=torch.from_numpy(np.asarray(mb.sample_ids, np.int64).copy()),
+        )
+        out.append(batch)
+    return out
+
+
+class Timer:
+    """``with Timer() as t: ...`` then ``t.s`` (seconds)."""
+
+    def __enter__(self):
+        self._t = time.perf_counter()
+        self.s = 0.0
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self._t
+        return False

@@ -1,0 +1,104 @@
+"""`Ahead`: run a generator in a background thread, up to ``depth`` items ahead of its consumer.
+
+The loaders use it to plan the next steps while the current one trains. The thread computes item
+``i`` only once the consumer has taken item ``i - depth``: how far it runs ahead depends on what
+the consumer took, never on timing. That matters when producing an item involves a collective
+with other ranks (the streaming planner): when every rank's consumer stops after the same step,
+every rank's producer has entered exactly the same collectives, and `close` with ``drain=True``
+lets the producer finish that window instead of abandoning a collective its peers are in.
+Errors raised by the generator are re-raised in the consumer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+_ITEM, _END, _ERROR = 0, 1, 2
+
+
+class Ahead:
+    """Iterator over ``make_iter()``'s items, produced by a daemon thread up to ``depth`` ahead
+    (``depth <= 0``: no thread, items are produced on demand in the consumer's thread).
+
+    ``drain``: on `close`, keep producing until the window (items taken + ``depth``) is full
+    rather than stopping at the next item (see the module docstring).
+    """
+
+    def __init__(self, make_iter: Callable[[], Iterator], depth: int, name: str = "dynabatch-planner",
+                 drain: bool = False):
+        self._depth = int(depth)
+        self._drain = drain
+        self._closing = False
+        self._hard_stop = False
+        self._taken = 0
+        self._produced = 0
+        self._done = False
+        self._cond = threading.Condition()
+        if self._depth <= 0:
+            self._it = iter(make_iter())
+            self._thread = None
+            return
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(make_iter,), name=name, daemon=True)
+        self._thread.start()
+
+    def _may_produce(self) -> bool:
+        """Wait until the window has room; False when the thread should stop instead."""
+        with self._cond:
+            while True:
+                if self._hard_stop or (self._closing and not self._drain):
+                    return False
+                if self._produced < self._taken + self._depth:
+                    return True
+                if self._closing:  # draining, and the window is full: done
+                    return False
+                self._cond.wait(0.1)
+
+    def _run(self, make_iter) -> None:
+        try:
+            it = iter(make_iter())
+            while self._may_produce():
+                try:
+                    item = next(it)
+                except StopIteration:
+                    self._q.put((_END, None))
+                    return
+                with self._cond:
+                    self._produced += 1
+                self._q.put((_ITEM, item))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._q.put((_ERROR, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            return next(self._it)
+        if self._done:
+            raise StopIteration
+        kind, value = self._q.get()
+        if kind == _ITEM:
+            with self._cond:
+                self._taken += 1
+                self._cond.notify_all()
+            return value
+        self._done = True
+        if kind == _ERROR:
+            raise value
+        raise StopIteration
+
+    def close(self, wait: float = 0.0) -> None:
+        """Stop producing (after the current window when draining); with ``wait`` seconds, also
+        wait for the thread, and stop it outright if it is not done by then."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None and wait:
+            self._thread.join(wait)
+            if self._thread.is_alive():
+                with self._cond:
+                    self._hard_stop = True
+                    self._cond.notify_all()

@@ -1,0 +1,241 @@
+"""Collation: `tokenization.EncodedSample` s -> model inputs shaped like the Hugging Face collators'.
+
+Two layouts, both built with numpy scatters over the concatenated ids of a micro-batch (one
+``np.concatenate`` per micro-batch, no loop over tokens):
+
+* `collate_padded`: one row per sample, right-padded to the micro-batch's longest sample rounded up
+  to ``pad_to_multiple_of`` (or to the plan's padded length). Decoder-only: ``input_ids``,
+  ``attention_mask``, ``labels``; encoder-decoder adds ``decoder_input_ids`` (labels shifted right
+  behind the decoder start id) and ``decoder_attention_mask``. With ``rows=`` several samples share
+  a row (the ``pack`` baseline's fixed-length rows) and ``position_ids`` restart at each sample.
+* `collate_packed`: all samples of the micro-batch in one row of ``T`` tokens, as
+  ``DataCollatorWithFlattening`` does: ``input_ids``/``labels``/``position_ids`` of shape [1, T],
+  ``position_ids`` restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]) and ``max_seqlen``
+  for variable-length attention kernels.
+
+Labels are -100 (`IGNORE_INDEX`) on padding, on prompts (the `Formatter` masks them) and, for
+decoder-only models, on the first token of every sample. Hugging Face causal-LM models shift the
+labels inside (position t predicts label t+1), so a sample's first label is never predicted in the
+padded layout and would be predicted from the previous sample in the packed layout;
+``DataCollatorWithFlattening`` masks it for that reason. Masking it in both layouts makes
+``(labels != -100).sum()`` exactly the number of loss terms, which is what per-token loss
+normalization (`step_target_tokens`) needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+#: Keys of a collated micro-batch that a Hugging Face model's ``forward`` accepts.
+MODEL_INPUT_KEYS = (
+    "input_ids", "attention_mask", "labels", "position_ids", "decoder_input_ids",
+    "decoder_attention_mask", "pixel_values",
+)
+
+
+def model_inputs(batch: Mapping, keys: Sequence[str] = MODEL_INPUT_KEYS) -> dict:
+    """The model-input tensors of a collated micro-batch (drops the metadata such as ``step``),
+    so that ``model(**model_inputs(batch))`` works."""
+    return {k: batch[k] for k in keys if k in batch}
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-int(x) // multiple) * multiple if multiple > 1 else int(x)
+
+
+def _flatten(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenated values (int64), per-array lengths and start offsets of ragged 1-D arrays."""
+    lengths = np.fromiter((len(a) for a in arrays), np.int64, count=len(arrays))
+    flat = np.concatenate(arrays).astype(np.int64, copy=False) if len(arrays) else np.zeros(0, np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return flat, lengths, starts
+
+
+def _positions(lengths: np.ndarray, starts: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every element of the flattened arrays: the array it belongs to and its index in it."""
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    within = np.arange(total, dtype=np.int64) - starts[owner]
+    return owner, within
+
+
+def _row_layout(lengths: np.ndarray, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Row of each sample, the column its first token lands in, the number of rows and the longest
+    row. Without ``rows`` every sample has its own row; with ``rows`` samples sharing a row are laid
+    out one after another in their order in the micro-batch."""
+    n = len(lengths)
+    if rows is None:
+        return np.arange(n), np.zeros(n, np.int64), n, int(lengths.max(initial=0))
+    rows = np.asarray(rows, np.int64)
+    if len(rows) != n:
+        raise ValueError(f"rows has {len(rows)} entries for {n} samples")
+    order = np.argsort(rows, kind="stable")
+    sorted_len = lengths[order]
+    cum = np.cumsum(sorted_len) - sorted_len  # running offset over the samples sorted by row
+    first = np.searchsorted(rows[order], rows[order], side="left")  # first sample of each row
+    col = np.empty(n, np.int64)
+    col[order] = cum - cum[first]
+    nrows = int(rows.max(initial=-1)) + 1
+    row_len = np.bincount(rows, weights=lengths, minlength=nrows).astype(np.int64)
+    return rows, col, nrows, int(row_len.max(initial=0))
+
+
+def _scatter(flat, owner, within, row, col, shape, fill) -> np.ndarray:
+    out = np.full(shape, fill, np.int64)
+    if len(flat):
+        out[row[owner], col[owner] + within] = flat
+    return out
+
+
+def _shift_right(flat: np.ndarray, starts: np.ndarray, start_id: int) -> np.ndarray:
+    """Per-array shift right behind ``start_id`` (the decoder input of teacher forcing)."""
+    out = np.empty_like(flat)
+    if len(flat):
+        out[1:] = flat[:-1]
+        out[starts[starts < len(flat)]] = start_id
+    return out
+
+
+def _labels_of(samples) -> list[np.ndarray]:
+    return [s.labels if s.labels is not None else s.input_ids for s in samples]
+
+
+def collate_padded(
+    samples: Sequence,
+    *,
+    family: str = "decoder",
+    pad_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    input_len: int | None = None,
+    target_len: int | None = None,
+    decoder_start_token_id: int | None = None,
+    rows: Sequence[int] | np.ndarray | None = None,
+    mask_first_label: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch of `EncodedSample` s (int64 tensors).
+
+    ``input_len``/``target_len`` (tokens) pad to at least these lengths (the plan's padded shape);
+    otherwise the longest row is rounded up to ``pad_to_multiple_of``. Decoder-only: ``input_ids``,
+    ``attention_mask``, ``labels`` of shape [rows, L]. Encoder-decoder: ``input_ids`` and
+    ``attention_mask`` [rows, L], ``labels``, ``decoder_input_ids`` (labels shifted right behind
+    ``decoder_start_token_id``, default ``pad_id``, padding as ``pad_id``) and
+    ``decoder_attention_mask`` [rows, T]. ``rows`` puts several samples in one row (packed rows);
+    ``position_ids`` then restart at each sample. See the module docstring for the label rule.
+    """
+    if family not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+    mult = max(int(pad_to_multiple_of or 1), 1)
+    flat, lengths, starts = _flatten([s.input_ids for s in samples])
+    owner, within = _positions(lengths, starts, len(flat))
+    row, col, nrows, longest = _row_layout(lengths, rows)
+    L = max(_round_up(longest, mult), int(input_len or 0))
+    out: dict[str, torch.Tensor] = {}
+    out["input_ids"] = torch.from_numpy(_scatter(flat, owner, within, row, col, (nrows, L), pad_id))
+    out["attention_mask"] = torch.from_numpy(
+        _scatter(np.ones_like(flat), owner, within, row, col, (nrows, L), 0))
+    if rows is not None:
+        out["position_ids"] = torch.from_numpy(_scatter(within, owner, within, row, col, (nrows, L), 0))
+    if family == "decoder":
+        lab, _, _ = _flatten(_labels_of(samples))
+        if mask_first_label:
+            lab = lab.copy()
+            lab[starts[lengths > 0]] = IGNORE_INDEX
+        out["labels"] = torch.from_numpy(_scatter(lab, owner, within, row, col, (nrows, L), IGNORE_INDEX))
+        return out
+    start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
+    tflat, tlen, tstarts = _flatten([s.target_ids for s in samples])
+    towner, twithin = _positions(tlen, tstarts, len(tflat))
+    trow, tcol, _, tlongest = _row_layout(tlen, rows)
+    T = max(_round_up(tlongest, mult), int(target_len or 0))
+    out["labels"] = torch.from_numpy(_scatter(tflat, towner, twithin, trow, tcol, (nrows, T), IGNORE_INDEX))
+    out["decoder_input_ids"] = torch.from_numpy(
+        _scatter(_shift_right(tflat, tstarts, start_id), towner, twithin, trow, tcol, (nrows, T), pad_id))
+    out["decoder_attention_mask"] = torch.from_numpy(
+        _scatter(np.ones_like(tflat), towner, twithin, trow, tcol, (nrows, T), 0))
+    return out
+
+
+def collate_packed(
+    samples: Sequence,
+    *,
+    family: str = "decoder",
+    pad_id: int = 0,
+    decoder_start_token_id: int | None = None,
+    mask_first_label: bool = True,
+) -> dict:
+    """All samples in one row, as ``DataCollatorWithFlattening`` (``return_flash_attn_kwargs``) does.
+
+    Decoder-only: ``input_ids``, ``labels``, ``position_ids`` (int64, [1, T]) with positions
+    restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]: each sample's start, then T) and
+    ``max_seqlen`` (int, the longest sample in tokens); the first label of every sample is -100.
+    Encoder-decoder: the same for the encoder side plus ``labels``, ``decoder_input_ids`` (shifted
+    right per sample), ``decoder_position_ids``, ``decoder_cu_seqlens`` and ``decoder_max_seqlen``.
+    """
+    if family not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+    flat, lengths, starts = _flatten([s.input_ids for s in samples])
+    _, within = _positions(lengths, starts, len(flat))
+    out: dict = {
+        "input_ids": torch.from_numpy(flat.reshape(1, -1)),
+        "position_ids": torch.from_numpy(within.reshape(1, -1)),
+        "cu_seqlens": torch.from_numpy(np.append(starts, len(flat)).astype(np.int32)),
+        "max_seqlen": int(lengths.max(initial=0)),
+    }
+    if family == "decoder":
+        lab, _, _ = _flatten(_labels_of(samples))
+        if mask_first_label:
+            lab = lab.copy()
+            lab[starts[lengths > 0]] = IGNORE_INDEX
+        out["labels"] = torch.from_numpy(lab.reshape(1, -1))
+        return out
+    start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
+    tflat, tlen, tstarts = _flatten([s.target_ids for s in samples])
+    _, twithin = _positions(tlen, tstarts, len(tflat))
+    out["labels"] = torch.from_numpy(tflat.reshape(1, -1))
+    out["decoder_input_ids"] = torch.from_numpy(_shift_right(tflat, tstarts, start_id).reshape(1, -1))
+    out["decoder_position_ids"] = torch.from_numpy(twithin.reshape(1, -1))
+    out["decoder_cu_seqlens"] = torch.from_numpy(np.append(tstarts, len(tflat)).astype(np.int32))
+    out["decoder_max_seqlen"] = int(tlen.max(initial=0))
+    return out
+
+
+def placeholder_batch(collation: str, *, family: str = "decoder", pad_id: int = 0, length: int = 8,
+                      decoder_start_token_id: int | None = None) -> dict:
+    """A dummy micro-batch with zero real tokens: one row of ``length`` pad tokens, every label -100.
+
+    Emitted on a rank that has nothing left for a step so that every rank still runs the same
+    number of forward/backward passes (no DDP hang). The attention mask is all ones so attention
+    kernels never see a fully masked row (which gives NaN); the loss is exactly 0 because no label
+    counts (sum the loss over tokens, do not average it).
+    """
+    length = max(int(length), 1)
+    ids = torch.full((1, length), pad_id, dtype=torch.int64)
+    ignore = torch.full((1, length), IGNORE_INDEX, dtype=torch.int64)
+    start = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
+    if collation == "packed":
+        out = {"input_ids": ids, "position_ids": torch.arange(length).reshape(1, -1),
+               "cu_seqlens": torch.tensor([0, length], dtype=torch.int32), "max_seqlen": length,
+               "labels": ignore}
+        if family == "encoder_decoder":
+            out.update(decoder_input_ids=torch.full((1, length), start, dtype=torch.int64),
+                       decoder_position_ids=torch.arange(length).reshape(1, -1),
+                       decoder_cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
+                       decoder_max_seqlen=length)
+        return out
+    out = {"input_ids": ids, "attention_mask": torch.ones((1, length), dtype=torch.int64), "labels": ignore}
+    if collation == "packed_rows":
+        out["position_ids"] = torch.arange(length).reshape(1, -1)
+    if family == "encoder_decoder":
+        dec = torch.full((1, length), pad_id, dtype=torch.int64)
+        dec[0, 0] = start
+        out.update(decoder_input_ids=dec, decoder_attention_mask=torch.ones((1, length), dtype=torch.int64))
+    return out
+
+
+def count_label_tokens(batch: Mapping) -> int:
+    """Labels that count in the loss (not -100) in a collated micro-batch."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())

@@ -1,0 +1,140 @@
+"""dynabatch.collate: padded and packed layouts on hand-made examples."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch.collate import (IGNORE_INDEX, collate_packed, collate_padded, count_label_tokens, model_inputs,
+                               placeholder_batch)
+from tokenization import ByteTokenizer, EncodedSample, Formatter
+
+
+def dec(ids, labels, sid=0):
+    ids = np.asarray(ids, np.int32)
+    return EncodedSample(sid, ids, None, np.asarray(labels, np.int32), 0, 0, 0, False)
+
+
+def encdec(inp, tgt, sid=0):
+    return EncodedSample(sid, np.asarray(inp, np.int32), np.asarray(tgt, np.int32), None, len(inp), len(tgt), 0, False)
+
+
+X = IGNORE_INDEX
+
+
+def test_packed_hand_example():
+    a = dec([10, 11, 12], [X, 11, 12])
+    b = dec([20, 21], [20, 21])  # language-modelling sample: every label trained
+    c = dec([30, 31, 32, 33], [X, X, 32, 33])
+    out = collate_packed([a, b, c])
+    assert out["input_ids"].tolist() == [[10, 11, 12, 20, 21, 30, 31, 32, 33]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert out["cu_seqlens"].dtype == torch.int32
+    assert out["cu_seqlens"].tolist() == [0, 3, 5, 9]
+    assert out["max_seqlen"] == 4
+    # -100 on prompts and on the first label of every sample (DataCollatorWithFlattening)
+    assert out["labels"].tolist() == [[X, 11, 12, X, 21, X, X, 32, 33]]
+    assert count_label_tokens(out) == 5
+
+
+def test_padded_hand_example_decoder():
+    a = dec([10, 11, 12], [X, 11, 12])
+    b = dec([20, 21, 22, 23, 24], [X, X, 22, 23, 24])
+    out = collate_padded([a, b], pad_id=0, pad_to_multiple_of=4)
+    assert out["input_ids"].shape == (2, 8)
+    assert out["input_ids"].tolist() == [[10, 11, 12, 0, 0, 0, 0, 0], [20, 21, 22, 23, 24, 0, 0, 0]]
+    assert out["attention_mask"].sum(1).tolist() == [3, 5]
+    assert out["labels"].tolist() == [[X, 11, 12, X, X, X, X, X], [X, X, 22, 23, 24, X, X, X]]
+    assert "position_ids" not in out
+    # the plan's padded length wins when longer
+    assert collate_padded([a, b], input_len=16)["input_ids"].shape == (2, 16)
+
+
+def test_padded_encoder_decoder_shift_right():
+    a = encdec([5, 6, 7], [40, 41, 2])
+    b = encdec([8], [50, 2])
+    out = collate_padded([a, b], family="encoder_decoder", pad_id=0, decoder_start_token_id=9, pad_to_multiple_of=1)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["labels"].tolist() == [[40, 41, 2], [50, 2, X]]
+    assert out["decoder_input_ids"].tolist() == [[9, 40, 41], [9, 50, 0]]
+    assert out["decoder_attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    packed = collate_packed([a, b], family="encoder_decoder", decoder_start_token_id=9)
+    assert packed["labels"].tolist() == [[40, 41, 2, 50, 2]]
+    assert packed["decoder_input_ids"].tolist() == [[9, 40, 41, 9, 50]]
+    assert packed["decoder_cu_seqlens"].tolist() == [0, 3, 5]
+    assert packed["cu_seqlens"].tolist() == [0, 3, 4]
+
+
+def test_packed_rows_layout():
+    a, b, c = dec([1, 2], [1, 2]), dec([3, 4, 5], [3, 4, 5]), dec([6], [6])
+    out = collate_padded([a, b, c], rows=[0, 1, 0], pad_to_multiple_of=1)
+    assert out["input_ids"].tolist() == [[1, 2, 6], [3, 4, 5]]
+    assert out["position_ids"].tolist() == [[0, 1, 0], [0, 1, 2]]
+    assert out["labels"].tolist() == [[X, 2, X], [X, 4, 5]]
+
+
+def test_formatter_prompt_masking_survives_collation():
+    tok = ByteTokenizer()
+    fmt = Formatter(tok, family="decoder")
+    encs = fmt.encode_batch([{"sample_id": 0, "inputs": "2+2=", "targets": "4"},
+                             {"sample_id": 1, "inputs": "hello there", "targets": "hi"}])
+    out = collate_padded(encs, pad_id=tok.pad_id, pad_to_multiple_of=8)
+    for row, e in enumerate(encs):
+        lab = out["labels"][row]
+        n = len(e.input_ids)
+        assert (lab[: e.input_tokens] == X).all()  # the prompt is masked
+        assert lab[e.input_tokens:n].tolist() == e.input_ids[e.input_tokens:].tolist()  # the response is trained
+        assert (lab[n:] == X).all()
+    packed = collate_packed(encs)
+    assert count_label_tokens(packed) == count_label_tokens(out) == sum(e.target_tokens for e in encs)
+
+
+@pytest.mark.parametrize("collation", ["padded", "packed", "packed_rows"])
+@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+def test_placeholder_has_no_loss(collation, family):
+    out = placeholder_batch(collation, family=family, pad_id=0, length=8)
+    assert count_label_tokens(out) == 0
+    assert out["input_ids"].shape[1] == 8
+    assert set(model_inputs({**out, "step": 3})) <= set(out)
+
+
+def test_empty_and_ragged_edge_cases():
+    out = collate_padded([dec([7], [7])], pad_to_multiple_of=8)
+    assert out["input_ids"].shape == (1, 8) and out["labels"].tolist()[0] == [X] * 8
+    rng = np.random.default_rng(0)
+    samples = [dec(rng.integers(3, 200, n), rng.integers(3, 200, n)) for n in rng.integers(1, 50, 40)]
+    out = collate_padded(samples, pad_to_multiple_of=8)
+    lens = [len(s.input_ids) for s in samples]
+    assert out["attention_mask"].sum().item() == sum(lens)
+    assert out["input_ids"].shape == (40, -(-max(lens) // 8) * 8)
+    for i, s in enumerate(samples):
+        assert out["input_ids"][i, : lens[i]].tolist() == s.input_ids.tolist()
+
+
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 8)), min_size=1, max_size=12),
+       st.sampled_from([1, 4, 8]))
+def test_layouts_agree_on_random_batches(shapes, multiple):
+    """Padded rows, packed rows and the label counts describe the same tokens."""
+    samples = []
+    for k, (prompt, response) in enumerate(shapes):
+        ids = np.arange(prompt + response, dtype=np.int32) + 10 * k + 3
+        labels = ids.copy()
+        labels[:prompt] = X
+        samples.append(dec(ids, labels, sid=k))
+    padded = collate_padded(samples, pad_to_multiple_of=multiple)
+    packed = collate_packed(samples)
+    lens = [p + r for p, r in shapes]
+    assert padded["input_ids"].shape[1] % multiple == 0
+    assert padded["attention_mask"].sum(1).tolist() == lens
+    assert packed["cu_seqlens"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
+    for k, s in enumerate(samples):
+        a, b = packed["cu_seqlens"][k].item(), packed["cu_seqlens"][k + 1].item()
+        assert packed["input_ids"][0, a:b].tolist() == padded["input_ids"][k, : lens[k]].tolist() == s.input_ids.tolist()
+        assert packed["position_ids"][0, a:b].tolist() == list(range(lens[k]))
+        assert packed["labels"][0, a:b].tolist() == padded["labels"][k, : lens[k]].tolist()
+    want = sum(max(r - (1 if p == 0 else 0), 0) for p, r in shapes)
+    assert count_label_tokens(padded) == count_label_tokens(packed) == want
