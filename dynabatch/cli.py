@@ -13,7 +13,7 @@ the same, spreads them evenly over data-parallel ranks and pipeline stages, and 
 result with the usual ways of batching (padding, length grouping, token budgets, packing).
 
 Start here:
-  dynabatch demo                       plan generated FLAN-like and image+text data, print the plans
+  dynabatch demo                       generate FLAN-like and image+text shards, plan and stream them
   dynabatch bench plan                 all planning methods on the same global batches
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
   dynabatch datagen --out DIR --text 20000 --image-text 500   write generated sample shards
@@ -125,11 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"dynabatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="plan generated FLAN-like and image+text data and print the plans",
-                          description="Generate FLAN-like text and image+text sample shapes, plan one step for "
-                                      "GPT, T5 and a vision-language model with dynabatch and with packing, and "
-                                      "print the micro-batch table.")
-    demo.add_argument("--out", default=None, help="also write the generated shapes and plans (Parquet) here")
+    demo = sub.add_parser("demo", help="stream generated FLAN-like and image+text shards through the DataLoader",
+                          description="Generate FLAN-like text shards (JSONL) and image+text shards (webdataset "
+                                      "tars), plan one step for GPT and T5 (8 ranks x 4 stages) with dynabatch and "
+                                      "with packing, stream it through dynabatch.DataLoader and check the delivered "
+                                      "micro-batches equal the plan; then stream the image+text shards for a "
+                                      "vision-language model.")
+    demo.add_argument("--out", default=None, help="keep the generated shards in this folder (default: a temp folder)")
     demo.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     demo.set_defaults(func=_cmd_demo)
     from .datagen import add_datagen_command  # `dynabatch datagen`
@@ -143,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.load import add_bench_load_command  # `dynabatch bench load`
 
     add_bench_load_command(bench_sub)
+    from .bench.train import add_bench_train_command  # `dynabatch bench train`
+
+    add_bench_train_command(bench_sub)
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
     from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
 

@@ -1,23 +1,19 @@
-"""`dynabatch demo`: plan generated data end to end and print what the planner decided."""
+"""`dynabatch demo`: generate FLAN-like and image+text shards, stream them through
+`dynabatch.DataLoader`, and print what the planner decided next to what the loader delivered."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from .bounds import iteration_lower_bound
 from .cost import CostModel
 from .plan import plan_microbatches, split_global_batches
-from .shape_sources import synthetic_shapes
+from .shapes import Shapes
 
-_SETUPS = (
-    # (model preset, synthetic kind, max_len)
-    ("gpt", "text", 2048),
-    ("t5", "text", 2048),
-    ("vlm", "vision", 8192),
-)
+RANKS, STAGES, BATCH_TOKENS = 8, 4, 65536
 
 
 def _microbatch_table(plan, rank: int) -> str:
@@ -30,36 +26,90 @@ def _microbatch_table(plan, rank: int) -> str:
     return "\n".join(lines)
 
 
-def run_demo(out_dir: str | None = None, seed: int = 0, ranks: int = 8, stages: int = 4,
-             global_batch_tokens: int = 65536) -> int:
-    """Plan one global batch of generated data for each model preset and print the plans."""
-    out = Path(out_dir) if out_dir else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    for model, kind, max_len in _SETUPS:
-        shapes, tasks = synthetic_shapes(kind, 8000, seed=seed)
-        cost = CostModel.preset(model, num_stages=stages)
-        first = split_global_batches(shapes, global_batch_tokens, seed=seed)[0]
-        batch = shapes.take(first)
-        kw = dict(num_stages=stages, num_ranks=ranks, max_len=max_len, max_target_len=512)
-        dp = plan_microbatches(batch, cost, method="dp", **kw)
-        pack = plan_microbatches(batch, cost, method="pack", **kw)
-        lb = iteration_lower_bound(batch, cost, num_stages=stages, num_ranks=ranks, max_len=max_len,
-                                   max_target_len=512)
-        print(f"\n=== {model} ({cost.model.kind}) on {cost.device.name}: one global batch of {len(batch)} "
-              f"{kind} samples, {int(batch.total_tokens.sum())} tokens, {ranks} ranks x {stages} stages")
-        print(f"tasks in the batch: " + ", ".join(
-            f"{tasks[t]} {c}" for t, c in zip(*np.unique(batch.task_id, return_counts=True))))
-        print(f"dynabatch dp: {dp.num_microbatches} micro-batches ({dp.microbatches_per_rank()[0]} per rank), "
-              f"iteration {dp.iteration_time_s * 1e3:.0f} ms, padding efficiency {dp.padding_efficiency:.2f}, "
-              f"rank max/mean {dp.rank_imbalance:.3f}")
-        print(f"packing:      {pack.num_microbatches} micro-batches, iteration {pack.iteration_time_s * 1e3:.0f} ms, "
-              f"padding efficiency {pack.padding_efficiency:.2f}  ->  dp is {pack.iteration_time_s / dp.iteration_time_s:.2f}x faster")
-        print(f"objective lower bound {lb * 1e3:.0f} ms; dp objective {dp.objective_s * 1e3:.0f} ms")
-        print(f"rank 0's micro-batches in execution order:\n{_microbatch_table(dp, 0)}")
-        if out:
-            pq.write_table(shapes.to_arrow(), out / f"{kind}_shapes.parquet")
-            pq.write_table(dp.to_arrow(), out / f"{model}_dp_plan.parquet")
-    if out:
-        print(f"\nshapes and plans written to {out}/")
+def _text_demo(text_dir: Path, model: str, seed: int) -> None:
+    from .dataloader import DataLoader, build_index
+
+    family = "encoder_decoder" if model == "t5" else "decoder"
+    cost = CostModel.preset(model, num_stages=STAGES)
+    index = build_index(str(text_dir), tokenizer="bytes", family=family, max_len=2048, max_target_len=512)
+    shapes = Shapes.from_arrow(index)
+    kw = dict(num_stages=STAGES, num_ranks=RANKS, max_len=2048, max_target_len=512)
+    main, dec, _ = cost.sample_dims(shapes, 2048, 512)
+    first = split_global_batches(shapes, BATCH_TOKENS, seed=seed, tokens=main + dec)[0]
+    batch = shapes.take(first)
+    dp = plan_microbatches(batch, cost, method="dp", **kw)
+    pack = plan_microbatches(batch, cost, method="pack", **kw)
+    lb = iteration_lower_bound(batch, cost, num_stages=STAGES, num_ranks=RANKS, max_len=2048, max_target_len=512)
+    print(f"\n=== {model} ({cost.model.kind}) on {cost.device.name}: step 0 = {len(batch)} FLAN-like samples, "
+          f"{int((main + dec)[first].sum())} tokens (byte tokenizer), {RANKS} ranks x {STAGES} stages")
+    print(f"dynabatch dp: {dp.num_microbatches} micro-batches ({dp.microbatches_per_rank()[0]} per rank), "
+          f"iteration {dp.iteration_time_s * 1e3:.0f} ms, padding efficiency {dp.padding_efficiency:.2f}, "
+          f"rank max/mean {dp.rank_imbalance:.3f}")
+    print(f"packing:      {pack.num_microbatches} micro-batches, iteration {pack.iteration_time_s * 1e3:.0f} ms, "
+          f"padding efficiency {pack.padding_efficiency:.2f}  ->  dp is "
+          f"{pack.iteration_time_s / dp.iteration_time_s:.2f}x faster")
+    print(f"objective lower bound {lb * 1e3:.0f} ms; dp objective {dp.objective_s * 1e3:.0f} ms")
+    print(f"rank 0's micro-batches in execution order:\n{_microbatch_table(dp, 0)}")
+
+    loader = DataLoader(str(text_dir), index=index, tokenizer="bytes", cost_model=cost, num_stages=STAGES,
+                        rank=0, world_size=RANKS, batch_tokens=BATCH_TOKENS, max_len=2048, max_target_len=512,
+                        seed=seed, mode="indexed")
+    try:
+        step = next(iter(loader.steps()))
+    finally:
+        loader.close()
+    keys = ("input_ids", "decoder_input_ids") if family == "encoder_decoder" else ("input_ids",)
+    print(f"the DataLoader (rank 0 of {RANKS}, {len(loader)} steps per epoch) streamed step 0 as:")
+    for mb in step:
+        shapes_txt = ", ".join(f"{k} {tuple(mb[k].shape)}" for k in keys)
+        print(f"  micro-batch {mb['microbatch']}: {shapes_txt}, {mb['real_tokens']} real tokens, "
+              f"predicted {mb['predicted_time_s'] * 1e3:.1f} ms")
+    planned = [mb.sample_ids.tolist() for mb in dp.microbatches(0)]
+    delivered = [mb["sample_ids"].tolist() for mb in step]
+    print(f"delivered samples equal the plan's rank-0 micro-batches: {planned == delivered}; loss per token "
+          f"normalizes by step_target_tokens = {step[0]['step_target_tokens']} (all ranks)")
+
+
+def _image_text_demo(image_dir: Path, seed: int) -> None:
+    from tokenization import DynamicTiling
+
+    from .dataloader import DataLoader
+
+    # One rank cannot shard the optimizer state of a 26B model, so the H200's memory is needed.
+    loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model="vlm", device="h200", num_stages=STAGES,
+                        batch_tokens=BATCH_TOKENS, max_len=8192, vision=DynamicTiling(), seed=seed)
+    try:
+        step = next(iter(loader.steps()))
+    finally:
+        loader.close()
+    tiles = np.concatenate([mb["image_tiles"].numpy() for mb in step])
+    print(f"\n=== vlm (InternViT-6B + InternLM2-20B) on h200: {loader.mode} DataLoader over generated image+text "
+          f"webdataset shards, 1 rank x {STAGES} stages")
+    print(f"step 0: {step[0]['step_samples']} samples, {step[0]['step_real_tokens']} LLM tokens, "
+          f"{len(step)} micro-batches, 448-px tiles per image {int(tiles.min())}-{int(tiles.max())}")
+    pred = np.array([mb["predicted_time_s"] for mb in step]) * 1e3
+    print(f"predicted micro-batch time {pred.min():.0f}-{pred.max():.0f} ms (max/mean {pred.max() / pred.mean():.2f})")
+    head = f"{'mb':>3} {'rows':>5} {'text len':>8} {'tiles':>5} {'real tok':>9} {'pred ms':>8}"
+    print(head + "\n" + "-" * len(head))
+    for mb in step[:8]:
+        print(f"{mb['microbatch']:>3} {mb['input_ids'].shape[0]:>5} {mb['input_ids'].shape[1]:>8} "
+              f"{int(mb['image_tiles'].sum()):>5} {mb['real_tokens']:>9} {mb['predicted_time_s'] * 1e3:>8.1f}")
+    if len(step) > 8:
+        print(f"... {len(step) - 8} more")
+
+
+def run_demo(out_dir: str | None = None, seed: int = 0, text_samples: int = 6000, image_text_samples: int = 200) -> int:
+    """Generate shards, plan and stream them; print the plans and the delivered micro-batches."""
+    from .datagen import write_image_text_shards, write_text_shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(out_dir) if out_dir else Path(tmp)
+        text_dir, image_dir = root / "text", root / "image_text"
+        write_text_shards(text_dir, text_samples, num_shards=4, seed=seed)
+        write_image_text_shards(image_dir, image_text_samples, num_shards=2, seed=seed)
+        print(f"generated {text_samples} FLAN-like samples in {text_dir} and {image_text_samples} image+text "
+              f"samples in {image_dir}")
+        for model in ("gpt", "t5"):
+            _text_demo(text_dir, model, seed)
+        _image_text_demo(image_dir, seed)
     return 0

@@ -65,8 +65,12 @@ def test_bench_plan_missing_file(capsys, tmp_path):
     assert "nope.jsonl" in capsys.readouterr().err
 
 
-def test_demo_prints_plans(capsys, tmp_path):
+def test_demo_streams_generated_shards_through_the_loader(capsys, tmp_path):
     assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("dp is") == 3 and "rank 0's micro-batches" in out
-    assert (tmp_path / "t5_dp_plan.parquet").exists()
+    assert out.count("dp is") == 2 and "rank 0's micro-batches" in out
+    # what the DataLoader delivered is exactly what the planner decided for rank 0
+    assert out.count("delivered samples equal the plan's rank-0 micro-batches: True") == 2
+    assert "=== vlm" in out and "448-px tiles" in out
+    assert sorted(p.name for p in (tmp_path / "text").iterdir())[0] == "shard-000000.jsonl"
+    assert any(p.suffix == ".tar" for p in (tmp_path / "image_text").iterdir())
