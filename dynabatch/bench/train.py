@@ -1,0 +1,408 @@
+"""``dynabatch bench train``: real training throughput of a pipelined tiny model, dp vs baselines.
+
+Every method trains the same model (same seed, same initialization) on the same global batches
+(`dynabatch.DataLoader` in the indexed mode: the global batches are cut by tokens with the same
+seed whatever the method) for the same number of steps, over ``num_stages`` local processes
+(gloo on CPU; ``--backend nccl`` with one GPU per rank). Only the grouping of each global batch
+into micro-batches differs: ``dp`` (dynabatch's planner, its cost model refit online by
+`dynabatch.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
+and ``token_budget`` (the planner's default knobs, reported in the result).
+
+What is measured (seconds, tokens):
+
+* ``tokens_per_s``: real (unpadded) tokens of the timed steps / the summed wall time of those
+  steps' ``PipelineRunner.step`` (slowest rank: forward, backward, transfers, gradient reduction,
+  optimizer). The first ``warmup`` steps are excluded. ``tokens_per_s_e2e`` also counts the time
+  the loop waited for the DataLoader (tokenization, collation and planning run in the training
+  process here, ``plan_ahead=0``, so that feedback refits apply to the very next plan on every rank).
+* MAPE, on a per micro-batch basis: the prediction the step was planned with (``predicted_time_s``
+  of each micro-batch, forward+backward on one stage) against the measured forward+backward
+  seconds of that micro-batch on the slowest stage (``stage_reduce="max"``). ``mape_start`` pools
+  the steps before the first refit (the analytic ``cpu`` preset); ``mape_end`` pools the last
+  ``max(3, steps // 4)`` steps, predictions made *before* each step ran (out of sample);
+  ``mape_start_step``/``mape_end_step`` score each step's summed prediction the same way. Baselines
+  are not refit: their MAPE is the prior's, for reference. ``mape_noise`` estimates the timing
+  noise floor: the median relative spread of repeated identical shapes within the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")
+SHARED_FLAN = ("../shared/data/text/niv2_sample.jsonl.gz", "../shared/data/text/flan_cot_sample.jsonl.gz")
+MODEL_SIZES = {"gpt-tiny": dict(vocab=512, hidden=256, layers=4, heads=4),
+               "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4)}
+
+
+@dataclass
+class TrainBenchConfig:
+    """Settings of one ``bench train`` run (tokens, seconds)."""
+
+    model: str = "t5-tiny"
+    data: tuple = ()
+    stages: int = 2
+    steps: int = 20
+    warmup: int = 3
+    methods: tuple = TRAIN_METHODS
+    global_batch_tokens: int = 8192
+    max_len: int = 512
+    max_target_len: int = 128
+    device_preset: str = "cpu"
+    backend: str | None = None
+    seed: int = 0
+    lr: float = 1e-3
+    refit_every: int = 2
+    forgetting: float = 0.8
+    schedule: str = "1f1b"
+    threads_per_proc: int = 1
+    timeout_s: float = 900.0
+    model_sizes: dict = field(default_factory=dict)
+    index: str | None = None  # length index Parquet (built by run_train_bench)
+
+    def resolved_sizes(self) -> dict:
+        return {**MODEL_SIZES[self.model], **self.model_sizes}
+
+
+def default_data(root: Path | None = None) -> tuple:
+    """The shared FLAN sample when present (relative to the repository root), else ()."""
+    root = root or Path(__file__).resolve().parents[2]
+    paths = tuple(str((root / p).resolve()) for p in SHARED_FLAN)
+    return paths if all(os.path.exists(p) for p in paths) else ()
+
+
+def stage_cost_model(model, stages: int, device: str):
+    """The analytic cost model of one pipeline stage (the whole model's layers / ``stages``)."""
+    from ..cost import CostModel, device_preset
+
+    cfg = model.config
+    one = replace(cfg, layers=cfg.layers / stages,
+                  **({"decoder_layers": cfg.decoder_layers / stages} if cfg.kind == "encoder_decoder" else {}))
+    return CostModel(one, device_preset(device))
+
+
+def uniform_bounds(model, stages: int) -> list[int]:
+    """Stage bounds with about equal transformer blocks per stage (embedding on the first, head on
+    the last); the same for every method."""
+    n = len(model.layers)
+    blocks = n - 2
+    cuts = [1 + round(blocks * k / stages) for k in range(1, stages)]
+    return [0, *cuts, n]
+
+
+def batch_shapes(mbs, collation: str):
+    """`MicroBatchShape`s of the DataLoader's micro-batch dicts (the runner's plan input)."""
+    from ..pipeline import MicroBatchShape
+
+    out = []
+    for b in mbs:
+        rows, L = b["input_ids"].shape
+        T = b["decoder_input_ids"].shape[1] if "decoder_input_ids" in b else 0
+        if collation == "packed":
+            out.append(MicroBatchShape("packed", int(b["cu_seqlens"].numel() - 1), int(b["max_seqlen"]), 0, int(L),
+                                       float(b["predicted_time_s"])))
+        else:
+            out.append(MicroBatchShape(collation, int(rows), int(L), int(T), 0, float(b["predicted_time_s"])))
+    return out
+
+
+def _mape(pred, y) -> float:
+    pred, y = np.asarray(pred, float), np.asarray(y, float)
+    return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12))) if len(y) else float("nan")
+
+
+def _noise(phi: np.ndarray, y: np.ndarray) -> float:
+    """Median relative deviation from the median among micro-batches of identical shape (>= 3 repeats)."""
+    keys: dict = {}
+    for row, v in zip(map(bytes, np.round(phi, 6).view(np.uint8).reshape(len(phi), -1)), y):
+        keys.setdefault(row, []).append(v)
+    devs = []
+    for vals in keys.values():
+        if len(vals) >= 3:
+            m = float(np.median(vals))
+            devs += [abs(v - m) / m for v in vals]
+    return float(np.median(devs)) if devs else float("nan")
+
+
+def train_method(ctx, cfg: TrainBenchConfig, method: str, *, log=None) -> dict:
+    """Train ``cfg.steps`` steps with one method on this rank's stage; the same dict on every rank."""
+    import torch
+
+    import dynabatch
+    from ..feedback import FeedbackLoop
+    from ..pipeline import PipelineRunner, RunnerConfig, make_model
+
+    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
+    cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
+    prior = cost.time_coef.copy()
+    feedback = FeedbackLoop(cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting) if method == "dp" else None
+    enc_dec = model.kind == "encoder_decoder"
+    loader = dynabatch.DataLoader(
+        list(cfg.data), index=cfg.index, mode="indexed", cost_model=cost, num_stages=ctx.num_stages,
+        batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
+        max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
+        world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True, schedule=cfg.schedule)
+    runner = PipelineRunner.from_model(model, ctx, uniform_bounds(model, ctx.num_stages),
+                                       config=RunnerConfig(schedule=cfg.schedule, gather_timing=True))
+    optimizer = torch.optim.AdamW(runner.parameters(), lr=cfg.lr)
+    rows = []
+    phis, ys, preds = [], [], []
+    it = iter(loader.steps())
+    for k in range(cfg.steps):
+        t0 = time.perf_counter()
+        try:
+            mbs = next(it)
+        except StopIteration:
+            break
+        t_data = time.perf_counter() - t0
+        shapes = batch_shapes(mbs, loader.collation)
+        t1 = time.perf_counter()
+        res = runner.step(shapes, mbs, optimizer=optimizer)
+        t_step = time.perf_counter() - t1
+        timings = res.all_timings
+        wall = max(t.step_s for t in timings)
+        measured = np.max(np.array([t.compute_s for t in timings]), axis=0)  # slowest stage per micro-batch
+        pred = np.array([s.time_s for s in shapes])
+        phi = cost.padded_features(np.array([s.rows for s in shapes]), np.array([s.input_len for s in shapes]),
+                                   np.array([s.target_len for s in shapes]), np.zeros(len(shapes), np.int64))
+        if feedback is not None:
+            err = feedback.record(phi, measured, predicted_s=pred)
+            feedback.maybe_refit()
+        else:
+            err = _mape(pred, measured)
+        phis.append(phi)
+        ys.append(measured)
+        preds.append(pred)
+        real = int(sum(int(b["real_tokens"]) for b in mbs))
+        row = {"step": k, "loss": float(res.loss), "real_tokens": real, "target_tokens": int(res.num_tokens),
+               "microbatches": len(mbs), "step_s": float(wall), "data_s": float(t_data), "local_step_s": t_step,
+               "predicted_s": float(pred.sum()), "measured_s": float(measured.sum()), "mape": float(err)}
+        rows.append(row)
+        if log is not None:
+            log(method, row)
+    loader.close()
+    n = len(rows)
+    w = min(cfg.warmup, max(n - 1, 0))
+    timed = rows[w:]
+    toks = sum(r["real_tokens"] for r in timed)
+    secs = sum(r["step_s"] for r in timed)
+    secs_e2e = secs + sum(r["data_s"] for r in timed)
+    first = max(1, min(cfg.refit_every, n)) if feedback is not None else n
+    last = max(3, n // 4)
+    all_phi = np.vstack(phis) if phis else np.zeros((0, 9))
+    all_y = np.concatenate(ys) if ys else np.zeros(0)
+    out = {
+        "tokens_per_s": toks / secs if secs > 0 else 0.0,
+        "tokens_per_s_e2e": toks / secs_e2e if secs_e2e > 0 else 0.0,
+        "steps": n, "warmup_steps": w, "timed_steps": len(timed),
+        "real_tokens": sum(r["real_tokens"] for r in rows), "timed_real_tokens": toks, "timed_s": secs,
+        "microbatches_per_step": float(np.mean([r["microbatches"] for r in rows])) if rows else 0.0,
+        "loss_start": rows[0]["loss"] if rows else float("nan"), "loss_end": rows[-1]["loss"] if rows else float("nan"),
+        "mape_start": _mape(np.concatenate(preds[:first]), np.concatenate(ys[:first])) if rows else float("nan"),
+        "mape_end": _mape(np.concatenate(preds[-last:]), np.concatenate(ys[-last:])) if rows else float("nan"),
+        "mape_start_step": _mape([r["predicted_s"] for r in rows[:first]], [r["measured_s"] for r in rows[:first]])
+        if rows else float("nan"),
+        "mape_end_step": _mape([r["predicted_s"] for r in rows[-last:]], [r["measured_s"] for r in rows[-last:]])
+        if rows else float("nan"),
+        "mape_prior_all": _mape(all_phi @ prior, all_y) if rows else float("nan"),
+        "mape_noise": _noise(all_phi, all_y) if rows else float("nan"),
+        "refits": len(feedback.history) if feedback is not None else 0,
+        "knobs": {"method": method, "collation": loader.collation, "method_options": "planner defaults"},
+        "per_step": rows,
+    }
+    if feedback is not None and feedback.history:
+        out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
+    return out
+
+
+def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
+    """One rank of ``bench train`` (run by `dynabatch.pipeline.launch_local`): every method in turn."""
+    import torch
+
+    from ..pipeline import init_pipeline
+
+    kw = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
+    cfg = TrainBenchConfig(**{**kw, "data": tuple(kw["data"]), "methods": tuple(kw["methods"])})
+    torch.set_num_threads(cfg.threads_per_proc)
+    verbose = bool(cfg_dict.get("_verbose")) and rank == 0
+
+    def log(method, row):
+        print(f"[{method}] step {row['step']:3d} loss {row['loss']:.3f} real tokens {row['real_tokens']} "
+              f"mbs {row['microbatches']} predicted {row['predicted_s'] * 1e3:.0f} ms measured "
+              f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
+              file=sys.stderr, flush=True)
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # one GPU per local rank with NCCL
+    out = {}
+    with init_pipeline(num_stages=cfg.stages, rank=rank, world_size=world_size, master_port=port,
+                       backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
+        for method in cfg.methods:
+            out[method] = train_method(ctx, cfg, method, log=log if verbose else None)
+    return out if rank == 0 else None
+
+
+def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -> TrainBenchConfig:
+    """Resolve the data (given, shared FLAN sample, or generated) and build the length index once."""
+    import dynabatch
+    from ..datagen import write_text_shards
+
+    data = tuple(cfg.data) or default_data()
+    if not data:
+        data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", generated_samples, seed=cfg.seed))
+    family = "encoder_decoder" if cfg.model == "t5-tiny" else "decoder"
+    index = os.path.join(tmp, "index.parquet")
+    dynabatch.build_index(list(data), family=family, max_len=cfg.max_len,
+                          max_target_len=cfg.max_target_len if family == "encoder_decoder" else None, path=index)
+    return replace(cfg, data=data, index=index)
+
+
+def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000) -> dict:
+    """Run the benchmark on ``cfg.stages`` local processes; returns the JSON-able result."""
+    from ..pipeline import count_parameters, launch_local, make_model
+
+    unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"group_by_length", "kk", "rebalance"}
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        cfg = build_data(cfg, tmp, generated_samples)
+        index_s = time.perf_counter() - t0
+        payload = {**asdict(cfg), "data": list(cfg.data), "methods": list(cfg.methods), "_verbose": verbose}
+        procs = launch_local(f"{__name__}:worker", cfg.stages, args=(payload,), timeout_s=cfg.timeout_s,
+                             threads_per_proc=cfg.threads_per_proc)
+    bad = [p for p in procs if p.returncode != 0 or p.timed_out]
+    if bad or procs[0].result is None:
+        msg = "; ".join(f"rank {p.rank}: rc={p.returncode} timed_out={p.timed_out}\n{p.stderr[-3000:]}" for p in procs)
+        raise RuntimeError(f"bench train failed: {msg}")
+    if verbose:
+        sys.stderr.write(procs[0].stderr)
+    methods = procs[0].result
+    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("index", "model_sizes", "timeout_s")}
+    config.update(data=list(cfg.data), methods=list(cfg.methods), model_sizes=cfg.resolved_sizes(),
+                  parameters=count_parameters(model), bounds=uniform_bounds(model, cfg.stages),
+                  backend=cfg.backend or "auto (gloo on CPU, nccl on GPU)", index_build_s=index_s,
+                  timing="tokens_per_s = real tokens of the timed steps / sum over those steps of the slowest "
+                         "rank's PipelineRunner.step wall time (warm-up steps excluded); tokens_per_s_e2e adds "
+                         "the time waiting for the DataLoader",
+                  mape_basis="per micro-batch: planned forward+backward seconds on one stage vs measured on the "
+                             "slowest stage; mape_start = steps before the first refit, mape_end = last "
+                             "max(3, steps//4) steps, predictions made before the step ran")
+    ref = methods.get("pack", {}).get("tokens_per_s")
+    best_other = max((v["tokens_per_s"] for k, v in methods.items() if k != "dp"), default=None)
+    ratios = {}
+    if "dp" in methods and ref:
+        ratios["dp_vs_pack"] = methods["dp"]["tokens_per_s"] / ref
+    if "dp" in methods and best_other:
+        ratios["dp_vs_best_baseline"] = methods["dp"]["tokens_per_s"] / best_other
+    return {"config": config, "methods": methods, "ratios": ratios}
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table of a `run_train_bench` result."""
+    cfg = result["config"]
+    lines = [f"bench train: {cfg['model']} ({cfg['parameters'] / 1e6:.2f}M parameters), {cfg['stages']} stages "
+             f"{cfg['bounds']}, {cfg['steps']} steps ({cfg['warmup']} warm-up excluded), global batch "
+             f"{cfg['global_batch_tokens']} tokens, max_len {cfg['max_len']}"
+             + (f"/{cfg['max_target_len']}" if cfg["model"] == "t5-tiny" else "") + f", {cfg['schedule']}",
+             f"data: {' '.join(os.path.basename(d) for d in cfg['data'])}",
+             "",
+             f"{'method':<13}{'tok/s':>9}{'e2e tok/s':>11}{'vs pack':>9}{'mbs/step':>10}{'loss start->end':>18}"
+             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}"]
+    pack = result["methods"].get("pack", {}).get("tokens_per_s")
+    for name, m in result["methods"].items():
+        vs = f"{m['tokens_per_s'] / pack:.2f}x" if pack else "-"
+        lines.append(f"{name:<13}{m['tokens_per_s']:>9.0f}{m['tokens_per_s_e2e']:>11.0f}{vs:>9}"
+                     f"{m['microbatches_per_step']:>10.1f}{m['loss_start']:>9.3f}->{m['loss_end']:<7.3f}"
+                     f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{m['mape_noise']:>8.1%}"
+                     f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}")
+    r = result.get("ratios", {})
+    if r:
+        lines.append("")
+        lines.append("dp vs pack: " + (f"{r['dp_vs_pack']:.2f}x" if "dp_vs_pack" in r else "-")
+                     + "; dp vs best other baseline: "
+                     + (f"{r['dp_vs_best_baseline']:.2f}x" if "dp_vs_best_baseline" in r else "-"))
+    lines.append("dp: feedback refits its cost model every %d steps; baselines: planner default knobs, no refit "
+                 "(their MAPE is the analytic prior's)" % cfg["refit_every"])
+    return "\n".join(lines)
+
+
+BENCH_TRAIN_EPILOG = """\
+columns:
+  tok/s        real (unpadded) tokens / wall seconds of the pipelined training steps (slowest rank),
+               warm-up steps excluded
+  e2e tok/s    the same, counting the time the loop waited for the DataLoader
+  vs pack      tok/s over pack's
+  MAPE         per micro-batch: planned vs measured forward+backward seconds on the slowest stage;
+               start = before the first refit, end = the last max(3, steps/4) steps (predictions made
+               before each step ran: out of sample); noise = median relative spread of identical
+               shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
+  step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
+               time the planner balances sees, with the per-micro-batch timer noise averaged out
+
+examples:
+  dynabatch bench train --model t5-tiny --stages 2 --steps 20
+  dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
+"""
+
+
+def add_bench_train_command(bench_sub) -> None:
+    """Register ``dynabatch bench train`` on the ``bench`` subparsers."""
+    import argparse
+
+    p = bench_sub.add_parser(
+        "train", help="real training tokens/s of a pipelined tiny model: dp + feedback vs pack/pad/token_budget",
+        description="Train the same tiny model on the same global batches with each method, over local "
+                    "pipeline stages, and report real tokens/s and the cost model's MAPE.",
+        epilog=BENCH_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(MODEL_SIZES), default="t5-tiny")
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="JSONL files with inputs/targets; default the shared FLAN sample when present, else "
+                        "generated FLAN-like data")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
+    p.add_argument("--methods", nargs="+", default=list(TRAIN_METHODS))
+    p.add_argument("--global-batch-tokens", type=int, default=8192)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--max-target-len", type=int, default=128)
+    p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "adaptive"))
+    p.add_argument("--refit-every", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
+    p.add_argument("--generated-samples", type=int, default=2000, help="generated samples when no data is found")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
+    p.set_defaults(func=_cmd_bench_train)
+
+
+def _cmd_bench_train(args) -> int:
+    sizes = {"hidden": args.hidden} if args.hidden else {}
+    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), stages=args.stages, steps=args.steps,
+                           warmup=args.warmup, methods=tuple(args.methods),
+                           global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
+                           max_target_len=args.max_target_len, device_preset=args.device_preset,
+                           backend=args.backend, seed=args.seed, refit_every=args.refit_every,
+                           schedule=args.schedule, timeout_s=args.timeout, model_sizes=sizes)
+    try:
+        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples)
+    except (ValueError, RuntimeError) as e:
+        print(f"dynabatch bench train: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        print(format_table(result))
+    return 0
