@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.load import add_bench_load_command  # `dynabatch bench load`
 
     add_bench_load_command(bench_sub)
+    from .bench.loader import add_bench_loader_command  # `dynabatch bench loader`
+
+    add_bench_loader_command(bench_sub)
     from .bench.train import add_bench_train_command  # `dynabatch bench train`
 
     add_bench_train_command(bench_sub)

@@ -1,0 +1,454 @@
+"""`dynabatch bench loader`: micro-batches/s and real tokens/s delivered to the training loop.
+
+Four ways of feeding one rank (world size 1, a single process: no ``torch.distributed``) with the
+same samples, the same tokenizer and formatting (`tokenization.Formatter`, decoder-only, labels
+masked on prompts, truncated to ``max_len``), each at ``num_workers`` 0 and 2 by default:
+
+* ``torch_pad``: what a user writes today. A map-style dataset of pre-tokenized samples (a list
+  of int64 tensors) -> ``torch.utils.data.DataLoader(batch_size=B, shuffle=True,
+  num_workers=W, collate_fn=pad_collate)``; ``pad_collate`` pads to the batch's longest sample
+  like ``DataCollatorWithPadding`` (``input_ids``, ``attention_mask``, ``labels`` = -100 on
+  padding).
+* ``torch_pack``: the same DataLoader with a packing collator (TRL / ``DataCollatorWithFlattening``
+  style): the batch's samples are concatenated, greedily in order, into rows of ``max_len``
+  tokens (a sample never straddles two rows), ``position_ids`` restarting at 0 per sample,
+  rows right-padded to ``max_len``.
+* ``dynabatch_padded``: ``dynabatch.DataLoader(collate="padded")`` (method ``dp``).
+* ``dynabatch_packed``: ``dynabatch.DataLoader(collate="packed")`` (method ``dp_varlen``).
+
+``B`` = round(``batch_tokens`` / mean sample length after truncation), so a baseline batch holds
+about as many real tokens as dynabatch's global batch (``batch_tokens``; one rank, so the global
+batch is this rank's).
+
+What is timed, symmetrically: setup is NOT timed for either side but is measured and reported
+(``setup_s``): the baselines read and tokenize every sample up front (a ``.map`` a user would
+run once); dynabatch builds its length index (`dynabatch.build_index`, one tokenization pass over
+the same files) and constructs its loader. The timed loop is one epoch of ``for batch in loader``
+touching the tensors (``input_ids.numel()``, ``attention_mask.sum()``, the sample ids). Within that
+loop dynabatch plans every step (in its planning thread, "while planning"), reads the samples of
+the step from the files by id and tokenizes them again: it has no pre-tokenized input, so its loop
+does strictly more work than the baselines'.
+
+Every method must deliver every sample exactly once per epoch; the benchmark compares the sorted
+sample ids of every run and fails (`LoaderBenchError`) when they differ.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .load import DEFAULT_TEXT_DATA, _resolve_text
+
+METHODS = ("torch_pad", "torch_pack", "dynabatch_padded", "dynabatch_packed")
+REFERENCE = "torch_pad"
+METHOD_PATHS = {
+    "torch_pad": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + pad-to-batch-max collate",
+    "torch_pack": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + packing collate (rows of max_len)",
+    "dynabatch_padded": "dynabatch.DataLoader(collate='padded', method='dp'), indexed mode, prebuilt index",
+    "dynabatch_packed": "dynabatch.DataLoader(collate='packed', method='dp_varlen'), indexed mode, prebuilt index",
+}
+IGNORE_INDEX = -100
+
+
+class LoaderBenchError(ValueError):
+    """Bad benchmark input or a failed check (unequal sample counts); one-line message."""
+
+
+@dataclass(frozen=True)
+class LoaderBenchConfig:
+    """What `run_loader_bench` measures.
+
+    ``data``: .jsonl / .jsonl.gz files or folders (empty: the shared FLAN sample when present,
+    else generated shards). ``limit``: first N samples (None = all). ``workers``: the
+    ``num_workers`` values to run every method with. ``batch_tokens``: dynabatch's global batch
+    in tokens (also sets the baselines' ``B``). ``max_len``: truncation (all methods) and the
+    packing collator's row length. ``cost_model`` / ``device`` / ``stages``: dynabatch's planning.
+    """
+
+    data: tuple[str, ...] = ()
+    limit: int | None = None
+    workers: tuple[int, ...] = (0, 2)
+    batch_tokens: int = 16384
+    max_len: int = 1024
+    tokenizer: str = "bytes"
+    cost_model: str = "gpt"
+    device: str = "a100-80gb"
+    stages: int = 1
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise LoaderBenchError(f"--methods must be among {list(METHODS)}, got {list(self.methods)}")
+        if not self.workers or any(w < 0 for w in self.workers):
+            raise LoaderBenchError(f"--workers must be >= 0, got {list(self.workers)}")
+        for name in ("batch_tokens", "max_len", "stages"):
+            if getattr(self, name) < 1:
+                raise LoaderBenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise LoaderBenchError(f"limit must be >= 1 samples, got {self.limit}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The baselines (module level: picklable for DataLoader workers)
+
+class PretokenizedDataset(torch.utils.data.Dataset):
+    """Map-style dataset of pre-tokenized samples: ``(sample_id, input_ids, labels)``."""
+
+    def __init__(self, ids: list[int], input_ids: list[torch.Tensor], labels: list[torch.Tensor]):
+        self.ids, self.input_ids, self.labels = ids, input_ids, labels
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i], self.input_ids[i], self.labels[i]
+
+
+def pad_collate(batch, pad_id: int = 0) -> dict:
+    """Right-pad to the batch's longest sample, like ``DataCollatorWithPadding`` (+ labels)."""
+    n = len(batch)
+    L = max(len(x[1]) for x in batch)
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    labels = torch.full((n, L), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((n, L), dtype=torch.long)
+    for r, (_, ids, lab) in enumerate(batch):
+        k = len(ids)
+        input_ids[r, :k] = ids
+        labels[r, :k] = lab
+        attention_mask[r, :k] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+            "sample_ids": torch.tensor([x[0] for x in batch], dtype=torch.long)}
+
+
+class PackCollate:
+    """Pack a batch into rows of ``max_len`` tokens (greedy, in order; a sample never straddles
+    two rows), ``position_ids`` restarting at 0 per sample, rows right-padded to ``max_len``."""
+
+    def __init__(self, max_len: int, pad_id: int = 0):
+        self.max_len, self.pad_id = int(max_len), int(pad_id)
+
+    def __call__(self, batch) -> dict:
+        rows, fill = [], self.max_len
+        for item in batch:
+            k = len(item[1])
+            if fill + k > self.max_len:
+                rows.append([])
+                fill = 0
+            rows[-1].append(item)
+            fill += k
+        n, L = len(rows), self.max_len
+        input_ids = torch.full((n, L), self.pad_id, dtype=torch.long)
+        labels = torch.full((n, L), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((n, L), dtype=torch.long)
+        position_ids = torch.zeros((n, L), dtype=torch.long)
+        for r, row in enumerate(rows):
+            at = 0
+            for _, ids, lab in row:
+                k = len(ids)
+                input_ids[r, at:at + k] = ids
+                labels[r, at:at + k] = lab
+                attention_mask[r, at:at + k] = 1
+                position_ids[r, at:at + k] = torch.arange(k)
+                at += k
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                "position_ids": position_ids,
+                "sample_ids": torch.tensor([x[0] for x in batch], dtype=torch.long)}
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _formatter(cfg: LoaderBenchConfig):
+    from ..dataloader import make_formatter
+
+    return make_formatter(cfg.tokenizer, "decoder", max_len=cfg.max_len)
+
+
+def _source(files: list[Path]):
+    import loaders
+
+    return loaders.JsonlSource([str(p) for p in files])
+
+
+def setup_baseline(files: list[Path], fmt, chunk: int = 1024) -> PretokenizedDataset:
+    """Read every sample through the same reader and tokenize it with the same formatter."""
+    ids, inp, lab = [], [], []
+    buf = []
+
+    def flush():
+        for e in fmt.encode_batch(buf):
+            ids.append(int(e.sample_id))
+            inp.append(torch.from_numpy(e.input_ids.astype(np.int64)))
+            lab.append(torch.from_numpy(e.labels.astype(np.int64)))
+        buf.clear()
+
+    for s in _source(files):
+        buf.append(s)
+        if len(buf) >= chunk:
+            flush()
+    if buf:
+        flush()
+    return PretokenizedDataset(ids, inp, lab)
+
+
+def _loop(loader, on_batch=None) -> dict:
+    """One epoch of ``loader``, touching the tensors; counts and the delivered sample ids."""
+    mbs = samples = real = elems = 0
+    seen = []
+    t0 = time.perf_counter()
+    for mb in loader:
+        ids = mb["sample_ids"]
+        x = mb["input_ids"]
+        elems += x.numel()
+        if "attention_mask" in mb:
+            real += int(mb["attention_mask"].sum())
+        else:  # dynabatch packed: one unpadded row
+            real += x.numel()
+        seen.append(ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids))
+        samples += len(ids)
+        mbs += 1
+        if on_batch is not None:
+            on_batch()
+    sec = time.perf_counter() - t0
+    return {"microbatches": mbs, "samples": samples, "real_tokens": real, "tensor_tokens": elems, "seconds": sec,
+            "_ids": np.sort(np.concatenate(seen)) if seen else np.zeros(0, np.int64)}
+
+
+def _rates(r: dict) -> dict:
+    sec = r["seconds"]
+
+    def per_s(v):
+        return v / sec if sec > 0 else float("inf")
+
+    r.update(microbatches_per_s=per_s(r["microbatches"]), samples_per_s=per_s(r["samples"]),
+             real_tokens_per_s=per_s(r["real_tokens"]),
+             padding_efficiency=r["real_tokens"] / r["tensor_tokens"] if r["tensor_tokens"] else 1.0)
+    return r
+
+
+def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
+    """Set up every method (untimed, measured), run one timed epoch per method and worker count.
+
+    Returns ``{"config", "runs": [{"method", "workers", "microbatches", "samples", "real_tokens",
+    "tensor_tokens", "seconds", "setup_s", "microbatches_per_s", "samples_per_s",
+    "real_tokens_per_s", "padding_efficiency", "samples_per_s_vs_torch_pad"}], "ratios"}``.
+    ``ratios[f"{method}@{workers}"]`` is that run's samples/s over ``torch_pad``'s at the same
+    worker count. Raises `LoaderBenchError` (or ``loaders.LoaderError`` naming file and line).
+    """
+    from tqdm.auto import tqdm
+
+    import dynabatch
+
+    fmt = _formatter(cfg)
+    with tempfile.TemporaryDirectory(prefix="dynabatch-bench-loader-") as tmp_name:
+        files, label = _resolve_text(cfg, Path(tmp_name), progress)
+        # -- setup (untimed for the rates, measured) ---------------------------------------------
+        t0 = time.perf_counter()
+        ds = setup_baseline(files, fmt)
+        base_setup = time.perf_counter() - t0
+        if len(ds) == 0:
+            raise LoaderBenchError(f"{label}: no samples")
+        lengths = np.fromiter((len(x) for x in ds.input_ids), np.int64, count=len(ds))
+        B = max(1, int(round(cfg.batch_tokens / float(lengths.mean()))))
+        dyna_setup = 0.0
+        index = None
+        if any(m.startswith("dynabatch") for m in cfg.methods):
+            t0 = time.perf_counter()
+            index = dynabatch.build_index(_source(files), tokenizer=fmt.tokenizer, max_len=cfg.max_len)
+            # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
+            # their first call; a training job pays that once per process, not per epoch.
+            for collate in ("padded", "packed"):
+                warm = dynabatch.DataLoader(_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
+                                            cost_model=cfg.cost_model, device=cfg.device, num_stages=cfg.stages,
+                                            batch_tokens=cfg.batch_tokens, max_len=cfg.max_len, collate=collate,
+                                            rank=0, world_size=1)
+                next(iter(warm.steps()))
+                del warm
+            dyna_setup = time.perf_counter() - t0
+        pad_id = int(fmt.tokenizer.pad_id)
+
+        def make(method: str, workers: int):
+            if method.startswith("torch"):
+                collate = pad_collate if method == "torch_pad" else PackCollate(cfg.max_len, pad_id)
+                if method == "torch_pad" and pad_id != 0:
+                    from functools import partial
+
+                    collate = partial(pad_collate, pad_id=pad_id)
+                g = torch.Generator().manual_seed(cfg.seed)
+                return torch.utils.data.DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers,
+                                                   collate_fn=collate, generator=g), 0.0
+            t0 = time.perf_counter()
+            dl = dynabatch.DataLoader(
+                _source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
+                device=cfg.device, num_stages=cfg.stages, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len,
+                collate="padded" if method == "dynabatch_padded" else "packed", rank=0, world_size=1,
+                num_workers=workers, seed=cfg.seed)
+            return dl, time.perf_counter() - t0
+
+        runs = []
+        ref_ids = None
+        total_samples = len(ds)
+        todo = [(m, w) for w in cfg.workers for m in cfg.methods]
+        bar = tqdm(total=len(todo) * total_samples, desc="bench loader", unit="sample", disable=not progress,
+                   unit_scale=True)
+        try:
+            for method, workers in todo:
+                bar.set_postfix_str(f"{method} w={workers}")
+                loader, build_s = make(method, workers)
+                gc.collect()
+                try:
+                    r = _loop(loader)
+                except (LoaderBenchError, ValueError, OSError):
+                    raise
+                except Exception as e:  # a library failing deep inside: say which run
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    raise LoaderBenchError(f"{method} workers={workers} failed: {type(e).__name__}: {first}") from e
+                bar.update(r["samples"])
+                ids = r.pop("_ids")
+                if ref_ids is None:
+                    ref_ids = ids
+                if r["samples"] != total_samples or not np.array_equal(ids, ref_ids) or \
+                        len(np.unique(ids)) != total_samples:
+                    raise LoaderBenchError(
+                        f"{method} workers={workers} delivered {r['samples']} samples ({len(np.unique(ids))} distinct), "
+                        f"expected each of the {total_samples} samples exactly once")
+                r = _rates(r)
+                runs.append({"method": method, "workers": workers, **r,
+                             "setup_s": (base_setup if method.startswith("torch") else dyna_setup) + build_s})
+                del loader
+        finally:
+            bar.close()
+
+    ratios = {}
+    for run in runs:
+        ref = next((x for x in runs if x["method"] == REFERENCE and x["workers"] == run["workers"]), None)
+        x = run["samples_per_s"] / ref["samples_per_s"] if ref and ref["samples_per_s"] else None
+        run["samples_per_s_vs_torch_pad"] = x
+        if x is not None:
+            ratios[f"{run['method']}@{run['workers']}"] = x
+    config = asdict(cfg)
+    config.update(data=list(cfg.data), workers=list(cfg.workers), methods=list(cfg.methods), data_label=label,
+                  tokenizer_name=fmt.tokenizer.name, samples=total_samples, baseline_batch_size=B,
+                  mean_sample_tokens=float(lengths.mean()), baseline_tokens_per_batch=float(lengths.mean() * B),
+                  world_size=1, rank=0, baseline_setup_s=base_setup, dynabatch_index_s=dyna_setup,
+                  paths=METHOD_PATHS)
+    return {"config": config, "runs": runs, "ratios": ratios}
+
+
+def _fmt_rate(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f} k"
+    return f"{x:.0f}"
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"data: {c['data_label']} ({c['samples']} samples), tokenizer {c['tokenizer_name']}, max_len {c['max_len']}",
+        f"single rank (world_size 1); dynabatch batch_tokens {c['batch_tokens']} ({c['cost_model']} on {c['device']}, "
+        f"{c['stages']} stage(s)); baselines B={c['baseline_batch_size']} samples x mean "
+        f"{c['mean_sample_tokens']:.0f} tokens = {c['baseline_tokens_per_batch']:.0f} tokens/batch",
+        f"setup (not timed in the rates): baseline pre-tokenization {c['baseline_setup_s']:.2f} s, "
+        f"dynabatch index {c['dynabatch_index_s']:.2f} s; dynabatch re-reads and tokenizes inside the loop",
+    ]
+    head = (f"{'method':<17} {'workers':>7} {'mbatches':>8} {'samples':>8} {'time s':>7} {'mbatch/s':>9} "
+            f"{'samples/s':>10} {'real tok/s':>10} {'pad eff':>7} {'x torch_pad':>11}")
+    lines += ["", head, "-" * len(head)]
+    for r in result["runs"]:
+        x = r.get("samples_per_s_vs_torch_pad")
+        lines.append(f"{r['method']:<17} {r['workers']:>7} {r['microbatches']:>8} {r['samples']:>8} "
+                     f"{r['seconds']:>7.2f} {_fmt_rate(r['microbatches_per_s']):>9} "
+                     f"{_fmt_rate(r['samples_per_s']):>10} {_fmt_rate(r['real_tokens_per_s']):>10} "
+                     f"{r['padding_efficiency']:>7.3f} {(f'{x:.2f}x' if x is not None else '-'):>11}")
+    lines += ["", "every method delivered every sample exactly once per epoch"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: `dynabatch bench loader`
+
+BENCH_LOADER_EPILOG = """\
+what is timed: one epoch of `for batch in loader`, touching input_ids / attention_mask / sample
+ids, per method and per --workers value, on one rank (world_size 1, no torch.distributed):
+  torch_pad         pre-tokenized samples -> torch DataLoader(batch_size=B, shuffle=True,
+                    num_workers=W) + a collate padding to the batch max (DataCollatorWithPadding)
+  torch_pack        same, with a packing collate: rows of --max-len, position_ids per sample
+  dynabatch_padded  dynabatch.DataLoader(collate="padded"), method dp, planning in the loop
+  dynabatch_packed  dynabatch.DataLoader(collate="packed"), method dp_varlen
+B = round(--batch-tokens / mean sample length), so both sides put about as many tokens in a step.
+Setup is not timed for either side (reported): the baselines tokenize every sample up front,
+dynabatch builds its length index up front; dynabatch then reads and tokenizes the samples of
+each step again inside the timed loop (it has no pre-tokenized input).
+
+columns:
+  mbatches / mbatch/s  batches (micro-batches for dynabatch) delivered, and per second
+  samples/s            samples delivered per second (each sample exactly once per epoch)
+  real tok/s           real (non-padding) tokens per second
+  pad eff              real tokens / tokens in the yielded input_ids tensors
+  x torch_pad          samples/s over torch_pad's at the same worker count
+
+examples:
+  dynabatch bench loader
+  dynabatch bench loader --limit 20000 --workers 0 --json
+  dynabatch bench loader --data ../shared/data/text/niv2_sample.jsonl.gz --batch-tokens 32768 --max-len 2048
+"""
+
+
+def add_bench_loader_command(bench_sub) -> None:
+    """Register ``dynabatch bench loader`` on the ``bench`` subparsers."""
+    import argparse
+
+    p = bench_sub.add_parser(
+        "loader", help="micro-batches/s and tokens/s: dynabatch.DataLoader vs torch DataLoader + pad/pack collate",
+        description="Time one epoch of micro-batches delivered to the training loop: dynabatch.DataLoader "
+                    "(padded and packed, planning included) against torch.utils.data.DataLoader with a padding "
+                    "and a packing collator, on the same files in the same run.",
+        epilog=BENCH_LOADER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files (.jsonl / .jsonl.gz) or folders; default: the shared FLAN sample "
+                        + " + ".join(DEFAULT_TEXT_DATA) + " (relative to the repository root), else generated data")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N samples")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], metavar="W",
+                   help="num_workers values to run every method with (default: 0 2)")
+    p.add_argument("--batch-tokens", type=int, default=16384,
+                   help="dynabatch's global batch in tokens; sets the baselines' batch size (default 16384)")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="truncation for every method and the packing row length (default 1024)")
+    p.add_argument("--tokenizer", default="bytes", help="tokenization.load_tokenizer spec (default: bytes)")
+    p.add_argument("--cost-model", default="gpt", help="dynabatch cost model preset (default gpt)")
+    p.add_argument("--device", default="a100-80gb", help="cost model device preset (default a100-80gb)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages dynabatch plans for (default 1)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                   help=f"among {' '.join(METHODS)} (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle / global-batch seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_cmd_bench_loader)
+
+
+def _cmd_bench_loader(args) -> int:
+    import sys
+
+    try:
+        cfg = LoaderBenchConfig(data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers),
+                                batch_tokens=args.batch_tokens, max_len=args.max_len, tokenizer=args.tokenizer,
+                                cost_model=args.cost_model, device=args.device, stages=args.stages,
+                                methods=tuple(args.methods), seed=args.seed)
+        result = run_loader_bench(cfg, progress=not args.no_progress and not args.json)
+    except (ValueError, ImportError, OSError) as e:
+        # LoaderBenchError, loaders.LoaderError ("file.jsonl:3: invalid JSON ...") are ValueErrors.
+        print(f"dynabatch: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
