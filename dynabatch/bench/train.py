@@ -6,7 +6,9 @@ seed whatever the method) for the same number of steps, over ``num_stages`` loca
 (gloo on CPU; ``--backend nccl`` with one GPU per rank). Only the grouping of each global batch
 into micro-batches differs: ``dp`` (dynabatch's planner, its cost model refit online by
 `dynabatch.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
-and ``token_budget`` (the planner's default knobs, reported in the result).
+and ``token_budget`` (the planner's default knobs, reported in the result). The methods run
+interleaved, one step each in a rotating order, so that the background load of a shared machine
+hits every method alike (each keeps its own model, optimizer, loader and runner).
 
 What is measured (seconds, tokens):
 
@@ -133,95 +135,124 @@ def _noise(phi: np.ndarray, y: np.ndarray) -> float:
     return float(np.median(devs)) if devs else float("nan")
 
 
-def train_method(ctx, cfg: TrainBenchConfig, method: str, *, log=None) -> dict:
-    """Train ``cfg.steps`` steps with one method on this rank's stage; the same dict on every rank."""
-    import torch
+class MethodRun:
+    """One method's training state on this rank's stage: its own model (same seed as every other
+    method), cost model, DataLoader, runner and optimizer; `step` trains one global batch."""
 
-    import dynabatch
-    from ..feedback import FeedbackLoop
-    from ..pipeline import PipelineRunner, RunnerConfig, make_model
+    def __init__(self, ctx, cfg: TrainBenchConfig, method: str):
+        import torch
 
-    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
-    cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
-    prior = cost.time_coef.copy()
-    feedback = FeedbackLoop(cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting) if method == "dp" else None
-    enc_dec = model.kind == "encoder_decoder"
-    loader = dynabatch.DataLoader(
-        list(cfg.data), index=cfg.index, mode="indexed", cost_model=cost, num_stages=ctx.num_stages,
-        batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
-        max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
-        world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True, schedule=cfg.schedule)
-    runner = PipelineRunner.from_model(model, ctx, uniform_bounds(model, ctx.num_stages),
-                                       config=RunnerConfig(schedule=cfg.schedule, gather_timing=True))
-    optimizer = torch.optim.AdamW(runner.parameters(), lr=cfg.lr)
-    rows = []
-    phis, ys, preds = [], [], []
-    it = iter(loader.steps())
-    for k in range(cfg.steps):
+        import dynabatch
+        from ..feedback import FeedbackLoop
+        from ..pipeline import PipelineRunner, RunnerConfig, make_model
+
+        self.cfg, self.method = cfg, method
+        model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
+        self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
+        self.prior = self.cost.time_coef.copy()
+        self.feedback = (FeedbackLoop(self.cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting)
+                         if method == "dp" else None)
+        enc_dec = model.kind == "encoder_decoder"
+        # plan_ahead=0: step k+1 is planned after step k's refit, identically on every rank
+        self.loader = dynabatch.DataLoader(
+            list(cfg.data), index=cfg.index, mode="indexed", cost_model=self.cost, num_stages=ctx.num_stages,
+            batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
+            max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
+            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True, schedule=cfg.schedule)
+        self.runner = PipelineRunner.from_model(model, ctx, uniform_bounds(model, ctx.num_stages),
+                                                config=RunnerConfig(schedule=cfg.schedule, gather_timing=True))
+        self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
+        self.rows: list[dict] = []
+        self.phis, self.ys, self.preds = [], [], []
+        self._it = iter(self.loader.steps())
+        self.done = False
+
+    def step(self, k: int) -> dict | None:
+        """Train one step; None when the data is exhausted."""
         t0 = time.perf_counter()
         try:
-            mbs = next(it)
+            mbs = next(self._it)
         except StopIteration:
-            break
+            self.done = True
+            return None
         t_data = time.perf_counter() - t0
-        shapes = batch_shapes(mbs, loader.collation)
-        t1 = time.perf_counter()
-        res = runner.step(shapes, mbs, optimizer=optimizer)
-        t_step = time.perf_counter() - t1
+        shapes = batch_shapes(mbs, self.loader.collation)
+        res = self.runner.step(shapes, mbs, optimizer=self.optimizer)
         timings = res.all_timings
         wall = max(t.step_s for t in timings)
         measured = np.max(np.array([t.compute_s for t in timings]), axis=0)  # slowest stage per micro-batch
         pred = np.array([s.time_s for s in shapes])
-        phi = cost.padded_features(np.array([s.rows for s in shapes]), np.array([s.input_len for s in shapes]),
-                                   np.array([s.target_len for s in shapes]), np.zeros(len(shapes), np.int64))
-        if feedback is not None:
-            err = feedback.record(phi, measured, predicted_s=pred)
-            feedback.maybe_refit()
+        phi = self.cost.padded_features(np.array([s.rows for s in shapes]), np.array([s.input_len for s in shapes]),
+                                        np.array([s.target_len for s in shapes]), np.zeros(len(shapes), np.int64))
+        if self.feedback is not None:
+            err = self.feedback.record(phi, measured, predicted_s=pred)
+            self.feedback.maybe_refit()
         else:
             err = _mape(pred, measured)
-        phis.append(phi)
-        ys.append(measured)
-        preds.append(pred)
-        real = int(sum(int(b["real_tokens"]) for b in mbs))
-        row = {"step": k, "loss": float(res.loss), "real_tokens": real, "target_tokens": int(res.num_tokens),
-               "microbatches": len(mbs), "step_s": float(wall), "data_s": float(t_data), "local_step_s": t_step,
-               "predicted_s": float(pred.sum()), "measured_s": float(measured.sum()), "mape": float(err)}
-        rows.append(row)
-        if log is not None:
-            log(method, row)
-    loader.close()
-    n = len(rows)
-    w = min(cfg.warmup, max(n - 1, 0))
-    timed = rows[w:]
-    toks = sum(r["real_tokens"] for r in timed)
-    secs = sum(r["step_s"] for r in timed)
-    secs_e2e = secs + sum(r["data_s"] for r in timed)
-    first = max(1, min(cfg.refit_every, n)) if feedback is not None else n
-    last = max(3, n // 4)
-    all_phi = np.vstack(phis) if phis else np.zeros((0, 9))
-    all_y = np.concatenate(ys) if ys else np.zeros(0)
-    out = {
-        "tokens_per_s": toks / secs if secs > 0 else 0.0,
-        "tokens_per_s_e2e": toks / secs_e2e if secs_e2e > 0 else 0.0,
-        "steps": n, "warmup_steps": w, "timed_steps": len(timed),
-        "real_tokens": sum(r["real_tokens"] for r in rows), "timed_real_tokens": toks, "timed_s": secs,
-        "microbatches_per_step": float(np.mean([r["microbatches"] for r in rows])) if rows else 0.0,
-        "loss_start": rows[0]["loss"] if rows else float("nan"), "loss_end": rows[-1]["loss"] if rows else float("nan"),
-        "mape_start": _mape(np.concatenate(preds[:first]), np.concatenate(ys[:first])) if rows else float("nan"),
-        "mape_end": _mape(np.concatenate(preds[-last:]), np.concatenate(ys[-last:])) if rows else float("nan"),
-        "mape_start_step": _mape([r["predicted_s"] for r in rows[:first]], [r["measured_s"] for r in rows[:first]])
-        if rows else float("nan"),
-        "mape_end_step": _mape([r["predicted_s"] for r in rows[-last:]], [r["measured_s"] for r in rows[-last:]])
-        if rows else float("nan"),
-        "mape_prior_all": _mape(all_phi @ prior, all_y) if rows else float("nan"),
-        "mape_noise": _noise(all_phi, all_y) if rows else float("nan"),
-        "refits": len(feedback.history) if feedback is not None else 0,
-        "knobs": {"method": method, "collation": loader.collation, "method_options": "planner defaults"},
-        "per_step": rows,
-    }
-    if feedback is not None and feedback.history:
-        out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
-    return out
+        self.phis.append(phi)
+        self.ys.append(measured)
+        self.preds.append(pred)
+        row = {"step": k, "loss": float(res.loss), "real_tokens": int(sum(int(b["real_tokens"]) for b in mbs)),
+               "target_tokens": int(res.num_tokens), "microbatches": len(mbs), "step_s": float(wall),
+               "data_s": float(t_data), "predicted_s": float(pred.sum()), "measured_s": float(measured.sum()),
+               "mape": float(err)}
+        self.rows.append(row)
+        return row
+
+    def summary(self) -> dict:
+        cfg, rows, feedback = self.cfg, self.rows, self.feedback
+        self.loader.close()
+        n = len(rows)
+        if not n:
+            raise RuntimeError(f"{self.method}: the data gave no step (too little data for the global batch?)")
+        w = min(cfg.warmup, n - 1)
+        timed = rows[w:]
+        toks = sum(r["real_tokens"] for r in timed)
+        secs = sum(r["step_s"] for r in timed)
+        secs_e2e = secs + sum(r["data_s"] for r in timed)
+        first = max(1, min(cfg.refit_every, n)) if feedback is not None else n
+        last = max(3, n // 4)
+        all_phi, all_y = np.vstack(self.phis), np.concatenate(self.ys)
+        out = {
+            "tokens_per_s": toks / secs if secs > 0 else 0.0,
+            "tokens_per_s_e2e": toks / secs_e2e if secs_e2e > 0 else 0.0,
+            "steps": n, "warmup_steps": w, "timed_steps": len(timed),
+            "real_tokens": sum(r["real_tokens"] for r in rows), "timed_real_tokens": toks, "timed_s": secs,
+            "microbatches_per_step": float(np.mean([r["microbatches"] for r in rows])),
+            "loss_start": rows[0]["loss"], "loss_end": rows[-1]["loss"],
+            "mape_start": _mape(np.concatenate(self.preds[:first]), np.concatenate(self.ys[:first])),
+            "mape_end": _mape(np.concatenate(self.preds[-last:]), np.concatenate(self.ys[-last:])),
+            "mape_start_step": _mape([r["predicted_s"] for r in rows[:first]], [r["measured_s"] for r in rows[:first]]),
+            "mape_end_step": _mape([r["predicted_s"] for r in rows[-last:]], [r["measured_s"] for r in rows[-last:]]),
+            "mape_prior_all": _mape(all_phi @ self.prior, all_y),
+            "mape_noise": _noise(all_phi, all_y),
+            "refits": len(feedback.history) if feedback is not None else 0,
+            "knobs": {"method": self.method, "collation": self.loader.collation, "method_options": "planner defaults"},
+            "per_step": rows,
+        }
+        if feedback is not None and feedback.history:
+            out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
+        return out
+
+
+def train_methods(ctx, cfg: TrainBenchConfig, *, log=None) -> dict:
+    """Train every method for ``cfg.steps`` steps, interleaved step by step (the order rotates each
+    step) so that a change in the machine's background load hits every method alike."""
+    runs = {m: MethodRun(ctx, cfg, m) for m in cfg.methods}
+    names = list(runs)
+    for k in range(cfg.steps):
+        order = names[k % len(names):] + names[:k % len(names)]
+        for m in order:
+            if not runs[m].done:
+                row = runs[m].step(k)
+                if row is not None and log is not None:
+                    log(m, row)
+    return {m: runs[m].summary() for m in names}
+
+
+def train_method(ctx, cfg: TrainBenchConfig, method: str, *, log=None) -> dict:
+    """Train ``cfg.steps`` steps with one method alone; the same dict on every rank."""
+    return train_methods(ctx, replace(cfg, methods=(method,)), log=log)[method]
 
 
 def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
@@ -245,8 +276,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     out = {}
     with init_pipeline(num_stages=cfg.stages, rank=rank, world_size=world_size, master_port=port,
                        backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
-        for method in cfg.methods:
-            out[method] = train_method(ctx, cfg, method, log=log if verbose else None)
+        out = train_methods(ctx, cfg, log=log if verbose else None)
     return out if rank == 0 else None
 
 

@@ -1,0 +1,34 @@
+"""`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens."""
+
+import json
+import subprocess
+import sys
+import time
+
+from dynabatch.bench.train import TRAIN_METHODS
+from dynabatch.datagen import write_text_shards
+
+
+def test_bench_train_json(tmp_path):
+    paths = write_text_shards(tmp_path / "data", 300, seed=0)
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
+         "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096",
+         "--data", *map(str, paths), "--timeout", "50", "--json"],
+        capture_output=True, text=True, timeout=58)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+    res = json.loads(out.stdout)
+    assert set(res) >= {"config", "methods"}
+    assert res["config"]["model"] == "t5-tiny" and res["config"]["stages"] == 2
+    assert set(res["methods"]) == set(TRAIN_METHODS)
+    for name, m in res["methods"].items():
+        assert {"tokens_per_s", "steps", "mape_start", "mape_end", "warmup_steps", "real_tokens"} <= set(m), name
+        assert m["tokens_per_s"] > 0 and m["steps"] == 4 and m["warmup_steps"] == 1
+        assert m["mape_start"] >= 0 and m["mape_end"] >= 0
+    # the same global batches: every method processed the same real tokens, step by step
+    per_step = {name: [r["real_tokens"] for r in m["per_step"]] for name, m in res["methods"].items()}
+    assert len({tuple(v) for v in per_step.values()}) == 1, per_step
+    assert len({m["real_tokens"] for m in res["methods"].values()}) == 1
+    assert res["methods"]["dp"]["refits"] >= 1
