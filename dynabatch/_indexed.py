@@ -18,18 +18,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .collate import IGNORE_INDEX
 from .cost import CostModel
 from .plan import PlanningError, plan_microbatches, split_global_batches
 from .shapes import SHAPES_SCHEMA, Shapes
 from ._loader_steps import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
                             label_counts, rank_step)
-from ._loader_steps_ahead import Ahead
+from ._loader_steps_ahead import Ahead, ProcessAhead
 
 logger = logging.getLogger("dynabatch")
 
@@ -38,6 +39,134 @@ LABEL_COLUMN = "label_tokens"
 #: Index table metadata: JSON of the tokenization settings the index was built with.
 SETTINGS_KEY = b"dynabatch.index_settings"
 _TASK_NAMES_KEY = b"dynabatch.task_names"
+#: Token-cache columns (``large_list<int32>``, the `Formatter`'s ids after truncation): input ids,
+#: then labels (decoder-only) or target ids (encoder-decoder).
+TOKEN_COLUMNS = ("cached_input_ids", "cached_second_ids")
+#: Index table metadata: JSON of the tokenization settings the cached token ids were made with.
+TOKEN_SETTINGS_KEY = b"dynabatch.token_settings"
+#: Default memory budget of the token cache (bytes of int32 ids held in memory).
+TOKEN_CACHE_BUDGET = 2 << 30
+
+
+class TokenCache:
+    """Every sample's token ids after formatting and truncation, by length-index position:
+    flat int32 arrays plus offsets (input ids; labels for decoder-only models, target ids for
+    encoder-decoder ones). ``gather`` returns a micro-batch's concatenated ids without reading or
+    tokenizing the records again; the collated tensors are exactly those of the uncached path."""
+
+    def __init__(self, index: "LengthIndex", input_ids, input_offsets, second, second_offsets):
+        self.index = index
+        self.input_ids = np.asarray(input_ids, np.int32)
+        self.input_offsets = np.asarray(input_offsets, np.int64)
+        self.second = np.asarray(second, np.int32)
+        self.second_offsets = np.asarray(second_offsets, np.int64)
+        self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
+                                  index.shapes.sample_id[-1] == len(index) - 1))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.input_ids.nbytes + self.second.nbytes + self.input_offsets.nbytes + self.second_offsets.nbytes)
+
+    @staticmethod
+    def _take(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenated slices ``values[offsets[p]:offsets[p+1]]`` for ``p`` in ``pos`` (one
+        vectorized gather), and their lengths."""
+        a = offsets[pos]
+        lengths = offsets[pos + 1] - a
+        total = int(lengths.sum())
+        if len(pos) == 1 or total == 0:
+            return values[int(a[0]) if len(a) else 0:][:total], lengths
+        src = np.repeat(a - (np.cumsum(lengths) - lengths), lengths)
+        src += np.arange(total, dtype=np.int64)
+        return values[src], lengths
+
+    def positions(self, sample_ids) -> np.ndarray:
+        ids = np.asarray(sample_ids, np.int64)
+        if self._identity_ids and len(ids) and ids.min() >= 0 and ids.max() < len(self.index):
+            return ids
+        return self.index.positions(ids)
+
+    def gather(self, sample_ids, positions=None):
+        """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
+        order: int32 arrays and int64 lengths (``positions``: their index positions, if known)."""
+        pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
+        flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
+        if self.second_offsets is self.input_offsets:
+            return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
+        second, slen = self._take(self.second, self.second_offsets, pos)
+        return flat, lengths, second, slen
+
+    def label_counts(self, sample_ids, family: str) -> np.ndarray:
+        """`label_counts` of these samples from the cached ids."""
+        flat, lengths, second, slen = self.gather(sample_ids)
+        if family == "encoder_decoder":
+            return slen.astype(np.int64)
+        trained = second != IGNORE_INDEX
+        starts = np.cumsum(lengths) - lengths
+        trained[starts[lengths > 0]] = False
+        counts = np.zeros(len(lengths), np.int64)
+        nz = lengths > 0
+        counts[nz] = np.add.reduceat(trained.astype(np.int64), starts[nz])
+        return counts
+
+    @classmethod
+    def from_encoded(cls, index: "LengthIndex", encs: dict, family: str) -> "TokenCache | None":
+        """From ``{sample_id: EncodedSample}``; None when a sample of the index is missing."""
+        ids = index.shapes.sample_id
+        try:
+            ordered = [encs[int(i)] for i in ids.tolist()]
+        except KeyError:
+            return None
+        inp, off, second, soff = _flat_columns(ordered, family)
+        return cls(index, inp, off, second, soff if family == "encoder_decoder" else off)
+
+    @classmethod
+    def from_table(cls, index: "LengthIndex", table: pa.Table, family: str) -> "TokenCache | None":
+        """From an index table's token columns (see `TOKEN_COLUMNS`); None without them."""
+        if not all(c in table.column_names for c in TOKEN_COLUMNS):
+            return None
+        cols = []
+        for c in TOKEN_COLUMNS:
+            arr = table.column(c).combine_chunks()
+            if isinstance(arr, pa.ChunkedArray):
+                arr = arr.chunk(0) if arr.num_chunks else pa.array([], pa.large_list(pa.int32()))
+            offsets = arr.offsets.to_numpy().astype(np.int64)
+            values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+            cols.append((values[offsets[0]:offsets[-1]] if len(offsets) else values[:0], offsets - offsets[0]))
+        (inp, off), (second, soff) = cols
+        tids = table.column("sample_id").to_numpy(zero_copy_only=False).astype(np.int64)
+        if len(tids) != len(index) or not np.array_equal(tids, index.shapes.sample_id):
+            pos = np.argsort(tids, kind="stable")
+            if len(tids) != len(index) or not np.array_equal(tids[pos], index.shapes.sample_id):
+                return None
+            inp, lens = cls._take(inp, off, pos)
+            off = np.concatenate([[0], np.cumsum(lens)])
+            second, slens = cls._take(second, soff, pos)
+            soff = np.concatenate([[0], np.cumsum(slens)])
+        same = family == "decoder" and np.array_equal(off, soff)
+        return cls(index, inp, off, second, off if same else soff)
+
+
+def _flat_columns(encs, family: str):
+    """Flat int32 ids and int64 offsets of input ids and labels / target ids of EncodedSamples."""
+    def flat(arrays):
+        lengths = np.fromiter((len(a) for a in arrays), np.int64, count=len(arrays))
+        values = np.concatenate(arrays).astype(np.int32, copy=False) if len(arrays) else np.zeros(0, np.int32)
+        return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    inp, off = flat([e.input_ids for e in encs])
+    if family == "encoder_decoder":
+        second, soff = flat([e.target_ids for e in encs])
+    else:
+        second, soff = flat([e.labels if e.labels is not None else e.input_ids for e in encs])
+    return inp, off, second, soff
+
+
+def token_cache_bytes(shapes, family: str) -> int:
+    """Upper bound of the token cache's memory (int32 ids; untruncated lengths)."""
+    inp = shapes.input_tokens.astype(np.int64).sum()
+    tgt = shapes.target_tokens.astype(np.int64).sum()
+    return int(4 * (2 * (inp + tgt) if family == "decoder" else inp + tgt) + 16 * len(shapes))
 
 
 @dataclass(frozen=True)
@@ -109,7 +238,8 @@ def _would_truncate(cfg, inp: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     return cut
 
 
-def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_error: str = "raise") -> pa.Table:
+def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_error: str = "raise",
+                keep_tokens: bool = False, token_budget: int | None = None) -> pa.Table:
     """Scan a whole `loaders.Source` once: a length table in ``sample_id`` order.
 
     The Shapes columns hold *full* token counts with task ids indexing the sorted task names, i.e.
@@ -118,7 +248,10 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
     ``max_target_len`` itself. ``label_tokens`` counts the loss labels under ``formatter``'s max
     lengths (samples that get truncated are encoded a second time to count them exactly). The
     metadata records the tokenization settings. Costs one tokenization pass over the data,
-    ``batch_size`` samples per tokenizer call.
+    ``batch_size`` samples per tokenizer call. ``keep_tokens`` (text only) also keeps every
+    sample's token ids under ``formatter``'s max lengths in the `TOKEN_COLUMNS` (the token cache
+    `DataLoader` collates from instead of reading and tokenizing the records again); past
+    ``token_budget`` bytes of ids it stops keeping them (the table then has no token columns).
     """
     if getattr(source, "max_samples_per_epoch", None) is not None:
         raise ValueError("the indexed mode plans every sample of the source; a source with max_samples_per_epoch "
@@ -132,8 +265,12 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
     cols: dict[str, list] = {k: [] for k in (*SHAPES_SCHEMA, LABEL_COLUMN)}
     task_names: list[str] = []
     batch: list[dict] = []
+    keep_tokens = keep_tokens and vision is None and formatter.vision is None
+    kept: list = []  # per flush: (input, offsets, second, offsets)
+    kept_bytes = 0
 
     def flush():
+        nonlocal keep_tokens, kept_bytes
         toks = encode_samples(batch, full, None, False, on_error=on_error)
         by_id = {int(s["sample_id"]): s for s in batch}
         n = len(toks)
@@ -145,6 +282,15 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
         if len(cut):
             again = formatter.encode_batch([by_id[int(ids[k])] for k in cut])
             labels[cut] = label_counts(again, family)
+        if keep_tokens:
+            encs = [t.enc for t in toks]
+            for j, k in enumerate(cut.tolist()):
+                encs[k] = again[j]
+            kept.append(_flat_columns(encs, family))
+            kept_bytes += kept[-1][0].nbytes + kept[-1][2].nbytes + 16 * len(encs)
+            if token_budget is not None and kept_bytes > token_budget:
+                keep_tokens = False
+                kept.clear()
         cols["sample_id"].append(ids)
         cols["input_tokens"].append(inp)
         cols["target_tokens"].append(tgt)
@@ -168,10 +314,39 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
               for k, v in cols.items()}
     order = np.argsort(arrays["sample_id"], kind="stable")
     table = pa.table({k: pa.array(v[order]) for k, v in arrays.items()})
-    meta = {SETTINGS_KEY: json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode(),
+    meta = {}
+    if keep_tokens:
+        for j, name in ((0, TOKEN_COLUMNS[0]), (2, TOKEN_COLUMNS[1])):
+            values = np.concatenate([k[j] for k in kept]) if kept else np.zeros(0, np.int32)
+            lens = np.concatenate([np.diff(k[j + 1]) for k in kept]) if kept else np.zeros(0, np.int64)
+            offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            vals, lens = TokenCache._take(values, offs, order)
+            col = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)),
+                                                pa.array(vals, pa.int32()))
+            table = table.append_column(name, col)
+        meta[TOKEN_SETTINGS_KEY] = json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode()
+    meta.update({SETTINGS_KEY: json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode(),
             _TASK_NAMES_KEY: json.dumps(known).encode(),
-            b"dynabatch.dataset_fingerprint": Shapes.from_arrow(table).fingerprint().encode()}
+            b"dynabatch.dataset_fingerprint": Shapes.from_arrow(table).fingerprint().encode()})
     return table.replace_schema_metadata(meta)
+
+
+def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise") -> dict:
+    """``{sample_id: EncodedSample}`` of a whole source under ``formatter`` (one tokenization pass,
+    natural order): the token cache of an index that came without one."""
+    src = source.with_layout(rank=0, world_size=1, worker_id=0, num_workers=0)
+    src.shuffle, src.shuffle_buffer, src._pending = False, 0, None
+    src.set_epoch(0)
+    out: dict = {}
+    batch: list[dict] = []
+    for sample in src:
+        batch.append(sample)
+        if len(batch) >= batch_size:
+            out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+            batch.clear()
+    if batch:
+        out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+    return out
 
 
 def read_index_table(index) -> pa.Table:
@@ -331,8 +506,11 @@ class IndexedPlanner:
             if exclude is not None and len(exclude):
                 pos = pos[~np.isin(self.index.shapes.sample_id[pos], exclude)]
             plan, rank_map = self.plan_global(pos, self.first_step(epoch) + k)
-        return rank_step(plan, rank, epoch=epoch, step_in_epoch=k, plan_time_s=t.s, rank_map=rank_map,
-                         step_target_tokens=int(self.index.label_tokens[pos].sum()))
+            sp = rank_step(plan, rank, epoch=epoch, step_in_epoch=k, plan_time_s=0.0, rank_map=rank_map,
+                           step_target_tokens=int(self.index.label_tokens[pos].sum()))
+            ids = sp.sample_ids()
+            positions = self.index.positions(ids) if len(ids) else np.zeros(0, np.int64)
+        return replace(sp, plan_time_s=t.s, positions=positions)
 
     def plan_global(self, pos: np.ndarray, step: int):
         """The global `BatchPlan` of the samples at index positions ``pos`` (all ranks), and the map
@@ -362,8 +540,11 @@ class IndexedSteps:
     """
 
     def __init__(self, planner, access, formatter, collate: CollateConfig, *, rank: int, vision=None,
-                 load_pixels: bool = False, on_error: str = "raise", plan_ahead: int = 2, exact_labels: bool = True):
+                 load_pixels: bool = False, on_error: str = "raise", plan_ahead: int = 2, exact_labels: bool = True,
+                 tokens: TokenCache | None = None, plan_processes: int = 0):
         self.planner = planner
+        self.plan_processes = plan_processes
+        self.tokens = tokens
         self.access = access
         self.formatter = formatter
         self.collate = collate
@@ -392,11 +573,17 @@ class IndexedSteps:
         epoch, start, exclude = self.epoch, self.start, self.exclude
         ks = range(start + worker, self.planner.num_steps(epoch), max(num_workers, 1))
 
-        def plans():
-            for k in ks:
+        def plans(steps=ks):
+            for k in steps:
                 yield self.planner.plan(epoch, k, self.rank, exclude if k == start else None)
 
-        ahead = Ahead(plans, self.plan_ahead, name=f"dynabatch-plan-r{self.rank}w{worker}")
+        name = f"dynabatch-plan-r{self.rank}w{worker}"
+        P = int(self.plan_processes)
+        if P > 0 and get_worker_info() is None:
+            ahead = _Interleaved([ProcessAhead(lambda p=p: plans(ks[p::P]), max(self.plan_ahead, 4), name=f"{name}p{p}")
+                                  for p in range(P)])
+        else:
+            ahead = Ahead(plans, self.plan_ahead, name=name)
         try:
             for sp in ahead:
                 yield self.load(sp)
@@ -405,6 +592,8 @@ class IndexedSteps:
 
     def load(self, sp: StepPlan) -> ReadyStep:
         """Read, tokenize and collate this rank's samples of a planned step."""
+        if self.tokens is not None:
+            return self._load_cached(sp)
         with Timer() as t:
             ids = sp.sample_ids()
             samples = self.access.read(ids) if len(ids) else []
@@ -415,6 +604,26 @@ class IndexedSteps:
                          "other settings): batches are padded to fit, but the plan's costs are off"))
             self._check_labels(sp, toks)
         return ReadyStep(sp, batches, load_time_s=t.s)
+
+    def _load_cached(self, sp: StepPlan) -> ReadyStep:
+        """Collate a planned step from the token cache (no record reads, no tokenization)."""
+        with Timer() as t:
+            batches = collate_step(sp, None, self.collate, gather=self.tokens.gather, on_mismatch=lambda m: self._warn_once(
+                "shape", f"{m}; the length index does not match the tokenization (stale index, or built with "
+                         "other settings): batches are padded to fit, but the plan's costs are off"))
+            if not self.exact_labels and "labels" not in self._warned:
+                ids = sp.sample_ids()
+                if len(ids):
+                    index = self.planner.index
+                    want = index.label_tokens[index.positions(ids)]
+                    if not np.array_equal(want, self.tokens.label_counts(ids, self.collate.family)):
+                        self._warn_labels()
+        return ReadyStep(sp, batches, load_time_s=t.s)
+
+    def _warn_labels(self) -> None:
+        self._warn_once("labels", "step_target_tokens is derived from the length index's target_tokens, which "
+                        "does not count every loss label of these samples (plain-text samples train on every "
+                        "token); build the index with dynabatch.build_index (adds label_tokens) for exact counts")
 
     def _check_labels(self, sp: StepPlan, toks) -> None:
         if self.exact_labels or "labels" in self._warned or not toks:
@@ -429,6 +638,27 @@ class IndexedSteps:
                             "token); build the index with dynabatch.build_index (adds label_tokens) for exact counts")
 
 
+class _Interleaved:
+    """Items of several `ProcessAhead` s taken round-robin (process ``p`` plans steps ``p, p + P,
+    ...`` of the worker's share), i.e. in step order."""
+
+    def __init__(self, aheads: list):
+        self.aheads = aheads
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.aheads[self.i % len(self.aheads)])
+        self.i += 1
+        return item
+
+    def close(self, wait: float = 0.0) -> None:
+        for a in self.aheads:
+            a.close(wait)
+
+
 class WorkerSplitDataset(IterableDataset):
     """A `torch.utils.data.IterableDataset` over an object with ``iter_worker(worker, num_workers)``
     (`IndexedSteps`, the streaming chunk producer): each DataLoader worker gets its own share."""
@@ -439,4 +669,8 @@ class WorkerSplitDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         w, n = (info.id, info.num_workers) if info is not None else (0, 1)
-        return iter(self.inner.iter_worker(w, n))
+        it = iter(self.inner.iter_worker(w, n))
+        if info is None:
+            return it
+        # In a worker process: hand each collated step over as one buffer (see ReadyStep.packed)
+        return (x.packed() if isinstance(x, ReadyStep) else x for x in it)

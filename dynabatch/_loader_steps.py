@@ -17,7 +17,7 @@ import torch
 
 from . import _pixels
 from .batchplan import BatchPlan
-from .collate import IGNORE_INDEX, collate_packed, collate_padded, placeholder_batch
+from .collate import IGNORE_INDEX, _flatten, _labels_of, collate_packed_flat, collate_padded_flat, placeholder_batch
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class StepPlan:
     step_target_tokens: int
     step_samples: int
     plan_time_s: float = 0.0
+    #: index positions of `sample_ids` (indexed mode, when the planner computed them), else None
+    positions: np.ndarray | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -197,8 +199,78 @@ class ReadyStep:
     def pin_memory(self) -> "ReadyStep":
         """Page-locked copies of the tensors (called by the torch DataLoader's pin-memory thread)."""
         batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-                   for b in self.batches]
+                   for b in self.unpacked().batches]
         return ReadyStep(self.step, batches, self.snapshot, self.load_time_s, self.extra)
+
+    def packed(self, shared: bool = True) -> "ReadyStep":
+        """The same step with every tensor of every micro-batch copied into one byte buffer
+        (`PackedBatches`): a DataLoader worker hands a whole step over as one pickled array
+        instead of one shared-memory segment per tensor."""
+        if isinstance(self.batches, PackedBatches):
+            return self
+        return ReadyStep(self.step, PackedBatches.pack(self.batches, shared), self.snapshot, self.load_time_s, self.extra)
+
+    def unpacked(self) -> "ReadyStep":
+        """The micro-batch dicts again (tensors are views of the step's buffer; no copy)."""
+        if not isinstance(self.batches, PackedBatches):
+            return self
+        return ReadyStep(self.step, self.batches.unpack(), self.snapshot, self.load_time_s, self.extra)
+
+
+class PackedBatches:
+    """A step's micro-batch dicts with their tensors laid out in one contiguous uint8 tensor
+    (8-byte aligned; one shared-memory segment when a worker hands it over); ``spec`` holds each
+    dict with tensors replaced by (offset, dtype, shape)."""
+
+    __slots__ = ("buffer", "spec")
+
+    def __init__(self, buffer: np.ndarray, spec: list):
+        self.buffer, self.spec = buffer, spec
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+    @classmethod
+    def pack(cls, batches: list, shared: bool = True) -> "PackedBatches":
+        parts, spec, off = [], [], 0
+        for b in batches:
+            entry = {}
+            for k, v in b.items():
+                if isinstance(v, torch.Tensor) and not v.requires_grad and v.device.type == "cpu":
+                    a = np.ascontiguousarray(v.numpy())
+                    entry[k] = _TensorSlot(off, a.dtype.str, a.shape)
+                    parts.append((off, a))
+                    off += -(-a.nbytes // 8) * 8
+                else:
+                    entry[k] = v
+            spec.append(entry)
+        buf = torch.empty(off, dtype=torch.uint8) if shared else np.empty(off, np.uint8)
+        view = buf.numpy() if shared else buf
+        for o, a in parts:
+            view[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        return cls(buf, spec)
+
+    def unpack(self) -> list:
+        buf = self.buffer.numpy() if isinstance(self.buffer, torch.Tensor) else self.buffer
+        out = []
+        for entry in self.spec:
+            b = {}
+            for k, v in entry.items():
+                if isinstance(v, _TensorSlot):
+                    dt = np.dtype(v.dtype)
+                    n = int(np.prod(v.shape, dtype=np.int64)) * dt.itemsize
+                    b[k] = torch.from_numpy(buf[v.offset:v.offset + n].view(dt).reshape(v.shape))
+                else:
+                    b[k] = v
+            out.append(b)
+        return out
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    offset: int
+    dtype: str
+    shape: tuple
 
 
 class ShapeMismatch(Warning):
@@ -206,37 +278,65 @@ class ShapeMismatch(Warning):
     other tokenization settings)."""
 
 
-def collate_step(step: StepPlan, samples: Mapping[int, TokSample], cfg: CollateConfig,
-                 on_mismatch=None) -> list[dict]:
+def _flat_of(toks: Sequence[TokSample], family: str):
+    """Concatenated ids of tokenized samples: (input ids, lengths, labels or target ids, lengths)."""
+    encs = [t.enc for t in toks]
+    flat, lengths, _ = _flatten([e.input_ids for e in encs])
+    if family == "decoder":
+        return flat, lengths, _flatten(_labels_of(encs))[0], lengths
+    second, slen, _ = _flatten([e.target_ids for e in encs])
+    return flat, lengths, second, slen
+
+
+def collate_step(step: StepPlan, samples: Mapping[int, TokSample] | None, cfg: CollateConfig,
+                 on_mismatch=None, gather=None) -> list[dict]:
     """Collate every micro-batch of a `StepPlan` and attach the metadata keys.
 
-    ``samples`` maps sample id -> `TokSample` (at least this rank's samples of the step).
+    ``samples`` maps sample id -> `TokSample` (at least this rank's samples of the step); or
+    ``gather(sample_ids, positions)`` returns the step's concatenated ids directly (``(input ids,
+    lengths, labels or target ids, lengths)`` in `StepPlan.sample_ids` order: the token cache;
+    text only).
     ``on_mismatch(message)`` is called when a sample is longer than the plan's padded length.
     """
     out = []
     K = step.num_microbatches
+    if gather is not None:  # one gather for the whole step, then per micro-batch slices (views)
+        ids = step.sample_ids()
+        flat_all, len_all, second_all, slen_all = gather(ids, step.positions)
+        counts = [len(mb.sample_ids) for mb in step.microbatches]
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        ends = np.concatenate([[0], np.cumsum(len_all)]).astype(np.int64)
+        sends = ends if slen_all is len_all else np.concatenate([[0], np.cumsum(slen_all)]).astype(np.int64)
     for i, mb in enumerate(step.microbatches):
+        toks: list[TokSample] = []
         if mb.is_padding:
             batch = placeholder_batch(cfg.collation, family=cfg.family, pad_id=cfg.pad_id,
                                       length=cfg.pad_to_multiple_of,
                                       decoder_start_token_id=cfg.decoder_start_token_id)
-            toks: list[TokSample] = []
             real = 0
         else:
-            toks = [samples[int(s)] for s in mb.sample_ids]
-            encs = [t.enc for t in toks]
-            if cfg.collation == "packed":
-                batch = collate_packed(encs, family=cfg.family, pad_id=cfg.pad_id,
-                                       decoder_start_token_id=cfg.decoder_start_token_id)
+            if gather is not None:
+                a, b = bounds[i], bounds[i + 1]
+                lengths = len_all[a:b]
+                flat = flat_all[ends[a]:ends[b]]
+                second = second_all[sends[a]:sends[b]]
+                slen = lengths if slen_all is len_all else slen_all[a:b]
+                has_vision = False
             else:
+                toks = [samples[int(s)] for s in mb.sample_ids]
+                flat, lengths, second, slen = _flat_of(toks, cfg.family)
                 has_vision = any(t.vision_tokens for t in toks)
+            if cfg.collation == "packed":
+                batch = collate_packed_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
+                                            decoder_start_token_id=cfg.decoder_start_token_id)
+            else:
                 # The plan's main length counts vision tokens the model inserts itself; the text ids
                 # are then padded to their own longest row.
                 want_in = 0 if has_vision else mb.input_len
-                batch = collate_padded(encs, family=cfg.family, pad_id=cfg.pad_id,
-                                       pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,
-                                       target_len=mb.target_len, rows=mb.rows,
-                                       decoder_start_token_id=cfg.decoder_start_token_id)
+                batch = collate_padded_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
+                                            pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,
+                                            target_len=mb.target_len, rows=mb.rows,
+                                            decoder_start_token_id=cfg.decoder_start_token_id)
                 if on_mismatch is not None and not has_vision and mb.input_len and (
                         batch["input_ids"].shape[1] > mb.input_len
                         or ("decoder_input_ids" in batch and batch["decoder_input_ids"].shape[1] > mb.target_len)):

@@ -102,3 +102,101 @@ class Ahead:
                 with self._cond:
                     self._hard_stop = True
                     self._cond.notify_all()
+
+
+def fork_available() -> bool:
+    """Whether `ProcessAhead` can run: the ``fork`` start method and more than one CPU."""
+    import multiprocessing
+    import os
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return cpus > 1
+
+
+def _process_main(make_iter, depth, conn) -> None:
+    credits = 2 * max(int(depth), 1)
+    try:
+        for item in make_iter():
+            while credits <= 0:
+                msg = conn.recv()
+                if msg is None:
+                    return
+                credits += msg
+            conn.send((_ITEM, item))
+            credits -= 1
+        conn.send((_END, None))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+    except BaseException as e:  # handed to the consumer, which re-raises it
+        try:
+            conn.send((_ERROR, e))
+        except Exception:
+            conn.send((_ERROR, RuntimeError(f"{type(e).__name__}: {e}")))
+    finally:
+        conn.close()
+
+
+class ProcessAhead:
+    """`Ahead` in a forked child process instead of a thread: the items are produced without
+    holding the consumer's GIL (the indexed planner is pure Python/numpy and needs no collective).
+    The child gets the generator by ``fork`` (nothing is pickled on the way in); items come back
+    pickled through a pipe, at most ``2 * depth`` (``depth`` >= 1) ahead of the consumer (the
+    consumer hands out credits ``depth`` items at a time to keep the pipe traffic low). `close`
+    terminates the child."""
+
+    def __init__(self, make_iter: Callable[[], Iterator], depth: int, name: str = "dynabatch-planner"):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._done = False
+        self._depth = max(int(depth), 1)
+        self._taken = 0
+        self._proc = ctx.Process(target=_process_main, args=(make_iter, depth, child), name=name, daemon=True)
+        self._proc.start()
+        child.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._done = True
+            raise RuntimeError(f"the planning process exited unexpectedly (exit code {self._proc.exitcode})") from None
+        if kind == _ITEM:
+            self._taken += 1
+            if self._taken % self._depth == 0:  # credits in batches: one write per `depth` items
+                try:
+                    self._conn.send(self._depth)
+                except OSError:
+                    pass
+            return value
+        self._done = True
+        self.close()
+        if kind == _ERROR:
+            raise value
+        raise StopIteration
+
+    def close(self, wait: float = 0.0) -> None:
+        """Stop the child process (terminated when it does not stop within ``wait`` seconds)."""
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(min(wait, 1.0) if wait else 0.05)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(1.0)
+        self._conn.close()
+        self._proc = None

@@ -104,6 +104,20 @@ def _labels_of(samples) -> list[np.ndarray]:
     return [s.labels if s.labels is not None else s.input_ids for s in samples]
 
 
+def _dense(flat: np.ndarray, mask: np.ndarray, fill: int) -> np.ndarray:
+    """Rows of ``mask``'s shape: ``flat`` where ``mask`` is True (row-major order), else ``fill``.
+    ``flat`` holds each row's values contiguously, in row order (one sample per row)."""
+    out = np.full(mask.shape, fill, np.int64)
+    out[mask] = flat
+    return out
+
+
+def _first_masked(lab: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    lab = np.array(lab, np.int64, copy=True)
+    lab[starts[lengths > 0]] = IGNORE_INDEX
+    return lab
+
+
 def collate_padded(
     samples: Sequence,
     *,
@@ -128,26 +142,79 @@ def collate_padded(
     """
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+    flat, lengths, _ = _flatten([s.input_ids for s in samples])
+    if family == "decoder":
+        second, slen = _flatten(_labels_of(samples))[0], lengths
+    else:
+        second, slen, _ = _flatten([s.target_ids for s in samples])
+    return collate_padded_flat(flat, lengths, second, slen, family=family, pad_id=pad_id,
+                               pad_to_multiple_of=pad_to_multiple_of, input_len=input_len, target_len=target_len,
+                               decoder_start_token_id=decoder_start_token_id, rows=rows,
+                               mask_first_label=mask_first_label)
+
+
+def collate_padded_flat(
+    flat: np.ndarray,
+    lengths: np.ndarray,
+    second: np.ndarray,
+    second_lengths: np.ndarray,
+    *,
+    family: str = "decoder",
+    pad_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    input_len: int | None = None,
+    target_len: int | None = None,
+    decoder_start_token_id: int | None = None,
+    rows: Sequence[int] | np.ndarray | None = None,
+    mask_first_label: bool = True,
+) -> dict[str, torch.Tensor]:
+    """`collate_padded` from concatenated ids: ``flat``/``lengths`` are the samples' input ids and
+    lengths, ``second``/``second_lengths`` their labels (decoder-only, aligned with the input ids)
+    or target ids (encoder-decoder). The output is the same, tensor for tensor."""
+    if family not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
     mult = max(int(pad_to_multiple_of or 1), 1)
-    flat, lengths, starts = _flatten([s.input_ids for s in samples])
+    lengths = np.asarray(lengths, np.int64)
+    out: dict[str, torch.Tensor] = {}
+    if rows is None:  # one sample per row: a boolean mask places every token (no index arrays)
+        n = len(lengths)
+        L = max(_round_up(int(lengths.max(initial=0)), mult), int(input_len or 0))
+        mask = np.arange(L) < lengths[:, None] if n else np.zeros((0, L), bool)
+        out["input_ids"] = torch.from_numpy(_dense(flat, mask, pad_id))
+        out["attention_mask"] = torch.from_numpy(mask.astype(np.int64))
+        if family == "decoder":
+            lab = _dense(second, mask, IGNORE_INDEX)
+            if mask_first_label and L:
+                lab[:, 0] = IGNORE_INDEX  # every sample starts its own row (empty rows are all -100)
+            out["labels"] = torch.from_numpy(lab)
+            return out
+        start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
+        tlen = np.asarray(second_lengths, np.int64)
+        tstarts = np.cumsum(tlen) - tlen
+        T = max(_round_up(int(tlen.max(initial=0)), mult), int(target_len or 0))
+        tmask = np.arange(T) < tlen[:, None] if n else np.zeros((0, T), bool)
+        out["labels"] = torch.from_numpy(_dense(second, tmask, IGNORE_INDEX))
+        out["decoder_input_ids"] = torch.from_numpy(
+            _dense(_shift_right(np.asarray(second, np.int64), tstarts, start_id), tmask, pad_id))
+        out["decoder_attention_mask"] = torch.from_numpy(tmask.astype(np.int64))
+        return out
+    flat = np.asarray(flat, np.int64)
+    starts = np.cumsum(lengths) - lengths
     owner, within = _positions(lengths, starts, len(flat))
     row, col, nrows, longest = _row_layout(lengths, rows)
     L = max(_round_up(longest, mult), int(input_len or 0))
-    out: dict[str, torch.Tensor] = {}
     out["input_ids"] = torch.from_numpy(_scatter(flat, owner, within, row, col, (nrows, L), pad_id))
     out["attention_mask"] = torch.from_numpy(
         _scatter(np.ones_like(flat), owner, within, row, col, (nrows, L), 0))
-    if rows is not None:
-        out["position_ids"] = torch.from_numpy(_scatter(within, owner, within, row, col, (nrows, L), 0))
+    out["position_ids"] = torch.from_numpy(_scatter(within, owner, within, row, col, (nrows, L), 0))
     if family == "decoder":
-        lab, _, _ = _flatten(_labels_of(samples))
-        if mask_first_label:
-            lab = lab.copy()
-            lab[starts[lengths > 0]] = IGNORE_INDEX
+        lab = _first_masked(second, lengths, starts) if mask_first_label else np.asarray(second, np.int64)
         out["labels"] = torch.from_numpy(_scatter(lab, owner, within, row, col, (nrows, L), IGNORE_INDEX))
         return out
     start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
-    tflat, tlen, tstarts = _flatten([s.target_ids for s in samples])
+    tflat = np.asarray(second, np.int64)
+    tlen = np.asarray(second_lengths, np.int64)
+    tstarts = np.cumsum(tlen) - tlen
     towner, twithin = _positions(tlen, tstarts, len(tflat))
     trow, tcol, _, tlongest = _row_layout(tlen, rows)
     T = max(_round_up(tlongest, mult), int(target_len or 0))
@@ -157,6 +224,11 @@ def collate_padded(
     out["decoder_attention_mask"] = torch.from_numpy(
         _scatter(np.ones_like(tflat), towner, twithin, trow, tcol, (nrows, T), 0))
     return out
+
+
+def _within(lengths: np.ndarray, starts: np.ndarray, total: int) -> np.ndarray:
+    """Each element's index inside its own array (positions restarting at 0 per sample)."""
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
 def collate_packed(
@@ -177,27 +249,49 @@ def collate_packed(
     """
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
-    flat, lengths, starts = _flatten([s.input_ids for s in samples])
-    _, within = _positions(lengths, starts, len(flat))
+    flat, lengths, _ = _flatten([s.input_ids for s in samples])
+    if family == "decoder":
+        second, slen = _flatten(_labels_of(samples))[0], lengths
+    else:
+        second, slen, _ = _flatten([s.target_ids for s in samples])
+    return collate_packed_flat(flat, lengths, second, slen, family=family, pad_id=pad_id,
+                               decoder_start_token_id=decoder_start_token_id, mask_first_label=mask_first_label)
+
+
+def collate_packed_flat(
+    flat: np.ndarray,
+    lengths: np.ndarray,
+    second: np.ndarray,
+    second_lengths: np.ndarray,
+    *,
+    family: str = "decoder",
+    pad_id: int = 0,
+    decoder_start_token_id: int | None = None,
+    mask_first_label: bool = True,
+) -> dict:
+    """`collate_packed` from concatenated ids (see `collate_padded_flat` for the arguments)."""
+    if family not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+    flat = np.asarray(flat, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    starts = np.cumsum(lengths) - lengths
     out: dict = {
         "input_ids": torch.from_numpy(flat.reshape(1, -1)),
-        "position_ids": torch.from_numpy(within.reshape(1, -1)),
+        "position_ids": torch.from_numpy(_within(lengths, starts, len(flat)).reshape(1, -1)),
         "cu_seqlens": torch.from_numpy(np.append(starts, len(flat)).astype(np.int32)),
         "max_seqlen": int(lengths.max(initial=0)),
     }
     if family == "decoder":
-        lab, _, _ = _flatten(_labels_of(samples))
-        if mask_first_label:
-            lab = lab.copy()
-            lab[starts[lengths > 0]] = IGNORE_INDEX
+        lab = _first_masked(second, lengths, starts) if mask_first_label else np.asarray(second, np.int64)
         out["labels"] = torch.from_numpy(lab.reshape(1, -1))
         return out
     start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
-    tflat, tlen, tstarts = _flatten([s.target_ids for s in samples])
-    _, twithin = _positions(tlen, tstarts, len(tflat))
+    tflat = np.asarray(second, np.int64)
+    tlen = np.asarray(second_lengths, np.int64)
+    tstarts = np.cumsum(tlen) - tlen
     out["labels"] = torch.from_numpy(tflat.reshape(1, -1))
     out["decoder_input_ids"] = torch.from_numpy(_shift_right(tflat, tstarts, start_id).reshape(1, -1))
-    out["decoder_position_ids"] = torch.from_numpy(twithin.reshape(1, -1))
+    out["decoder_position_ids"] = torch.from_numpy(_within(tlen, tstarts, len(tflat)).reshape(1, -1))
     out["decoder_cu_seqlens"] = torch.from_numpy(np.append(tstarts, len(tflat)).astype(np.int32))
     out["decoder_max_seqlen"] = int(tlen.max(initial=0))
     return out

@@ -36,10 +36,11 @@ import torch
 from . import _loader_state as lstate
 from ._access import open_access, supports_indexed
 from ._collective import LocalCollective, TorchCollective
-from ._indexed import (IndexedPlanner, IndexedSteps, WorkerSplitDataset, index_settings, load_index, read_index_table,
-                       scan_source, write_index_table)
+from ._indexed import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
+                       WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
+                       token_cache_bytes, write_index_table)
 from ._loader_steps import CollateConfig, ReadyStep
-from ._loader_steps_ahead import Ahead
+from ._loader_steps_ahead import Ahead, fork_available
 from ._pixels import IMAGENET_MEAN, IMAGENET_STD
 from ._replay import PlanFile, ReplayPlanner
 from ._streaming import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner, _identity
@@ -95,16 +96,21 @@ def make_formatter(tokenizer, family: str, *, max_len=None, max_target_len=None,
 def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: int | None = None,
                 max_target_len: int | None = None, vision=None, add_bos: bool = False, truncation_side: str = "right",
                 format_config=None, path=None, on_error: str = "raise", source_options: dict | None = None,
-                split: str | None = None):
+                split: str | None = None, cache_tokens: bool = False):
     """Scan a dataset once into the length index the indexed mode plans with (a `pyarrow.Table`
     with the Shapes columns and ``label_tokens``, sorted by ``sample_id``; written to ``path`` as
     Parquet when given). Pass it as ``DataLoader(..., index=path)`` with the same tokenization
     arguments. Costs one tokenization pass over the data (the loader does the same when it gets
-    no index; build it once, e.g. on one node, for large data)."""
+    no index; build it once, e.g. on one node, for large data).
+
+    ``cache_tokens=True`` (text only) also keeps every sample's token ids, as the loader with the
+    same tokenization arguments collates them, in two ``large_list<int32>`` columns: a loader given
+    this index then takes its token cache from the table instead of tokenizing the data again
+    (see ``DataLoader(cache_tokens=)``). The ids are about 8 bytes per token, in memory and on disk."""
     source = _open_data(data, dict(source_options or {}), split)
     fmt = make_formatter(tokenizer, family, max_len=max_len, max_target_len=max_target_len, add_bos=add_bos,
                          truncation_side=truncation_side, format_config=format_config, vision=vision)
-    table = scan_source(source, fmt, vision=vision, on_error=on_error)
+    table = scan_source(source, fmt, vision=vision, on_error=on_error, keep_tokens=cache_tokens)
     if path is not None:
         write_index_table(table, path)
     return table
@@ -148,8 +154,21 @@ class DataLoader:
         mode: ``"auto"``, ``"indexed"`` or ``"streaming"``; ``index``: a length index (Shapes
             Parquet/Arrow path, table or `Shapes`), else one is built by scanning the data
             (``index_cache``: a Parquet path where it is saved and reused).
+        cache_tokens: indexed mode, text only: keep every sample's token ids in memory (flat int32
+            arrays, about 8 bytes per token) and collate micro-batches from them instead of reading
+            and tokenizing the records of each step again. The ids come from the index's scan
+            (`build_index(cache_tokens=True)` or the loader's own scan, also saved in
+            ``index_cache``), else from one tokenization pass when the loader is built. Default
+            (None): on when the ids fit in 2 GiB (`dynabatch._indexed.TOKEN_CACHE_BUDGET`). The
+            batches are the same either way.
         plan: a plan file to replay exactly (see `dynabatch._replay`).
         plan_ahead: steps planned ahead of the one being loaded.
+        plan_processes: indexed mode with ``num_workers=0``: plan in this many forked child
+            processes (each takes every n-th step, ``plan_ahead`` steps ahead) instead of a thread
+            of the main process, so planning does not compete with loading and the training loop
+            for the GIL; 0 (default): a thread. Only where ``fork`` exists and the process may
+            use more than one CPU; with workers, each worker plans in a thread. It pays off on
+            idle cores only (on a busy 2-core machine it measured no faster than the thread).
         buffer_tokens, chunk_size: streaming buffer lookahead (tokens) and samples per
             tokenizer call.
         collective: streaming only; a `dynabatch.Collective` (default: ``torch.distributed`` when
@@ -208,6 +227,8 @@ class DataLoader:
         on_error: str = "raise",
         source_options: dict | None = None,
         split: str | None = None,
+        cache_tokens: bool | None = None,
+        plan_processes: int | None = None,
     ):
         from tokenization import DynamicTiling
 
@@ -315,6 +336,11 @@ class DataLoader:
         self._pos: dict | None = None  # live position while iterating
         self._closers: list = []
         self.stats = {"steps": 0, "plan_time_s": 0.0, "load_time_s": 0.0, "wait_time_s": 0.0, "step_time_s": 0.0}
+        self.cache_tokens = cache_tokens
+        if plan_processes is not None and int(plan_processes) < 0:
+            raise ValueError("plan_processes must be >= 0")
+        self.plan_processes = plan_processes
+        self.token_cache: TokenCache | None = None
         if self.mode in ("indexed", "replay"):
             self._setup_indexed(index, index_cache, explicit)
         else:
@@ -332,9 +358,12 @@ class DataLoader:
 
     def _setup_indexed(self, index, index_cache, explicit) -> None:
         settings = index_settings(self.formatter, self.vision, self.source)
+        text = self.vision is None
+        want = text and self.cache_tokens is not False
         if index is None:
-            index = self._scan_index(index_cache, settings)
-        self.index = load_index(index, self.family, self.max_len, self.max_target_len,
+            index = self._scan_index(index_cache, settings, keep_tokens=want)
+        table = read_index_table(index)
+        self.index = load_index(table, self.family, self.max_len, self.max_target_len,
                                 bos=int(self.formatter.config.add_bos))
         if self.index.settings is not None:
             theirs = {k: v for k, v in self.index.settings.items() if k in settings and k != "source_fingerprint"}
@@ -352,10 +381,23 @@ class DataLoader:
                 batch_tokens=self.batch_tokens, batch_size=self.batch_size, seed=self.seed, drop_last=self.drop_last,
                 method=self.method, max_len=self.max_len, max_target_len=self.max_target_len,
                 method_options=self.method_options, memory_limit=self.memory_limit, schedule=self.schedule)
+        if self.cache_tokens and not text:
+            logger.warning("cache_tokens=True is ignored with a vision policy (images are loaded per step)")
+        if want and self.cache_tokens is None:
+            need = token_cache_bytes(self.index.shapes, self.family)
+            if need > TOKEN_CACHE_BUDGET:
+                want = False
+                logger.info("token cache off: the ids of %d samples need up to %.1f GiB (budget %.1f GiB); pass "
+                            "cache_tokens=True to keep them anyway", len(self.index), need / 2**30,
+                            TOKEN_CACHE_BUDGET / 2**30)
+        if want:
+            self.token_cache = self._token_cache(table, settings)
         self._access = open_access(self.source)
         self._steps = IndexedSteps(self._planner, self._access, self.formatter, self._collate_cfg, rank=self.rank,
                                    vision=self.vision, load_pixels=self.load_pixels, on_error=self.on_error,
-                                   plan_ahead=self.plan_ahead, exact_labels=self.index.exact_labels)
+                                   plan_ahead=self.plan_ahead, exact_labels=self.index.exact_labels,
+                                   tokens=self.token_cache,
+                                   plan_processes=self._plan_processes())
         self._identity = {
             "index": self.index.fingerprint, "method": self.method, "collation": self.collation,
             "batch_tokens": self.batch_tokens, "batch_size": self.batch_size, "seed": self.seed,
@@ -364,7 +406,33 @@ class DataLoader:
             "plan": None if self._plan_file is None else self._plan_file.meta.get("dynabatch.dataset_fingerprint"),
         }
 
-    def _scan_index(self, index_cache, settings):
+    def _plan_processes(self) -> int:
+        n = int(self.plan_processes or 0)
+        if n and (self.num_workers or not fork_available()):
+            return 0  # workers plan in their own thread; no fork (or one CPU): plan in a thread
+        return n
+
+    def _token_cache(self, table, settings) -> TokenCache | None:
+        """The token cache: from the index table's token columns when they were made with these
+        settings, else from one tokenization pass over the data."""
+        import json
+
+        raw = (table.schema.metadata or {}).get(TOKEN_SETTINGS_KEY)
+        if raw is not None and json.loads(raw) == settings:
+            tc = TokenCache.from_table(self.index, table, self.family)
+            if tc is not None:
+                return tc
+        t0 = time.perf_counter()
+        tc = TokenCache.from_encoded(self.index, encode_all(self.source, self.formatter, on_error=self.on_error),
+                                     self.family)
+        if tc is None:
+            logger.warning("token cache off: the data lacks samples of the length index (stale index?)")
+        else:
+            logger.info("tokenized %d samples into the token cache (%.1f MiB) in %.1f s", len(self.index),
+                        tc.nbytes / 2**20, time.perf_counter() - t0)
+        return tc
+
+    def _scan_index(self, index_cache, settings, keep_tokens: bool = False):
         if index_cache is not None and os.path.exists(index_cache):
             table = read_index_table(index_cache)
             raw = (table.schema.metadata or {}).get(b"dynabatch.index_settings")
@@ -374,7 +442,9 @@ class DataLoader:
                 return table
             logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)
         t0 = time.perf_counter()
-        table = scan_source(self.source, self.formatter, vision=self.vision, on_error=self.on_error)
+        table = scan_source(self.source, self.formatter, vision=self.vision, on_error=self.on_error,
+                            keep_tokens=keep_tokens,
+                            token_budget=TOKEN_CACHE_BUDGET if self.cache_tokens is None else None)
         logger.info("built the length index of %d samples in %.1f s (one tokenization pass; pass index= or "
                     "index_cache= to reuse it)", table.num_rows, time.perf_counter() - t0)
         if index_cache is not None:
@@ -579,6 +649,7 @@ class DataLoader:
         expect = start
         base_exclude = exclude
         for ready in it:
+            ready = ready.unpacked()
             pending[ready.step.step_in_epoch] = ready
             while expect in pending:
                 rd = pending.pop(expect)

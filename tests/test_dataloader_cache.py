@@ -1,0 +1,125 @@
+"""dynabatch.DataLoader token cache, planning processes and packed worker steps: the batches are
+exactly those of the uncached, threaded, in-process path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynabatch._indexed as indexed
+from dynabatch import DataLoader, build_index
+from dynabatch._indexed import TOKEN_COLUMNS
+from dynabatch._loader_steps import PackedBatches
+
+from test_dataloader_data import records, write_parquet
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_parquet(tmp_path_factory.mktemp("cache") / "train.parquet", records(220, seed=4), row_group_size=40)
+
+
+def assert_same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+            elif k != "plan_time_s":
+                assert x[k] == y[k], k
+
+
+CASES = [
+    dict(cost_model="gpt", method="dp"),
+    dict(cost_model="gpt", method="dp_varlen", max_len=40),
+    dict(cost_model="gpt", method="pack", max_len=256),
+    dict(cost_model="t5", method="dp", max_len=40, max_target_len=10),
+    dict(cost_model="t5", method="dp_varlen"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['cost_model']}-{c['method']}-{c.get('max_len')}")
+def test_cached_and_uncached_batches_are_identical(path, case):
+    kw = dict(batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
+    ref = DataLoader(path, cache_tokens=False, plan_processes=0, **kw)
+    assert ref.token_cache is None
+    want = list(ref)
+    cached = DataLoader(path, cache_tokens=True, **kw)  # its own scan keeps the ids
+    assert cached.token_cache is not None
+    assert_same(want, list(cached))
+    family = "encoder_decoder" if case["cost_model"] == "t5" else "decoder"
+    lens = dict(family=family, max_len=case.get("max_len"), max_target_len=case.get("max_target_len"))
+    table = build_index(path, cache_tokens=True, **lens)
+    assert all(c in table.column_names for c in TOKEN_COLUMNS)
+    assert_same(want, list(DataLoader(path, index=table, **kw)))
+    plain = build_index(path, **lens)  # no ids in the index: the loader tokenizes once when built
+    assert not any(c in plain.column_names for c in TOKEN_COLUMNS)
+    dl = DataLoader(path, index=plain, **kw)
+    assert dl.token_cache is not None
+    assert_same(want, list(dl))
+
+
+def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_path):
+    table = build_index(path, cache_tokens=True, path=tmp_path / "idx.parquet")
+
+    def boom(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr("dynabatch.dataloader.encode_all", boom)
+    for index in (table, tmp_path / "idx.parquet"):
+        dl = DataLoader(path, index=index, batch_tokens=1500)
+        assert dl.token_cache is not None and len(list(dl)) > 0
+    # other tokenization settings: the cached ids do not apply, so they are made again
+    with pytest.raises(AssertionError, match="tokenized again"):
+        DataLoader(path, index=table, batch_tokens=1500, max_len=30)
+
+
+def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
+    cache = tmp_path / "index.parquet"
+    first = list(DataLoader(path, index_cache=cache, batch_tokens=1500))
+    monkeypatch.setattr("dynabatch.dataloader.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    dl = DataLoader(path, index_cache=cache, batch_tokens=1500)
+    assert dl.token_cache is not None
+    assert_same(first, list(dl))
+
+
+def test_budget_turns_the_default_off(path, monkeypatch):
+    monkeypatch.setattr(indexed, "TOKEN_CACHE_BUDGET", 100)
+    monkeypatch.setattr("dynabatch.dataloader.TOKEN_CACHE_BUDGET", 100)
+    assert DataLoader(path, batch_tokens=1500).token_cache is None
+    assert DataLoader(path, batch_tokens=1500, cache_tokens=True).token_cache is not None
+
+
+def test_planning_processes_workers_and_threads_agree(path):
+    kw = dict(batch_tokens=1200, method="dp", seed=1)
+    ref = list(DataLoader(path, plan_processes=0, cache_tokens=False, **kw))
+    assert_same(ref, list(DataLoader(path, plan_processes=2, **kw)))
+    assert_same(ref, list(DataLoader(path, plan_processes=1, plan_ahead=1, **kw)))
+    assert_same(ref, list(DataLoader(path, num_workers=2, **kw)))
+    steps = list(DataLoader(path, num_workers=2, **kw).steps())
+    assert sum(len(s) for s in steps) == len(ref)
+    with pytest.raises(ValueError, match="plan_processes"):
+        DataLoader(path, plan_processes=-1, **kw)
+
+
+def test_resume_with_planning_processes(path):
+    kw = dict(batch_tokens=1200, seed=2, plan_processes=2)
+    full = list(DataLoader(path, **kw))
+    dl = DataLoader(path, **kw)
+    it = iter(dl)
+    head = [next(it) for _ in range(5)]
+    state = dl.state_dict()
+    dl.close()
+    again = DataLoader(path, **kw)
+    again.load_state_dict(state)
+    assert_same(full, head + list(again))
+
+
+def test_packed_batches_round_trip():
+    batches = [{"input_ids": torch.arange(12).reshape(3, 4), "cu_seqlens": torch.tensor([0, 3, 7], dtype=torch.int32),
+                "empty": torch.zeros((0, 5), dtype=torch.int64), "step": 3, "is_padding": False},
+               {"labels": torch.full((1, 3), -100), "pixel_values": torch.rand(2, 3, 2, 2)}]
+    for shared in (True, False):
+        out = PackedBatches.pack(batches, shared).unpack()
+        assert_same(batches, out)
