@@ -38,7 +38,7 @@ def _max_without(t, m1, m2):
     return m2 if t == m1 else m1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
     """Rank of each micro-batch (int32 [M]) minimizing max over ranks of sum + (S-1)*max."""
     m = times.shape[0]
@@ -133,7 +133,7 @@ def _candidate_orders(times):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def simulate_rank(times, p2p, fwd_fraction, stages, ops):
     """Pipeline makespan (seconds) of one rank running micro-batches in the given order on
     ``stages`` identical stages."""
@@ -147,7 +147,7 @@ def simulate_rank(times, p2p, fwd_fraction, stages, ops):
     return makespan_kernel(fwd, bwd, p2p, ops)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
     """Execution order within each rank and each rank's simulated makespan.
 

@@ -26,7 +26,7 @@ TOO_FEW_SAMPLES = -2
 NO_EQUAL_SPLIT = -3
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit,
                        use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
     """All memory-feasible segments, grouped by end: for end i (exclusive) the starts are
@@ -107,7 +107,7 @@ def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tco
     return offset, count, seg_time[:used], -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dp_for_cap(offset, count, seg_time, cap, n, f, back, mx):
     """Minimal sum of micro-batch times over partitions whose largest micro-batch is <= cap.
     Fills f (best sum of prefix), back (start of last segment) and mx (largest time on the path)."""
@@ -134,7 +134,7 @@ def dp_for_cap(offset, count, seg_time, cap, n, f, back, mx):
     return f[n]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dp_mod_ranks(offset, count, seg_time, cap, n, ranks):
     """The capped DP with the number of micro-batches tracked modulo ``ranks``; returns the
     segment starts of the best partition whose count is a multiple of ``ranks`` (empty if none)."""
@@ -192,7 +192,7 @@ def _pick_caps(values, lo_index, count):
     return out[:used]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
               max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal_counts=True):
     """Best partition of the ordered samples. Returns (starts, status): the first position of each
@@ -214,12 +214,17 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
     floor = 0.0
     for i in range(1, n + 1):
         floor = max(floor, seg_time[offset[i]])
-    values = np.unique(seg_time)
-    lo_index = np.searchsorted(values, floor)
+    if stages == 1:
+        # No pipeline bubble: the objective is the sum alone, minimal without any cap, so only
+        # the largest segment time is needed (no sort of every segment time).
+        values = np.full(1, seg_time.max())
+        coarse = values.copy()
+    else:
+        values = np.unique(seg_time)
+        coarse = _pick_caps(values, np.searchsorted(values, floor), max_caps)
     f = np.empty(n + 1)
     back = np.empty(n + 1, np.int64)
     mx = np.empty(n + 1)
-    coarse = _pick_caps(values, lo_index, max_caps)
     best_obj = np.inf
     best_k = 0
     objs = np.empty(coarse.shape[0])
@@ -234,7 +239,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
     hi_v = coarse[best_k + 1] if best_k + 1 < coarse.shape[0] else coarse[-1]
     a = np.searchsorted(values, lo_v)
     b = np.searchsorted(values, hi_v, side="right")
-    fine = _pick_caps(values[a:b], 0, max_caps)
+    fine = _pick_caps(values[a:b], 0, max_caps) if stages > 1 else values[:0].copy()
     caps = np.concatenate((coarse, fine))
     cobj = np.concatenate((objs, np.full(fine.shape[0], np.inf)))
     for k in range(coarse.shape[0], caps.shape[0]):
@@ -350,12 +355,15 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
 
     floor = max(seg[(i - 1, i)] for i in range(1, n + 1))
     values = np.unique(np.array(list(seg.values())))
-    caps = list(_pick_caps(values, int(np.searchsorted(values, floor)), max_caps))
+    if stages == 1:  # no bubble: the uncapped partition minimizes the sum
+        caps = [values[-1]]
+    else:
+        caps = list(_pick_caps(values, int(np.searchsorted(values, floor)), max_caps))
     objs = [objective(best_for_cap(c, 1)) for c in caps]
     k = int(np.argmin(objs))
     lo_v, hi_v = caps[max(k - 1, 0)], caps[min(k + 1, len(caps) - 1)]
     window = values[np.searchsorted(values, lo_v): np.searchsorted(values, hi_v, side="right")]
-    fine = list(_pick_caps(window, 0, max_caps))
+    fine = list(_pick_caps(window, 0, max_caps)) if stages > 1 else []
     caps += fine
     objs += [objective(best_for_cap(c, 1)) for c in fine]
     order = np.argsort(np.array(objs), kind="mergesort")

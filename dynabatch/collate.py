@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
+from numba import njit
 
 IGNORE_INDEX = -100
 
@@ -104,6 +105,33 @@ def _labels_of(samples) -> list[np.ndarray]:
     return [s.labels if s.labels is not None else s.input_ids for s in samples]
 
 
+@njit(cache=True)
+def _pad_rows(flat, lengths, fill, out, mask):
+    """Row i of ``out`` [n, L]: sample i's values from ``flat`` (samples concatenated in row
+    order), then ``fill``. ``mask`` (same shape, or 0 rows to skip) gets 1 on real tokens, else 0.
+    One pass instead of a boolean mask, a fill and a scatter per micro-batch; `_dense` is the
+    plain-numpy reference the tests compare it with."""
+    pos = 0
+    L = out.shape[1]
+    for i in range(lengths.shape[0]):
+        n = lengths[i]
+        for j in range(L):
+            out[i, j] = flat[pos + j] if j < n else fill
+        if mask.shape[0]:
+            for j in range(L):
+                mask[i, j] = 1 if j < n else 0
+        pos += n
+
+
+def _rows(flat, lengths: np.ndarray, L: int, fill: int, with_mask: bool):
+    """(values [n, L] int64, attention mask [n, L] int64 or None) via `_pad_rows`."""
+    n = len(lengths)
+    out = np.empty((n, L), np.int64)
+    mask = np.empty((n, L) if with_mask else (0, 0), np.int64)
+    _pad_rows(np.asarray(flat, np.int64), lengths, fill, out, mask)
+    return out, (mask if with_mask else None)
+
+
 def _dense(flat: np.ndarray, mask: np.ndarray, fill: int) -> np.ndarray:
     """Rows of ``mask``'s shape: ``flat`` where ``mask`` is True (row-major order), else ``fill``.
     ``flat`` holds each row's values contiguously, in row order (one sample per row)."""
@@ -176,14 +204,13 @@ def collate_padded_flat(
     mult = max(int(pad_to_multiple_of or 1), 1)
     lengths = np.asarray(lengths, np.int64)
     out: dict[str, torch.Tensor] = {}
-    if rows is None:  # one sample per row: a boolean mask places every token (no index arrays)
-        n = len(lengths)
+    if rows is None:  # one sample per row: one kernel pass fills values and mask
         L = max(_round_up(int(lengths.max(initial=0)), mult), int(input_len or 0))
-        mask = np.arange(L) < lengths[:, None] if n else np.zeros((0, L), bool)
-        out["input_ids"] = torch.from_numpy(_dense(flat, mask, pad_id))
-        out["attention_mask"] = torch.from_numpy(mask.astype(np.int64))
+        ids, am = _rows(flat, lengths, L, pad_id, True)
+        out["input_ids"] = torch.from_numpy(ids)
+        out["attention_mask"] = torch.from_numpy(am)
         if family == "decoder":
-            lab = _dense(second, mask, IGNORE_INDEX)
+            lab, _ = _rows(second, lengths, L, IGNORE_INDEX, False)
             if mask_first_label and L:
                 lab[:, 0] = IGNORE_INDEX  # every sample starts its own row (empty rows are all -100)
             out["labels"] = torch.from_numpy(lab)
@@ -192,11 +219,11 @@ def collate_padded_flat(
         tlen = np.asarray(second_lengths, np.int64)
         tstarts = np.cumsum(tlen) - tlen
         T = max(_round_up(int(tlen.max(initial=0)), mult), int(target_len or 0))
-        tmask = np.arange(T) < tlen[:, None] if n else np.zeros((0, T), bool)
-        out["labels"] = torch.from_numpy(_dense(second, tmask, IGNORE_INDEX))
-        out["decoder_input_ids"] = torch.from_numpy(
-            _dense(_shift_right(np.asarray(second, np.int64), tstarts, start_id), tmask, pad_id))
-        out["decoder_attention_mask"] = torch.from_numpy(tmask.astype(np.int64))
+        lab, tmask = _rows(second, tlen, T, IGNORE_INDEX, True)
+        out["labels"] = torch.from_numpy(lab)
+        dec, _ = _rows(_shift_right(np.asarray(second, np.int64), tstarts, start_id), tlen, T, pad_id, False)
+        out["decoder_input_ids"] = torch.from_numpy(dec)
+        out["decoder_attention_mask"] = torch.from_numpy(tmask)
         return out
     flat = np.asarray(flat, np.int64)
     starts = np.cumsum(lengths) - lengths

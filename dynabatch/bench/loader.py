@@ -78,7 +78,7 @@ class LoaderBenchConfig:
     data: tuple[str, ...] = ()
     limit: int | None = None
     workers: tuple[int, ...] = (0, 2)
-    batch_tokens: int = 16384
+    batch_tokens: int = 65536
     max_len: int = 1024
     tokenizer: str = "bytes"
     cost_model: str = "gpt"
@@ -427,8 +427,8 @@ def add_bench_loader_command(bench_sub) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N samples")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], metavar="W",
                    help="num_workers values to run every method with (default: 0 2)")
-    p.add_argument("--batch-tokens", type=int, default=16384,
-                   help="dynabatch's global batch in tokens; sets the baselines' batch size (default 16384)")
+    p.add_argument("--batch-tokens", type=int, default=65536,
+                   help="dynabatch's global batch in tokens; sets the baselines' batch size (default 65536, as everywhere in dynabatch)")
     p.add_argument("--max-len", type=int, default=1024,
                    help="truncation for every method and the packing row length (default 1024)")
     p.add_argument("--tokenizer", default="bytes", help="tokenization.load_tokenizer spec (default: bytes)")
