@@ -60,18 +60,11 @@ def method_collation(method: str) -> str:
 
 
 def _resolve_layout(rank, world_size) -> tuple[int, int]:
-    import torch.distributed as dist
+    """(rank, world size): explicit values, else torch.distributed's when initialized, else (0, 1)."""
+    from loaders import Layout
 
-    if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-            rank = dist.get_rank() if rank is None else rank
-        else:
-            world_size = 1
-    rank = 0 if rank is None else int(rank)
-    if not 0 <= rank < int(world_size):
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    return rank, int(world_size)
+    layout = Layout.resolve(rank=rank, world_size=world_size, worker_id=0, num_workers=1)
+    return layout.rank, layout.world_size
 
 
 def make_formatter(tokenizer, family: str, *, max_len=None, max_target_len=None, add_bos=False,

@@ -40,6 +40,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from ._format import fmt_rate
 
 SOURCES = ("jsonl", "parquet", "hf", "webdataset")
 TEXT_SOURCES = ("jsonl", "parquet", "hf")
@@ -652,14 +653,6 @@ def _drop_map_cache(hf_dir: Path | None) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _fmt_rate(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f} M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f} k"
-    return f"{x:.0f}"
-
-
 def format_table(result: dict) -> str:
     """The human-readable report: one row per source and path, ratios dynabatch / baseline."""
     c = result["config"]
@@ -681,8 +674,8 @@ def format_table(result: dict) -> str:
             x = f"{ratio['samples_per_s']:.2f}x" if m == "dynabatch" else ""
             flag = "" if agree else "  counts differ!"
             lines.append(f"{name if m == 'dynabatch' else '':<11} {m:<10} {r['samples']:>9} {r['tokens']:>12} "
-                         f"{r['seconds']:>7.2f} {r['cpu_s']:>6.2f} {_fmt_rate(r['samples_per_s']):>10} "
-                         f"{_fmt_rate(r['tokens_per_s']):>10} {x:>10}{flag if m == 'baseline' else ''}")
+                         f"{r['seconds']:>7.2f} {r['cpu_s']:>6.2f} {fmt_rate(r['samples_per_s']):>10} "
+                         f"{fmt_rate(r['tokens_per_s']):>10} {x:>10}{flag if m == 'baseline' else ''}")
 
     for name, s in result["sources"].items():
         rows(name, s["methods"], s["ratio"], s["counts_agree"])

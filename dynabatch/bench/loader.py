@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .load import DEFAULT_TEXT_DATA, _resolve_text
+from ._format import fmt_rate
 
 METHODS = ("torch_pad", "torch_pack", "dynabatch_padded", "dynabatch_packed")
 REFERENCE = "torch_pad"
@@ -349,14 +350,6 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
     return {"config": config, "runs": runs, "ratios": ratios}
 
 
-def _fmt_rate(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f} M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f} k"
-    return f"{x:.0f}"
-
-
 def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
@@ -373,8 +366,8 @@ def format_table(result: dict) -> str:
     for r in result["runs"]:
         x = r.get("samples_per_s_vs_torch_pad")
         lines.append(f"{r['method']:<17} {r['workers']:>7} {r['microbatches']:>8} {r['samples']:>8} "
-                     f"{r['seconds']:>7.2f} {_fmt_rate(r['microbatches_per_s']):>9} "
-                     f"{_fmt_rate(r['samples_per_s']):>10} {_fmt_rate(r['real_tokens_per_s']):>10} "
+                     f"{r['seconds']:>7.2f} {fmt_rate(r['microbatches_per_s']):>9} "
+                     f"{fmt_rate(r['samples_per_s']):>10} {fmt_rate(r['real_tokens_per_s']):>10} "
                      f"{r['padding_efficiency']:>7.3f} {(f'{x:.2f}x' if x is not None else '-'):>11}")
     lines += ["", "every method delivered every sample exactly once per epoch"]
     return "\n".join(lines)
