@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,7 +41,7 @@ def split_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
     return ids >> POSITION_BITS, ids & POSITION_MASK
 
 
-class SampleAccess:
+class SampleAccess(ABC):
     """Reads normalized sample dicts by ``sample_id``. Subclasses implement `_read_shard`."""
 
     random_access = True
@@ -78,9 +79,9 @@ class SampleAccess:
                 found[(int(s) << POSITION_BITS) | int(p)] = self._normalize(raw, int(s))
         return [found[int(i) - (self.shard_offset << POSITION_BITS)] for i in ids]
 
+    @abstractmethod
     def _read_shard(self, shard: int, positions: np.ndarray) -> list:
         """`loaders` RawRecords at the sorted, unique ``positions`` of ``shard``, in that order."""
-        raise NotImplementedError
 
     def _normalize(self, raw, shard: int) -> dict:
         from loaders import LoaderError

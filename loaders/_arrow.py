@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from abc import abstractmethod
 from collections.abc import Iterator
 
 import numpy as np
@@ -40,12 +41,13 @@ class _GroupedTableReader(ShardReader):
             self.shards.append(ShardInfo(i, name, path, starts[-1], boundaries=tuple(starts),
                                          size_bytes=os.path.getsize(path)))
 
+    @abstractmethod
     def _group_sizes(self, path: str) -> list[int]:
-        raise NotImplementedError
+        """Row count of each row group (Parquet) or record batch (Arrow) of the file at ``path``."""
 
+    @abstractmethod
     def _iter_batches(self, path: str, first_group: int) -> Iterator[pa.RecordBatch]:
         """Batches of groups ``first_group, first_group + 1, ...`` in order."""
-        raise NotImplementedError
 
     def read(self, shard: int, start: int, stop: int) -> Iterator[RawRecord]:
         info = self.shards[shard]
