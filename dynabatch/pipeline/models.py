@@ -288,7 +288,7 @@ class T5Embedding(nn.Module):
 
     def forward(self, batch: dict) -> tuple:
         if "cu_seqlens" in batch:
-            raise NotImplementedError("t5-tiny takes padded micro-batches only (packed encoder-decoder plans do "
+            raise ValueError("t5-tiny takes padded micro-batches only (packed encoder-decoder plans do "
                                       "not record separate encoder and decoder token totals)")
         ids, dec = batch["input_ids"], batch["decoder_input_ids"]
         mask = batch.get("attention_mask")
@@ -362,7 +362,7 @@ class T5Head(nn.Module):
 def _t5_boundary(hidden: int, dtype: torch.dtype):
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
         if shape.packed:
-            raise NotImplementedError("t5-tiny takes padded micro-batches only")
+            raise ValueError("t5-tiny takes padded micro-batches only")
         if shape.target_len < 1:
             raise ValueError("an encoder-decoder micro-batch needs target_len >= 1")
         r, L, T = shape.rows, shape.input_len, shape.target_len
@@ -375,7 +375,7 @@ def t5_random_batch(vocab: int):
     def make(shape: MicroBatchShape, generator: torch.Generator | None = None) -> dict:
         gen = generator or torch.Generator().manual_seed(0)
         if shape.packed:
-            raise NotImplementedError("t5-tiny takes padded micro-batches only")
+            raise ValueError("t5-tiny takes padded micro-batches only")
         r, L, T = shape.rows, shape.input_len, shape.target_len
         lin = _random_lengths(gen, r, L)
         lt = _random_lengths(gen, r, T)
