@@ -84,23 +84,11 @@ class SampleAccess(ABC):
         """`loaders` RawRecords at the sorted, unique ``positions`` of ``shard``, in that order."""
 
     def _normalize(self, raw, shard: int) -> dict:
-        from loaders import LoaderError
+        from loaders import normalized_sample
 
         if raw.error is not None:
             raise raw.error
-        try:
-            m = self.source._schema(raw)
-        except LoaderError:
-            raise
-        sample = {"sample_id": ((shard + self.shard_offset) << POSITION_BITS) | raw.position, "key": raw.key,
-                  "inputs": m.inputs, "targets": m.targets, "task": m.task, "images": m.images}
-        if m.image_sizes is not None:
-            sample["image_sizes"] = [tuple(s) for s in m.image_sizes]
-        if m.messages is not None:
-            sample["messages"] = m.messages
-        sample["source"] = self.name
-        sample["meta"] = m.meta
-        return sample
+        return normalized_sample(raw, self.source._schema(raw), shard + self.shard_offset, self.name)
 
     def __getstate__(self):
         d = self.__dict__.copy()

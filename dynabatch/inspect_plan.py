@@ -252,7 +252,7 @@ def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int 
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
-    from .simulate import simulate_pipeline
+    from ._plots import draw_pipeline_timeline
 
     mb = microbatch_columns(run)
     it = run.iteration_times_s()
@@ -292,20 +292,7 @@ def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int 
     ax = axes[1, 1]
     r = int(np.argmax(plan.rank_time_s))
     t = plan.mb_time_s[plan.mb_rank == r]
-    ff = run.cost_model().forward_fraction
-    if len(t):
-        sim = simulate_pipeline(t * ff, t * (1 - ff), num_stages=plan.num_stages, schedule=plan.schedule)
-        cmap = plt.get_cmap("tab20")
-        for s in range(plan.num_stages):
-            for j in range(len(t)):
-                for kind in (0, 1):
-                    a, b = sim.start_s[s, j, kind] * 1e3, sim.end_s[s, j, kind] * 1e3
-                    ax.barh(s, b - a, left=a, color=cmap(j % 20), hatch=None if kind == 0 else "//",
-                            edgecolor="k", lw=0.3)
-    ax.set_yticks(range(plan.num_stages))
-    ax.invert_yaxis()
-    ax.set_ylabel("pipeline stage")
-    ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward")
+    draw_pipeline_timeline(ax, t, run.cost_model().forward_fraction, plan.num_stages, plan.schedule)
     ax.set_title(f"step {step}: rank {r} timeline ({plan.schedule}, {len(t)} micro-batches)")
     fig.suptitle(f"{run.path or 'run plan'}: {run.method} ({run.collation}), {run.num_ranks} ranks x "
                  f"{run.num_stages} stages, {run.num_steps} steps", fontsize=11)

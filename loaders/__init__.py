@@ -15,7 +15,7 @@ from ._errors import (
     StateError,
     TruncatedFileError,
 )
-from ._iterator import SlotIterator
+from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
 from ._open import (
     ArrowSource,
@@ -62,5 +62,6 @@ __all__ = [
     "WebDatasetSource",
     "WorkUnit",
     "merge_states",
+    "normalized_sample",
     "open_source",
 ]

@@ -84,21 +84,7 @@ class SlotIterator:
         except LoaderError as e:
             policy.handle(e)
             return None
-        sample = {
-            "sample_id": ((shard + self.shard_offset) << 32) | raw.position,
-            "key": raw.key,
-            "inputs": m.inputs,
-            "targets": m.targets,
-            "task": m.task,
-            "images": m.images,
-        }
-        if m.image_sizes is not None:
-            sample["image_sizes"] = [tuple(s) for s in m.image_sizes]
-        if m.messages is not None:
-            sample["messages"] = m.messages
-        sample["source"] = self.name
-        sample["meta"] = m.meta
-        return sample
+        return normalized_sample(raw, m, shard + self.shard_offset, self.name)
 
     def _run(self):
         while self.unit_index < len(self.units):
@@ -170,3 +156,23 @@ def _clusters(positions: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((p, p))
     return out
+
+
+def normalized_sample(raw: RawRecord, mapped, global_shard: int, source: str) -> dict:
+    """The normalized sample dict of one mapped record: ``sample_id`` is
+    ``(global_shard << 32) | position``; ``image_sizes`` and ``messages`` only when known."""
+    sample = {
+        "sample_id": (global_shard << 32) | raw.position,
+        "key": raw.key,
+        "inputs": mapped.inputs,
+        "targets": mapped.targets,
+        "task": mapped.task,
+        "images": mapped.images,
+    }
+    if mapped.image_sizes is not None:
+        sample["image_sizes"] = [tuple(s) for s in mapped.image_sizes]
+    if mapped.messages is not None:
+        sample["messages"] = mapped.messages
+    sample["source"] = source
+    sample["meta"] = mapped.meta
+    return sample

@@ -193,7 +193,7 @@ def plot(result: dict, plans: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..simulate import simulate_pipeline
+    from .._plots import draw_pipeline_timeline
 
     methods = list(result["methods"])
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
@@ -224,18 +224,7 @@ def plot(result: dict, plans: dict, path: str) -> None:
     r = int(np.argmax(p.rank_time_s))
     sel = p.mb_rank == r
     t = p.mb_time_s[sel]
-    ff = result["config"].get("forward_fraction", 1 / 3)
-    sim = simulate_pipeline(t * ff, t * (1 - ff), num_stages=p.num_stages, schedule=p.schedule)
-    cmap = plt.get_cmap("tab20")
-    for s in range(p.num_stages):
-        for j in range(len(t)):
-            for kind in (0, 1):
-                a, b = sim.start_s[s, j, kind] * 1e3, sim.end_s[s, j, kind] * 1e3
-                ax.barh(s, b - a, left=a, color=cmap(j % 20), hatch=None if kind == 0 else "//", edgecolor="k", lw=0.3)
-    ax.set_yticks(range(p.num_stages))
-    ax.invert_yaxis()
-    ax.set_ylabel("pipeline stage")
-    ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward")
+    draw_pipeline_timeline(ax, t, result["config"].get("forward_fraction", 1 / 3), p.num_stages, p.schedule)
     ax.set_title(f"{key}: rank {r} timeline ({p.schedule}, {len(t)} micro-batches)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
