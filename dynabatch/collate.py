@@ -7,7 +7,8 @@ Two layouts, both built with numpy scatters over the concatenated ids of a micro
   to ``pad_to_multiple_of`` (or to the plan's padded length). Decoder-only: ``input_ids``,
   ``attention_mask``, ``labels``; encoder-decoder adds ``decoder_input_ids`` (labels shifted right
   behind the decoder start id) and ``decoder_attention_mask``. With ``rows=`` several samples share
-  a row (the ``pack`` baseline's fixed-length rows) and ``position_ids`` restart at each sample.
+  a row (the ``pack`` baseline's fixed-length rows) and ``position_ids`` (``decoder_position_ids``
+  too, encoder-decoder) restart at each sample.
 * `collate_packed`: all samples of the micro-batch in one row of ``T`` tokens, as
   ``DataCollatorWithFlattening`` does: ``input_ids``/``labels``/``position_ids`` of shape [1, T],
   ``position_ids`` restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]) and ``max_seqlen``
@@ -166,7 +167,9 @@ def collate_padded(
     ``attention_mask`` [rows, L], ``labels``, ``decoder_input_ids`` (labels shifted right behind
     ``decoder_start_token_id``, default ``pad_id``, padding as ``pad_id``) and
     ``decoder_attention_mask`` [rows, T]. ``rows`` puts several samples in one row (packed rows);
-    ``position_ids`` then restart at each sample. See the module docstring for the label rule.
+    ``position_ids`` (and, encoder-decoder, ``decoder_position_ids``) then restart at each sample, so
+    a model can tell the samples of a row apart (`dynabatch.pipeline.segment_ids`). See the module
+    docstring for the label rule.
     """
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
@@ -250,6 +253,7 @@ def collate_padded_flat(
         _scatter(_shift_right(tflat, tstarts, start_id), towner, twithin, trow, tcol, (nrows, T), pad_id))
     out["decoder_attention_mask"] = torch.from_numpy(
         _scatter(np.ones_like(tflat), towner, twithin, trow, tcol, (nrows, T), 0))
+    out["decoder_position_ids"] = torch.from_numpy(_scatter(twithin, towner, twithin, trow, tcol, (nrows, T), 0))
     return out
 
 
@@ -354,6 +358,8 @@ def placeholder_batch(collation: str, *, family: str = "decoder", pad_id: int = 
         dec = torch.full((1, length), pad_id, dtype=torch.int64)
         dec[0, 0] = start
         out.update(decoder_input_ids=dec, decoder_attention_mask=torch.ones((1, length), dtype=torch.int64))
+        if collation == "packed_rows":
+            out["decoder_position_ids"] = torch.arange(length).reshape(1, -1)
     return out
 
 

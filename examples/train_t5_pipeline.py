@@ -14,6 +14,7 @@ MAPE of the cost model's predictions for that step (made before the step ran).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -22,10 +23,10 @@ import numpy as np
 import torch
 
 import dynabatch
-from dynabatch.bench.train import batch_shapes, stage_cost_model, uniform_bounds
+from dynabatch.bench.train import batch_shapes, representative, stage_cost_model
 from dynabatch.datagen import write_text_shards
 from dynabatch.feedback import FeedbackLoop
-from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, launch_local, make_model
+from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, launch_local, make_model, search_partition
 
 
 def worker(rank: int, world_size: int, port: int, args: dict):
@@ -45,11 +46,18 @@ def worker(rank: int, world_size: int, port: int, args: dict):
             world_size=1, rank=0,        # one pipeline: both stages read the same micro-batches
             plan_ahead=0,                # plan each step after the previous refit: identical on every rank
             seed=args["seed"], drop_last=True)
-        runner = PipelineRunner.from_model(model, ctx, uniform_bounds(model, stages),
-                                           config=RunnerConfig(schedule="1f1b", gather_timing=True))
+        steps = iter(loader.steps())
+        first = next(steps)
+        # the stage split: profile every layer on the first global batch's micro-batch mix, simulate
+        # every split, keep the fastest (per-layer costs are averaged over ranks: one split for all)
+        split = search_partition(model.layers, representative(first), stages)
+        if rank == 0:
+            print(f"stage split {list(split.bounds)} (simulated step {split.makespan_s * 1e3:.0f} ms, "
+                  f"stage busy {', '.join(f'{t * 1e3:.0f}' for t in split.stage_busy_s)} ms)", flush=True)
+        runner = PipelineRunner.from_model(model, ctx, split, config=RunnerConfig(schedule="1f1b", gather_timing=True))
         optimizer = torch.optim.AdamW(runner.parameters(), lr=args["lr"])
         losses = []
-        for step, mbs in enumerate(loader.steps()):
+        for step, mbs in enumerate(itertools.chain([first], steps)):
             if step >= args["steps"]:
                 break
             shapes = batch_shapes(mbs, loader.collation)         # the plan's shapes, from the batches

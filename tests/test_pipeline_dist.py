@@ -132,3 +132,18 @@ def test_feedback_loop_in_a_real_pipeline_plans_with_measured_costs():
     assert a["consistent"] and b["consistent"]
     assert not np.allclose(a["coef"], a["prior"], rtol=0.05)
     assert np.mean(a["errors"][-8:]) < 0.6
+
+
+def test_search_partition_gives_every_rank_the_same_split():
+    """Each rank profiles a different layer as slow: alone they would split differently (and a
+    pipeline whose ranks disagree on the split deadlocks); averaged, they agree."""
+    a, b = ok(run("partition_search", 2, False, timeout_s=60))
+    assert a["alone"] != b["alone"]
+    assert a["bounds"] == b["bounds"] and a["makespan"] == b["makespan"]
+
+
+def test_search_partition_refuses_different_micro_batch_counts():
+    res = run("partition_search", 2, True, timeout_s=60)
+    for r in res:
+        assert r.returncode != 0 and not r.timed_out
+        assert "different numbers of micro-batches" in r.stderr, r.stderr[-2000:]

@@ -223,3 +223,33 @@ def feedback_run(rank, world, port, steps):
             fb.maybe_refit()
         return {"coef": fb.cost_model.time_coef.tolist(), "history": [asdict(r) for r in fb.history],
                 "errors": [e.mape for e in fb.step_errors], "prior": fb.prior.tolist(), "consistent": consistent}
+
+
+class _Slow(torch.nn.Module):
+    """A layer that also sleeps in its forward: makes one rank's profile of it disagree with the other's."""
+
+    def __init__(self, inner, sleep_s):
+        super().__init__()
+        self.inner, self.sleep_s = inner, sleep_s
+
+    def forward(self, *args):
+        time.sleep(self.sleep_s)
+        return self.inner(*args)
+
+
+def partition_search(rank, world, port, mismatch):
+    """search_partition with a different slow layer on each rank: alone, each rank would pick its own
+    split; averaged over the ranks, both must pick the same one."""
+    from dynabatch.pipeline import balanced_partition, profile_layers, search_partition
+
+    ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
+    with ctx:
+        model = make_model("gpt-tiny", vocab=64, hidden=16, layers=4, heads=2, max_positions=64, seed=0)
+        layers = list(model.layers)
+        slow = 1 if rank == 0 else 4
+        layers[slow] = _Slow(layers[slow], 0.02)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [model.random_batch(MicroBatchShape("padded", 2, 16), gen) for _ in range(4 - (mismatch and rank))]
+        alone = balanced_partition(profile_layers(layers, batches, repeats=1, warmup=0), 2).bounds
+        part = search_partition(layers, batches, 2)
+        return {"bounds": list(part.bounds), "alone": list(alone), "makespan": part.makespan_s}

@@ -56,9 +56,9 @@ class TrainBenchConfig:
     steps: int = 20
     warmup: int = 3
     methods: tuple = TRAIN_METHODS
-    global_batch_tokens: int = 8192
-    max_len: int = 512
-    max_target_len: int = 128
+    global_batch_tokens: int = 32768
+    max_len: int = 2048
+    max_target_len: int = 512
     device_preset: str = "cpu"
     backend: str | None = None
     seed: int = 0
@@ -66,6 +66,7 @@ class TrainBenchConfig:
     refit_every: int = 2
     forgetting: float = 0.8
     schedule: str = "1f1b"
+    partition: str = "searched"  # or "uniform" (equal block counts)
     threads_per_proc: int = 1
     timeout_s: float = 900.0
     model_sizes: dict = field(default_factory=dict)
@@ -99,6 +100,15 @@ def uniform_bounds(model, stages: int) -> list[int]:
     blocks = n - 2
     cuts = [1 + round(blocks * k / stages) for k in range(1, stages)]
     return [0, *cuts, n]
+
+
+def representative(mbs, k: int = 8) -> list:
+    """Up to ``k`` of a step's micro-batch dicts, spread over their predicted times (shortest to
+    longest): the mix a stage split is profiled on. The choice depends on the plan alone, so every
+    rank of a replica picks the same micro-batches."""
+    order = np.argsort([float(b["predicted_time_s"]) for b in mbs], kind="stable")
+    pick = np.unique(np.linspace(0, len(mbs) - 1, min(k, len(mbs))).round().astype(int))
+    return [mbs[i] for i in order[pick]]
 
 
 def batch_shapes(mbs, collation: str):
@@ -144,7 +154,7 @@ class MethodRun:
 
         import dynabatch
         from ..feedback import FeedbackLoop
-        from ..pipeline import PipelineRunner, RunnerConfig, make_model
+        from ..pipeline import PipelineRunner, RunnerConfig, make_model, search_partition
 
         self.cfg, self.method = cfg, method
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
@@ -159,23 +169,38 @@ class MethodRun:
             batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
             max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
             world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True, schedule=cfg.schedule)
-        self.runner = PipelineRunner.from_model(model, ctx, uniform_bounds(model, ctx.num_stages),
+        self._it = iter(self.loader.steps())
+        t0 = time.perf_counter()
+        self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
+        self._first_data_s = time.perf_counter() - t0
+        if cfg.partition == "searched" and self._first:
+            model.to(ctx.device)
+            self.partition = search_partition(model.layers, representative(self._first), ctx.num_stages,
+                                              schedule=cfg.schedule, device=ctx.device)
+            bounds = self.partition.bounds
+        else:
+            self.partition = None
+            bounds = uniform_bounds(model, ctx.num_stages)
+        self.bounds = [int(b) for b in bounds]
+        self.runner = PipelineRunner.from_model(model, ctx, bounds,
                                                 config=RunnerConfig(schedule=cfg.schedule, gather_timing=True))
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
         self.phis, self.ys, self.preds = [], [], []
-        self._it = iter(self.loader.steps())
         self.done = False
 
     def step(self, k: int) -> dict | None:
         """Train one step; None when the data is exhausted."""
         t0 = time.perf_counter()
-        try:
-            mbs = next(self._it)
-        except StopIteration:
+        if self._first is not None:
+            mbs, self._first = self._first, None
+            t_data = self._first_data_s
+        else:
+            mbs = next(self._it, None)
+            t_data = time.perf_counter() - t0
+        if mbs is None:
             self.done = True
             return None
-        t_data = time.perf_counter() - t0
         shapes = batch_shapes(mbs, self.loader.collation)
         res = self.runner.step(shapes, mbs, optimizer=self.optimizer)
         timings = res.all_timings
@@ -227,6 +252,8 @@ class MethodRun:
             "mape_prior_all": _mape(all_phi @ self.prior, all_y),
             "mape_noise": _noise(all_phi, all_y),
             "refits": len(feedback.history) if feedback is not None else 0,
+            "bounds": self.bounds,
+            "partition_makespan_s": self.partition.makespan_s if self.partition is not None else None,
             "knobs": {"method": self.method, "collation": self.loader.collation, "method_options": "planner defaults"},
             "per_step": rows,
         }
@@ -319,7 +346,7 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
     config = {k: v for k, v in asdict(cfg).items() if k not in ("index", "model_sizes", "timeout_s")}
     config.update(data=list(cfg.data), methods=list(cfg.methods), model_sizes=cfg.resolved_sizes(),
-                  parameters=count_parameters(model), bounds=uniform_bounds(model, cfg.stages),
+                  parameters=count_parameters(model),
                   backend=cfg.backend or "auto (gloo on CPU, nccl on GPU)", index_build_s=index_s,
                   timing="tokens_per_s = real tokens of the timed steps / sum over those steps of the slowest "
                          "rank's PipelineRunner.step wall time (warm-up steps excluded); tokens_per_s_e2e adds "
@@ -341,20 +368,21 @@ def format_table(result: dict) -> str:
     """The human-readable table of a `run_train_bench` result."""
     cfg = result["config"]
     lines = [f"bench train: {cfg['model']} ({cfg['parameters'] / 1e6:.2f}M parameters), {cfg['stages']} stages "
-             f"{cfg['bounds']}, {cfg['steps']} steps ({cfg['warmup']} warm-up excluded), global batch "
+             f"({cfg['partition']} split), {cfg['steps']} steps ({cfg['warmup']} warm-up excluded), global batch "
              f"{cfg['global_batch_tokens']} tokens, max_len {cfg['max_len']}"
              + (f"/{cfg['max_target_len']}" if cfg["model"] == "t5-tiny" else "") + f", {cfg['schedule']}",
              f"data: {' '.join(os.path.basename(d) for d in cfg['data'])}",
              "",
              f"{'method':<13}{'tok/s':>9}{'e2e tok/s':>11}{'vs pack':>9}{'mbs/step':>10}{'loss start->end':>18}"
-             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}"]
+             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}  stage bounds"]
     pack = result["methods"].get("pack", {}).get("tokens_per_s")
     for name, m in result["methods"].items():
         vs = f"{m['tokens_per_s'] / pack:.2f}x" if pack else "-"
         lines.append(f"{name:<13}{m['tokens_per_s']:>9.0f}{m['tokens_per_s_e2e']:>11.0f}{vs:>9}"
                      f"{m['microbatches_per_step']:>10.1f}{m['loss_start']:>9.3f}->{m['loss_end']:<7.3f}"
                      f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{m['mape_noise']:>8.1%}"
-                     f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}")
+                     f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}"
+                     f"  {m.get('bounds', '-')}")
     r = result.get("ratios", {})
     if r:
         lines.append("")
@@ -402,12 +430,19 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
     p.add_argument("--methods", nargs="+", default=list(TRAIN_METHODS))
-    p.add_argument("--global-batch-tokens", type=int, default=8192)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-target-len", type=int, default=128)
+    p.add_argument("--global-batch-tokens", type=int, default=32768,
+                   help="tokens (inputs + targets) per global batch (default 32768)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="truncate inputs to this many tokens (default 2048: with byte tokens, FLAN inputs run "
+                        "to ~1.9k at the 95th percentile and half exceed 512, so a shorter cap would clip the "
+                        "very length spread the methods differ on)")
+    p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
     p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "adaptive"))
+    p.add_argument("--partition", choices=("searched", "uniform"), default="searched",
+                   help="stage split: searched per method (profile the layers on the method's first global "
+                        "batch, simulate every split, keep the fastest) or uniform block counts")
     p.add_argument("--refit-every", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
@@ -425,7 +460,8 @@ def _cmd_bench_train(args) -> int:
                            global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
                            max_target_len=args.max_target_len, device_preset=args.device_preset,
                            backend=args.backend, seed=args.seed, refit_every=args.refit_every,
-                           schedule=args.schedule, timeout_s=args.timeout, model_sizes=sizes)
+                           schedule=args.schedule, partition=args.partition, timeout_s=args.timeout,
+                           model_sizes=sizes)
     try:
         result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples)
     except (ValueError, RuntimeError) as e:

@@ -1,6 +1,7 @@
 """Pipeline-parallel execution of dynabatch plans (``torch.distributed``: NCCL on GPUs, gloo on CPU).
 
-* `partition`: split an ordered list of layers into stages by simulated makespan (`balanced_partition`).
+* `partition`: split an ordered list of layers into stages by simulated makespan (`balanced_partition`;
+  `search_partition` profiles the layers and agrees on one split across ranks).
 * `schedule`: per-stage op orders (GPipe, 1F1B, memory-aware adaptive) and NCCL-safe communication programs.
 * `comm`: process groups (`init_pipeline` -> `DistContext`) and point-to-point transfers (`P2P`).
 * `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`.
@@ -13,7 +14,7 @@ See docs/pipeline.md.
 from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
 from .failure import PipelineAborted
 from .launch import ProcResult, free_port, launch_local
-from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, t5_tiny
+from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, segment_ids, t5_tiny
 from .partition import (
     LayerCosts,
     PipelineStage,
@@ -21,6 +22,7 @@ from .partition import (
     balanced_partition,
     partition_makespan,
     profile_layers,
+    search_partition,
     split_model,
     uniform_partition,
 )
@@ -44,6 +46,6 @@ __all__ = [
     "Post", "ProcResult", "ProgramError", "RunnerConfig", "ShapeMismatch", "StagePartition", "StepResult",
     "StepTiming", "TensorSpec", "adaptive_orders", "balanced_partition", "build_programs", "check_batch",
     "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
-    "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "sequential_step",
-    "split_model", "stage_orders", "t5_tiny", "uniform_partition",
+    "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
+    "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
 ]

@@ -14,11 +14,17 @@ Layer contract (what `dynabatch.pipeline` needs from any model):
   losses and the number of target tokens it counted (the runner normalizes over the whole step).
 
 ``state`` is a tuple of tensors whose shapes the model's ``boundary(shape, layer)`` function
-predicts from the plan alone. Padded GPT: ``(hidden [rows, L, H], attention_mask [rows, L])``;
+predicts from the plan alone. Padded GPT: ``(hidden [rows, L, H], segments [rows, L])``;
 packed GPT: ``(hidden [1, N, H], position_ids [1, N], cu_seqlens [n + 1] int32)``; T5:
-``(encoder hidden [rows, L, H], decoder hidden [rows, T, H], encoder mask [rows, L], decoder mask
-[rows, T])``. The state layout is the same after every layer, so any cut is valid. Attention
-masks are plain boolean masks (block-diagonal for packed inputs), which is fine at this size.
+``(encoder hidden [rows, L, H], decoder hidden [rows, T, H], encoder segments [rows, L], decoder
+segments [rows, T])``. The state layout is the same after every layer, so any cut is valid.
+
+``segments`` (`segment_ids`) number the samples of a row from 1 and are 0 on padding: with one
+sample per row they equal the attention mask; in packed rows (the ``pack`` baseline, where
+``position_ids`` restart at every sample) a token attends only to tokens of its own sample, and a
+T5 decoder token only to its own sample's encoder tokens, so packed rows train the same function
+as one sample per row (as T5X's segment ids do). Attention masks are plain boolean masks, dense
+over the row (which is what packing to fixed rows costs without a variable-length kernel).
 """
 
 from __future__ import annotations
@@ -82,14 +88,35 @@ def _segments(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
 
 
-def padded_self_mask(key_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Boolean [rows, 1, L, L] mask (True = may attend) from a [rows, L] padding mask. The diagonal is
-    always allowed so a fully padded query row never softmaxes over nothing (NaN)."""
-    L = key_mask.shape[1]
-    allowed = key_mask.bool()[:, None, None, :]
+def segment_ids(mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sample number of every token of a [rows, L] batch (1, 2, ... within each row; 0 on padding).
+
+    Without ``position_ids`` every row holds one sample (the attention mask as int64); with them a
+    new sample starts wherever a real token has position 0 (packed rows)."""
+    real = mask.bool()
+    if position_ids is None:
+        return real.long()
+    return torch.cumsum(real & (position_ids == 0), dim=-1) * real
+
+
+def padded_self_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Boolean [rows, 1, L, L] mask (True = may attend) from [rows, L] `segment_ids` (a 0/1 padding
+    mask is the one-sample-per-row case): a token sees the real tokens of its own sample. The
+    diagonal is always allowed so a fully padded query row never softmaxes over nothing (NaN)."""
+    L = segments.shape[1]
+    seg = segments.long()
+    allowed = (seg[:, None, :, None] == seg[:, None, None, :]) & (seg[:, None, None, :] > 0)
     if causal:
-        allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=key_mask.device).tril()
-    return allowed | _eye(L, key_mask.device)
+        allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=seg.device).tril()
+    return allowed | _eye(L, seg.device)
+
+
+def cross_mask(query_segments: torch.Tensor, key_segments: torch.Tensor) -> torch.Tensor:
+    """Boolean [rows, 1, T, L] cross-attention mask: a decoder token sees its own sample's encoder
+    tokens. A query with no such key (padding) sees every key, so softmax never gets an empty row."""
+    q, k = query_segments.long(), key_segments.long()
+    allowed = (q[:, None, :, None] == k[:, None, None, :]) & (k[:, None, None, :] > 0)
+    return allowed | ~allowed.any(-1, keepdim=True)
 
 
 def packed_self_mask(cu_seqlens: torch.Tensor, total: int, causal: bool) -> torch.Tensor:
@@ -159,9 +186,10 @@ class GPTEmbedding(nn.Module):
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask.long()
         pos = batch.get("position_ids")
+        seg = segment_ids(mask, pos)
         if pos is None:  # works for left and right padding
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        return self.tok(ids) + self.pos(pos.long()), mask
+        return self.tok(ids) + self.pos(pos.long()), seg
 
 
 class GPTBlock(nn.Module):
@@ -295,9 +323,17 @@ class T5Embedding(nn.Module):
         mask = torch.ones_like(ids) if mask is None else mask.long()
         dmask = batch.get("decoder_attention_mask")
         dmask = torch.ones_like(dec) if dmask is None else dmask.long()
-        enc = self.tok(ids) + self.enc_pos(torch.arange(ids.shape[1], device=ids.device))
-        dech = self.tok(dec) + self.dec_pos(torch.arange(dec.shape[1], device=dec.device))
-        return enc, dech, mask, dmask
+        pos, dpos = batch.get("position_ids"), batch.get("decoder_position_ids")
+        if (pos is None) != (dpos is None):
+            raise ValueError("t5-tiny: packed rows need both position_ids and decoder_position_ids "
+                             "(the collator's packed_rows layout)")
+        seg, dseg = segment_ids(mask, pos), segment_ids(dmask, dpos)
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            dpos = torch.arange(dec.shape[1], device=dec.device)
+        enc = self.tok(ids) + self.enc_pos(pos.long())
+        dech = self.tok(dec) + self.dec_pos(dpos.long())
+        return enc, dech, seg, dseg
 
 
 class T5EncoderBlock(nn.Module):
@@ -335,9 +371,7 @@ class T5DecoderBlock(nn.Module):
         enc, dec, mask, dmask = state
         x = self.ln1(dec)
         dec = dec + self.self_attn(x, x, padded_self_mask(dmask, causal=True))
-        cross_allowed = mask.bool()[:, None, None, :]
-        cross_allowed = cross_allowed | ~cross_allowed.any(-1, keepdim=True)  # no NaN on empty rows
-        dec = dec + self.cross(self.ln2(dec), self.ln_mem(enc), cross_allowed)
+        dec = dec + self.cross(self.ln2(dec), self.ln_mem(enc), cross_mask(dmask, mask))
         dec = dec + self.mlp(self.ln3(dec))
         return enc, dec, mask, dmask
 
@@ -423,4 +457,4 @@ def count_parameters(model: LayeredModel) -> int:
 
 
 __all__ = ["MODELS", "LayeredModel", "gpt_tiny", "t5_tiny", "make_model", "count_parameters",
-           "padded_self_mask", "packed_self_mask"]
+           "padded_self_mask", "packed_self_mask", "cross_mask", "segment_ids"]

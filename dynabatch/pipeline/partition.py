@@ -366,3 +366,34 @@ def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repe
         fwd[:, j] = [min(t) for t in tf]
         bwd[:, j] = [min(t) for t in tb]
     return LayerCosts(fwd, bwd, mem, boundary)
+
+
+def search_partition(layers: Sequence[nn.Module], batches: Sequence[dict], num_stages: int, *,
+                     schedule: str = "1f1b", repeats: int = 1, warmup: int = 1, device=None,
+                     group=None, p2p_s=0.0) -> StagePartition:
+    """The `balanced_partition` of ``layers`` for the micro-batch mix ``batches``, identical on every rank.
+
+    Each rank profiles the layers on its own ``batches`` (`profile_layers`, seconds); when
+    ``torch.distributed`` is initialized the per-layer costs are averaged over ``group`` (default:
+    the whole world) before the search, so that timing noise, which differs from rank to rank,
+    cannot make two ranks pick different splits (they would then deadlock). Every rank must pass
+    the same number of micro-batches. ``schedule`` ``adaptive`` is searched as ``1f1b``.
+    """
+    import torch.distributed as dist
+
+    if not batches:
+        raise ValueError("search_partition needs at least one representative micro-batch")
+    costs = profile_layers(layers, batches, repeats=repeats, warmup=warmup, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dev = torch.device(device) if device is not None else next(layers[0].parameters()).device
+        m = torch.tensor([len(batches), -len(batches)], dtype=torch.float64, device=dev)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        if m[0].item() != -m[1].item():
+            raise ValueError(f"search_partition: ranks passed different numbers of micro-batches "
+                             f"({int(-m[1].item())} to {int(m[0].item())}); every rank must profile the same count")
+        arrays = [costs.forward_s, costs.backward_s, costs.memory_bytes, np.broadcast_to(costs.boundary_bytes, costs.forward_s.shape)]
+        t = torch.tensor(np.stack(arrays), dtype=torch.float64, device=dev)
+        dist.all_reduce(t, group=group)
+        mean = (t / dist.get_world_size(group)).cpu().numpy()
+        costs = LayerCosts(mean[0], mean[1], mean[2], mean[3][0])
+    return balanced_partition(costs, num_stages, schedule="1f1b" if schedule == "adaptive" else schedule, p2p_s=p2p_s)

@@ -151,7 +151,9 @@ def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
         need("input_ids", (shape.rows, shape.input_len))
         need("attention_mask", (shape.rows, shape.input_len))
         tgt = (shape.rows, shape.target_len) if shape.target_len else (shape.rows, shape.input_len)
+        need("position_ids", (shape.rows, shape.input_len))
         need("decoder_input_ids", tgt)
+        need("decoder_position_ids", tgt)
         need("labels", tgt)
 
 
