@@ -27,7 +27,8 @@ class MicroBatchPlan:
     ``rows`` is each sample's row for packed-rows collation (None otherwise); ``input_len`` and
     ``target_len`` are the plan's padded lengths in tokens (0: derive from the samples);
     ``real_tokens`` the plan's count of real tokens (input + target + vision);
-    ``predicted_time_s`` the cost model's forward+backward seconds on one stage.
+    ``predicted_time_s`` the cost model's forward+backward seconds on one stage and
+    ``predicted_memory_bytes`` its activation bytes on one stage.
     """
 
     sample_ids: np.ndarray
@@ -36,6 +37,7 @@ class MicroBatchPlan:
     target_len: int = 0
     real_tokens: int = 0
     predicted_time_s: float = 0.0
+    predicted_memory_bytes: float = 0.0
     is_padding: bool = False
 
 
@@ -159,6 +161,7 @@ def rank_step(plan: BatchPlan, rank: int, *, epoch: int, step_in_epoch: int, ste
             target_len=int(plan.mb_target_len[k]) if plan.collation != "packed" else 0,
             real_tokens=int(plan.mb_real_tokens[k]),
             predicted_time_s=float(plan.mb_time_s[k]),
+            predicted_memory_bytes=float(plan.mb_memory_bytes[k]),
         ))
     mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
     return StepPlan(step=int(plan.step), epoch=epoch, step_in_epoch=step_in_epoch, collation=plan.collation,
@@ -352,6 +355,7 @@ def collate_step(step: StepPlan, samples: Mapping[int, TokSample] | None, cfg: C
             step=step.step, epoch=step.epoch, microbatch=i, num_microbatches=K, real_tokens=int(real),
             step_real_tokens=step.step_real_tokens, step_target_tokens=step.step_target_tokens,
             step_samples=step.step_samples, predicted_time_s=float(mb.predicted_time_s),
+            predicted_memory_bytes=float(mb.predicted_memory_bytes),
             plan_time_s=float(step.plan_time_s), is_padding=bool(mb.is_padding),
             sample_ids=torch.from_numpy(np.asarray(mb.sample_ids, np.int64).copy()),
         )

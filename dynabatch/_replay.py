@@ -98,7 +98,7 @@ class PlanFile:
             raise PlanMismatchError(f"{self.name}: the plan lacks the columns {missing}")
         cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names
                 if c in ("step", "rank", "microbatch", "sample_id", "row", "input_len", "target_len", "real_tokens",
-                         "time_s", "epoch")}
+                         "time_s", "memory_bytes", "epoch")}
         order = np.argsort(cols["step"], kind="stable")  # keeps the file's order inside a step
         self.cols = {c: v[order] for c, v in cols.items()}
         steps = self.cols["step"].astype(np.int64)
@@ -255,7 +255,8 @@ class ReplayPlanner:
                     sample_ids=ids[sel], rows=rows,
                     input_len=int(c["input_len"][sel[0]]) if "input_len" in c and pf.collation != "packed" else 0,
                     target_len=int(c["target_len"][sel[0]]) if "target_len" in c and pf.collation != "packed" else 0,
-                    real_tokens=real, predicted_time_s=float(c["time_s"][sel[0]]) if "time_s" in c else 0.0))
+                    real_tokens=real, predicted_time_s=float(c["time_s"][sel[0]]) if "time_s" in c else 0.0,
+                    predicted_memory_bytes=float(c["memory_bytes"][sel[0]]) if "memory_bytes" in c else 0.0))
             mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
             if real_of_sample is not None:
                 step_real = int(real_of_sample[first].sum())

@@ -349,7 +349,8 @@ class StreamingPlanner:
                             rows=mb.sample_row.copy() if plan.collation == "packed_rows" else None,
                             input_len=mb.input_len if plan.collation != "packed" else 0,
                             target_len=mb.target_len if plan.collation != "packed" else 0,
-                            real_tokens=mb.real_tokens, predicted_time_s=mb.time_s))
+                            real_tokens=mb.real_tokens, predicted_time_s=mb.time_s,
+                            predicted_memory_bytes=mb.memory_bytes))
                 mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
                 collation = plan.collation if plan is not None else self.collate.collation
                 sp = StepPlan(step=step, epoch=epoch, step_in_epoch=step_in_epoch, collation=collation,

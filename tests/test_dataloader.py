@@ -146,6 +146,9 @@ def test_padded_shapes_equal_the_plan(data, model):
                         assert (b["labels"][row, :n] == IGNORE_INDEX).all()
                         assert (b["labels"][row, n:n + t] != IGNORE_INDEX).all()
             assert real == b["real_tokens"] == mb.real_tokens
+            # the plan's predictions travel with the batch (the pipeline runner's adaptive schedule needs them)
+            assert b["predicted_time_s"] == mb.time_s > 0
+            assert b["predicted_memory_bytes"] == mb.memory_bytes > 0
 
 
 def test_step_totals_cover_all_ranks(data):
@@ -255,13 +258,15 @@ def test_replay_yields_exactly_the_planned_ids(data, tmp_path):
         assert dl.method == "pad" and dl.collation == "padded"
         for epoch in range(2):
             dl.set_epoch(epoch)
-            got[r] += [(b["step"], b["microbatch"], b["sample_ids"].tolist()) for b in dl]
+            got[r] += [(b["step"], b["microbatch"], b["sample_ids"].tolist(), b["predicted_memory_bytes"])
+                       for b in dl]
     for r in range(2):
         want = []
         for p in plans:
             mbs = p.microbatches(r)
             K = int(p.microbatches_per_rank().max())
-            want += [(p.step, i, mbs[i].sample_ids.tolist() if i < len(mbs) else []) for i in range(K)]
+            want += [(p.step, i, mbs[i].sample_ids.tolist() if i < len(mbs) else [],
+                      mbs[i].memory_bytes if i < len(mbs) else 0.0) for i in range(K)]
         assert got[r] == want
 
 

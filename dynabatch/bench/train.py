@@ -112,7 +112,8 @@ def representative(mbs, k: int = 8) -> list:
 
 
 def batch_shapes(mbs, collation: str):
-    """`MicroBatchShape`s of the DataLoader's micro-batch dicts (the runner's plan input)."""
+    """`MicroBatchShape`s of the DataLoader's micro-batch dicts (the runner's plan input), with the
+    plan's predicted seconds and activation bytes (what the ``adaptive`` schedule limits)."""
     from ..pipeline import MicroBatchShape
 
     out = []
@@ -121,9 +122,10 @@ def batch_shapes(mbs, collation: str):
         T = b["decoder_input_ids"].shape[1] if "decoder_input_ids" in b else 0
         if collation == "packed":
             out.append(MicroBatchShape("packed", int(b["cu_seqlens"].numel() - 1), int(b["max_seqlen"]), 0, int(L),
-                                       float(b["predicted_time_s"])))
+                                       float(b["predicted_time_s"]), float(b.get("predicted_memory_bytes", 0.0))))
         else:
-            out.append(MicroBatchShape(collation, int(rows), int(L), int(T), 0, float(b["predicted_time_s"])))
+            out.append(MicroBatchShape(collation, int(rows), int(L), int(T), 0, float(b["predicted_time_s"]),
+                                       float(b.get("predicted_memory_bytes", 0.0))))
     return out
 
 
