@@ -5,8 +5,12 @@ import subprocess
 import sys
 import time
 
-from dynabatch.bench.train import TRAIN_METHODS
+import numpy as np
+
+from dynabatch import CostModel
+from dynabatch.bench.train import TRAIN_METHODS, stage_cost_model
 from dynabatch.datagen import write_text_shards
+from dynabatch.pipeline import make_model
 
 
 def test_bench_train_json(tmp_path):
@@ -15,7 +19,7 @@ def test_bench_train_json(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
          "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096",
-         "--data", *map(str, paths), "--timeout", "50", "--json"],
+         "--data", *map(str, paths), "--timeout", "50", "--json", "--save-cost-model", str(tmp_path / "refit.json")],
         capture_output=True, text=True, timeout=58)
     assert out.returncode == 0, out.stderr[-3000:]
     assert time.monotonic() - t0 < 60
@@ -32,3 +36,12 @@ def test_bench_train_json(tmp_path):
     assert len({tuple(v) for v in per_step.values()}) == 1, per_step
     assert len({m["real_tokens"] for m in res["methods"].values()}) == 1
     assert res["methods"]["dp"]["refits"] >= 1
+    # the stage split was searched, and is the same kind of split every method reports
+    assert all(m["bounds"][0] == 0 and m["bounds"][-1] == 6 and len(m["bounds"]) == 3 for m in res["methods"].values())
+    assert res["config"]["partition"] == "searched"
+    # dp's refit cost model is a file a user keeps: it loads back, moved away from the cpu preset
+    refit = CostModel.load(tmp_path / "refit.json")
+    prior = stage_cost_model(make_model("t5-tiny", hidden=64), 2, "cpu")
+    assert refit.model == prior.model
+    assert not np.allclose(refit.time_coef, prior.time_coef, rtol=0.05)
+    assert res["methods"]["dp"]["cost_model_path"] == str(tmp_path / "refit.json")

@@ -67,6 +67,7 @@ class TrainBenchConfig:
     forgetting: float = 0.8
     schedule: str = "1f1b"
     partition: str = "searched"  # or "uniform" (equal block counts)
+    save_cost_model: str | None = None  # JSON path for dp's refit cost model (written by rank 0)
     threads_per_proc: int = 1
     timeout_s: float = 900.0
     model_sizes: dict = field(default_factory=dict)
@@ -158,7 +159,7 @@ class MethodRun:
         from ..feedback import FeedbackLoop
         from ..pipeline import PipelineRunner, RunnerConfig, make_model, search_partition
 
-        self.cfg, self.method = cfg, method
+        self.cfg, self.method, self.rank = cfg, method, ctx.rank
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
         self.prior = self.cost.time_coef.copy()
@@ -261,6 +262,10 @@ class MethodRun:
         }
         if feedback is not None and feedback.history:
             out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
+        if feedback is not None and cfg.save_cost_model:
+            if self.rank == 0:  # every rank holds the same coefficients
+                self.cost.save(cfg.save_cost_model)
+            out["cost_model_path"] = cfg.save_cost_model
         return out
 
 
@@ -366,6 +371,11 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     return {"config": config, "methods": methods, "ratios": ratios}
 
 
+def _pct(x: float) -> str:
+    """``x`` as a percentage, ``-`` when undefined (no shape repeated often enough to measure noise)."""
+    return "-" if x != x else f"{x:.1%}"
+
+
 def format_table(result: dict) -> str:
     """The human-readable table of a `run_train_bench` result."""
     cfg = result["config"]
@@ -382,7 +392,7 @@ def format_table(result: dict) -> str:
         vs = f"{m['tokens_per_s'] / pack:.2f}x" if pack else "-"
         lines.append(f"{name:<13}{m['tokens_per_s']:>9.0f}{m['tokens_per_s_e2e']:>11.0f}{vs:>9}"
                      f"{m['microbatches_per_step']:>10.1f}{m['loss_start']:>9.3f}->{m['loss_end']:<7.3f}"
-                     f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{m['mape_noise']:>8.1%}"
+                     f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{_pct(m['mape_noise']):>8}"
                      f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}"
                      f"  {m.get('bounds', '-')}")
     r = result.get("ratios", {})
@@ -446,6 +456,9 @@ def add_bench_train_command(bench_sub) -> None:
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest) or uniform block counts")
     p.add_argument("--refit-every", type=int, default=2)
+    p.add_argument("--save-cost-model", metavar="PATH",
+                   help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
+                        "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
     p.add_argument("--generated-samples", type=int, default=2000, help="generated samples when no data is found")
@@ -463,7 +476,8 @@ def _cmd_bench_train(args) -> int:
                            max_target_len=args.max_target_len, device_preset=args.device_preset,
                            backend=args.backend, seed=args.seed, refit_every=args.refit_every,
                            schedule=args.schedule, partition=args.partition, timeout_s=args.timeout,
-                           model_sizes=sizes)
+                           model_sizes=sizes,
+                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     try:
         result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples)
     except (ValueError, RuntimeError) as e:
