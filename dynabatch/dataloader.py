@@ -6,8 +6,8 @@ Hugging Face collators' output (see `dynabatch.collate`) plus metadata (``step``
 ``microbatch``, ``num_microbatches``, ``real_tokens``, ``step_real_tokens``,
 ``step_target_tokens``, ``step_samples``, ``predicted_time_s`` and ``predicted_memory_bytes``
 (the plan's forward+backward seconds and activation bytes of the micro-batch on one stage),
-``plan_time_s``, ``is_padding``, ``sample_ids``, ``epoch``). `DataLoader.steps` yields whole steps (lists of micro-batches) for
-gradient-accumulation loops. Every rank yields the same number of steps and the same number of
+``plan_time_s``, ``is_padding``, ``sample_ids``, ``epoch``). `DataLoader.steps` yields whole steps
+(lists of micro-batches) for gradient-accumulation loops. Every rank yields the same number of steps and the same number of
 micro-batches per step, by construction.
 
 Modes (``mode="auto"`` picks one):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from dynabatch import CostModel
-from dynabatch.bench.train import TRAIN_METHODS, stage_cost_model
+from dynabatch.bench.train import TRAIN_METHODS, batch_shapes, stage_cost_model
 from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import make_model
 
@@ -45,3 +45,28 @@ def test_bench_train_json(tmp_path):
     assert refit.model == prior.model
     assert not np.allclose(refit.time_coef, prior.time_coef, rtol=0.05)
     assert res["methods"]["dp"]["cost_model_path"] == str(tmp_path / "refit.json")
+
+
+def test_batch_shapes_carry_the_plans_time_and_memory():
+    """The adaptive order limits in-flight activation bytes by each micro-batch's planned bytes."""
+    import torch
+
+    mb = {"input_ids": torch.zeros(3, 40, dtype=torch.long), "decoder_input_ids": torch.zeros(3, 7, dtype=torch.long),
+          "predicted_time_s": 0.25, "predicted_memory_bytes": 1.5e6}
+    (shape,) = batch_shapes([mb], "padded")
+    assert (shape.rows, shape.input_len, shape.target_len) == (3, 40, 7)
+    assert shape.time_s == 0.25 and shape.memory_bytes == 1.5e6
+
+
+def test_bench_train_runs_the_adaptive_schedule(tmp_path):
+    """--schedule adaptive: the planner simulates 1f1b, the runner uses the memory-bounded order."""
+    paths = write_text_shards(tmp_path / "data", 120, seed=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--schedule", "adaptive",
+         "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "50", "--json"],
+        capture_output=True, text=True, timeout=58)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert res["config"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
+    assert all(m["steps"] == 3 and m["tokens_per_s"] > 0 for m in res["methods"].values())

@@ -171,7 +171,9 @@ class MethodRun:
             list(cfg.data), index=cfg.index, mode="indexed", cost_model=self.cost, num_stages=ctx.num_stages,
             batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
             max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
-            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True, schedule=cfg.schedule)
+            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True,
+            # the planner simulates gpipe or 1f1b; the adaptive order is 1f1b bounded by memory
+            schedule="1f1b" if cfg.schedule == "adaptive" else cfg.schedule)
         self._it = iter(self.loader.steps())
         t0 = time.perf_counter()
         self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
