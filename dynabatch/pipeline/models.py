@@ -99,13 +99,18 @@ def segment_ids(mask: torch.Tensor, position_ids: torch.Tensor | None = None) ->
     return torch.cumsum(real & (position_ids == 0), dim=-1) * real
 
 
+def _same_sample(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, Lq, Lk]: query and key belong to the same sample and the key is not padding."""
+    return (q[:, None, :, None] == k[:, None, None, :]) & (k[:, None, None, :] > 0)
+
+
 def padded_self_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
     """Boolean [rows, 1, L, L] mask (True = may attend) from [rows, L] `segment_ids` (a 0/1 padding
     mask is the one-sample-per-row case): a token sees the real tokens of its own sample. The
     diagonal is always allowed so a fully padded query row never softmaxes over nothing (NaN)."""
     L = segments.shape[1]
     seg = segments.long()
-    allowed = (seg[:, None, :, None] == seg[:, None, None, :]) & (seg[:, None, None, :] > 0)
+    allowed = _same_sample(seg, seg)
     if causal:
         allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=seg.device).tril()
     return allowed | _eye(L, seg.device)
@@ -114,8 +119,7 @@ def padded_self_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
 def cross_mask(query_segments: torch.Tensor, key_segments: torch.Tensor) -> torch.Tensor:
     """Boolean [rows, 1, T, L] cross-attention mask: a decoder token sees its own sample's encoder
     tokens. A query with no such key (padding) sees every key, so softmax never gets an empty row."""
-    q, k = query_segments.long(), key_segments.long()
-    allowed = (q[:, None, :, None] == k[:, None, None, :]) & (k[:, None, None, :] > 0)
+    allowed = _same_sample(query_segments.long(), key_segments.long())
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
@@ -192,8 +196,8 @@ class GPTEmbedding(nn.Module):
         return self.tok(ids) + self.pos(pos.long()), seg
 
 
-class GPTBlock(nn.Module):
-    """Pre-LayerNorm causal transformer block; passes masks through untouched."""
+class _SelfAttentionBlock(nn.Module):
+    """Pre-LayerNorm self-attention + feed-forward block (shared by the GPT and T5 encoder blocks)."""
 
     def __init__(self, hidden: int, heads: int, ffn: int):
         super().__init__()
@@ -202,16 +206,22 @@ class GPTBlock(nn.Module):
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden, ffn)
 
+    def _block(self, h: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        x = self.ln1(h)
+        h = h + self.attn(x, x, allowed)
+        return h + self.mlp(self.ln2(h))
+
+
+class GPTBlock(_SelfAttentionBlock):
+    """Pre-LayerNorm causal transformer block; passes masks through untouched."""
+
     def forward(self, state: tuple) -> tuple:
         h = state[0]
         if len(state) == 3:  # packed: (h, position_ids, cu_seqlens)
             allowed = packed_self_mask(state[2], h.shape[1], causal=True)
         else:
             allowed = padded_self_mask(state[1], causal=True)
-        x = self.ln1(h)
-        h = h + self.attn(x, x, allowed)
-        h = h + self.mlp(self.ln2(h))
-        return (h, *state[1:])
+        return (self._block(h, allowed), *state[1:])
 
 
 class GPTHead(nn.Module):
@@ -336,22 +346,12 @@ class T5Embedding(nn.Module):
         return enc, dech, seg, dseg
 
 
-class T5EncoderBlock(nn.Module):
+class T5EncoderBlock(_SelfAttentionBlock):
     """Bidirectional self-attention block on the encoder hidden states; the decoder states pass through."""
-
-    def __init__(self, hidden: int, heads: int, ffn: int):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = MLP(hidden, ffn)
 
     def forward(self, state: tuple) -> tuple:
         enc, dec, mask, dmask = state
-        x = self.ln1(enc)
-        enc = enc + self.attn(x, x, padded_self_mask(mask, causal=False))
-        enc = enc + self.mlp(self.ln2(enc))
-        return enc, dec, mask, dmask
+        return self._block(enc, padded_self_mask(mask, causal=False)), dec, mask, dmask
 
 
 class T5DecoderBlock(nn.Module):
