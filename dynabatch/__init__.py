@@ -6,9 +6,9 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 (`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
 """
 
-from .batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch, plans_to_arrow
-from .bounds import iteration_lower_bound
-from .cost import (
+from .core.batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch, plans_to_arrow
+from .core.bounds import iteration_lower_bound
+from .core.cost import (
     DEVICE_PRESETS,
     FEATURES,
     MODEL_PRESETS,
@@ -19,10 +19,10 @@ from .cost import (
     device_preset,
     model_preset,
 )
-from .plan import METHODS, PlanningError, plan_microbatches, split_global_batches
-from .shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
-from .shapes import SHAPES_SCHEMA, Shapes
-from .simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
+from .core.plan import METHODS, PlanningError, plan_microbatches, split_global_batches
+from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
+from .core.shapes import SHAPES_SCHEMA, Shapes
+from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
 
 __all__ = [
     "BatchPlan",
@@ -57,10 +57,10 @@ __version__ = "0.1.0"
 
 # The DataLoader and collation need torch: imported on first use so `import dynabatch` stays light.
 _LAZY = {
-    "DataLoader": "dataloader", "build_index": "dataloader", "collate_padded": "collate",
-    "collate_packed": "collate", "model_inputs": "collate", "Collective": "_collective",
-    "LocalCollective": "_collective", "ThreadCollective": "_collective", "TorchCollective": "_collective",
-    "PlanMismatchError": "_replay", "LoaderStateError": "_loader_state",
+    "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "collate_padded": "loader.collate",
+    "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
+    "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
+    "TorchCollective": "loader.collective", "PlanMismatchError": "loader.replay", "LoaderStateError": "loader.state",
 }
 __all__ += sorted(_LAZY)
 

@@ -48,8 +48,8 @@ examples:
 
 
 def _add_bench_plan(sub) -> None:
-    from .cost import DEVICE_PRESETS, MODEL_PRESETS
-    from .plan import METHODS
+    from .core.cost import DEVICE_PRESETS, MODEL_PRESETS
+    from .core.plan import METHODS
 
     p = sub.add_parser("plan", help="compare planning methods on the same global batches",
                        description="Plan the same random global batches with dynabatch's DP and every baseline, "
@@ -80,8 +80,8 @@ def _add_bench_plan(sub) -> None:
 
 def _cmd_bench_plan(args) -> int:
     from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
-    from .cost import CostModel
-    from .shape_sources import read_shapes, synthetic_shapes
+    from .core.cost import CostModel
+    from .core.shape_sources import read_shapes, synthetic_shapes
 
     if args.data:
         shapes, _ = read_shapes(args.data)
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
 
     _add_offline_commands(sub)
-    from .profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
+    from .pipeline.profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
 
     add_profile_command(sub)
     return parser
@@ -168,8 +168,8 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from .plan import PlanningError
-    from .shape_sources import ShapeSourceError
+    from .core.plan import PlanningError
+    from .core.shape_sources import ShapeSourceError
 
     try:
         return int(args.func(args) or 0)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .bounds import iteration_lower_bound
-from .cost import CostModel
-from .plan import plan_microbatches, split_global_batches
-from .shapes import Shapes
+from .core.bounds import iteration_lower_bound
+from .core.cost import CostModel
+from .core.plan import plan_microbatches, split_global_batches
+from .core.shapes import Shapes
 
 RANKS, STAGES, BATCH_TOKENS = 8, 4, 65536
 
@@ -27,7 +27,7 @@ def _microbatch_table(plan, rank: int) -> str:
 
 
 def _text_demo(text_dir: Path, model: str, seed: int) -> None:
-    from .dataloader import DataLoader, build_index
+    from .loader.dataloader import DataLoader, build_index
 
     family = "encoder_decoder" if model == "t5" else "decoder"
     cost = CostModel.preset(model, num_stages=STAGES)
@@ -73,7 +73,7 @@ def _text_demo(text_dir: Path, model: str, seed: int) -> None:
 def _image_text_demo(image_dir: Path, seed: int) -> None:
     from tokenization import DynamicTiling
 
-    from .dataloader import DataLoader
+    from .loader.dataloader import DataLoader
 
     # One rank cannot shard the optimizer state of a 26B model, so the H200's memory is needed.
     loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model="vlm", device="h200", num_stages=STAGES,

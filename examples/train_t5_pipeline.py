@@ -1,7 +1,7 @@
 """Train a tiny T5-style encoder-decoder (or, with --model gpt-tiny, a GPT-style decoder) for real on
 FLAN-like data over 2 pipeline stages (2 local processes, gloo on CPU), fed by `dynabatch.DataLoader`,
 run by `dynabatch.pipeline.PipelineRunner`, with the planner's cost model refit online by
-`dynabatch.feedback.FeedbackLoop` from the measured micro-batch times.
+`dynabatch.core.feedback.FeedbackLoop` from the measured micro-batch times.
 
     python examples/train_t5_pipeline.py --steps 30
     python examples/train_t5_pipeline.py --steps 30 --data ../shared/data/text/niv2_sample.jsonl.gz
@@ -25,7 +25,7 @@ import torch
 import dynabatch
 from dynabatch.bench.train import batch_shapes, representative, stage_cost_model
 from dynabatch.datagen import write_text_shards
-from dynabatch.feedback import FeedbackLoop
+from dynabatch.core.feedback import FeedbackLoop
 from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, launch_local, make_model, search_partition
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch import baselines as bl
-from dynabatch.cost import CostModel
-from dynabatch.plan import plan_microbatches, split_global_batches
+from dynabatch.core import baselines as bl
+from dynabatch.core.cost import CostModel
+from dynabatch.core.plan import plan_microbatches, split_global_batches
 
 
 def groups_of(g: bl.Grouping):

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.batchplan import _MB_COLUMNS, PLAN_SCHEMA_VERSION, BatchPlan, plans_to_arrow
-from dynabatch.cost import CostModel
-from dynabatch.plan import METHODS, plan_microbatches
+from dynabatch.core.batchplan import _MB_COLUMNS, PLAN_SCHEMA_VERSION, BatchPlan, plans_to_arrow
+from dynabatch.core.cost import CostModel
+from dynabatch.core.plan import METHODS, plan_microbatches
 
 VERSION_KEY = b"dynabatch.plan_schema_version"
 ARRAYS = ("sample_ids", "sample_row", "mb_offsets", "rank_time_s") + tuple(_MB_COLUMNS)

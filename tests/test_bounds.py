@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel, iteration_lower_bound, plan_microbatches, synthetic_shapes
-from dynabatch.plan import METHODS, split_global_batches
+from dynabatch.core.plan import METHODS, split_global_batches
 
 
 @pytest.mark.parametrize("model,kind,max_len", [("gpt", "text", 2048), ("t5", "text", 2048), ("vlm", "vision", 8192)])

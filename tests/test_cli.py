@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.plan import METHODS
+from dynabatch.core.plan import METHODS
 
 SMALL = ["--synthetic", "--samples", "2500", "--batches", "3", "--no-progress"]
 

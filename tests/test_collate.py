@@ -1,10 +1,10 @@
-"""dynabatch.collate: padded and packed layouts on hand-made examples."""
+"""dynabatch.loader.collate: padded and packed layouts on hand-made examples."""
 
 import numpy as np
 import pytest
 import torch
 
-from dynabatch.collate import (IGNORE_INDEX, collate_packed, collate_padded, count_label_tokens, model_inputs,
+from dynabatch.loader.collate import (IGNORE_INDEX, collate_packed, collate_padded, count_label_tokens, model_inputs,
                                placeholder_batch)
 from tokenization import ByteTokenizer, EncodedSample, Formatter
 
@@ -142,7 +142,7 @@ def test_layouts_agree_on_random_batches(shapes, multiple):
 
 def test_pad_rows_kernel_matches_numpy_reference():
     """The numba row filler equals the boolean-mask numpy path (`_dense`) on random ragged rows."""
-    from dynabatch.collate import _dense, _rows
+    from dynabatch.loader.collate import _dense, _rows
 
     rng = np.random.default_rng(0)
     for _ in range(200):

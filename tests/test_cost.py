@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.cost import (
+from dynabatch.core.cost import (
     DEVICE_PRESETS,
     FEATURES,
     MODEL_PRESETS,
@@ -18,7 +18,7 @@ from dynabatch.cost import (
     device_preset,
     model_preset,
 )
-from dynabatch.plan import PlanningError, plan_microbatches
+from dynabatch.core.plan import PlanningError, plan_microbatches
 
 F = {name: k for k, name in enumerate(FEATURES)}
 

@@ -12,7 +12,7 @@ import loaders
 import tokenization
 from dynabatch import (CostModel, DataLoader, LoaderStateError, PlanMismatchError, Shapes, build_index,
                        plan_microbatches, plans_to_arrow, split_global_batches)
-from dynabatch.collate import IGNORE_INDEX
+from dynabatch.loader.collate import IGNORE_INDEX
 
 from test_dataloader_data import (PLAN, assert_exactly_once, ids_of, records, run_ranks, structure, uneven_jsonl,
                                   write_jsonl, write_parquet)

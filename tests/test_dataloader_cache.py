@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dynabatch._indexed as indexed
+import dynabatch.loader.indexed as indexed
 from dynabatch import DataLoader, build_index
-from dynabatch._indexed import TOKEN_COLUMNS
-from dynabatch._loader_steps import PackedBatches
+from dynabatch.loader.indexed import TOKEN_COLUMNS
+from dynabatch.loader.steps import PackedBatches
 
 from test_dataloader_data import records, write_parquet
 
@@ -66,7 +66,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr("dynabatch.dataloader.encode_all", boom)
+    monkeypatch.setattr("dynabatch.loader.dataloader.encode_all", boom)
     for index in (table, tmp_path / "idx.parquet"):
         dl = DataLoader(path, index=index, batch_tokens=1500)
         assert dl.token_cache is not None and len(list(dl)) > 0
@@ -78,7 +78,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
     first = list(DataLoader(path, index_cache=cache, batch_tokens=1500))
-    monkeypatch.setattr("dynabatch.dataloader.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr("dynabatch.loader.dataloader.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     dl = DataLoader(path, index_cache=cache, batch_tokens=1500)
     assert dl.token_cache is not None
     assert_same(first, list(dl))
@@ -86,7 +86,7 @@ def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
 
 def test_budget_turns_the_default_off(path, monkeypatch):
     monkeypatch.setattr(indexed, "TOKEN_CACHE_BUDGET", 100)
-    monkeypatch.setattr("dynabatch.dataloader.TOKEN_CACHE_BUDGET", 100)
+    monkeypatch.setattr("dynabatch.loader.dataloader.TOKEN_CACHE_BUDGET", 100)
     assert DataLoader(path, batch_tokens=1500).token_cache is None
     assert DataLoader(path, batch_tokens=1500, cache_tokens=True).token_cache is not None
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel, Shapes, plan_microbatches
-from dynabatch.cost import device_preset
-from dynabatch.feedback import FeedbackLoop, robust_fit
+from dynabatch.core.cost import device_preset
+from dynabatch.core.feedback import FeedbackLoop, robust_fit
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
 from dynabatch.pipeline.runner import StepTiming
 

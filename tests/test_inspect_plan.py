@@ -1,4 +1,4 @@
-"""`dynabatch.inspect_plan`: histogram buckets, task shares and the summary of a small run plan."""
+"""`dynabatch.planfile.inspect`: histogram buckets, task shares and the summary of a small run plan."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel
-from dynabatch.inspect_plan import format_summary, microbatch_columns, shape_histogram, summarize_plan, task_share
+from dynabatch.planfile.inspect import format_summary, microbatch_columns, shape_histogram, summarize_plan, task_share
 from dynabatch.offline import Index, RunPlanConfig, plan_run
-from dynabatch.shape_sources import synthetic_shapes
+from dynabatch.core.shape_sources import synthetic_shapes
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch._assign import assign_ranks, assign_ranks_reference
-from dynabatch.baselines import _budget_cuts, _pack_rows, budget_cuts_reference, pack_rows_reference
-from dynabatch.plan import _greedy_cuts, greedy_cuts_reference
+from dynabatch.core.kernels.assign import assign_ranks, assign_ranks_reference
+from dynabatch.core.baselines import _budget_cuts, _pack_rows, budget_cuts_reference, pack_rows_reference
+from dynabatch.core.plan import _greedy_cuts, greedy_cuts_reference
 
 times_st = st.lists(st.floats(0.001, 10.0, allow_nan=False), min_size=1, max_size=24)
 

@@ -99,7 +99,7 @@ def test_packed_rows_train_the_same_function_as_one_sample_per_row(family):
     """The ``pack`` baseline's rows (several samples per row, collated by the library) give the same
     summed loss and gradients as one sample per row: no attention crosses a sample boundary, and
     positions restart at every sample."""
-    from dynabatch.collate import collate_padded
+    from dynabatch.loader.collate import collate_padded
 
     model = (gpt_tiny(layers=2, **SMALL) if family == "decoder"
              else t5_tiny(encoder_layers=1, decoder_layers=2, **SMALL))

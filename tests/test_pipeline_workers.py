@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from dynabatch.batchplan import BatchPlan
+from dynabatch.core.batchplan import BatchPlan
 from dynabatch.pipeline import (
     CommRecorder,
     MicroBatchShape,
@@ -109,7 +109,7 @@ def correctness(rank, world, port, num_stages, cases, schedules, steps, use_plan
 def _planned(model, ctx, rng, step):
     """A real dynabatch plan for the tiny model's cost model."""
     from dynabatch import CostModel, Shapes, plan_microbatches
-    from dynabatch.cost import device_preset
+    from dynabatch.core.cost import device_preset
 
     cost = CostModel(model.config, device_preset("cpu"))
     n = int(rng.integers(4, 9))
@@ -199,8 +199,8 @@ def feedback_run(rank, world, port, steps):
     from dataclasses import asdict, replace
 
     from dynabatch import CostModel, Shapes
-    from dynabatch.cost import device_preset
-    from dynabatch.feedback import FeedbackLoop
+    from dynabatch.core.cost import device_preset
+    from dynabatch.core.feedback import FeedbackLoop
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
     with ctx:

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dynabatch import Shapes
-from dynabatch._dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel, dp_reference
-from dynabatch.baselines import BASELINE_COLLATION, BASELINE_KNOBS
-from dynabatch.cost import NUM_FEATURES, CostModel
-from dynabatch.plan import METHODS, PlanningError, plan_microbatches
+from dynabatch.core.kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel, dp_reference
+from dynabatch.core.baselines import BASELINE_COLLATION, BASELINE_KNOBS
+from dynabatch.core.cost import NUM_FEATURES, CostModel
+from dynabatch.core.plan import METHODS, PlanningError, plan_microbatches
 
 DP_METHODS = ("dp", "dp_varlen")
 BASELINE_METHODS = tuple(m for m in METHODS if m not in DP_METHODS)
@@ -310,8 +310,8 @@ def test_tiny_max_caps_is_refused(max_caps):
     code = textwrap.dedent(f"""
         import numpy as np
         from dynabatch import Shapes
-        from dynabatch.cost import CostModel
-        from dynabatch.plan import plan_microbatches
+        from dynabatch.core.cost import CostModel
+        from dynabatch.core.plan import plan_microbatches
         sh = Shapes.from_lengths(np.random.default_rng(0).integers(1, 3000, 50))
         try:
             plan_microbatches(sh, CostModel.preset("gpt"), num_stages=4, max_caps={max_caps})
@@ -481,8 +481,8 @@ DET_CASES = [("gpt", "dp", 4, 8), ("t5", "dp_varlen", 4, 3), ("vlm", "dp", 2, 2)
 _FINGERPRINT_SCRIPT = """
 import numpy as np, sys, json
 from dynabatch import Shapes
-from dynabatch.cost import CostModel
-from dynabatch.plan import plan_microbatches
+from dynabatch.core.cost import CostModel
+from dynabatch.core.plan import plan_microbatches
 out = []
 for preset, method, stages, ranks in json.loads(sys.argv[1]):
     rng = np.random.default_rng(12345)

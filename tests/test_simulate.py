@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
-from dynabatch.simulate import (
+from dynabatch.core.simulate import (
     PipelineDeadlock,
     SimResult,
     _simulate_reference,

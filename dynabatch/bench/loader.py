@@ -171,7 +171,7 @@ class PackCollate:
 # ---------------------------------------------------------------------------------------------
 
 def _formatter(cfg: LoaderBenchConfig):
-    from ..dataloader import make_formatter
+    from ..loader.dataloader import make_formatter
 
     return make_formatter(cfg.tokenizer, "decoder", max_len=cfg.max_len)
 

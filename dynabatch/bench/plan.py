@@ -1,7 +1,7 @@
 """`dynabatch bench plan`: every planning method on the same global batches.
 
 Baselines are tuned fairly: each one's knob (rows per micro-batch, token budget, ...) is swept
-over `dynabatch.baselines.BASELINE_KNOBS` and the value with the best mean simulated iteration
+over `dynabatch.core.baselines.BASELINE_KNOBS` and the value with the best mean simulated iteration
 time that fits in memory is reported. The planner's own methods have no knob.
 """
 
@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from .. import baselines as _bl
-from .._dp import dp_kernel, dp_reference
-from ..bounds import iteration_lower_bound
-from ..cost import CostModel
-from ..plan import METHODS, _ordering, plan_microbatches, split_global_batches
-from ..shapes import Shapes
+from ..core import baselines as _bl
+from ..core.kernels.dp import dp_kernel, dp_reference
+from ..core.bounds import iteration_lower_bound
+from ..core.cost import CostModel
+from ..core.plan import METHODS, _ordering, plan_microbatches, split_global_batches
+from ..core.shapes import Shapes
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def plot(result: dict, plans: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .._plots import draw_pipeline_timeline
+    from ..plots import draw_pipeline_timeline
 
     methods = list(result["methods"])
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))

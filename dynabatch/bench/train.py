@@ -5,7 +5,7 @@ Every method trains the same model (same seed, same initialization) on the same 
 seed whatever the method) for the same number of steps, over ``num_stages`` local processes
 (gloo on CPU; ``--backend nccl`` with one GPU per rank). Only the grouping of each global batch
 into micro-batches differs: ``dp`` (dynabatch's planner, its cost model refit online by
-`dynabatch.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
+`dynabatch.core.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
 and ``token_budget`` (the planner's default knobs, reported in the result). The methods run
 interleaved, one step each in a rotating order, so that the background load of a shared machine
 hits every method alike (each keeps its own model, optimizer, loader and runner).
@@ -86,7 +86,7 @@ def default_data(root: Path | None = None) -> tuple:
 
 def stage_cost_model(model, stages: int, device: str):
     """The analytic cost model of one pipeline stage (the whole model's layers / ``stages``)."""
-    from ..cost import CostModel, device_preset
+    from ..core.cost import CostModel, device_preset
 
     cfg = model.config
     one = replace(cfg, layers=cfg.layers / stages,
@@ -156,7 +156,7 @@ class MethodRun:
         import torch
 
         import dynabatch
-        from ..feedback import FeedbackLoop
+        from ..core.feedback import FeedbackLoop
         from ..pipeline import PipelineRunner, RunnerConfig, make_model, search_partition
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank

@@ -116,8 +116,8 @@ def _one_line(e: BaseException) -> str:
 
 def _guarded(fn):
     def run(args) -> int:
-        from ..plan import PlanningError
-        from ..shape_sources import ShapeSourceError
+        from ..core.plan import PlanningError
+        from ..core.shape_sources import ShapeSourceError
         from .engines import EngineError
 
         try:
@@ -173,8 +173,8 @@ def _add_engine_options(p) -> None:
 
 def add_commands(sub) -> None:
     """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
-    from ..cost import DEVICE_PRESETS, MODEL_PRESETS
-    from ..plan import METHODS
+    from ..core.cost import DEVICE_PRESETS, MODEL_PRESETS
+    from ..core.plan import METHODS
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("scan", help="tokenize a dataset into a length index (token counts per sample)",
@@ -263,7 +263,7 @@ def _cmd_scan(args) -> int:
 
 
 def _cost_model(args):
-    from ..cost import MODEL_PRESETS, CostModel
+    from ..core.cost import MODEL_PRESETS, CostModel
 
     if args.model in MODEL_PRESETS:
         return CostModel.preset(args.model, args.device, num_stages=args.stages)
@@ -274,7 +274,7 @@ def _cost_model(args):
 
 
 def _method(args) -> str:
-    from ..baselines import BASELINE_COLLATION
+    from ..core.baselines import BASELINE_COLLATION
 
     if args.collate is None:
         return args.method
@@ -287,7 +287,7 @@ def _method(args) -> str:
 
 
 def _cmd_plan(args) -> int:
-    from ..inspect_plan import microbatch_columns
+    from ..planfile.inspect import microbatch_columns
     from .engines import default_workers
     from .inputs import is_index, read_index, tokenizer_spec
     from .runplan import RunPlanConfig, plan_run
@@ -362,8 +362,8 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from ..inspect_plan import format_summary, plot_plan, summarize_plan
-    from .reader import load_run_plan
+    from ..planfile.inspect import format_summary, plot_plan, summarize_plan
+    from ..planfile.reader import load_run_plan
 
     run = load_run_plan(args.plan)
     if args.step is not None and args.step not in set(run.steps.tolist()):

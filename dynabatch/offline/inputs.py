@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..shape_sources import SUFFIXES, read_shapes
-from ..shapes import Shapes
+from ..core.shape_sources import SUFFIXES, read_shapes
+from ..core.shapes import Shapes
 
 #: tiktoken encodings accepted without the ``tiktoken:`` prefix.
 TIKTOKEN_ENCODINGS = ("cl100k_base", "o200k_base", "p50k_base", "p50k_edit", "r50k_base")

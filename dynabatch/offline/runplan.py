@@ -29,14 +29,14 @@ import numpy as np
 import pyarrow as pa
 
 from .. import __version__
-from ..baselines import BASELINE_COLLATION
-from ..batchplan import plans_to_arrow
-from ..cost import CostModel
-from ..plan import METHODS, SCHEDULES, PlanningError, plan_microbatches, split_global_batches
-from ..shapes import Shapes
+from ..core.baselines import BASELINE_COLLATION
+from ..core.batchplan import plans_to_arrow
+from ..core.cost import CostModel
+from ..core.plan import METHODS, SCHEDULES, PlanningError, plan_microbatches, split_global_batches
+from ..core.shapes import Shapes
 from .engines import default_workers, map_parts
 from .inputs import FINGERPRINT_KEY, Index, OfflineError
-from .reader import RUN_PLAN_VERSION, RunPlan
+from ..planfile.reader import RUN_PLAN_VERSION, RunPlan
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..shapes import Shapes
+from ..core.shapes import Shapes
 from .engines import default_workers, map_parts
 from .inputs import FINGERPRINT_KEY, Index, OfflineError, tokenizer_spec
 

@@ -2,7 +2,7 @@
 
 The split is searched, not uniform: per-layer forward/backward seconds on a representative set of
 micro-batches (measured by `profile_layers`, or given) are summed per candidate stage and the
-candidate's step is simulated with the pipeline simulator (`dynabatch.simulate`); the partition
+candidate's step is simulated with the pipeline simulator (`dynabatch.core.simulate`); the partition
 with the smallest simulated makespan wins (OmniBal-style). Small problems are enumerated
 exhaustively; large ones start from the min-max (bottleneck) partition found by binary search and
 move stage boundaries while the simulated makespan improves.
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..simulate import SCHEDULE_KINDS, makespan_kernel, schedule_kernel
+from ..core.simulate import SCHEDULE_KINDS, makespan_kernel, schedule_kernel
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..batchplan import BatchPlan, MicroBatch
+from ..core.batchplan import BatchPlan, MicroBatch
 from .comm import CommEvent, DistContext, P2P
 from .partition import PipelineStage, StagePartition, split_model
 from .schedule import SCHEDULES, Message, Post, build_programs, quantize_times, stage_orders
@@ -44,7 +44,7 @@ class RunnerConfig:
     bytes per stage for ``adaptive`` (default ``num_stages`` x the step's largest micro-batch, i.e.
     1F1B's depth). ``debug_shapes``: send a header before every message and check it against the
     receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
-    (what `dynabatch.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
+    (what `dynabatch.core.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
     micro-batch dictionaries against the plan before running.
     """
 

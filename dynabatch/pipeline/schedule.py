@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..simulate import PipelineDeadlock, pipeline_schedule, simulate_pipeline
+from ..core.simulate import PipelineDeadlock, pipeline_schedule, simulate_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "adaptive")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batchplan import BatchPlan, MicroBatch
+from ..core.batchplan import BatchPlan, MicroBatch
 
 #: Collations the runner understands. ``packed_rows`` (rows of several samples padded to a fixed
 #: length) travels exactly like ``padded``.

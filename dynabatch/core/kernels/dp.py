@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
+from ..cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
 
 INFEASIBLE_SAMPLE = -1
 TOO_FEW_SAMPLES = -2

@@ -1,9 +1,9 @@
 """`plan_microbatches`: cut one global batch into micro-batches, spread them over ranks, order them.
 
 ``method="dp"`` (padded collation) and ``method="dp_varlen"`` (packed varlen collation) run the
-numba dynamic program of `dynabatch._dp` on an ordering of the samples that keeps similar shapes
+numba dynamic program of `dynabatch.core.kernels.dp` on an ordering of the samples that keeps similar shapes
 adjacent, then balance ranks and order each rank's micro-batches by simulating the schedule
-(`dynabatch._assign`). The baselines of `dynabatch.baselines` go through the same costing and
+(`dynabatch.core.kernels.assign`). The baselines of `dynabatch.core.baselines` go through the same costing and
 simulation so every comparison is one ``method=`` flag.
 
 Planning only groups and orders *within* a global batch; `split_global_batches` forms the global
@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import baselines as _bl
-from ._assign import assign_ranks, order_ranks
+from .kernels.assign import assign_ranks, order_ranks
 from numba import njit
 
-from ._dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
+from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
 from .batchplan import BatchPlan
 from .cost import CostModel
 from .shapes import Shapes
@@ -122,7 +122,7 @@ def plan_microbatches(
     micro-batch per stage) defaults to ``cost_model.memory_limit(num_stages, num_ranks)``;
     ``max_len``/``max_target_len`` truncate sample lengths in tokens. ``equal_microbatches`` gives
     every rank the same number of micro-batches (dp methods). Baselines take their knob from
-    ``method_options`` (see `dynabatch.baselines.BASELINE_KNOBS`). Raises `PlanningError` when a
+    ``method_options`` (see `dynabatch.core.baselines.BASELINE_KNOBS`). Raises `PlanningError` when a
     sample cannot fit in memory even alone, naming its sample id.
     """
     if method not in METHODS:

@@ -42,8 +42,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..batchplan import BatchPlan
-from .inputs import FINGERPRINT_KEY, OfflineError
+from ..core.batchplan import BatchPlan
+from ..offline.inputs import FINGERPRINT_KEY, OfflineError
 
 RUN_PLAN_VERSION = 1
 _MISSING = object()
@@ -160,7 +160,7 @@ class RunPlan:
 
     def cost_model(self):
         """The `CostModel` that predicted the plan's times and memory."""
-        from ..cost import CostModel
+        from ..core.cost import CostModel
 
         return CostModel.from_dict(json.loads(self.metadata["dynabatch.cost_model"]))
 

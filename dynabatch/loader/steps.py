@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import _pixels
-from .batchplan import BatchPlan
+from . import pixels as _pixels
+from ..core.batchplan import BatchPlan
 from .collate import IGNORE_INDEX, _flatten, _labels_of, collate_packed_flat, collate_padded_flat, placeholder_batch
 
 
@@ -100,7 +100,7 @@ class TokSample:
 
 def label_tokens(enc, family: str) -> int:
     """Labels of one sample that count in the loss after collation (the first is masked for
-    decoder-only models, see `dynabatch.collate`)."""
+    decoder-only models, see `dynabatch.loader.collate`)."""
     if family == "encoder_decoder":
         return len(enc.target_ids)
     labels = enc.labels if enc.labels is not None else enc.input_ids

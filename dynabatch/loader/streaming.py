@@ -20,7 +20,7 @@ the slots into a FIFO buffer of tokenized samples. Then, for every step:
    placeholder micro-batches of zero real tokens (``is_padding=True``, labels all -100), so every
    rank runs the same number of forward/backward passes and no DDP collective hangs.
 
-State (see `dynabatch._loader_state`): the planner snapshots, before each step's selection, the
+State (see `dynabatch.loader.state`): the planner snapshots, before each step's selection, the
 source state of every slot as of its last consumed chunk, the round-robin position, which slots
 are exhausted and the buffered sample ids, so a checkpoint holds positions and ids, not samples (sources without
 random access, i.e. streaming HF datasets, store the buffered token ids instead).
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .plan import PlanningError, plan_microbatches
-from .shapes import Shapes
-from ._loader_steps import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
+from ..core.plan import PlanningError, plan_microbatches
+from ..core.shapes import Shapes
+from .steps import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
                             encode_samples, label_counts)
 
 logger = logging.getLogger("dynabatch")
@@ -135,7 +135,7 @@ class ChunkFeed:
         else:
             from torch.utils.data import DataLoader as TorchDataLoader
 
-            from ._indexed import WorkerSplitDataset
+            from .indexed import WorkerSplitDataset
 
             kw = dict(loader_kwargs or {})
             self._dl_iter = iter(TorchDataLoader(WorkerSplitDataset(producer), batch_size=None,

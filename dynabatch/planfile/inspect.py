@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .offline.reader import RunPlan
+from .reader import RunPlan
 
 GiB = float(1 << 30)
 _MB_FIELDS = ("step", "rank", "microbatch", "rows", "input_len", "target_len", "vision_tiles", "tokens",
@@ -252,7 +252,7 @@ def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int 
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
-    from ._plots import draw_pipeline_timeline
+    from ..plots import draw_pipeline_timeline
 
     mb = microbatch_columns(run)
     it = run.iteration_times_s()

@@ -122,7 +122,7 @@ class BatchPlan:
     @property
     def objective_s(self) -> float:
         """The balanced pipeline objective the planner minimizes: total micro-batch time over the
-        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.bounds`)."""
+        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.core.bounds`)."""
         if self.num_microbatches == 0:
             return 0.0
         return float(self.mb_time_s.sum() / self.num_ranks + (self.num_stages - 1) * self.mb_time_s.max())

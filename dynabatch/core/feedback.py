@@ -44,7 +44,7 @@ class FeedbackRow:
     ``window`` of them new since the previous refit. ``mape_before_refit`` is the relative error (a
     fraction, 0.1 = 10%) of the predictions the planner used for those new observations (out of
     sample); ``mape_after_refit`` that of the refit coefficients on the same observations.
-    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.cost.FEATURES`)."""
+    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.FEATURES`)."""
 
     step: int
     observations: int
@@ -120,7 +120,7 @@ class FeedbackLoop:
         return len(self._y)
 
     def plan(self, shapes: Shapes, **kw) -> BatchPlan:
-        """`dynabatch.plan.plan_microbatches` with the current cost model."""
+        """`dynabatch.core.plan.plan_microbatches` with the current cost model."""
         from .plan import plan_microbatches
 
         return plan_microbatches(shapes, self._cost, **kw)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .simulate import makespan_kernel
+from ..simulate import makespan_kernel
 
 
 @njit(cache=True)

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .cost import CostModel, DeviceProfile, ProfiledTable, device_preset
+from ..core.cost import CostModel, DeviceProfile, ProfiledTable, device_preset
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -53,8 +53,8 @@ def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     """
     import torch
 
-    from .pipeline.partition import LayerCosts, balanced_partition, profile_layers
-    from .pipeline.spec import MicroBatchShape
+    from .partition import LayerCosts, balanced_partition, profile_layers
+    from .spec import MicroBatchShape
 
     enc_dec = model.kind == "encoder_decoder"
     tgrid = tuple(target_lengths) if target_lengths is not None else (DEFAULT_TARGET_LENGTHS if enc_dec else (0,))
@@ -122,7 +122,7 @@ def profile_cost_model(model, *, num_stages: int = 1, device="cpu", device_profi
 
 def add_profile_command(sub) -> None:
     """Register ``dynabatch profile`` on an argparse subparsers object."""
-    from .pipeline.models import MODELS
+    from .models import MODELS
 
     p = sub.add_parser("profile", help="time micro-batch shapes of a tiny model and save a cost model",
                        description="Time forward+backward of a grid of padded micro-batch shapes (rows x length "
@@ -149,8 +149,8 @@ def add_profile_command(sub) -> None:
 
 
 def _cmd_profile(args) -> int:
-    from .cost import describe
-    from .pipeline.models import make_model
+    from ..core.cost import describe
+    from .models import make_model
 
     over = {}
     if args.hidden:

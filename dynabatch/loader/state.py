@@ -111,7 +111,7 @@ def add_ids_to_global(global_state: dict, ids: list[int], mixture_offsets: dict 
 
     ``mixture_offsets`` (name -> [first shard, end shard]) routes ids to a mixture's sources.
     """
-    from ._access import split_ids
+    from .access import split_ids
 
     g = copy.deepcopy(global_state)
     if not ids:
@@ -145,7 +145,7 @@ def encoded_to_json(toks) -> list[dict]:
 def encoded_from_json(items: list[dict]):
     from tokenization import EncodedSample
 
-    from ._loader_steps import TokSample
+    from .steps import TokSample
 
     def arr(v):
         return None if v is None else np.asarray(v, np.int32)

@@ -25,12 +25,12 @@ import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .collate import IGNORE_INDEX
-from .cost import CostModel
-from .plan import PlanningError, plan_microbatches, split_global_batches
-from .shapes import SHAPES_SCHEMA, Shapes
-from ._loader_steps import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
+from ..core.cost import CostModel
+from ..core.plan import PlanningError, plan_microbatches, split_global_batches
+from ..core.shapes import SHAPES_SCHEMA, Shapes
+from .steps import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
                             label_counts, rank_step)
-from ._loader_steps_ahead import Ahead, ProcessAhead
+from .ahead import Ahead, ProcessAhead
 
 logger = logging.getLogger("dynabatch")
 

@@ -29,8 +29,8 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from .batchplan import PLAN_SCHEMA_VERSION
-from ._loader_steps import MicroBatchPlan, StepPlan, Timer
+from ..core.batchplan import PLAN_SCHEMA_VERSION
+from .steps import MicroBatchPlan, StepPlan, Timer
 
 FINGERPRINT_KEY = "dynabatch.dataset_fingerprint"
 NUM_RANKS_KEY = "dynabatch.num_ranks"
@@ -55,7 +55,7 @@ OPTION_ALIASES = {
 
 
 try:  # one exception type for both plan readers (`dynabatch.offline` reads the same files)
-    from .offline.reader import PlanMismatchError as _PlanMismatchBase
+    from ..planfile.reader import PlanMismatchError as _PlanMismatchBase
 except ImportError:  # pragma: no cover - the offline commands are optional here
     _PlanMismatchBase = ValueError
 

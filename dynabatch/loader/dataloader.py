@@ -2,7 +2,7 @@
 cost-balanced micro-batches.
 
 Iterating yields this rank's micro-batches, step after step: dicts of tensors shaped like the
-Hugging Face collators' output (see `dynabatch.collate`) plus metadata (``step``,
+Hugging Face collators' output (see `dynabatch.loader.collate`) plus metadata (``step``,
 ``microbatch``, ``num_microbatches``, ``real_tokens``, ``step_real_tokens``,
 ``step_target_tokens``, ``step_samples``, ``predicted_time_s`` and ``predicted_memory_bytes``
 (the plan's forward+backward seconds and activation bytes of the micro-batch on one stage),
@@ -12,10 +12,10 @@ micro-batches per step, by construction.
 
 Modes (``mode="auto"`` picks one):
 
-* *indexed* (`dynabatch._indexed`): map-style data (HF ``datasets.Dataset``, Parquet/Arrow files,
+* *indexed* (`dynabatch.loader.indexed`): map-style data (HF ``datasets.Dataset``, Parquet/Arrow files,
   or any source with a length index): every rank computes the same global plan, loads only its
   own samples by id; ``len()`` is the number of steps of the epoch. ``plan=`` replays a plan file.
-* *streaming* (`dynabatch._streaming`): iterable sources; each rank plans from a local buffer and
+* *streaming* (`dynabatch.loader.streaming`): iterable sources; each rank plans from a local buffer and
   the ranks agree on each step with one small collective.
 
 Planning runs ahead in background threads (in each DataLoader worker for the indexed mode, in
@@ -34,20 +34,20 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from . import _loader_state as lstate
-from ._access import open_access, supports_indexed
-from ._collective import LocalCollective, TorchCollective
-from ._indexed import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
+from . import state as lstate
+from .access import open_access, supports_indexed
+from .collective import LocalCollective, TorchCollective
+from .indexed import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
                        WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
                        token_cache_bytes, write_index_table)
-from ._loader_steps import CollateConfig, ReadyStep
-from ._loader_steps_ahead import Ahead, fork_available
-from ._pixels import IMAGENET_MEAN, IMAGENET_STD
-from ._replay import PlanFile, ReplayPlanner
-from ._streaming import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner, _identity
-from .baselines import BASELINE_COLLATION
-from .cost import CostModel
-from .plan import METHODS
+from .steps import CollateConfig, ReadyStep
+from .ahead import Ahead, fork_available
+from .pixels import IMAGENET_MEAN, IMAGENET_STD
+from .replay import PlanFile, ReplayPlanner
+from .streaming import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner, _identity
+from ..core.baselines import BASELINE_COLLATION
+from ..core.cost import CostModel
+from ..core.plan import METHODS
 
 logger = logging.getLogger("dynabatch")
 
@@ -153,9 +153,9 @@ class DataLoader:
             and tokenizing the records of each step again. The ids come from the index's scan
             (`build_index(cache_tokens=True)` or the loader's own scan, also saved in
             ``index_cache``), else from one tokenization pass when the loader is built. Default
-            (None): on when the ids fit in 2 GiB (`dynabatch._indexed.TOKEN_CACHE_BUDGET`). The
+            (None): on when the ids fit in 2 GiB (`dynabatch.loader.indexed.TOKEN_CACHE_BUDGET`). The
             batches are the same either way.
-        plan: a plan file to replay exactly (see `dynabatch._replay`).
+        plan: a plan file to replay exactly (see `dynabatch.loader.replay`).
         plan_ahead: steps planned ahead of the one being loaded.
         plan_processes: indexed mode with ``num_workers=0``: plan in this many forked child
             processes (each takes every n-th step, ``plan_ahead`` steps ahead) instead of a thread
@@ -712,7 +712,7 @@ class DataLoader:
         ids = np.asarray(r.get("buffer_ids", []), np.int64)
         if not len(ids):
             return []
-        from ._loader_steps import encode_samples
+        from .steps import encode_samples
 
         samples = open_access(self.source, generic=True).read(ids)
         toks = encode_samples(samples, self.formatter, self.vision, self.load_pixels, on_error="raise")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .simulate import simulate_pipeline
+from .core.simulate import simulate_pipeline
 
 
 def draw_pipeline_timeline(ax, times_s: np.ndarray, forward_fraction: float, num_stages: int, schedule: str) -> None:

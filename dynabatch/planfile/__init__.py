@@ -1,0 +1,1 @@
+"""dynabatch/planfile."""
