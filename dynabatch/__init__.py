@@ -19,13 +19,20 @@ from .core.cost import (
     device_preset,
     model_preset,
 )
-from .core.plan import METHODS, PlanningError, plan_microbatches, split_global_batches
+from .core.options import COLLATIONS, METHODS, SCHEDULES, PlanOptions
+from .core.plan import PlanningError, plan_microbatches, split_global_batches
+from .core.steps import global_batches, plan_step
 from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 from .core.shapes import SHAPES_SCHEMA, Shapes
 from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
 
 __all__ = [
     "BatchPlan",
+    "COLLATIONS",
+    "PlanOptions",
+    "SCHEDULES",
+    "global_batches",
+    "plan_step",
     "CostModel",
     "DEVICE_PRESETS",
     "DeviceProfile",

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dynabatch import CostModel, Shapes
+from dynabatch import CostModel, PlanOptions, Shapes
 from dynabatch.cli import main
 from dynabatch.offline import (
     PlanMismatchError,
@@ -92,10 +92,10 @@ def test_step_equals_replanning(work):
     run = load_run_plan(work["plan"])
     index = read_index(work["index"])
     cost = CostModel.preset("gpt", "a100-80gb", num_stages=STAGES)
-    cfg = RunPlanConfig(num_ranks=RANKS, num_stages=STAGES, global_batch_tokens=GBT, epochs=EPOCHS, seed=SEED,
-                        tokenizer="bytes")
+    opts = PlanOptions(num_ranks=RANKS, num_stages=STAGES, global_batch_tokens=GBT, seed=SEED, max_len=2048,
+                       max_target_len=512, drop_last=True)
     k = run.steps_per_epoch[0] + 1  # second step of epoch 1: seed SEED + 1
-    expected = plan_step(index.shapes, cost, cfg, global_batches(index.shapes, cost, cfg, 1)[1], k)
+    expected = plan_step(index.shapes, cost, opts, global_batches(index.shapes, cost, opts, 1)[1], k)
     got = run.step(k)
     for name in ("sample_ids", "sample_row", "mb_offsets", "mb_rank", "mb_order", "mb_rows", "mb_input_len",
                  "mb_target_len", "mb_vision_tiles", "mb_tokens", "mb_real_tokens", "mb_time_s",

@@ -12,6 +12,9 @@ batches as random samples of the stream so no step is all-short or all-long.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import numpy as np
 
 from . import baselines as _bl
@@ -21,15 +24,18 @@ from numba import njit
 from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
 from .batchplan import BatchPlan
 from .cost import CostModel
+from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
 from .shapes import Shapes
 from .simulate import schedule_kernel
 
-METHODS = ("dp", "dp_varlen") + _bl.BASELINES
-SCHEDULES = {"gpipe": 0, "1f1b": 1}
 
 
 class PlanningError(ValueError):
     """A global batch cannot be planned (a sample too large for memory, too few samples...)."""
+
+
+class NoEqualSplitError(PlanningError):
+    """The global batch cannot be cut into a multiple of the rank count under the memory limit."""
 
 
 @njit(cache=True)
@@ -60,23 +66,27 @@ def greedy_cuts_reference(tokens, budget):
     return ends
 
 
-def split_global_batches(shapes: Shapes, tokens_per_batch: int, *, seed: int = 0, tokens=None,
-                         drop_last: bool = False) -> list[np.ndarray]:
+def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None, *, seed: int = 0, tokens=None,
+                         drop_last: bool = False, **deprecated) -> list[np.ndarray]:
     """Positions of each global batch: a seeded random permutation of the samples, cut each time a
-    batch's own token count reaches ``tokens_per_batch`` (so every batch but the last holds at least
-    that many tokens). ``tokens`` overrides the per-sample token count (default
-    ``shapes.total_tokens``). The last, smaller batch is kept unless ``drop_last``."""
-    if tokens_per_batch <= 0:
-        raise ValueError("tokens_per_batch must be positive")
+    batch's own token count reaches ``global_batch_tokens`` (so every batch but the last holds at
+    least that many tokens). ``tokens`` overrides the per-sample token count (default
+    ``shapes.total_tokens``; ones count samples). The last, smaller batch is kept unless
+    ``drop_last``. `dynabatch.core.steps.global_batches` calls this with a `PlanOptions`."""
+    if deprecated:
+        global_batch_tokens = renamed(deprecated, where="split_global_batches").pop("global_batch_tokens",
+                                                                                     global_batch_tokens)
+    if global_batch_tokens is None or global_batch_tokens <= 0:
+        raise ValueError(f"global_batch_tokens must be positive, got {global_batch_tokens!r}")
     tok = shapes.total_tokens if tokens is None else np.asarray(tokens, np.int64)
     if len(tok) != len(shapes):
         raise ValueError(f"tokens has {len(tok)} entries for {len(shapes)} samples")
     perm = np.random.default_rng(seed).permutation(len(shapes))
     if len(perm) == 0:
         return []
-    ends = _greedy_cuts(tok[perm].astype(np.int64), int(tokens_per_batch))
+    ends = _greedy_cuts(tok[perm].astype(np.int64), int(global_batch_tokens))
     parts = np.split(perm, ends[:-1])
-    if drop_last and tok[parts[-1]].sum() < tokens_per_batch:
+    if drop_last and tok[parts[-1]].sum() < global_batch_tokens:
         parts = parts[:-1]
     return parts
 
@@ -100,59 +110,59 @@ def _schedule_ops(stages: int, counts: np.ndarray, code: int) -> np.ndarray:
     return ops
 
 
-def plan_microbatches(
-    shapes: Shapes,
-    cost_model: CostModel,
-    *,
-    num_stages: int = 1,
-    num_ranks: int = 1,
-    memory_limit: float | None = None,
-    method: str = "dp",
-    max_len: int | None = None,
-    max_target_len: int | None = None,
-    schedule: str = "1f1b",
-    equal_microbatches: bool = True,
-    step: int = 0,
-    max_caps: int = 48,
-    **method_options,
-) -> BatchPlan:
+def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOptions | None = None, *, step: int = 0,
+                      **fields) -> BatchPlan:
     """Plan one global batch: which samples form each micro-batch, on which rank, in which order.
 
-    ``shapes`` are the samples of the global batch; ``memory_limit`` (bytes of activations per
-    micro-batch per stage) defaults to ``cost_model.memory_limit(num_stages, num_ranks)``;
-    ``max_len``/``max_target_len`` truncate sample lengths in tokens. ``equal_microbatches`` gives
-    every rank the same number of micro-batches (dp methods). Baselines take their knob from
-    ``method_options`` (see `dynabatch.core.baselines.BASELINE_KNOBS`). Raises `PlanningError` when a
-    sample cannot fit in memory even alone, naming its sample id.
+    ``shapes`` are the samples of the global batch; ``options`` a `PlanOptions`, or give its fields
+    as keywords (``num_stages=4, num_ranks=8, method="dp", max_len=2048``...; keywords override
+    ``options``). ``memory_limit`` (bytes of activations per micro-batch per stage) defaults to
+    ``cost_model.memory_limit(num_stages, num_ranks)``; ``max_len``/``max_target_len`` truncate
+    sample lengths in tokens; baselines take their knob from ``method_options`` (see
+    `dynabatch.core.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
+    when a sample cannot fit in memory even alone, naming its sample id.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(SCHEDULES)}")
-    if num_stages < 1 or num_ranks < 1:
-        raise ValueError("num_stages and num_ranks must be >= 1")
-    if max_caps < 2:
-        raise ValueError(f"max_caps must be >= 2 (candidate caps on the largest micro-batch), got {max_caps}")
+    options = _options(options, fields)
+    method, num_ranks, num_stages = options.method, options.num_ranks, options.num_stages
+    max_len, max_target_len = options.max_len, options.max_target_len
+    method_options = dict(options.method_options)
     if len(shapes) < num_ranks:
         raise PlanningError(f"a global batch of {len(shapes)} samples cannot feed {num_ranks} ranks")
-    limit = cost_model.memory_limit(num_stages, num_ranks) if memory_limit is None else float(memory_limit)
+    limit = cost_model.memory_limit(num_stages, num_ranks) if options.memory_limit is None \
+        else float(options.memory_limit)
     main, dec, tiles = cost_model.sample_dims(shapes, max_len, max_target_len)
 
-    collation = {"dp": "padded", "dp_varlen": "packed"}.get(method) or _bl.BASELINE_COLLATION[method]
+    collation = options.collation
     _check_samples_fit(cost_model, shapes.sample_id, main, dec, tiles, collation, limit)
-    if method in ("dp", "dp_varlen"):
+    dp = method in ("dp", "dp_varlen")
+    if dp:
         unknown = set(method_options) - {"order"}
         if unknown:
             raise TypeError(f"method {method!r} takes no options {sorted(unknown)}")
         grouping = _dp_grouping(cost_model, shapes.sample_id, main, dec, tiles, collation, limit, num_ranks, num_stages,
-                                max_caps, method_options.get("order"), equal_microbatches)
+                                options.max_caps, method_options.get("order"), options.equal_microbatches)
     else:
         grouping = _baseline_grouping(method, cost_model, main, dec, tiles, num_ranks, max_len, max_target_len,
                                       method_options)
     return _assemble(shapes, cost_model, main, dec, tiles, grouping, collation, method, num_ranks, num_stages,
-                     schedule, limit, step, rebalance=method in ("dp", "dp_varlen"),
-                     equal=equal_microbatches and method in ("dp", "dp_varlen"),
+                     options.schedule, limit, step, rebalance=dp, equal=options.equal_microbatches and dp,
                      options={"max_len": max_len, "max_target_len": max_target_len, **method_options})
+
+
+def _options(options: PlanOptions | None, fields: dict) -> PlanOptions:
+    """``options`` with keyword ``fields`` applied; a method knob given as a bare keyword (the form
+    of earlier releases) moves into ``method_options`` with a DeprecationWarning."""
+    names = {f.name for f in dataclasses.fields(PlanOptions)}
+    fields = renamed(fields, where="plan_microbatches", stacklevel=4)
+    knobs = {k: fields.pop(k) for k in list(fields) if k not in names}
+    if knobs:
+        warnings.warn(f"plan_microbatches: pass method knobs as method_options={knobs!r}, not as keywords",
+                      DeprecationWarning, stacklevel=3)
+        fields["method_options"] = {**dict(fields.get("method_options") or (options.method_options if options
+                                                                             else {})), **knobs}
+    if options is None:
+        return PlanOptions(**fields)
+    return dataclasses.replace(options, **fields) if fields else options
 
 
 def _table_args(cost: CostModel):
@@ -206,7 +216,7 @@ def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, st
     if status == TOO_FEW_SAMPLES:
         raise PlanningError(f"a global batch of {len(main)} samples cannot feed {ranks} ranks")
     if status == NO_EQUAL_SPLIT:
-        raise PlanningError(
+        raise NoEqualSplitError(
             f"the {len(main)} samples of this global batch cannot be cut into a multiple of {ranks} micro-batches "
             f"under the memory limit ({limit:.4g} bytes), so ranks cannot get equal micro-batch counts; use a larger "
             f"global batch, raise the memory limit, or pass equal_microbatches=False")
@@ -278,7 +288,7 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     else:
         rank_of = g.rank
     counts = np.bincount(rank_of, minlength=ranks)
-    ops = _schedule_ops(stages, counts, SCHEDULES[schedule])
+    ops = _schedule_ops(stages, counts, SCHEDULE_CODES[schedule])
     if not np.all(np.isfinite(time_s)):
         # Shapes outside a profiled table: the plan cannot run as measured.
         options = {**options, "over_memory_limit": True, "outside_profile": True}

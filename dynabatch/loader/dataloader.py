@@ -47,6 +47,7 @@ from .replay import PlanFile, ReplayPlanner
 from .streaming import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner, _identity
 from ..core.baselines import BASELINE_COLLATION
 from ..core.cost import CostModel
+from ..core.options import PlanOptions
 from ..core.plan import METHODS
 
 logger = logging.getLogger("dynabatch")
@@ -370,11 +371,11 @@ class DataLoader:
                                   num_stages=self.num_stages, explicit=explicit, index=self.index)
             self._planner = ReplayPlanner(self._plan_file, self.index, self.cost, self.max_len, self.max_target_len)
         else:
-            self._planner = IndexedPlanner(
-                self.index, self.cost, world_size=self.world_size, num_stages=self.num_stages,
-                batch_tokens=self.batch_tokens, batch_size=self.batch_size, seed=self.seed, drop_last=self.drop_last,
-                method=self.method, max_len=self.max_len, max_target_len=self.max_target_len,
-                method_options=self.method_options, memory_limit=self.memory_limit, schedule=self.schedule)
+            self._planner = IndexedPlanner(self.index, self.cost, PlanOptions(
+                global_batch_tokens=self.batch_tokens, global_batch_size=self.batch_size, max_len=self.max_len,
+                max_target_len=self.max_target_len, method=self.method, method_options=self.method_options,
+                num_stages=self.num_stages, num_ranks=self.world_size, schedule=self.schedule,
+                memory_limit=self.memory_limit, seed=self.seed, drop_last=self.drop_last))
         if self.cache_tokens and not text:
             logger.warning("cache_tokens=True is ignored with a vision policy (images are loaded per step)")
         if want and self.cache_tokens is None:

@@ -2,11 +2,10 @@
 every rank, and random access to this rank's samples.
 
 Every rank holds the same length index (`LengthIndex`: the Shapes columns, sorted by
-``sample_id``, plus the loss-label count of each sample). Epoch ``e``'s global batches are
-``split_global_batches`` of the index with seed ``(seed, e)``: cut by token count only, so their
-membership does not depend on the world size. Each step is planned with
-``plan_microbatches(..., num_ranks=world_size)``; a rank keeps its own micro-batches and loads only
-their samples. Nothing is communicated, so the plan is the same everywhere by construction.
+``sample_id``, plus the loss-label count of each sample). Epoch ``e``'s global batches and each
+step's plan come from `dynabatch.core.steps` (the functions ``dynabatch plan`` uses): cut by token
+count only, so their membership does not depend on the world size; a rank keeps its own
+micro-batches and loads only their samples. Nothing is communicated, so the plan is the same everywhere by construction.
 
 Resuming on another world size re-plans the not-yet-consumed global batches on the new world
 size; a step that was half done when the checkpoint was taken is re-planned without the samples
@@ -26,7 +25,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .collate import IGNORE_INDEX
 from ..core.cost import CostModel
-from ..core.plan import PlanningError, plan_microbatches, split_global_batches
+from ..core.options import PlanOptions
+from ..core.steps import global_batches, num_global_batches, plan_step
 from ..core.shapes import SHAPES_SCHEMA, Shapes
 from .steps import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
                             label_counts, rank_step)
@@ -429,39 +429,16 @@ def derived_labels(shapes: Shapes, family: str, max_len=None, max_target_len=Non
     return np.maximum(tgt - ((inp == 0) & (tgt > 0)), 0)
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The seed of epoch ``epoch``'s global-batch permutation: ``seed + epoch``, as ``dynabatch plan``
-    does, so the loader's online plans and an offline plan file of the same settings agree."""
-    return int(seed) + int(epoch)
-
-
 class IndexedPlanner:
-    """Global batches of each epoch and their plans (see the module docstring).
+    """Global batches of each epoch and their plans (see the module docstring), made by the same
+    `dynabatch.core.steps` functions ``dynabatch plan`` uses, from ``options`` (a `PlanOptions`
+    whose ``num_ranks`` is the loader's world size)."""
 
-    ``batch_tokens`` (tokens of a global batch over all ranks, counted as the cost model sees
-    them: main + decoder tokens after ``max_len``/``max_target_len``) or ``batch_size`` (samples).
-    """
-
-    def __init__(self, index: LengthIndex, cost: CostModel, *, world_size: int, num_stages: int,
-                 batch_tokens: int | None, batch_size: int | None, seed: int, drop_last: bool, method: str,
-                 max_len: int | None, max_target_len: int | None, method_options: dict | None = None,
-                 memory_limit: float | None = None, schedule: str = "1f1b"):
+    def __init__(self, index: LengthIndex, cost: CostModel, options: PlanOptions):
+        options.require_batch()
         self.index = index
         self.cost = cost
-        self.world_size = int(world_size)
-        self.num_stages = int(num_stages)
-        self.batch_tokens = batch_tokens
-        self.batch_size = batch_size
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
-        self.method = method
-        self.max_len = max_len
-        self.max_target_len = max_target_len
-        self.method_options = dict(method_options or {})
-        self.memory_limit = memory_limit
-        self.schedule = schedule
-        main, dec, _ = cost.sample_dims(index.shapes, max_len, max_target_len)
-        self._tokens = (main + dec).astype(np.int64)
+        self.options = options
         self._cache: dict[int, list[np.ndarray]] = {}
         self._counts: dict[int, int] = {}
 
@@ -469,13 +446,7 @@ class IndexedPlanner:
     def batches(self, epoch: int) -> list[np.ndarray]:
         """Index positions of each global batch of ``epoch``."""
         if epoch not in self._cache:
-            shapes = self.index.shapes
-            if self.batch_size is not None:
-                parts = split_global_batches(shapes, int(self.batch_size), seed=epoch_seed(self.seed, epoch),
-                                             tokens=np.ones(len(shapes), np.int64), drop_last=self.drop_last)
-            else:
-                parts = split_global_batches(shapes, int(self.batch_tokens), seed=epoch_seed(self.seed, epoch),
-                                             tokens=self._tokens, drop_last=self.drop_last)
+            parts = global_batches(self.index.shapes, self.cost, self.options, epoch)
             if len(self._cache) >= 2:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[epoch] = parts
@@ -485,12 +456,11 @@ class IndexedPlanner:
     def num_steps(self, epoch: int) -> int:
         """Steps (global batches) in ``epoch``."""
         if epoch not in self._counts:
-            n = len(self.index)
-            if self.batch_size is not None:
-                full, rest = divmod(n, int(self.batch_size))
-                self._counts[epoch] = full + (1 if rest and not self.drop_last else 0)
-            else:
+            n = num_global_batches(len(self.index), self.options)
+            if n is None:
                 self.batches(epoch)
+            else:
+                self._counts[epoch] = n
         return self._counts[epoch]
 
     def first_step(self, epoch: int) -> int:
@@ -515,20 +485,8 @@ class IndexedPlanner:
     def plan_global(self, pos: np.ndarray, step: int):
         """The global `BatchPlan` of the samples at index positions ``pos`` (all ranks), and the map
         from the plan's ranks to loader ranks (None when they are the same)."""
-        shapes = self.index.shapes.take(pos)
-        W = self.world_size
-        ranks = min(W, len(pos))
-        limit = self.memory_limit if self.memory_limit is not None else self.cost.memory_limit(self.num_stages, W)
-        kw = dict(num_stages=self.num_stages, num_ranks=ranks, memory_limit=limit, method=self.method,
-                  max_len=self.max_len, max_target_len=self.max_target_len, schedule=self.schedule, step=step,
-                  **self.method_options)
-        try:
-            plan = plan_microbatches(shapes, self.cost, equal_microbatches=True, **kw)
-        except PlanningError:
-            # Typically the last, small batch of an epoch cannot be cut into a multiple of the
-            # rank count: plan it unequally; ranks with fewer micro-batches get placeholders.
-            plan = plan_microbatches(shapes, self.cost, equal_microbatches=False, **kw)
-        return plan, (None if ranks == W else np.arange(ranks))
+        plan = plan_step(self.index.shapes, self.cost, self.options, pos, step)
+        return plan, (None if plan.num_ranks == self.options.num_ranks else np.arange(plan.num_ranks))
 
 
 class IndexedSteps:

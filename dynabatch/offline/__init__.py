@@ -9,7 +9,8 @@ docs/offline_plans.md).
 from .engines import ENGINES, EngineError, map_parts
 from .inputs import Index, OfflineError, is_index, read_index, tokenizer_spec
 from ..planfile.reader import RUN_PLAN_VERSION, PlanMismatchError, RunPlan, load_run_plan
-from .runplan import RunPlanConfig, global_batches, plan_run, plan_step, sample_tokens
+from ..core.steps import global_batches, plan_step, sample_tokens
+from .runplan import RunPlanConfig, plan_run
 from .scan import ScanConfig, ScanResult, scan_dataset, write_index
 
 __all__ = [

@@ -290,6 +290,7 @@ def _cmd_plan(args) -> int:
     from ..planfile.inspect import microbatch_columns
     from .engines import default_workers
     from .inputs import is_index, read_index, tokenizer_spec
+    from ..core.options import PlanOptions
     from .runplan import RunPlanConfig, plan_run
     from .scan import ScanConfig, scan_dataset
 
@@ -323,10 +324,10 @@ def _cmd_plan(args) -> int:
             print(f"scanned {len(index.shapes)} samples with {tokenizer} in {scan_s:.1f} s"
                   + (f" ({skipped} skipped)" if skipped else ""), file=sys.stderr)
     max_len = args.max_len or (8192 if cost.kind == "vision_language" else 2048)
-    cfg = RunPlanConfig(num_ranks=args.ranks, num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
-                        epochs=args.epochs, seed=args.seed, method=_method(args), max_len=max_len,
-                        max_target_len=args.max_target_len, schedule=args.schedule, drop_last=not args.keep_last,
-                        tokenizer=tokenizer, family=family)
+    options = PlanOptions(num_ranks=args.ranks, num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
+                          seed=args.seed, method=_method(args), max_len=max_len, max_target_len=args.max_target_len,
+                          schedule=args.schedule, drop_last=not args.keep_last)
+    cfg = RunPlanConfig(options, epochs=args.epochs, tokenizer=tokenizer, family=family)
     t1 = time.perf_counter()
     run = plan_run(index, cost, cfg, engine=args.engine, workers=args.workers, progress=not quiet)
     plan_s = time.perf_counter() - t1

@@ -1,115 +1,88 @@
 """`plan_run`: the plan of a whole training run (every step, rank and micro-batch), made offline.
 
-Seeding and step numbering (what a loader replaying the file relies on):
+Global batches and plans come from `dynabatch.core.steps` with the run's `PlanOptions`, the very
+functions a `DataLoader` with the same options calls online, so a loader replaying the file yields
+exactly what it would have planned itself:
 
-* epoch ``e`` cuts the index into global batches with
-  ``split_global_batches(shapes, global_batch_tokens, seed=seed + e, tokens=sample_tokens(...),
-  drop_last=drop_last)``: a seeded random permutation of all samples, cut each time a batch's
-  own tokens (main + decoder tokens after truncation to ``max_len``/``max_target_len``) reach
-  ``global_batch_tokens``. With ``drop_last`` (the default) the last, smaller batch of each
-  epoch is left out.
+* epoch ``e`` is `global_batches(shapes, cost, options, e)` (seed ``options.seed + e``);
 * steps are numbered from 0 across epochs: epoch 0 holds steps ``0 .. n0-1``, epoch 1 steps
-  ``n0 .. n0+n1-1``, and so on (``dynabatch.steps_per_epoch`` records the ``n_e``).
-* step ``k`` is ``plan_microbatches(shapes.take(batch_k), cost, num_stages=, num_ranks=,
-  method=, max_len=, max_target_len=, schedule=, step=k)``; global batches are independent,
-  so they are planned in parallel (`engines.map_parts`) and the result does not depend on the
-  number of workers or the engine.
-
-`plan_step` re-plans one step exactly as `plan_run` did (used by the tests, and handy to
-check a file against the current code).
+  ``n0 .. n0+n1-1``, and so on (``dynabatch.steps_per_epoch`` records the ``n_e``);
+* step ``k`` is `plan_step(shapes, cost, options, batch_k, k)`; global batches are independent, so
+  they are planned in parallel (`engines.map_parts`) and the result does not depend on the number
+  of workers or the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from .. import __version__
-from ..core.baselines import BASELINE_COLLATION
 from ..core.batchplan import plans_to_arrow
 from ..core.cost import CostModel
-from ..core.plan import METHODS, SCHEDULES, PlanningError, plan_microbatches, split_global_batches
+from ..core.options import PlanOptions
+from ..core.plan import PlanningError
 from ..core.shapes import Shapes
+from ..core.steps import global_batches, plan_step, sample_tokens
 from .engines import default_workers, map_parts
 from .inputs import FINGERPRINT_KEY, Index, OfflineError
 from ..planfile.reader import RUN_PLAN_VERSION, RunPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RunPlanConfig:
-    """What to plan: world layout, global batch size in tokens, epochs, seed, method.
+    """What to plan: the `PlanOptions` of every step, how many epochs, and how the index was
+    tokenized (``tokenizer``, ``family``: recorded so a loader can check them).
 
-    ``max_len``/``max_target_len`` truncate each sample's main-stack/decoder tokens (as the
-    trainer will); ``tokenizer`` and ``family`` (how the index was tokenized, when known) are
-    only recorded in the options so a loader can check them.
+    ``RunPlanConfig(options, epochs=2)``; the flat keywords of earlier releases
+    (``RunPlanConfig(num_ranks=8, global_batch_tokens=65536, ...)``) still work for one release with
+    a DeprecationWarning.
     """
 
-    num_ranks: int = 8
-    num_stages: int = 4
-    global_batch_tokens: int = 65536
+    options: PlanOptions
     epochs: int = 1
-    seed: int = 0
-    method: str = "dp"
-    max_len: int | None = 2048
-    max_target_len: int | None = 512
-    schedule: str = "1f1b"
-    drop_last: bool = True
     tokenizer: str | None = None
     family: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {METHODS}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {tuple(SCHEDULES)}")
-        for name in ("num_ranks", "num_stages", "global_batch_tokens", "epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    def __init__(self, options: PlanOptions | None = None, *, epochs: int = 1, tokenizer: str | None = None,
+                 family: str | None = None, **flat):
+        if flat:
+            warnings.warn("RunPlanConfig(num_ranks=..., global_batch_tokens=..., ...) is deprecated: pass "
+                          "RunPlanConfig(PlanOptions(...), epochs=...)", DeprecationWarning, stacklevel=2)
+            options = (options or PlanOptions()).replace(**flat)
+        if options is None:
+            raise TypeError("RunPlanConfig needs the PlanOptions of the run")
+        options.require_batch()
+        if int(epochs) < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "epochs", int(epochs))
+        object.__setattr__(self, "tokenizer", tokenizer)
+        object.__setattr__(self, "family", family)
 
-    @property
-    def collation(self) -> str:
-        """How micro-batches are collated: ``padded`` (dp), ``packed`` (dp_varlen) or the baseline's."""
-        return {"dp": "padded", "dp_varlen": "packed"}.get(self.method) or BASELINE_COLLATION[self.method]
+    def __getattr__(self, name):  # the planning options read through, e.g. config.num_ranks
+        if name in {f.name for f in dataclasses.fields(PlanOptions)} | {"collation"}:
+            return getattr(self.options, name)
+        raise AttributeError(name)
 
-    def options(self) -> dict:
-        """The ``dynabatch.options`` metadata: everything a loader may check."""
-        d = asdict(self)
-        for k in ("num_ranks", "num_stages"):
-            d.pop(k)
-        d["collation"] = self.collation
-        return d
-
-
-def sample_tokens(shapes: Shapes, cost: CostModel, config: RunPlanConfig) -> np.ndarray:
-    """Tokens each sample costs the model after truncation: main + decoder tokens (int64)."""
-    main, dec, _ = cost.sample_dims(shapes, config.max_len, config.max_target_len)
-    return main + dec
-
-
-def global_batches(shapes: Shapes, cost: CostModel, config: RunPlanConfig, epoch: int) -> list[np.ndarray]:
-    """Positions (into ``shapes``) of each global batch of ``epoch`` (see the module docstring)."""
-    return split_global_batches(shapes, config.global_batch_tokens, seed=config.seed + epoch,
-                                tokens=sample_tokens(shapes, cost, config), drop_last=config.drop_last)
-
-
-def plan_step(shapes: Shapes, cost: CostModel, config: RunPlanConfig, positions: np.ndarray, step: int):
-    """The `BatchPlan` of one global batch (``positions`` into ``shapes``), numbered ``step``."""
-    return plan_microbatches(shapes.take(np.asarray(positions)), cost, num_stages=config.num_stages,
-                             num_ranks=config.num_ranks, method=config.method, max_len=config.max_len,
-                             max_target_len=config.max_target_len, schedule=config.schedule, step=int(step))
+    def metadata_options(self) -> dict:
+        """The ``dynabatch.options`` metadata: the plan options plus the run's epochs and tokenization."""
+        return {**self.options.to_dict(), "epochs": self.epochs, "tokenizer": self.tokenizer, "family": self.family}
 
 
 def _plan_chunk(context, chunk):
     """Worker: plan a few consecutive steps; PlanningError messages gain the step and epoch."""
-    shapes, cost, config = context
+    shapes, cost, options = context
     out = []
     for step, epoch, positions in chunk:
         try:
-            out.append(plan_step(shapes, cost, config, positions, step))
+            out.append(plan_step(shapes, cost, options, positions, step))
         except PlanningError as e:
             raise PlanningError(f"step {step} (epoch {epoch}): {e}") from None
     return out
@@ -125,17 +98,18 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
     shapes = index.shapes
     steps, per_epoch = [], []
     for e in range(config.epochs):
-        batches = global_batches(shapes, cost, config, e)
+        batches = global_batches(shapes, cost, config.options, e)
         per_epoch.append(len(batches))
         steps.extend((len(steps), e, b) for b in batches)
     if not steps:
-        tok = int(sample_tokens(shapes, cost, config).sum())
+        tok = int(sample_tokens(shapes, cost, config.options).sum())
         raise OfflineError(f"the data ({len(shapes)} samples, {tok} tokens after truncation) holds less than one "
-                           f"global batch of {config.global_batch_tokens} tokens; lower --global-batch-tokens")
+                           f"full global batch ({config.global_batch_tokens or config.global_batch_size}); lower "
+                           "--global-batch-tokens or keep the last batch")
     workers = workers or default_workers()
     size = max(1, min(16, math.ceil(len(steps) / (8 * workers))))
     chunks = [steps[i:i + size] for i in range(0, len(steps), size)]
-    results = map_parts(_plan_chunk, chunks, (shapes, cost, config), engine=engine, workers=workers,
+    results = map_parts(_plan_chunk, chunks, (shapes, cost, config.options), engine=engine, workers=workers,
                         progress=progress, desc="plan", unit="step", weights=[len(c) for c in chunks])
     plans = [p for part in results for p in part]
     default_opts = plans[0].options
@@ -145,7 +119,7 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
         "dynabatch.created_by": f"dynabatch {__version__}",
         FINGERPRINT_KEY: index.fingerprint,
         "dynabatch.cost_model": json.dumps(cost.to_dict()),
-        "dynabatch.options": json.dumps(config.options(), sort_keys=True),
+        "dynabatch.options": json.dumps(config.metadata_options(), sort_keys=True),
         "dynabatch.epochs": str(config.epochs),
         "dynabatch.seed": str(config.seed),
         "dynabatch.steps_per_epoch": json.dumps(per_epoch),
@@ -170,6 +144,7 @@ def _with_sample_columns(table: pa.Table, shapes: Shapes, cost: CostModel, confi
     table = table.append_column("epoch", pa.array(epoch_of_step[table.column("step").to_numpy()]))
     if np.any(shapes.task_id >= 0):
         table = table.append_column("task_id", pa.array(shapes.task_id[pos].astype(np.int32)))
-    tok = sample_tokens(shapes, cost, config)[pos]
+    main, dec, _ = cost.sample_dims(shapes, config.max_len, config.max_target_len)
+    tok = (main + dec)[pos]
     table = table.append_column("sample_tokens", pa.array(tok.astype(np.int32)))
     return table.replace_schema_metadata(meta)

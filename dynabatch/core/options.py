@@ -1,0 +1,203 @@
+"""`PlanOptions`: every planning option, declared once.
+
+One frozen record says how a run's steps are formed and planned: the global batch (in tokens or
+samples), truncation, the method and its knobs, the world layout, the schedule, the memory limit,
+the seed and whether a final partial step is dropped. `plan_microbatches`, the `DataLoader` (all
+modes), offline planning (``dynabatch plan``), the plan file's ``dynabatch.options`` metadata and
+every benchmark read the same record, so one name means one thing everywhere:
+
+=====================  =======================================================================
+``global_batch_tokens``  tokens of one step over all ranks (main + decoder tokens after truncation)
+``global_batch_size``    samples of one step over all ranks (instead of tokens)
+``max_len``              cap on a sample's main-stack tokens (decoder-only: the whole sequence)
+``max_target_len``       cap on an encoder-decoder sample's target (decoder) tokens
+``method``               ``dp``, ``dp_varlen`` or a baseline of `dynabatch.core.baselines`
+``method_options``       the method's knobs (a baseline's ``rows``/``max_tokens``..., dp's ``order``)
+``num_stages``           pipeline stages
+``num_ranks``            data-parallel ranks (the world size of the data-parallel group)
+``schedule``             a name of `SCHEDULES`
+``memory_limit``         activation bytes per micro-batch per stage (None: the cost model's)
+``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
+``drop_last``            drop each epoch's final global batch when it is smaller than the others
+``equal_microbatches``   every rank gets the same number of micro-batches (dp methods)
+``max_caps``             candidate caps on the largest micro-batch the dp search tries
+=====================  =======================================================================
+
+Names of earlier releases (`DEPRECATED_NAMES`) still work for one release and raise a
+`DeprecationWarning` naming the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .baselines import BASELINE_COLLATION, BASELINES
+
+#: Every planning method: dynabatch's dynamic program (padded / packed varlen) and the baselines.
+METHODS: tuple[str, ...] = ("dp", "dp_varlen") + BASELINES
+
+#: How micro-batches are laid out: one sample per row (padded), one varlen row (packed), or
+#: fixed-length rows holding several samples (packed_rows).
+COLLATIONS: tuple[str, ...] = ("padded", "packed", "packed_rows")
+
+#: Every pipeline schedule name. The runner runs all three; the simulator and the planner model the
+#: static orders (`SCHEDULE_CODES`); ``adaptive`` (memory-bounded list order decided at run time from
+#: the plan's predicted times) is planned and simulated as ``1f1b``, the order it falls back to.
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "adaptive")
+
+#: Schedule name -> ``kind_code`` of the simulator's `schedule_kernel`.
+SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({"gpipe": 0, "1f1b": 1, "adaptive": 1})
+
+#: Old option name -> its one name now (accepted for one release with a DeprecationWarning).
+DEPRECATED_NAMES: Mapping[str, str] = MappingProxyType({
+    "batch_tokens": "global_batch_tokens",
+    "tokens_per_batch": "global_batch_tokens",
+    "batch_size": "global_batch_size",
+    "samples_per_batch": "global_batch_size",
+    "ranks": "num_ranks",
+    "stages": "num_stages",
+})
+
+
+def method_collation(method: str) -> str:
+    """The collation a planning method's micro-batches are costed and collated with."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    return {"dp": "padded", "dp_varlen": "packed"}.get(method) or BASELINE_COLLATION[method]
+
+
+def default_method(collation: str) -> str:
+    """The planning method of a collation: ``dp`` (padded), ``dp_varlen`` (packed), ``pack`` (rows)."""
+    if collation not in COLLATIONS:
+        raise ValueError(f"collation must be one of {COLLATIONS}, got {collation!r}")
+    return {"padded": "dp", "packed": "dp_varlen", "packed_rows": "pack"}[collation]
+
+
+def renamed(kwargs: dict, *, where: str, stacklevel: int = 3) -> dict:
+    """``kwargs`` with deprecated option names replaced by their new names (warns once per name).
+
+    Raises TypeError when an old and a new name are both given."""
+    out = dict(kwargs)
+    for old, new in DEPRECATED_NAMES.items():
+        if old in out:
+            if new in out and out[new] is not None and out[old] is not None:
+                raise TypeError(f"{where}: {old}= is the deprecated name of {new}=; give only {new}=")
+            warnings.warn(f"{where}: {old}= is deprecated, use {new}= (the same option)", DeprecationWarning,
+                          stacklevel=stacklevel)
+            value = out.pop(old)
+            if out.get(new) is None:
+                out[new] = value
+    return out
+
+
+def _positive(name: str, value, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How steps are formed and planned (see the module docstring for every field; tokens, bytes).
+
+    Give the global batch either in tokens (``global_batch_tokens``) or in samples
+    (``global_batch_size``) when forming steps; `plan_microbatches` of one given global batch needs
+    neither. ``method_options`` is stored as a read-only mapping.
+    """
+
+    global_batch_tokens: int | None = None
+    global_batch_size: int | None = None
+    max_len: int | None = None
+    max_target_len: int | None = None
+    method: str = "dp"
+    method_options: Mapping[str, Any] = field(default_factory=dict)
+    num_stages: int = 1
+    num_ranks: int = 1
+    schedule: str = "1f1b"
+    memory_limit: float | None = None
+    seed: int = 0
+    drop_last: bool = False
+    equal_microbatches: bool = True
+    max_caps: int = 48
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {METHODS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if self.global_batch_tokens is not None and self.global_batch_size is not None:
+            raise ValueError("give the global batch either in tokens (global_batch_tokens=) or in samples "
+                             "(global_batch_size=), not both")
+        for name in ("global_batch_tokens", "global_batch_size", "max_len", "max_target_len", "memory_limit"):
+            _positive(name, getattr(self, name))
+        for name in ("num_stages", "num_ranks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_caps < 2:
+            raise ValueError(f"max_caps must be >= 2 (candidate caps on the largest micro-batch), got {self.max_caps}")
+        if not isinstance(self.method_options, Mapping):
+            raise TypeError(f"method_options must be a mapping, got {type(self.method_options).__name__}")
+        object.__setattr__(self, "method_options", MappingProxyType(dict(self.method_options)))
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "drop_last", bool(self.drop_last))
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def collation(self) -> str:
+        """``padded``, ``packed`` or ``packed_rows``: what the method's micro-batches look like."""
+        return method_collation(self.method)
+
+    @property
+    def schedule_code(self) -> int:
+        """The simulator's code of the schedule the planner orders micro-batches for."""
+        return SCHEDULE_CODES[self.schedule]
+
+    def epoch_seed(self, epoch: int) -> int:
+        """Seed of epoch ``epoch``'s global-batch permutation (``seed + epoch``)."""
+        return self.seed + int(epoch)
+
+    def require_batch(self) -> None:
+        """Raise ValueError unless the global batch size is given (tokens or samples)."""
+        if self.global_batch_tokens is None and self.global_batch_size is None:
+            raise ValueError("give the global batch size either in tokens (global_batch_tokens=) or in samples "
+                             "(global_batch_size=)")
+
+    def replace(self, **changes) -> "PlanOptions":
+        """A copy with ``changes`` (deprecated names accepted with a warning)."""
+        return dataclasses.replace(self, **renamed(changes, where="PlanOptions.replace"))
+
+    # -- serialization (plan-file metadata, loader states) ----------------------------------------
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of every field, plus ``collation`` (derived, for readers)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["method_options"] = dict(self.method_options)
+        d["collation"] = self.collation
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PlanOptions":
+        """Inverse of `to_dict`; keys that are not fields (``collation``, recorded extras) are ignored
+        and deprecated names of older plan files are read silently."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        for old, new in DEPRECATED_NAMES.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, where: str, **kwargs) -> "PlanOptions":
+        """Build from keyword arguments, accepting deprecated names with a warning; a keyword that
+        is no option raises TypeError naming it."""
+        kwargs = renamed(kwargs, where=where, stacklevel=4)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"{where}: unknown planning option(s) {unknown}; PlanOptions has {sorted(names)}")
+        return cls(**kwargs)
