@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.simulate import SCHEDULE_KINDS, makespan_kernel, schedule_kernel
+from ..core.kernels.simulate import makespan_kernel, schedule_kernel
+from ..core.options import SCHEDULE_CODES
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,9 @@ def _check_bounds(bounds: Sequence[int], n_layers: int) -> tuple[int, ...]:
 
 
 def _ops(num_stages: int, m: int, schedule: str) -> np.ndarray:
-    code = SCHEDULE_KINDS.get(schedule)
+    code = SCHEDULE_CODES.get(schedule)  # adaptive is searched as 1f1b, the order it falls back to
     if code is None:
-        raise ValueError(f"partition search simulates 'gpipe' or '1f1b', not {schedule!r}")
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(SCHEDULE_CODES)}")
     return schedule_kernel(num_stages, m, code)
 
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.options import SCHEDULES
 from ..core.simulate import PipelineDeadlock, pipeline_schedule, simulate_pipeline
-
-SCHEDULES = ("gpipe", "1f1b", "adaptive")
 
 #: Integer time units of the largest micro-batch's forward in the witness simulation.
 TIME_LEVELS = 16
