@@ -37,7 +37,6 @@ sample ids of every run and fails (`LoaderBenchError`) when they differ.
 from __future__ import annotations
 
 import gc
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -46,8 +45,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .load import DEFAULT_TEXT_DATA, _resolve_text
 from ._format import fmt_rate
+from .load_common import (add_data_option, add_output_options, add_subcommand, failure_summary, per_s,
+                          run_command)
+from .load_config import DEFAULT_TEXT_DATA
+from .load_data import resolve_text
+from .loader_baselines import IGNORE_INDEX, PackCollate, PretokenizedDataset, jsonl_source, pad_collate, setup_baseline
+
+__all__ = [
+    "BENCH_LOADER_EPILOG", "IGNORE_INDEX", "METHODS", "METHOD_PATHS", "REFERENCE", "LoaderBenchConfig",
+    "LoaderBenchError", "PackCollate", "PretokenizedDataset", "add_bench_loader_command", "format_table",
+    "pad_collate", "run_loader_bench", "setup_baseline",
+]
 
 METHODS = ("torch_pad", "torch_pack", "dynabatch_padded", "dynabatch_packed")
 REFERENCE = "torch_pad"
@@ -58,7 +67,6 @@ METHOD_PATHS = {
     "dynabatch_packed": "dynabatch.DataLoader(collate='packed', method='dp_varlen'), indexed mode, prebuilt index + "
                         "token cache",
 }
-IGNORE_INDEX = -100
 
 
 class LoaderBenchError(ValueError):
@@ -102,105 +110,13 @@ class LoaderBenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# The baselines (module level: picklable for DataLoader workers)
-
-class PretokenizedDataset(torch.utils.data.Dataset):
-    """Map-style dataset of pre-tokenized samples: ``(sample_id, input_ids, labels)``."""
-
-    def __init__(self, ids: list[int], input_ids: list[torch.Tensor], labels: list[torch.Tensor]):
-        self.ids, self.input_ids, self.labels = ids, input_ids, labels
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return self.ids[i], self.input_ids[i], self.labels[i]
-
-
-def pad_collate(batch, pad_id: int = 0) -> dict:
-    """Right-pad to the batch's longest sample, like ``DataCollatorWithPadding`` (+ labels)."""
-    n = len(batch)
-    L = max(len(x[1]) for x in batch)
-    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
-    labels = torch.full((n, L), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((n, L), dtype=torch.long)
-    for r, (_, ids, lab) in enumerate(batch):
-        k = len(ids)
-        input_ids[r, :k] = ids
-        labels[r, :k] = lab
-        attention_mask[r, :k] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "sample_ids": torch.tensor([x[0] for x in batch], dtype=torch.long)}
-
-
-class PackCollate:
-    """Pack a batch into rows of ``max_len`` tokens (greedy, in order; a sample never straddles
-    two rows), ``position_ids`` restarting at 0 per sample, rows right-padded to ``max_len``."""
-
-    def __init__(self, max_len: int, pad_id: int = 0):
-        self.max_len, self.pad_id = int(max_len), int(pad_id)
-
-    def __call__(self, batch) -> dict:
-        rows, fill = [], self.max_len
-        for item in batch:
-            k = len(item[1])
-            if fill + k > self.max_len:
-                rows.append([])
-                fill = 0
-            rows[-1].append(item)
-            fill += k
-        n, L = len(rows), self.max_len
-        input_ids = torch.full((n, L), self.pad_id, dtype=torch.long)
-        labels = torch.full((n, L), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((n, L), dtype=torch.long)
-        position_ids = torch.zeros((n, L), dtype=torch.long)
-        for r, row in enumerate(rows):
-            at = 0
-            for _, ids, lab in row:
-                k = len(ids)
-                input_ids[r, at:at + k] = ids
-                labels[r, at:at + k] = lab
-                attention_mask[r, at:at + k] = 1
-                position_ids[r, at:at + k] = torch.arange(k)
-                at += k
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-                "position_ids": position_ids,
-                "sample_ids": torch.tensor([x[0] for x in batch], dtype=torch.long)}
-
-
-# ---------------------------------------------------------------------------------------------
+# The timed epoch
 
 def _formatter(cfg: LoaderBenchConfig):
+    """The tokenizer and formatting every method shares (decoder-only, truncated to ``max_len``)."""
     from ..loader.dataloader import make_formatter
 
     return make_formatter(cfg.tokenizer, "decoder", max_len=cfg.max_len)
-
-
-def _source(files: list[Path]):
-    import loaders
-
-    return loaders.JsonlSource([str(p) for p in files])
-
-
-def setup_baseline(files: list[Path], fmt, chunk: int = 1024) -> PretokenizedDataset:
-    """Read every sample through the same reader and tokenize it with the same formatter."""
-    ids, inp, lab = [], [], []
-    buf = []
-
-    def flush():
-        for e in fmt.encode_batch(buf):
-            ids.append(int(e.sample_id))
-            inp.append(torch.from_numpy(e.input_ids.astype(np.int64)))
-            lab.append(torch.from_numpy(e.labels.astype(np.int64)))
-        buf.clear()
-
-    for s in _source(files):
-        buf.append(s)
-        if len(buf) >= chunk:
-            flush()
-    if buf:
-        flush()
-    return PretokenizedDataset(ids, inp, lab)
 
 
 def _loop(loader, on_batch=None) -> dict:
@@ -227,13 +143,10 @@ def _loop(loader, on_batch=None) -> dict:
 
 
 def _rates(r: dict) -> dict:
+    """Add the per-second rates and the padding efficiency to one run's counts."""
     sec = r["seconds"]
-
-    def per_s(v):
-        return v / sec if sec > 0 else float("inf")
-
-    r.update(microbatches_per_s=per_s(r["microbatches"]), samples_per_s=per_s(r["samples"]),
-             real_tokens_per_s=per_s(r["real_tokens"]),
+    r.update(microbatches_per_s=per_s(r["microbatches"], sec), samples_per_s=per_s(r["samples"], sec),
+             real_tokens_per_s=per_s(r["real_tokens"], sec),
              padding_efficiency=r["real_tokens"] / r["tensor_tokens"] if r["tensor_tokens"] else 1.0)
     return r
 
@@ -253,7 +166,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
 
     fmt = _formatter(cfg)
     with tempfile.TemporaryDirectory(prefix="dynabatch-bench-loader-") as tmp_name:
-        files, label = _resolve_text(cfg, Path(tmp_name), progress)
+        files, label = resolve_text(cfg, Path(tmp_name), progress)
         # -- setup (untimed for the rates, measured) ---------------------------------------------
         t0 = time.perf_counter()
         ds = setup_baseline(files, fmt)
@@ -268,12 +181,12 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             # The index scan keeps the token ids (the token cache): the same one tokenization pass
             # as the baselines' pre-tokenization.
-            index = dynabatch.build_index(_source(files), tokenizer=fmt.tokenizer, max_len=cfg.max_len,
+            index = dynabatch.build_index(jsonl_source(files), tokenizer=fmt.tokenizer, max_len=cfg.max_len,
                                           cache_tokens=True)
             # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
             # their first call; a training job pays that once per process, not per epoch.
             for collate in ("padded", "packed"):
-                warm = dynabatch.DataLoader(_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
+                warm = dynabatch.DataLoader(jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
                                             cost_model=cfg.cost_model, device=cfg.device, num_stages=cfg.stages,
                                             batch_tokens=cfg.batch_tokens, max_len=cfg.max_len, collate=collate,
                                             rank=0, world_size=1)
@@ -294,7 +207,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
                                                    collate_fn=collate, generator=g), 0.0
             t0 = time.perf_counter()
             dl = dynabatch.DataLoader(
-                _source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
+                jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
                 device=cfg.device, num_stages=cfg.stages, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len,
                 collate="padded" if method == "dynabatch_padded" else "packed", rank=0, world_size=1,
                 num_workers=workers, seed=cfg.seed)
@@ -316,8 +229,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
                 except (LoaderBenchError, ValueError, OSError):
                     raise
                 except Exception as e:  # a library failing deep inside: say which run
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    raise LoaderBenchError(f"{method} workers={workers} failed: {type(e).__name__}: {first}") from e
+                    raise LoaderBenchError(f"{method} workers={workers} failed: {failure_summary(e)}") from e
                 bar.update(r["samples"])
                 ids = r.pop("_ids")
                 if ref_ids is None:
@@ -376,6 +288,10 @@ def format_table(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # Command line: `dynabatch bench loader`
 
+BENCH_LOADER_HELP = "micro-batches/s and tokens/s: dynabatch.DataLoader vs torch DataLoader + pad/pack collate"
+BENCH_LOADER_DESCRIPTION = ("Time one epoch of micro-batches delivered to the training loop: dynabatch.DataLoader "
+                            "(padded and packed, planning included) against torch.utils.data.DataLoader with a "
+                            "padding and a packing collator, on the same files in the same run.")
 BENCH_LOADER_EPILOG = """\
 what is timed: one epoch of `for batch in loader`, touching input_ids / attention_mask / sample
 ids, per method and per --workers value, on one rank (world_size 1, no torch.distributed):
@@ -406,17 +322,8 @@ examples:
 
 def add_bench_loader_command(bench_sub) -> None:
     """Register ``dynabatch bench loader`` on the ``bench`` subparsers."""
-    import argparse
-
-    p = bench_sub.add_parser(
-        "loader", help="micro-batches/s and tokens/s: dynabatch.DataLoader vs torch DataLoader + pad/pack collate",
-        description="Time one epoch of micro-batches delivered to the training loop: dynabatch.DataLoader "
-                    "(padded and packed, planning included) against torch.utils.data.DataLoader with a padding "
-                    "and a packing collator, on the same files in the same run.",
-        epilog=BENCH_LOADER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", nargs="+", metavar="PATH",
-                   help="text files (.jsonl / .jsonl.gz) or folders; default: the shared FLAN sample "
-                        + " + ".join(DEFAULT_TEXT_DATA) + " (relative to the repository root), else generated data")
+    p = add_subcommand(bench_sub, "loader", BENCH_LOADER_HELP, BENCH_LOADER_DESCRIPTION, BENCH_LOADER_EPILOG)
+    add_data_option(p, "text files (.jsonl / .jsonl.gz)", " + ".join(DEFAULT_TEXT_DATA))
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N samples")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], metavar="W",
                    help="num_workers values to run every method with (default: 0 2)")
@@ -431,23 +338,14 @@ def add_bench_loader_command(bench_sub) -> None:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                    help=f"among {' '.join(METHODS)} (default: all)")
     p.add_argument("--seed", type=int, default=0, help="shuffle / global-batch seed (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_output_options(p, "hide the progress bar")
     p.set_defaults(func=_cmd_bench_loader)
 
 
 def _cmd_bench_loader(args) -> int:
-    import sys
-
-    try:
-        cfg = LoaderBenchConfig(data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers),
-                                batch_tokens=args.batch_tokens, max_len=args.max_len, tokenizer=args.tokenizer,
-                                cost_model=args.cost_model, device=args.device, stages=args.stages,
-                                methods=tuple(args.methods), seed=args.seed)
-        result = run_loader_bench(cfg, progress=not args.no_progress and not args.json)
-    except (ValueError, ImportError, OSError) as e:
-        # LoaderBenchError, loaders.LoaderError ("file.jsonl:3: invalid JSON ...") are ValueErrors.
-        print(f"dynabatch: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
-    return 0
+    return run_command(
+        args, lambda: LoaderBenchConfig(data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers),
+                                        batch_tokens=args.batch_tokens, max_len=args.max_len,
+                                        tokenizer=args.tokenizer, cost_model=args.cost_model, device=args.device,
+                                        stages=args.stages, methods=tuple(args.methods), seed=args.seed),
+        run_loader_bench, format_table)
