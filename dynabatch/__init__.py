@@ -6,7 +6,7 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 (`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
 """
 
-from .core.batchplan import PLAN_SCHEMA_VERSION, BatchPlan, MicroBatch, plans_to_arrow
+from .core.batchplan import BatchPlan, MicroBatch
 from .core.bounds import iteration_lower_bound
 from .core.cost import (
     DEVICE_PRESETS,
@@ -22,6 +22,7 @@ from .core.cost import (
 from .core.options import COLLATIONS, METHODS, SCHEDULES, PlanOptions
 from .core.plan import PlanningError, plan_microbatches, split_global_batches
 from .core.steps import global_batches, plan_step
+from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, plans_to_arrow
 from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 from .core.shapes import SHAPES_SCHEMA, Shapes
 from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
@@ -67,7 +68,7 @@ _LAZY = {
     "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "collate_padded": "loader.collate",
     "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
     "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
-    "TorchCollective": "loader.collective", "PlanMismatchError": "loader.replay", "LoaderStateError": "loader.state",
+    "TorchCollective": "loader.collective", "LoaderStateError": "loader.state",
 }
 __all__ += sorted(_LAZY)
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .core.option_flags import PLAN_OPTIONS_HELP, add_plan_options, plan_options_from_args
+
 DESCRIPTION = """\
 dynabatch plans micro-batches of variable-length samples so that every micro-batch costs about
 the same, spreads them evenly over data-parallel ranks and pipeline stages, and compares the
@@ -44,7 +46,10 @@ examples:
   dynabatch bench plan --model gpt --data ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz
   dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
   dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
+  dynabatch bench plan --synthetic --global-batch-size 256 --memory-limit 8GiB --schedule gpipe
 """
+
+
 
 
 def _add_bench_plan(sub) -> None:
@@ -54,22 +59,19 @@ def _add_bench_plan(sub) -> None:
     p = sub.add_parser("plan", help="compare planning methods on the same global batches",
                        description="Plan the same random global batches with dynabatch's DP and every baseline, "
                                    "simulate the pipeline, and print one row per method.",
-                       epilog=BENCH_PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=BENCH_PLAN_EPILOG + "\n" + PLAN_OPTIONS_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", nargs="+", metavar="PATH", help="files or directories of samples (see below)")
     src.add_argument("--synthetic", action="store_true", help="use the project's generator (default)")
     p.add_argument("--samples", type=int, default=40000, help="synthetic samples to generate (default 40000)")
     p.add_argument("--model", choices=MODEL_PRESETS, default="gpt", help="model preset (default gpt)")
     p.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb", help="device preset")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    p.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
-    p.add_argument("--global-batch-tokens", type=int, default=65536, help="tokens per global batch (default 65536)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="truncate samples to this many main-stack tokens (default 2048; 8192 for vlm)")
-    p.add_argument("--max-target-len", type=int, default=512, help="decoder tokens for t5 (default 512, as FLAN)")
     p.add_argument("--batches", type=int, default=64, help="global batches to plan, 0 = all (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed for forming global batches (default 0)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to run")
+    add_plan_options(p, methods=False)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="methods to compare (default: all); each baseline's knob is swept, so there is no "
+                        "--method/--method-option here")
     p.add_argument("--reference", action="store_true",
                    help="also time the pure-Python DP reference on the first batch (slow)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -83,17 +85,19 @@ def _cmd_bench_plan(args) -> int:
     from .core.cost import CostModel
     from .core.shape_sources import read_shapes, synthetic_shapes
 
+    try:
+        options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048)
+    except ValueError as e:
+        print(f"dynabatch: error: {e}", file=sys.stderr)
+        return 1
     if args.data:
         shapes, _ = read_shapes(args.data)
         data = " ".join(Path(d).name for d in args.data)
     else:
         shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
         data = f"synthetic ({args.samples} samples)"
-    max_len = args.max_len or (8192 if args.model == "vlm" else 2048)
-    cfg = PlanBenchConfig(model=args.model, device=args.device, stages=args.stages, ranks=args.ranks,
-                          global_batch_tokens=args.global_batch_tokens, max_len=max_len,
-                          max_target_len=args.max_target_len, num_batches=args.batches, seed=args.seed, data=data)
-    cost = CostModel.preset(args.model, args.device, num_stages=args.stages)
+    cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data)
+    cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages)
     result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=not args.no_progress and not args.json,
                                    reference=args.reference)
     if args.plot:

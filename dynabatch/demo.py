@@ -10,8 +10,9 @@ import numpy as np
 
 from .core.bounds import iteration_lower_bound
 from .core.cost import CostModel
-from .core.plan import plan_microbatches, split_global_batches
+from .core.options import PlanOptions
 from .core.shapes import Shapes
+from .core.steps import global_batches, plan_step
 
 RANKS, STAGES, BATCH_TOKENS = 8, 4, 65536
 
@@ -33,13 +34,16 @@ def _text_demo(text_dir: Path, model: str, seed: int) -> None:
     cost = CostModel.preset(model, num_stages=STAGES)
     index = build_index(str(text_dir), tokenizer="bytes", family=family, max_len=2048, max_target_len=512)
     shapes = Shapes.from_arrow(index)
-    kw = dict(num_stages=STAGES, num_ranks=RANKS, max_len=2048, max_target_len=512)
-    main, dec, _ = cost.sample_dims(shapes, 2048, 512)
-    first = split_global_batches(shapes, BATCH_TOKENS, seed=seed, tokens=main + dec)[0]
+    # One PlanOptions for the planner and the DataLoader: the same steps and micro-batches online.
+    options = PlanOptions(global_batch_tokens=BATCH_TOKENS, max_len=2048, max_target_len=512, num_stages=STAGES,
+                          num_ranks=RANKS, seed=seed)
+    main, dec, _ = cost.sample_dims(shapes, options.max_len, options.max_target_len)
+    first = global_batches(shapes, cost, options, epoch=0)[0]
     batch = shapes.take(first)
-    dp = plan_microbatches(batch, cost, method="dp", **kw)
-    pack = plan_microbatches(batch, cost, method="pack", **kw)
-    lb = iteration_lower_bound(batch, cost, num_stages=STAGES, num_ranks=RANKS, max_len=2048, max_target_len=512)
+    dp = plan_step(shapes, cost, options, first, step=0)
+    pack = plan_step(shapes, cost, options.replace(method="pack"), first, step=0)
+    lb = iteration_lower_bound(batch, cost, num_stages=STAGES, num_ranks=RANKS, max_len=options.max_len,
+                               max_target_len=options.max_target_len)
     print(f"\n=== {model} ({cost.model.kind}) on {cost.device.name}: step 0 = {len(batch)} FLAN-like samples, "
           f"{int((main + dec)[first].sum())} tokens (byte tokenizer), {RANKS} ranks x {STAGES} stages")
     print(f"dynabatch dp: {dp.num_microbatches} micro-batches ({dp.microbatches_per_rank()[0]} per rank), "
@@ -52,8 +56,9 @@ def _text_demo(text_dir: Path, model: str, seed: int) -> None:
     print(f"rank 0's micro-batches in execution order:\n{_microbatch_table(dp, 0)}")
 
     loader = DataLoader(str(text_dir), index=index, tokenizer="bytes", cost_model=cost, num_stages=STAGES,
-                        rank=0, world_size=RANKS, batch_tokens=BATCH_TOKENS, max_len=2048, max_target_len=512,
-                        seed=seed, mode="indexed")
+                        rank=0, world_size=RANKS, global_batch_tokens=options.global_batch_tokens,
+                        max_len=options.max_len, max_target_len=options.max_target_len, method=options.method,
+                        seed=options.seed, drop_last=options.drop_last, mode="indexed")
     try:
         step = next(iter(loader.steps()))
     finally:
@@ -77,7 +82,7 @@ def _image_text_demo(image_dir: Path, seed: int) -> None:
 
     # One rank cannot shard the optimizer state of a 26B model, so the H200's memory is needed.
     loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model="vlm", device="h200", num_stages=STAGES,
-                        batch_tokens=BATCH_TOKENS, max_len=8192, vision=DynamicTiling(), seed=seed)
+                        global_batch_tokens=BATCH_TOKENS, max_len=8192, vision=DynamicTiling(), seed=seed)
     try:
         step = next(iter(loader.steps()))
     finally:

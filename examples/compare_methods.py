@@ -14,6 +14,7 @@ import numpy as np
 from dynabatch import (
     METHODS,
     CostModel,
+    PlanOptions,
     iteration_lower_bound,
     plan_microbatches,
     read_shapes,
@@ -29,10 +30,10 @@ def main(path: str | None = None, model: str = "gpt", ranks: int = 8, stages: in
     steps = [shapes.take(i) for i in split_global_batches(shapes, 65536, seed=0, drop_last=True)[:batches]]
     bound = np.mean([iteration_lower_bound(s, cost, num_stages=stages, num_ranks=ranks, max_len=max_len,
                                            max_target_len=512) for s in steps])
+    options = PlanOptions(num_stages=stages, num_ranks=ranks, max_len=max_len, max_target_len=512)  # one record
     results = {}
     for method in METHODS:
-        plans = [plan_microbatches(s, cost, num_stages=stages, num_ranks=ranks, method=method, max_len=max_len,
-                                   max_target_len=512, step=k) for k, s in enumerate(steps)]
+        plans = [plan_microbatches(s, cost, options.replace(method=method), step=k) for k, s in enumerate(steps)]
         results[method] = (np.mean([p.iteration_time_s for p in plans]), np.mean([p.objective_s for p in plans]),
                            np.mean([p.padding_efficiency for p in plans]))
     print(f"{model}: {len(steps)} global batches of 65536 tokens, {ranks} ranks x {stages} stages")

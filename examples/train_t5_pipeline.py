@@ -1,14 +1,20 @@
 """Train a tiny T5-style encoder-decoder (or, with --model gpt-tiny, a GPT-style decoder) for real on
 FLAN-like data over 2 pipeline stages (2 local processes, gloo on CPU), fed by `dynabatch.DataLoader`,
-run by `dynabatch.pipeline.PipelineRunner`, with the planner's cost model refit online by
-`dynabatch.core.feedback.FeedbackLoop` from the measured micro-batch times.
+run by `dynabatch.pipeline.PipelineRunner`, with the planner's cost model refit online from the
+measured micro-batch times by the loader's `dynabatch.core.feedback.FeedbackLoop`:
+
+    loader = DataLoader(..., cost_model=cost, feedback=FeedbackLoop(cost))
+    for step in loader.steps():
+        result = runner.step(batch_shapes(step), step, optimizer=optimizer)
+        loader.feedback(result)
 
     python examples/train_t5_pipeline.py --steps 30
     python examples/train_t5_pipeline.py --steps 30 --data ../shared/data/text/niv2_sample.jsonl.gz
 
 Each step prints the loss (per real target token of the global batch), the real tokens, the
-planned vs measured forward+backward seconds (summed over micro-batches, slowest stage) and the
-MAPE of the cost model's predictions for that step (made before the step ran).
+planned vs measured forward+backward seconds (summed over micro-batches, slowest stage), the MAPE
+of the cost model's predictions for that step (made before the step ran) and the cost model
+version the step was planned with.
 """
 
 from __future__ import annotations
@@ -19,14 +25,13 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
 import dynabatch
-from dynabatch.bench.train import batch_shapes, representative, stage_cost_model
-from dynabatch.datagen import write_text_shards
 from dynabatch.core.feedback import FeedbackLoop
-from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, launch_local, make_model, search_partition
+from dynabatch.datagen import write_text_shards
+from dynabatch.pipeline import (PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, launch_local, make_model,
+                                representative, search_partition, stage_cost_model)
 
 
 def worker(rank: int, world_size: int, port: int, args: dict):
@@ -37,16 +42,16 @@ def worker(rank: int, world_size: int, port: int, args: dict):
     with init_pipeline(num_stages=stages, rank=rank, world_size=world_size, master_port=port) as ctx:
         model = make_model(args["model"], hidden=args["hidden"], seed=args["seed"])
         enc_dec = model.kind == "encoder_decoder"
-        cost = stage_cost_model(model, stages, "cpu")          # analytic prior for one stage, refit below
+        cost = stage_cost_model(model, stages, "cpu")          # analytic prior for one stage, refit online
         feedback = FeedbackLoop(cost, refit_every=2, forgetting=0.8)
         loader = dynabatch.DataLoader(
-            args["data"], index=args["index"], cost_model=cost, num_stages=stages,
-            batch_tokens=args["batch_tokens"], max_len=args["max_len"],
+            args["data"], index=args["index"], cost_model=cost, feedback=feedback, num_stages=stages,
+            global_batch_tokens=args["batch_tokens"], max_len=args["max_len"],
             max_target_len=args["max_target_len"] if enc_dec else None,
             world_size=1, rank=0,        # one pipeline: both stages read the same micro-batches
             plan_ahead=0,                # plan each step after the previous refit: identical on every rank
             seed=args["seed"], drop_last=True)
-        steps = iter(loader.steps())
+        steps = loader.steps()
         first = next(steps)
         # the stage split: profile every layer on the first global batch's micro-batch mix, simulate
         # every split, keep the fastest (per-layer costs are averaged over ranks: one split for all)
@@ -57,24 +62,20 @@ def worker(rank: int, world_size: int, port: int, args: dict):
         runner = PipelineRunner.from_model(model, ctx, split, config=RunnerConfig(schedule="1f1b", gather_timing=True))
         optimizer = torch.optim.AdamW(runner.parameters(), lr=args["lr"])
         losses = []
-        for step, mbs in enumerate(itertools.chain([first], steps)):
-            if step >= args["steps"]:
+        for k, step in enumerate(itertools.chain([first], steps)):
+            if k >= args["steps"]:
                 break
-            shapes = batch_shapes(mbs, loader.collation)         # the plan's shapes, from the batches
-            result = runner.step(shapes, mbs, optimizer=optimizer)
-            measured = np.max([t.compute_s for t in result.all_timings], axis=0)   # slowest stage
-            predicted = np.array([s.time_s for s in shapes])
-            phi = cost.padded_features(np.array([s.rows for s in shapes]), np.array([s.input_len for s in shapes]),
-                                       np.array([s.target_len for s in shapes]), np.zeros(len(shapes), np.int64))
-            mape = feedback.record(phi, measured, predicted_s=predicted)   # the same numbers on every rank
-            feedback.maybe_refit()                                          # refits the loader's cost model
+            result = runner.step(batch_shapes(step), step, optimizer=optimizer)
+            loader.feedback(result)      # record the measured times against the plan, refit every 2 steps
             losses.append(result.loss)
+            err = feedback.step_errors[-1]   # the same numbers on every rank (gathered timings)
             if rank == 0:
-                print(f"step {step:3d}  loss {result.loss:.4f}  real tokens {sum(b['real_tokens'] for b in mbs):6d}  "
-                      f"micro-batches {len(mbs):3d}  predicted {predicted.sum() * 1e3:7.1f} ms  "
-                      f"measured {measured.sum() * 1e3:7.1f} ms  MAPE {mape:6.1%}", flush=True)
+                print(f"step {k:3d}  loss {result.loss:.4f}  real tokens {sum(b['real_tokens'] for b in step):6d}  "
+                      f"micro-batches {len(step):3d}  predicted {err.predicted_s * 1e3:7.1f} ms  "
+                      f"measured {err.measured_s * 1e3:7.1f} ms  MAPE {err.mape:6.1%}  "
+                      f"cost model v{step.cost_version}", flush=True)
         loader.close()
-        return {"losses": losses, "refits": len(feedback.history)} if rank == 0 else None
+        return {"losses": losses, "refits": len(feedback.history), "version": cost.version} if rank == 0 else None
 
 
 def main(argv=None, default_model: str = "t5-tiny") -> int:
@@ -108,7 +109,7 @@ def main(argv=None, default_model: str = "t5-tiny") -> int:
     res = procs[0].result
     if res and res["losses"]:
         print(f"{a.model}: loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f} over {len(res['losses'])} steps, "
-              f"{res['refits']} cost model refits")
+              f"{res['refits']} cost model refits (version {res['version']})")
     return 0
 
 

@@ -15,6 +15,7 @@ from ._errors import (
     StateError,
     TruncatedFileError,
 )
+from ._access import open_access, split_sample_ids
 from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
 from ._open import (
@@ -30,7 +31,7 @@ from ._open import (
 from ._schema import Mapped, Schema
 from ._sharding import Layout, WorkUnit
 from ._source import Source
-from ._state import merge_states
+from ._state import merge_states, requeue_samples
 
 __all__ = [
     "ArrowSource",
@@ -63,5 +64,8 @@ __all__ = [
     "WorkUnit",
     "merge_states",
     "normalized_sample",
+    "open_access",
     "open_source",
+    "requeue_samples",
+    "split_sample_ids",
 ]

@@ -86,6 +86,27 @@ class Mixture(_Stateful):
         return dict(self._children)
 
     @property
+    def shard_ranges(self) -> dict[str, tuple[int, int]]:
+        """``{name: (first, end)}``: the global shard indices of each source in ``sample_id`` s."""
+        return {n: (self._offsets[n], self._offsets[n] + self._children[n].num_shards) for n in self.names}
+
+    @property
+    def num_shards(self) -> int:
+        """Shards over all sources."""
+        return sum(c.num_shards for c in self._children.values())
+
+    @property
+    def supports_random_access(self) -> bool:
+        """Whether every source re-reads samples by ``sample_id`` cheaply."""
+        return all(c.supports_random_access for c in self._children.values())
+
+    map_style = False
+
+    def fingerprint(self) -> dict[str, str]:
+        """``{name: Source.fingerprint()}`` of the mixed sources."""
+        return {n: c.fingerprint() for n, c in self._children.items()}
+
+    @property
     def num_rows(self) -> int | None:
         """Rows delivered per epoch (after caps); None when a source's size is unknown."""
         rows = [self._rows(n) for n in self.names if self.weights[n] > 0]

@@ -48,6 +48,29 @@ class _Stateful(IterableDataset):
         d["_iterator"] = None
         return d
 
+    # -- random access -------------------------------------------------------------
+
+    def read(self, sample_ids) -> list[dict]:
+        """The normalized samples with these ``sample_id`` s, in the given order (KeyError for an
+        unknown id); same dicts as iterating yields. The reader is opened on first use (see
+        `loaders.open_access` for what each format costs)."""
+        from ._access import open_access
+
+        if getattr(self, "_access", None) is None:
+            self._access = open_access(self)
+        return self._access.read(sample_ids)
+
+    def fresh(self, **options):
+        """A copy without a loaded state, positioned at the start of its epoch, with source
+        ``options`` changed (e.g. ``fresh(shuffle=False, shuffle_buffer=0)`` reads in file order)."""
+        other = copy.copy(self)
+        other._pending, other._iterator = None, None
+        for key, value in options.items():
+            if key not in ("shuffle", "shuffle_buffer", "seed", "max_samples_per_epoch", "on_error"):
+                raise TypeError(f"fresh() cannot change {key!r}")
+            setattr(other, key, value)
+        return other
+
 
 class Source(_Stateful):
     """Iterable of normalized sample dicts read from one ``ShardReader``.
@@ -124,6 +147,26 @@ class Source(_Stateful):
         return len(self._reader.shards)
 
     @property
+    def supports_random_access(self) -> bool:
+        """Whether re-reading a few samples by ``sample_id`` is cheap (False for streaming HF
+        datasets, which re-stream from the shard start)."""
+        return bool(self._reader.random_access)
+
+    @property
+    def map_style(self) -> bool:
+        """Whether the data is map-style (Parquet, Arrow IPC or a HF ``datasets.Dataset``): row
+        counts are known up front and any row is read without a scan."""
+        from ._arrow import ArrowIPCReader, ParquetReader
+        from ._hf import HFDatasetReader
+
+        return isinstance(self._reader, (ParquetReader, ArrowIPCReader, HFDatasetReader))
+
+    def fingerprint(self) -> str:
+        """Hash of the shard list (names, sizes, row counts): equal fingerprints mean the same data
+        for states and length indices."""
+        return self._reader.fingerprint()
+
+    @property
     def num_rows(self) -> int | None:
         """Total positions over all shards (JSONL lines, rows, tar samples); None if unknown."""
         rows = [s.num_rows for s in self._reader.shards]
@@ -183,7 +226,7 @@ class Source(_Stateful):
     def _settings(self) -> dict:
         return {
             "name": self.name,
-            "fingerprint": self._reader.fingerprint(),
+            "fingerprint": self.fingerprint(),
             "num_shards": self.num_shards,
             "num_rows": self.num_rows,
             "seed": self.seed,

@@ -113,3 +113,31 @@ def _merge_mixture(states: list[dict]) -> dict:
         "epoch": states[0]["epoch"],
         "children": {n: merge_states([s["children"][n] for s in states]) for n in names},
     }
+
+
+def requeue_samples(global_state: dict, sample_ids, shard_ranges: dict | None = None) -> dict:
+    """A copy of a global state (``merge_states``) that also delivers the samples ``sample_ids``:
+    samples taken out of the stream but not used (e.g. a consumer's buffer at a checkpoint) are put
+    back, exactly once. ``shard_ranges`` (`Mixture.shard_ranges`) routes the ids of a mixture's
+    global state to its sources."""
+    import copy
+
+    from ._access import split_sample_ids
+
+    g = copy.deepcopy(global_state)
+    if not len(sample_ids):
+        return g
+    shard, pos = split_sample_ids(sample_ids)
+    if g.get("type") == "mixture_global":
+        if shard_ranges is None:
+            raise StateError("requeue_samples of a mixture state needs the mixture's shard_ranges")
+        for name, (lo, hi) in shard_ranges.items():
+            sel = (shard >= lo) & (shard < hi)
+            child = g["children"][name]
+            child["remaining"] = sorted(child["remaining"] + [[int(a - lo), int(b), int(b) + 1]
+                                                               for a, b in zip(shard[sel], pos[sel])])
+        return g
+    if g.get("type") != "global":
+        raise StateError(f"requeue_samples needs a global state (merge_states), got type {g.get('type')!r}")
+    g["remaining"] = sorted(g["remaining"] + [[int(a), int(b), int(b) + 1] for a, b in zip(shard, pos)])
+    return g

@@ -102,7 +102,7 @@ def test_planned_packs_respect_capacity(method, preset):
     sh = Shapes.from_lengths(inp, tgt, sample_id=np.arange(n) + 500)
     max_len, max_t = 2048, 256
     plan = plan_microbatches(sh, cm, num_stages=2, num_ranks=2, method=method, max_len=max_len,
-                             max_target_len=max_t, memory_limit=1e15, rows=2)
+                             max_target_len=max_t, memory_limit=1e15, method_options={"rows": 2})
     np.testing.assert_array_equal(np.sort(plan.sample_ids), sh.sample_id)
     main, dec, _ = cm.sample_dims(sh, max_len, max_t)
     by_id = {int(s): k for k, s in enumerate(sh.sample_id)}
@@ -149,8 +149,8 @@ def test_token_budget_through_the_planner():
     tok = lengths(5, 300, hi=6000)
     tok[::50] = 5000  # oversized: alone in their micro-batch
     sh = Shapes.from_lengths(tok)
-    plan = plan_microbatches(sh, cm, num_stages=2, num_ranks=4, method="token_budget", max_tokens=4096,
-                             memory_limit=1e15)
+    plan = plan_microbatches(sh, cm, num_stages=2, num_ranks=4, method="token_budget",
+                             method_options={"max_tokens": 4096}, memory_limit=1e15)
     single = plan.mb_rows == 1
     assert np.all((plan.mb_rows * plan.mb_input_len <= 4096) | single)
     assert np.any(single & (plan.mb_input_len > 4096))  # the oversized samples go alone

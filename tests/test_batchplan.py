@@ -10,12 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core.batchplan import _MB_COLUMNS, PLAN_SCHEMA_VERSION, BatchPlan, plans_to_arrow
+from dynabatch.core.batchplan import MB_FIELDS, BatchPlan
+from dynabatch.planfile import PLAN_SCHEMA_VERSION, plan_from_arrow, plan_to_arrow, plans_to_arrow
+from dynabatch.planfile.arrow import steps_in
 from dynabatch.core.cost import CostModel
 from dynabatch.core.plan import METHODS, plan_microbatches
 
 VERSION_KEY = b"dynabatch.plan_schema_version"
-ARRAYS = ("sample_ids", "sample_row", "mb_offsets", "rank_time_s") + tuple(_MB_COLUMNS)
+ARRAYS = ("sample_ids", "sample_row", "mb_offsets", "rank_time_s") + tuple(MB_FIELDS)
 
 
 def make_plan(method="dp", preset="t5", ranks=3, stages=4, step=7, seed=0, n=50):
@@ -44,30 +46,30 @@ def assert_same_plan(a: BatchPlan, b: BatchPlan):
 def test_arrow_round_trip_reproduces_every_array(method, preset):
     plan = make_plan(method, preset)
     assert plan.num_microbatches > 1
-    table = plan.to_arrow()
+    table = plan_to_arrow(plan)
     assert table.num_rows == len(plan.sample_ids)
-    back = BatchPlan.from_arrow(table)
+    back = plan_from_arrow(table)
     assert_same_plan(plan, back)
     assert back.iteration_time_s == plan.iteration_time_s
     # and rebuilt from plain Python values with the same metadata
-    assert_same_plan(plan, BatchPlan.from_arrow(pa.table(table.to_pydict()).replace_schema_metadata(
+    assert_same_plan(plan, plan_from_arrow(pa.table(table.to_pydict()).replace_schema_metadata(
         table.schema.metadata)))
 
 
 def test_parquet_round_trip(tmp_path):
     plan = make_plan("dp_varlen", ranks=2, step=0)
-    pq.write_table(plan.to_arrow(), tmp_path / "plan.parquet")
-    assert_same_plan(plan, BatchPlan.from_arrow(pq.read_table(tmp_path / "plan.parquet")))
+    pq.write_table(plan_to_arrow(plan), tmp_path / "plan.parquet")
+    assert_same_plan(plan, plan_from_arrow(pq.read_table(tmp_path / "plan.parquet")))
 
 
 def test_columns_and_metadata():
     plan = make_plan("dp", ranks=3, step=7)
-    t = plan.to_arrow()
+    t = plan_to_arrow(plan)
     for name, typ in (("step", pa.int64()), ("rank", pa.int32()), ("microbatch", pa.int32()),
                       ("row", pa.int32()), ("sample_id", pa.int64())):
         assert name in t.column_names
         assert t.schema.field(name).type == typ, name
-    for name in _MB_COLUMNS:
+    for name in MB_FIELDS:
         if name not in ("mb_rank", "mb_order"):
             assert name[3:] in t.column_names
     assert set(t.column("step").to_pylist()) == {7}
@@ -82,40 +84,40 @@ def test_columns_and_metadata():
 
 
 def test_table_without_schema_version_is_refused():
-    t = make_plan().to_arrow()
+    t = plan_to_arrow(make_plan())
     meta = {k: v for k, v in t.schema.metadata.items() if k != VERSION_KEY}
     with pytest.raises(ValueError, match="plan_schema_version"):
-        BatchPlan.from_arrow(t.replace_schema_metadata(meta))
+        plan_from_arrow(t.replace_schema_metadata(meta))
     with pytest.raises(ValueError, match="plan_schema_version"):
-        BatchPlan.from_arrow(t.replace_schema_metadata(None))
+        plan_from_arrow(t.replace_schema_metadata(None))
 
 
 @pytest.mark.parametrize("version", [str(PLAN_SCHEMA_VERSION + 1), "0"])
 def test_table_with_wrong_schema_version_is_refused(version):
-    t = make_plan().to_arrow()
+    t = plan_to_arrow(make_plan())
     meta = {**t.schema.metadata, VERSION_KEY: version.encode()}
     with pytest.raises(ValueError, match=rf"version {version}\b.*not supported"):
-        BatchPlan.from_arrow(t.replace_schema_metadata(meta))
+        plan_from_arrow(t.replace_schema_metadata(meta))
 
 
 @pytest.mark.parametrize("version", [b"v1", b"1.0", b"", b" 1"])
 def test_table_with_garbled_schema_version_is_refused_clearly(version):
-    t = make_plan().to_arrow()
+    t = plan_to_arrow(make_plan())
     meta = {**t.schema.metadata, VERSION_KEY: version}
     with pytest.raises(ValueError, match="schema version"):
-        BatchPlan.from_arrow(t.replace_schema_metadata(meta))
+        plan_from_arrow(t.replace_schema_metadata(meta))
 
 
 def test_multi_step_table_needs_a_step():
     a, b = make_plan(step=0), make_plan(step=1, seed=1)
-    t = pa.concat_tables([a.to_arrow(), b.to_arrow().replace_schema_metadata(a.to_arrow().schema.metadata)])
+    t = pa.concat_tables([plan_to_arrow(a), plan_to_arrow(b).replace_schema_metadata(plan_to_arrow(a).schema.metadata)])
     with pytest.raises(ValueError, match="steps"):
-        BatchPlan.from_arrow(t)
+        plan_from_arrow(t)
     with pytest.raises(ValueError, match="step 5"):
-        BatchPlan.from_arrow(t, step=5)
-    assert_same_plan(a, BatchPlan.from_arrow(t, step=0))
-    back = BatchPlan.from_arrow(t, step=1)
-    for name in ("sample_ids", "sample_row", "mb_offsets") + tuple(_MB_COLUMNS):
+        plan_from_arrow(t, step=5)
+    assert_same_plan(a, plan_from_arrow(t, step=0))
+    back = plan_from_arrow(t, step=1)
+    for name in ("sample_ids", "sample_row", "mb_offsets") + tuple(MB_FIELDS):
         np.testing.assert_array_equal(getattr(back, name), getattr(b, name), err_msg=name)
 
 
@@ -123,13 +125,13 @@ def test_plans_to_arrow_keeps_every_steps_plan():
     plans = [make_plan(step=k, seed=k) for k in (0, 1, 5)]
     t = plans_to_arrow(plans, metadata={"dynabatch.dataset": "abc"})
     assert t.schema.metadata[b"dynabatch.dataset"] == b"abc"
-    np.testing.assert_array_equal(BatchPlan.steps_in(t), [0, 1, 5])
+    np.testing.assert_array_equal(steps_in(t), [0, 1, 5])
     for p in plans:
-        back = BatchPlan.from_arrow(t, step=p.step)
+        back = plan_from_arrow(t, step=p.step)
         assert_same_plan(p, back)
         np.testing.assert_array_equal(back.rank_time_s, p.rank_time_s)
     with pytest.raises(ValueError, match="steps"):
-        BatchPlan.from_arrow(t)
+        plan_from_arrow(t)
     with pytest.raises(ValueError, match="same step"):
         plans_to_arrow([plans[0], make_plan(step=0, seed=3)])
     with pytest.raises(ValueError, match="method"):

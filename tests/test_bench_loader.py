@@ -26,7 +26,7 @@ def _run_json(capsys, *args) -> dict:
 
 
 def test_json_schema_and_equal_counts(capsys, text):
-    doc = _run_json(capsys, "--data", *text, "--limit", "150", "--workers", "0", "--batch-tokens", "4096",
+    doc = _run_json(capsys, "--data", *text, "--limit", "150", "--workers", "0", "--global-batch-tokens", "4096",
                     "--max-len", "512")
     assert set(doc) == {"config", "runs", "ratios"}
     assert [(r["method"], r["workers"]) for r in doc["runs"]] == [(m, 0) for m in bl.METHODS]

@@ -8,9 +8,9 @@ import time
 import numpy as np
 
 from dynabatch import CostModel
-from dynabatch.bench.train import TRAIN_METHODS, batch_shapes, stage_cost_model
+from dynabatch.bench.train import TRAIN_METHODS
 from dynabatch.datagen import write_text_shards
-from dynabatch.pipeline import make_model
+from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
 
 
 def test_bench_train_json(tmp_path):
@@ -70,3 +70,20 @@ def test_bench_train_runs_the_adaptive_schedule(tmp_path):
     res = json.loads(out.stdout)
     assert res["config"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
     assert all(m["steps"] == 3 and m["tokens_per_s"] > 0 for m in res["methods"].values())
+
+
+def test_public_microbatch_helpers():
+    """batch_shapes infers the collation; representative spreads over predicted time; stage_cost_model
+    divides the layers by the stages."""
+    import torch
+
+    packed = {"input_ids": torch.zeros(1, 30, dtype=torch.long), "cu_seqlens": torch.tensor([0, 10, 30]),
+              "max_seqlen": 20, "predicted_time_s": 0.1}
+    (shape,) = batch_shapes([packed])
+    assert shape.packed and (shape.rows, shape.input_len, shape.tokens) == (2, 20, 30)
+    mbs = [{"predicted_time_s": t} for t in (5.0, 1.0, 3.0, 2.0, 4.0)]
+    assert [b["predicted_time_s"] for b in representative(mbs, 3)] == [1.0, 3.0, 5.0]
+    assert representative([], 4) == []
+    model = make_model("t5-tiny", hidden=64)
+    one = stage_cost_model(model, 2, "cpu")
+    assert one.model.layers == model.config.layers / 2 and one.model.decoder_layers == model.config.decoder_layers / 2

@@ -74,3 +74,87 @@ def test_demo_streams_generated_shards_through_the_loader(capsys, tmp_path):
     assert "=== vlm" in out and "448-px tiles" in out
     assert sorted(p.name for p in (tmp_path / "text").iterdir())[0] == "shard-000000.jsonl"
     assert any(p.suffix == ".tar" for p in (tmp_path / "image_text").iterdir())
+
+
+# -- the planning flags: one helper for `dynabatch plan` and `dynabatch bench plan` ---------------
+
+
+def _parsed(argv):
+    from dynabatch.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_plan_flags_build_plan_options_the_same_way_for_both_commands():
+    from dynabatch import PlanOptions
+    from dynabatch.core.option_flags import plan_options_from_args
+
+    flags = ["--global-batch-size", "96", "--max-len", "1024", "--max-target-len", "128", "--stages", "2",
+             "--ranks", "3", "--schedule", "gpipe", "--memory-limit", "16GiB", "--seed", "9", "--drop-last",
+             "--max-caps", "12"]
+    bench = plan_options_from_args(_parsed(["bench", "plan", *flags]), max_len=2048)
+    offline = plan_options_from_args(_parsed(["plan", "x.parquet", "--out", "p.parquet", *flags,
+                                              "--method", "pad", "--method-option", "rows=4"]))
+    expected = PlanOptions(global_batch_size=96, max_len=1024, max_target_len=128, num_stages=2, num_ranks=3,
+                           schedule="gpipe", memory_limit=16 * 2**30, seed=9, drop_last=True, max_caps=12)
+    assert bench == expected
+    assert offline == expected.replace(method="pad", method_options={"rows": 4})
+    # defaults: 64k tokens, 8 ranks x 4 stages, the model's max_len, and the last batch kept
+    d = plan_options_from_args(_parsed(["plan", "x.parquet", "--out", "p.parquet"]), max_len=8192)
+    assert (d.global_batch_tokens, d.global_batch_size, d.num_ranks, d.num_stages) == (65536, None, 8, 4)
+    assert (d.max_len, d.max_target_len, d.method, d.drop_last, d.seed, d.memory_limit) == \
+           (8192, 512, "dp", False, 0, None)
+    assert d.drop_last is PlanOptions().drop_last  # one default for the CLI and the DataLoader
+
+
+def test_plan_flag_values_are_checked(capsys):
+    from dynabatch.core.option_flags import parse_bytes, plan_options_from_args
+
+    assert parse_bytes("17e9") == 17e9 and parse_bytes("800MB") == 8e8 and parse_bytes("2 KiB") == 2048
+    for argv in (["--global-batch-tokens", "1", "--global-batch-size", "2"], ["--memory-limit", "lots"],
+                 ["--schedule", "zigzag"], ["--method-option", "rows"]):
+        with pytest.raises(SystemExit):
+            _parsed(["plan", "x.parquet", "--out", "p.parquet", *argv])
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"--method kk takes --method-option max_tokens=\.\.\., not \['rows'\]"):
+        plan_options_from_args(_parsed(["plan", "x", "--out", "p", "--method", "kk", "--method-option", "rows=2"]))
+
+
+def test_keep_last_is_a_deprecated_no_op(capsys):
+    from dynabatch.core.option_flags import plan_options_from_args
+
+    with pytest.warns(DeprecationWarning, match="--keep-last is deprecated"):
+        args = _parsed(["plan", "x.parquet", "--out", "p.parquet", "--keep-last"])
+    assert "--keep-last is deprecated and does nothing" in capsys.readouterr().err
+    assert plan_options_from_args(args).drop_last is False
+
+
+@pytest.mark.parametrize("command", [["plan", "--help"], ["bench", "plan", "--help"]])
+def test_plan_flags_help_teaches(capsys, command):
+    with pytest.raises(SystemExit):
+        main(command)
+    out = capsys.readouterr().out
+    for flag in ("--global-batch-tokens", "--global-batch-size", "--max-len", "--max-target-len", "--stages",
+                 "--ranks", "--schedule", "--memory-limit", "--seed", "--drop-last", "16GiB", "seed K + e",
+                 "gpipe,1f1b,adaptive", "dynabatch.PlanOptions"):
+        assert flag in out, (command, flag)
+    if command[0] == "plan":
+        assert "--method-option KEY=VALUE" in out and "max_tokens=4096" in out
+
+
+def test_bench_plan_config_holds_plan_options(capsys):
+    from dynabatch import PlanOptions
+    from dynabatch.bench.plan import PlanBenchConfig
+
+    assert isinstance(PlanBenchConfig().options, PlanOptions)
+    assert main(["bench", "plan", "--methods", "dp", "pad", "--global-batch-size", "300", "--ranks", "2",
+                 "--stages", "2", "--schedule", "gpipe", "--memory-limit", "20GB", "--drop-last", "--json",
+                 *SMALL]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cfg = doc["config"]
+    assert (cfg["global_batch_size"], cfg["global_batch_tokens"], cfg["num_ranks"], cfg["num_stages"]) == \
+           (300, None, 2, 2)
+    assert (cfg["schedule"], cfg["memory_limit"], cfg["memory_limit_bytes"], cfg["drop_last"]) == \
+           ("gpipe", 20e9, 20e9, True)
+    assert cfg["samples"] == 3 * 300  # three full batches of 300 samples
+    assert set(doc["methods"]) == {"dp", "pad"}

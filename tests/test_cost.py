@@ -19,6 +19,7 @@ from dynabatch.core.cost import (
     model_preset,
 )
 from dynabatch.core.plan import PlanningError, plan_microbatches
+from dynabatch.core.feedback import FeedbackLoop
 
 F = {name: k for k, name in enumerate(FEATURES)}
 
@@ -332,11 +333,13 @@ def _refit_mape(preset, spread, seed=0):
     train = random_microbatches(cm, rng, 300, spread)
     held = random_microbatches(cm, rng, 200, spread)
     prior_mape = cm.mape(held, held @ true)
+    fb = FeedbackLoop(cm, forgetting=cm.forgetting)  # the one refit path
     for k in range(0, 300, 30):  # ten steps of observations
-        cm.observe(train[k:k + 30], train[k:k + 30] @ true)
-    assert cm.num_observations == 300
-    coef = cm.refit()
-    np.testing.assert_array_equal(coef, cm.time_coef)
+        fb.record(train[k:k + 30], train[k:k + 30] @ true)
+    assert fb.num_observations == 300
+    row = fb.refit()
+    np.testing.assert_array_equal(row.time_coef, cm.time_coef)
+    assert cm.version == row.version == 1
     return cm, prior_mape, cm.mape(held, held @ true)
 
 
@@ -369,7 +372,8 @@ def test_refit_on_large_micro_batches_does_not_spoil_small_ones(preset):
     assert np.all(ratio[cm.prior_time_coef > 0] < 3) and np.all(ratio[cm.prior_time_coef > 0] > 0.3)
 
 
-def test_observe_validates_and_refit_needs_observations():
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_deprecated_observe_validates_and_refit_needs_observations():
     cm = CostModel.preset("gpt")
     with pytest.raises(ValueError, match="observe"):
         cm.refit()
@@ -381,22 +385,41 @@ def test_observe_validates_and_refit_needs_observations():
     with pytest.raises(ValueError):
         cm.observe(phi, [np.nan])
     assert cm.num_observations == 0
+    with pytest.raises(ValueError, match="observations"):
+        FeedbackLoop(cm).refit()
+
+
+def test_deprecated_observe_and_refit_warn_and_match_the_feedback_loop():
+    old, new = CostModel.preset("t5"), CostModel.preset("t5")
+    fb = FeedbackLoop(new, forgetting=new.forgetting, prior_strength=new.prior_strength, min_weight=1e-6)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        phi = random_microbatches(old, rng, 30, "wide")
+        with pytest.warns(DeprecationWarning, match="FeedbackLoop"):
+            old.observe(phi, phi @ true_coef(old))
+        fb.record(phi, phi @ true_coef(new))
+    with pytest.warns(DeprecationWarning, match="FeedbackLoop"):
+        coef = old.refit()
+    fb.refit()
+    np.testing.assert_array_equal(coef, new.time_coef)
+    assert old.version == new.version == 1 and "refit" in repr(old)
 
 
 def test_refit_follows_drift():
     """Observations are discounted by `forgetting` per call: after the truth changes, new
     observations dominate."""
-    cm = CostModel.preset("gpt", forgetting=0.5)
+    cm = CostModel.preset("gpt")
+    fb = FeedbackLoop(cm, forgetting=0.5)
     rng = np.random.default_rng(1)
     old = cm.prior_time_coef * 1.3
     new = cm.prior_time_coef * 0.8
     for _ in range(5):
         phi = random_microbatches(cm, rng, 20, "large")
-        cm.observe(phi, phi @ old)
+        fb.record(phi, phi @ old)
     for _ in range(10):
         phi = random_microbatches(cm, rng, 20, "large")
-        cm.observe(phi, phi @ new)
-    cm.refit()
+        fb.record(phi, phi @ new)
+    fb.refit()
     held = random_microbatches(cm, rng, 50, "large")
     assert cm.mape(held, held @ new) < 0.03
 
@@ -413,8 +436,9 @@ def test_save_load_round_trip(tmp_path, kind):
     if kind == "refit":
         rng = np.random.default_rng(0)
         phi = random_microbatches(cm, rng, 50, "large")
-        cm.observe(phi, phi @ true_coef(cm))
-        cm.refit()
+        fb = FeedbackLoop(cm)
+        fb.record(phi, phi @ true_coef(cm))
+        fb.refit()
         assert not np.array_equal(cm.time_coef, cm.prior_time_coef)
     path = tmp_path / "cost.json"
     cm.save(path)

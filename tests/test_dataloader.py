@@ -46,7 +46,7 @@ def run_indexed(path, world, **kw):
 # -- indexed mode ---------------------------------------------------------------------------------
 
 def test_indexed_four_ranks_with_workers_resume_on_two(data):
-    kw = dict(batch_tokens=TOKENS, seed=5, index_cache=data["index"], **PLAN)
+    kw = dict(global_batch_tokens=TOKENS, seed=5, index_cache=data["index"], **PLAN)
     first = [DataLoader(data["parquet"], world_size=4, rank=r, num_workers=2, **kw) for r in range(4)]
     n_steps = len(first[0])
     assert n_steps >= 6 and all(len(dl) == n_steps for dl in first)
@@ -76,7 +76,7 @@ def test_indexed_four_ranks_with_workers_resume_on_two(data):
 
 
 def test_indexed_exact_resume_on_same_world(data):
-    kw = dict(batch_tokens=TOKENS, seed=2, index_cache=data["index"], **PLAN)
+    kw = dict(global_batch_tokens=TOKENS, seed=2, index_cache=data["index"], **PLAN)
     whole = [[(b["step"], b["sample_ids"].tolist()) for b in rank] for rank in run_indexed(data["parquet"], 2, **kw)]
     for r in range(2):
         dl = DataLoader(data["parquet"], world_size=2, rank=r, **kw)
@@ -93,12 +93,12 @@ def test_indexed_exact_resume_on_same_world(data):
 
 @pytest.mark.parametrize("method", ["dp", "pad", "dp_varlen"])
 def test_indexed_same_structure_on_every_rank(data, method):
-    ranks = run_indexed(data["parquet"], 3, batch_tokens=TOKENS, method=method, index_cache=data["index"], **PLAN)
+    ranks = run_indexed(data["parquet"], 3, global_batch_tokens=TOKENS, method=method, index_cache=data["index"], **PLAN)
     shapes = [structure(r) for r in ranks]
     assert shapes[0] == shapes[1] == shapes[2]
     steps = sorted({s for s, _, _ in shapes[0]})
     assert steps == list(range(len(steps))) == list(range(len(DataLoader(
-        data["parquet"], world_size=3, batch_tokens=TOKENS, method=method, index_cache=data["index"], **PLAN))))
+        data["parquet"], world_size=3, global_batch_tokens=TOKENS, method=method, index_cache=data["index"], **PLAN))))
     for s, m, k in shapes[0]:
         assert 0 <= m < k
     assert_exactly_once([i for r in ranks for i in ids_of(r)], all_ids(data["parquet"]))
@@ -106,7 +106,7 @@ def test_indexed_same_structure_on_every_rank(data, method):
 
 def test_indexed_placeholders_when_a_batch_has_fewer_samples_than_ranks(data):
     # 260 samples in global batches of 64: the last one has 4 samples for 5 ranks
-    ranks = run_indexed(data["parquet"], 5, batch_size=64, index_cache=data["index"], **PLAN)
+    ranks = run_indexed(data["parquet"], 5, global_batch_size=64, index_cache=data["index"], **PLAN)
     assert all(structure(r) == structure(ranks[0]) for r in ranks)
     last = [[b for b in r if b["step"] == 4] for r in ranks]
     pads = [b for r in last for b in r if b["is_padding"]]
@@ -117,9 +117,9 @@ def test_indexed_placeholders_when_a_batch_has_fewer_samples_than_ranks(data):
 
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_padded_shapes_equal_the_plan(data, model):
-    dl = DataLoader(data["parquet"], world_size=2, rank=1, batch_tokens=TOKENS, cost_model=model, device="cpu",
+    dl = DataLoader(data["parquet"], world_size=2, rank=1, global_batch_tokens=TOKENS, cost_model=model, device="cpu",
                     num_stages=2, max_len=256, max_target_len=32)
-    planner = dl._planner
+    planner = dl.mode_object.planner
     batches = list(dl)
     by_step: dict[int, list] = {}
     for b in batches:
@@ -152,7 +152,7 @@ def test_padded_shapes_equal_the_plan(data, model):
 
 
 def test_step_totals_cover_all_ranks(data):
-    ranks = run_indexed(data["parquet"], 3, batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
+    ranks = run_indexed(data["parquet"], 3, global_batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
     check_step_totals(ranks)
 
 
@@ -172,7 +172,7 @@ def check_step_totals(ranks):
 
 
 def test_determinism_and_seed(data):
-    kw = dict(world_size=2, rank=1, batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
+    kw = dict(world_size=2, rank=1, global_batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
     a = list(DataLoader(data["parquet"], seed=11, **kw))
     b = list(DataLoader(data["parquet"], seed=11, **kw))
     c = list(DataLoader(data["parquet"], seed=12, **kw))
@@ -184,8 +184,8 @@ def test_determinism_and_seed(data):
     assert ids_of(a) != ids_of(c)
 
 
-@pytest.mark.parametrize("kw", [dict(batch_tokens=TOKENS), dict(batch_tokens=TOKENS, drop_last=True),
-                                dict(batch_size=40), dict(batch_size=40, drop_last=True)])
+@pytest.mark.parametrize("kw", [dict(global_batch_tokens=TOKENS), dict(global_batch_tokens=TOKENS, drop_last=True),
+                                dict(global_batch_size=40), dict(global_batch_size=40, drop_last=True)])
 def test_len_is_the_number_of_steps(data, kw):
     dl = DataLoader(data["parquet"], index_cache=data["index"], **kw, **PLAN)
     steps = list(dl.steps())
@@ -204,9 +204,9 @@ def test_hf_dataset_jsonl_index_and_epochs(data, tmp_path):
 
     recs = records(90, seed=4)
     ds = datasets.Dataset.from_list(recs)
-    dl = DataLoader(ds, batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)
+    dl = DataLoader(ds, global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)
     assert dl.mode == "indexed"
-    other = DataLoader(ds, batch_tokens=TOKENS, world_size=2, rank=1, **PLAN)
+    other = DataLoader(ds, global_batch_tokens=TOKENS, world_size=2, rank=1, **PLAN)
     e0 = ids_of(list(dl)) + ids_of(list(other))
     assert_exactly_once(e0, range(90))
     e1 = ids_of(list(dl)) + ids_of(list(other))  # the next epoch: another order, the same samples
@@ -215,14 +215,14 @@ def test_hf_dataset_jsonl_index_and_epochs(data, tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", recs)
     table = build_index(path, path=tmp_path / "x_index.parquet")
     assert "label_tokens" in table.column_names
-    ranks = run_indexed(path, 2, batch_tokens=TOKENS, index=str(tmp_path / "x_index.parquet"), **PLAN)
+    ranks = run_indexed(path, 2, global_batch_tokens=TOKENS, index=str(tmp_path / "x_index.parquet"), **PLAN)
     check_step_totals(ranks)
     assert_exactly_once([i for r in ranks for i in ids_of(r)], all_ids(path))
 
 
 def test_scan_shapes_index_works_and_warns_on_lm_labels(data, caplog):
     table = tokenization.scan_shapes(loaders.open_source(data["parquet"]), "bytes")
-    dl = DataLoader(data["parquet"], index=table, batch_tokens=TOKENS, **PLAN)
+    dl = DataLoader(data["parquet"], index=table, global_batch_tokens=TOKENS, **PLAN)
     assert not dl.index.exact_labels
     with caplog.at_level("WARNING", logger="dynabatch"):
         assert_exactly_once(ids_of(list(dl)), all_ids(data["parquet"]))
@@ -274,23 +274,35 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     plan_path = str(tmp_path / "plan.parquet")
     write_plan(plan_path, data["parquet"], world=2, epochs=1)
     kw = dict(index_cache=data["index"], **PLAN)
-    with pytest.raises(PlanMismatchError, match="2 data-parallel ranks.*world_size=4"):
+    with pytest.raises(PlanMismatchError, match=r"world size \(data-parallel ranks\) is 2 in the plan but 4 here"):
         DataLoader(data["parquet"], plan=plan_path, world_size=4, **kw)
     table = pq.read_table(plan_path)
     meta = dict(table.schema.metadata)
     meta[b"dynabatch.dataset_fingerprint"] = b"0123456789abcdef"
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "tampered.parquet")
-    with pytest.raises(PlanMismatchError, match="another dataset.*0123456789abcdef"):
+    with pytest.raises(PlanMismatchError, match="dataset fingerprint is 0123456789abcdef in the plan.*another dataset"):
         DataLoader(data["parquet"], plan=str(tmp_path / "tampered.parquet"), world_size=2, **kw)
     del meta[b"dynabatch.dataset_fingerprint"]
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "nofp.parquet")
-    with pytest.raises(PlanMismatchError, match="no dynabatch.dataset_fingerprint"):
+    with pytest.raises(PlanMismatchError, match="records no dynabatch.dataset_fingerprint"):
         DataLoader(data["parquet"], plan=str(tmp_path / "nofp.parquet"), world_size=2, **kw)
-    with pytest.raises(PlanMismatchError, match="pipeline stages"):
+    with pytest.raises(PlanMismatchError, match="pipeline stages are 2 in the plan but 4 here"):
         DataLoader(data["parquet"], plan=plan_path, world_size=2, index_cache=data["index"], cost_model="gpt",
                    device="cpu", num_stages=4)
-    with pytest.raises(PlanMismatchError, match="batch_tokens"):
-        DataLoader(data["parquet"], plan=plan_path, world_size=2, batch_tokens=2 * TOKENS, **kw)
+    with pytest.raises(PlanMismatchError, match=f"option 'global_batch_tokens' is {TOKENS} in the plan but "
+                                                f"{2 * TOKENS} here"):
+        DataLoader(data["parquet"], plan=plan_path, world_size=2, global_batch_tokens=2 * TOKENS, **kw)
+    # an edited plan: a row duplicated places its sample twice in one epoch
+    import pyarrow as pa
+
+    rows = list(range(table.num_rows))
+    edited = table.take(pa.array(rows[:5] + [4] + rows[5:]))
+    step, rank, mb, sid = (table.column(c)[4].as_py() for c in ("step", "rank", "microbatch", "sample_id"))
+    with pytest.raises(PlanMismatchError, match=f"sample id {sid} appears 2 times in epoch 0 "
+                                                rf"\(step {step} rank {rank} micro-batch {mb} and step {step}"):
+        DataLoader(data["parquet"], plan=edited, world_size=2, **kw)  # a pyarrow.Table works as well as a path
+    with pytest.raises(PlanMismatchError, match=f"step {step} rank {rank} holds"):
+        DataLoader(data["parquet"], plan=table.take(pa.array(rows[:4] + rows[5:])), world_size=2, **kw)
     # other data: the fingerprint of its index differs
     other = write_parquet(tmp_path / "other.parquet", records(50, seed=9))
     with pytest.raises(PlanMismatchError, match="another dataset"):
@@ -301,7 +313,7 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
 
 def streaming(path, world, rank, coll, **kw):
     src = loaders.JsonlSource(path, shuffle=True, shuffle_buffer=8, seed=3)
-    opts = dict(batch_tokens=TOKENS, chunk_size=16, **PLAN)
+    opts = dict(global_batch_tokens=TOKENS, chunk_size=16, **PLAN)
     opts.update(kw)
     return DataLoader(src, world_size=world, rank=rank, collective=coll, **opts)
 
@@ -376,7 +388,7 @@ def test_streaming_deterministic_and_exact_resume_same_layout(data):
 
 
 def test_streaming_single_rank_packed_and_samples_mode(data):
-    dl = DataLoader(data["jsonl"], batch_size=32, collate="packed", **PLAN)
+    dl = DataLoader(data["jsonl"], global_batch_size=32, collate="packed", **PLAN)
     assert dl.mode == "streaming" and dl.method == "dp_varlen"
     with pytest.raises(TypeError):
         len(dl)
@@ -407,7 +419,7 @@ def test_vision_tiles_and_pixels(tmp_path):
     rows = [{"inputs": f"describe {i}", "targets": "a box", "image": {"bytes": png(*sizes[i % 4]), "path": None}}
             for i in range(12)]
     tiling = tokenization.DynamicTiling(tile_size=28, patch_size=14, tokens_per_tile=16)
-    dl = DataLoader(datasets.Dataset.from_list(rows), batch_tokens=400, vision=tiling, load_pixels=True, **PLAN)
+    dl = DataLoader(datasets.Dataset.from_list(rows), global_batch_tokens=400, vision=tiling, load_pixels=True, **PLAN)
     want = {i: int(tiling.num_tiles(*sizes[i % 4])) for i in range(12)}
     seen = 0
     for b in dl:
@@ -422,19 +434,19 @@ def test_argument_errors(data):
     with pytest.raises(ValueError, match="either in tokens"):
         DataLoader(data["parquet"], **PLAN)
     with pytest.raises(ValueError, match="collate='packed'"):
-        DataLoader(data["parquet"], batch_tokens=TOKENS, method="dp", collate="packed", **PLAN)
+        DataLoader(data["parquet"], global_batch_tokens=TOKENS, method="dp", collate="packed", **PLAN)
     with pytest.raises(ValueError, match="torch.distributed"):
-        DataLoader(data["jsonl"], batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)
-    dl = DataLoader(data["parquet"], batch_tokens=TOKENS, world_size=2, rank=0, index_cache=data["index"], **PLAN)
+        DataLoader(data["jsonl"], global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)
+    dl = DataLoader(data["parquet"], global_batch_tokens=TOKENS, world_size=2, rank=0, index_cache=data["index"], **PLAN)
     it = iter(dl)
     next(it)
     next(it)
     mid = dl.state_dict()
-    other = DataLoader(data["parquet"], batch_tokens=TOKENS, world_size=3, rank=0, index_cache=data["index"], **PLAN)
-    if mid["microbatch"]:
+    other = DataLoader(data["parquet"], global_batch_tokens=TOKENS, world_size=3, rank=0, index_cache=data["index"], **PLAN)
+    if mid["indexed"]["microbatch"]:
         with pytest.raises(LoaderStateError, match="list of every rank"):
             other.load_state_dict(mid)
-    seeded = DataLoader(data["parquet"], batch_tokens=TOKENS, world_size=2, seed=1, index_cache=data["index"], **PLAN)
+    seeded = DataLoader(data["parquet"], global_batch_tokens=TOKENS, world_size=2, seed=1, index_cache=data["index"], **PLAN)
     with pytest.raises(LoaderStateError, match="seed"):
         seeded.load_state_dict(mid)
 
@@ -443,6 +455,7 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
     """Interop with the offline commands: a `dynabatch scan` index and a `dynabatch plan` file."""
     runplan = pytest.importorskip("dynabatch.offline.runplan")
     scan = pytest.importorskip("dynabatch.offline.scan")
+    from dynabatch import PlanOptions
     from dynabatch.offline.inputs import read_index
 
     scanned = scan.scan_dataset([data["parquet"]], scan.ScanConfig(), workers=1, progress=False)
@@ -451,8 +464,8 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
     assert built.schema.metadata[b"dynabatch.dataset_fingerprint"] == \
         scanned.table.schema.metadata[b"dynabatch.dataset_fingerprint"]
     cost = CostModel.preset("gpt", "cpu", num_stages=2)
-    cfg = runplan.RunPlanConfig(num_ranks=2, num_stages=2, global_batch_tokens=TOKENS, epochs=2, seed=4,
-                                max_len=256, max_target_len=None)
+    cfg = runplan.RunPlanConfig(PlanOptions(num_ranks=2, num_stages=2, global_batch_tokens=TOKENS, seed=4, max_len=256,
+                                            drop_last=True), epochs=2)
     run = runplan.plan_run(read_index([str(tmp_path / "index.parquet")]), cost, cfg, workers=1, progress=False)
     run.write(tmp_path / "plan.parquet")
     for index in (str(tmp_path / "index.parquet"), None):  # with the scan's index, and scanning itself
@@ -465,7 +478,7 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
             got += [b["sample_ids"].tolist() for b in dl if not b["is_padding"]]
         assert got == [mb.sample_ids.tolist() for k in range(run.num_steps) for mb in run.step(k).microbatches(1)]
     # the online indexed mode plans exactly what `dynabatch plan` planned for the same settings
-    online = DataLoader(data["parquet"], world_size=2, rank=1, batch_tokens=TOKENS, seed=4, drop_last=True,
+    online = DataLoader(data["parquet"], world_size=2, rank=1, global_batch_tokens=TOKENS, seed=4, drop_last=True,
                         max_len=256, **PLAN)
     got = [b["sample_ids"].tolist() for b in online if not b["is_padding"]]
     steps0 = run.steps_per_epoch[0]
@@ -480,7 +493,7 @@ def test_streaming_ranks_stopping_together_never_leave_a_planner_waiting(data):
     def stop_early(r, coll):
         durations = []
         for _ in range(2):
-            dl = streaming(data["uneven"], 3, r, coll, plan_ahead=4, batch_tokens=1000)
+            dl = streaming(data["uneven"], 3, r, coll, plan_ahead=4, global_batch_tokens=1000)
             for b in dl:
                 if r:
                     time.sleep(0.01)  # rank 0 stops at once, the others are slower

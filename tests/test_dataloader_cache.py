@@ -41,7 +41,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['cost_model']}-{c['method']}-{c.get('max_len')}")
 def test_cached_and_uncached_batches_are_identical(path, case):
-    kw = dict(batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
+    kw = dict(global_batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
     ref = DataLoader(path, cache_tokens=False, plan_processes=0, **kw)
     assert ref.token_cache is None
     want = list(ref)
@@ -66,33 +66,33 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr("dynabatch.loader.dataloader.encode_all", boom)
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", boom)
     for index in (table, tmp_path / "idx.parquet"):
-        dl = DataLoader(path, index=index, batch_tokens=1500)
+        dl = DataLoader(path, index=index, global_batch_tokens=1500)
         assert dl.token_cache is not None and len(list(dl)) > 0
     # other tokenization settings: the cached ids do not apply, so they are made again
     with pytest.raises(AssertionError, match="tokenized again"):
-        DataLoader(path, index=table, batch_tokens=1500, max_len=30)
+        DataLoader(path, index=table, global_batch_tokens=1500, max_len=30)
 
 
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
-    first = list(DataLoader(path, index_cache=cache, batch_tokens=1500))
-    monkeypatch.setattr("dynabatch.loader.dataloader.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
-    dl = DataLoader(path, index_cache=cache, batch_tokens=1500)
+    first = list(DataLoader(path, index_cache=cache, global_batch_tokens=1500))
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    dl = DataLoader(path, index_cache=cache, global_batch_tokens=1500)
     assert dl.token_cache is not None
     assert_same(first, list(dl))
 
 
 def test_budget_turns_the_default_off(path, monkeypatch):
     monkeypatch.setattr(indexed, "TOKEN_CACHE_BUDGET", 100)
-    monkeypatch.setattr("dynabatch.loader.dataloader.TOKEN_CACHE_BUDGET", 100)
-    assert DataLoader(path, batch_tokens=1500).token_cache is None
-    assert DataLoader(path, batch_tokens=1500, cache_tokens=True).token_cache is not None
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.TOKEN_CACHE_BUDGET", 100)
+    assert DataLoader(path, global_batch_tokens=1500).token_cache is None
+    assert DataLoader(path, global_batch_tokens=1500, cache_tokens=True).token_cache is not None
 
 
 def test_planning_processes_workers_and_threads_agree(path):
-    kw = dict(batch_tokens=1200, method="dp", seed=1)
+    kw = dict(global_batch_tokens=1200, method="dp", seed=1)
     ref = list(DataLoader(path, plan_processes=0, cache_tokens=False, **kw))
     assert_same(ref, list(DataLoader(path, plan_processes=2, **kw)))
     assert_same(ref, list(DataLoader(path, plan_processes=1, plan_ahead=1, **kw)))
@@ -104,7 +104,7 @@ def test_planning_processes_workers_and_threads_agree(path):
 
 
 def test_resume_with_planning_processes(path):
-    kw = dict(batch_tokens=1200, seed=2, plan_processes=2)
+    kw = dict(global_batch_tokens=1200, seed=2, plan_processes=2)
     full = list(DataLoader(path, **kw))
     dl = DataLoader(path, **kw)
     it = iter(dl)
@@ -123,3 +123,21 @@ def test_packed_batches_round_trip():
     for shared in (True, False):
         out = PackedBatches.pack(batches, shared).unpack()
         assert_same(batches, out)
+
+
+def test_index_file_with_a_removed_row_is_refused(path, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dynabatch.index import LengthIndexError
+
+    good = tmp_path / "idx.parquet"
+    build_index(path, cache_tokens=True, path=good)
+    table = pq.read_table(good)
+    gone = table.column("sample_id")[7].as_py()
+    bad = tmp_path / "edited.parquet"
+    pq.write_table(pa.concat_tables([table.slice(0, 7), table.slice(8)]), bad)
+    with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
+        DataLoader(path, index=bad, global_batch_tokens=1500)
+    with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
+        DataLoader(path, index_cache=bad, global_batch_tokens=1500)

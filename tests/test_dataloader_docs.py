@@ -14,6 +14,8 @@ def test_dataloader_page_runs(tmp_path, monkeypatch, capsys):
     for code in blocks:  # blocks build on each other, like a notebook
         exec(compile(code, str(DOC), "exec"), namespace)
     out = capsys.readouterr().out
-    for expected in ("streaming dp padded", "[0, 6, 11]", "indexed 9", "(2, 8) [6, 5]", "True", "200 200", "was made for 2 data-parallel ranks"):
+    for expected in ("streaming dp padded", "[0, 6, 11]", "indexed 9", "(2, 8) [6, 5]", "True", "200 200",
+                     "world size (data-parallel ranks) is 2 in the plan but 4 here", "Step 0 1 True",
+                     "['format', 'indexed', 'mode', 'version']"):
         assert expected in out, expected
     assert "False" not in out

@@ -24,3 +24,21 @@ def test_example_trains(script):
     assert len(losses) == 8, out.stdout
     assert sum(losses[-2:]) / 2 < 0.9 * sum(losses[:2]) / 2, losses
     assert "MAPE" in out.stdout and "predicted" in out.stdout and "real tokens" in out.stdout
+
+
+def test_examples_and_pipeline_docs_use_public_names_only():
+    """No benchmark internals, no private names, no hand-built feature rows: the examples and the
+    pipeline guide show the first-class loop (DataLoader(feedback=...) + loader.feedback(result))."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    texts = {p.name: p.read_text() for p in EXAMPLES.glob("*.py")}
+    texts["pipeline.md"] = (docs / "pipeline.md").read_text()
+    for name, text in texts.items():
+        assert "dynabatch.bench" not in text, name
+        imports = re.findall(r"import\s+\(([^)]*)\)", text) + \
+            re.findall(r"^\s*(?:from\s+\S+\s+)?import\s+([^(\n]+)$", text, re.M)
+        assert not re.search(r"\b_\w+", " ".join(imports)), (name, imports)
+        assert not re.search(r"^\s*from\s+[\w.]*\._", text, re.M), name
+        assert "padded_features(" not in text and "packed_features(" not in text, name
+    for name in ("train_t5_pipeline.py", "pipeline.md"):
+        assert "feedback=FeedbackLoop(" in texts[name].replace("feedback=feedback", "feedback=FeedbackLoop(") \
+            and "loader.feedback(result)" in texts[name], name

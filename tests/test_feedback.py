@@ -6,6 +6,7 @@ import pytest
 from dynabatch import CostModel, Shapes, plan_microbatches
 from dynabatch.core.cost import device_preset
 from dynabatch.core.feedback import FeedbackLoop, robust_fit
+from dynabatch.core.fit import fit_relative
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
 from dynabatch.pipeline.runner import StepTiming
 
@@ -48,7 +49,8 @@ def test_refits_bring_mape_below_ten_percent():
     assert fb.history[0].mape_before_refit > 0.3
     assert fb.history[-1].mape_before_refit < 0.15  # out of sample, outliers included
     assert clean_mape(fb.cost_model, TRUE_A) < 0.10
-    assert fb.cost_model is cm and cm.num_observations == 72  # everything went through CostModel.observe
+    assert fb.cost_model is cm and fb.num_observations == 72
+    assert cm.version == 4 and [r.version for r in fb.history] == [1, 2, 3, 4]  # +1 per refit
     assert [e.step for e in fb.step_errors] == list(range(12))
 
 
@@ -80,8 +82,7 @@ def test_huber_resists_outliers_where_plain_least_squares_does_not():
     phi, y = np.vstack(phis), np.concatenate(ys)
     robust = robust_fit(phi, y, np.ones(len(y)), cm.prior_time_coef, cm.time_coef)
     plain = model()
-    plain.observe(phi, y)
-    plain.refit()
+    plain.time_coef = fit_relative(phi, y, np.ones(len(y)), cm.prior_time_coef, 1e-3)  # one plain solve
     cm.time_coef = robust
     assert clean_mape(cm, TRUE_A) < 0.05
     assert clean_mape(plain, TRUE_A) > 2 * clean_mape(cm, TRUE_A)
@@ -148,3 +149,250 @@ def test_profiled_table_is_superseded_by_measurements():
     assert prof.table is None
     with pytest.raises(ValueError):
         FeedbackLoop(cm, forgetting=0.0)
+
+
+# ----------------------------------------------------------------------------- record_step
+
+
+class FakeStep(list):
+    """What `DataLoader.steps()` yields: this rank's micro-batch dicts plus the step's global plan."""
+
+    def __init__(self, batches, plan, shapes, step):
+        super().__init__(batches)
+        self.plan, self.shapes, self.step, self.epoch, self.rank = plan, shapes, step, 0, 0
+
+
+def true_timings(plan, coef, stages=2, jitter=None, extra=0):
+    """Every rank's StepTiming of ``plan`` under true coefficients ``coef`` (stage s is (1 + s/10) x
+    slower); ``extra`` trailing placeholder micro-batches per rank (timed, not in the plan)."""
+    cm_phi = plan_features_of(plan)
+    t_all = cm_phi @ coef
+    out = []
+    for d in range(plan.num_ranks):
+        t = np.concatenate([t_all[plan.mb_rank == d], np.full(extra, 1e-4)])
+        for s in range(stages):
+            k = (1 + s / 10) * (jitter if jitter is not None else 1.0)
+            out.append(StepTiming(0, d * stages + s, s, d, 0.3 * k * t, 0.7 * k * t, 0.0, 1.0))
+    return out
+
+
+def plan_features_of(plan):
+    return plan_features_of.cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len,
+                                                 plan.mb_vision_tiles)
+
+
+def test_record_step_predictions_converge_to_measured_times():
+    """record_step(step, result) with the plan's predictions: after refits, the planner's predicted
+    per-micro-batch times (made before each step ran) match the measured (slowest stage) times."""
+    from dynabatch.pipeline import StepResult
+
+    rng = np.random.default_rng(7)
+    cm = CostModel(t5_tiny(hidden=64).config, device_preset("cpu"))
+    plan_features_of.cost = cm
+    truth = cm.prior_time_coef * np.array([2.5, 0.5, 1.8, 1, 0.7, 1, 1, 4.0, 1])
+    fb = FeedbackLoop(cm, refit_every=2)
+    errors = []
+    for k in range(12):
+        shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 250, 48), target_tokens=rng.integers(1, 60, 48))
+        plan = fb.plan(shapes, num_stages=2, num_ranks=2, max_len=256, max_target_len=64, step=k)
+        timings = true_timings(plan, truth, extra=1)  # + one placeholder per rank, skipped
+        result = StepResult(k, 1.0, 10, timings[0], tuple(timings))
+        step = FakeStep([{}] * int((plan.mb_rank == 0).sum() + 1), plan, shapes, 100 + k)
+        errors.append(fb.record_step(step, result))
+        fb.maybe_refit()
+    assert errors[0] > 0.3
+    assert max(errors[-4:]) < 0.02  # the slowest stage is 1.1x truth: learned, out of sample
+    e = fb.step_errors[-1]
+    assert e.global_step == 111 and e.microbatches == plan.num_microbatches
+    assert e.measured_s == pytest.approx(e.predicted_s, rel=0.02)
+    assert cm.version == 6 and fb.history[-1].version == 6
+    # a sequence of StepTimings works the same as the StepResult
+    again = FeedbackLoop(CostModel(t5_tiny(hidden=64).config, device_preset("cpu")))
+    assert again.record_step(step, timings) == pytest.approx(
+        FeedbackLoop(CostModel(t5_tiny(hidden=64).config, device_preset("cpu"))).record_step(step, result))
+    with pytest.raises(TypeError, match="plan"):
+        fb.record_step([{}], result)
+
+
+def test_record_step_packed_plan_uses_the_steps_shapes():
+    rng = np.random.default_rng(8)
+    cm = CostModel(CFG, device_preset("cpu"))
+    shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 200, 32), target_tokens=np.zeros(32, int))
+    plan = plan_microbatches(shapes, cm, num_stages=2, method="dp_varlen", max_len=256)
+    fb = FeedbackLoop(cm)
+    t = plan.mb_time_s * 2.0
+    timing = StepTiming(0, 0, 0, 0, 0.5 * t, 0.5 * t, 0.0, 1.0)
+    assert fb.record_step(FakeStep([], plan, shapes, 0), [timing]) == pytest.approx(0.5)
+    np.testing.assert_allclose(fb.last.phi @ cm.time_coef, plan.mb_time_s)
+
+
+# ----------------------------------------------------------------------------- version, shared memory
+
+
+def _child_reads(cm, ready, go, conn):
+    ready.set()
+    go.wait(30)
+    conn.send((cm.version, cm.time_coef.tolist(), cm.is_shared))
+
+
+def test_forked_child_sees_a_refit_made_after_the_fork():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for shared in (True, False):
+        cm = model()
+        if shared:
+            assert cm.share_memory() is cm and cm.is_shared
+        ready, go = ctx.Event(), ctx.Event()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child_reads, args=(cm, ready, go, child))
+        proc.start()
+        assert ready.wait(30)
+        fb = FeedbackLoop(cm, refit_every=1)  # refit in the parent, after the fork
+        fb.record(*measure(np.random.default_rng(0), cm, TRUE_A))
+        fb.maybe_refit()
+        go.set()
+        version, coef, is_shared = parent.recv()
+        proc.join(30)
+        assert proc.exitcode == 0
+        if shared:
+            assert version == cm.version == 1 and is_shared
+            np.testing.assert_array_equal(coef, cm.time_coef)
+        else:  # without shared memory a forked copy keeps the coefficients it was forked with
+            assert version == 0 and cm.version == 1
+            np.testing.assert_array_equal(coef, cm.prior_time_coef)
+
+
+def test_copies_share_only_when_shared_memory_was_asked_for(tmp_path):
+    import copy
+    import pickle
+
+    cm = model()
+    plain_copy = copy.copy(cm)
+    cm.time_coef = cm.time_coef * 2
+    assert cm.version == 1 and plain_copy.version == 0
+    np.testing.assert_array_equal(plain_copy.time_coef, cm.prior_time_coef)
+    cm.share_memory()
+    np.testing.assert_array_equal(cm.time_coef, 2 * cm.prior_time_coef)  # values and version move along
+    assert cm.version == 1
+    shallow, deep, snap = copy.copy(cm), copy.deepcopy(cm), cm.snapshot()
+    pickled = pickle.loads(pickle.dumps(cm))
+    cm.time_coef = cm.time_coef * 3
+    assert shallow.version == 2 and shallow.is_shared
+    np.testing.assert_array_equal(shallow.time_coef, cm.time_coef)
+    for other in (deep, snap, pickled):
+        assert other.version == 1 and not other.is_shared
+        np.testing.assert_array_equal(other.time_coef, 2 * cm.prior_time_coef)
+    cm.save(tmp_path / "c.json")
+    np.testing.assert_array_equal(CostModel.load(tmp_path / "c.json").time_coef, cm.time_coef)
+    np.testing.assert_array_equal(CostModel.from_dict(cm.to_dict()).time_coef, cm.time_coef)
+    with pytest.raises(ValueError):
+        cm.time_coef = np.ones(3)
+    coef, version = cm.read_time_coef()
+    assert version == 2 and np.array_equal(coef, cm.time_coef)
+
+
+# ----------------------------------------------------------------------------- the deprecated CostModel path
+
+
+def test_deprecated_observe_refit_warn_and_delegate_to_the_feedback_loop():
+    rng = np.random.default_rng(9)
+    old, new = model(), model()
+    loop = FeedbackLoop(new, forgetting=old.forgetting, prior=new.prior_time_coef,
+                        prior_strength=old.prior_strength, min_weight=1e-6)
+    for _ in range(6):
+        phi, y = measure(rng, old, TRUE_A)
+        with pytest.warns(DeprecationWarning, match="FeedbackLoop"):
+            old.observe(phi, y)
+        loop.record(phi, y)
+    with pytest.warns(DeprecationWarning, match="FeedbackLoop"):
+        coef = old.refit()
+    loop.refit()
+    np.testing.assert_array_equal(coef, new.time_coef)
+    np.testing.assert_array_equal(old.time_coef, new.time_coef)
+    assert old.version == new.version == 1 and old.num_observations == loop.num_observations == 36
+
+
+# ----------------------------------------------------------------------------- a real pipeline
+
+
+def _slowed(layer):
+    """``layer`` that also sleeps 3 ms + 4 us per token in its forward: a cost the analytic prior does not
+    know, and that timer noise on a busy machine cannot hide (a sleep lasts at least that long)."""
+    import time
+
+    import torch
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = layer
+
+        def forward(self, *args):
+            out = self.inner(*args)
+            hidden = out[0] if isinstance(out, tuple) else out
+            time.sleep(3e-3 + 4e-6 * hidden.shape[0] * hidden.shape[1])
+            return out
+
+    return Slow()
+
+
+def pipeline_worker(rank, world, port, methods):
+    """2 gloo stages: plan with the loop's cost model, run the plan for real, record_step, refit."""
+    import torch
+
+    from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, plan_shapes, \
+        split_model, stage_cost_model
+
+    torch.set_num_threads(1)
+    out = {}
+    with init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10) as ctx:
+        for method, steps in methods.items():
+            model = make_model("gpt-tiny", vocab=64, hidden=64, layers=2, heads=2, max_positions=4096, seed=0)
+            cost = stage_cost_model(model, 2, "cpu")
+            fb = FeedbackLoop(cost, refit_every=3, forgetting=0.9)
+            layers = list(model.layers)
+            layers[1] = _slowed(layers[1])  # stage 0's block
+            runner = PipelineRunner(split_model(layers, [0, 2, 4])[ctx.stage], model.boundary, ctx,
+                                    RunnerConfig(gather_timing=True))
+            opt = torch.optim.SGD(runner.parameters(), lr=0.05)
+            rng = np.random.default_rng(0)  # the same global batches on every rank
+            limit = float(cost.padded(8, 256)[1][0])
+            phis, ys = [], []
+            for k in range(steps):
+                shapes = Shapes.from_lengths(input_tokens=rng.integers(8, 256, 32), target_tokens=np.zeros(32, int))
+                plan = fb.plan(shapes, num_stages=2, max_len=256, memory_limit=limit, step=k, method=method)
+                batches = [model.random_batch(sh, torch.Generator().manual_seed(100 * k + j))
+                           for j, sh in enumerate(plan_shapes(plan, 0))]
+                result = runner.step(plan, batches, optimizer=opt)
+                fb.record_step(FakeStep(batches, plan, shapes, k), result)
+                fb.maybe_refit()
+                phis.append(fb.last.phi), ys.append(fb.last.measured_s)
+            phi, y = np.vstack(phis), np.concatenate(ys)
+            out[method] = {"errors": [e.mape for e in fb.step_errors], "version": cost.version,
+                           "step_errors": [abs(e.predicted_s - e.measured_s) / e.measured_s for e in fb.step_errors],
+                           "coef": cost.time_coef.tolist(), "prior": fb.prior.tolist(),
+                           "fit_mape": cost.mape(phi, y), "prior_mape": float(np.mean(np.abs(phi @ fb.prior - y) / y))}
+    return out
+
+
+def test_record_step_on_a_real_two_stage_pipeline():
+    """Padded (dp) and packed (dp_varlen, features from the step's Shapes) plans run for real: every
+    rank records the same gathered timings, refits identically, and the predictions move towards
+    the measured times (stage 0 sleeps a cost the prior does not know, so timer noise cannot hide it)."""
+    from dynabatch.pipeline import launch_local
+
+    res = launch_local(f"{__file__}:pipeline_worker", 2, args=({"dp": 12, "dp_varlen": 6},), timeout_s=90)
+    for r in res:
+        assert r.returncode == 0 and not r.timed_out, r.stderr[-3000:]
+    for method in ("dp", "dp_varlen"):
+        a, b = (r.result[method] for r in res)
+        assert a["coef"] == b["coef"] and a["version"] == b["version"] == len(a["errors"]) // 3, method
+        assert not np.allclose(a["coef"], a["prior"], rtol=0.05), method  # the same refits on every rank
+        assert all(np.isfinite(a["errors"])), method
+    # gpt-tiny's packed attention is a dense block-diagonal mask (quadratic in the row, not per sample):
+    # the linear features fit padded micro-batches only, so the fit is checked on dp
+    a = res[0].result["dp"]
+    assert a["prior_mape"] > 0.3 and a["fit_mape"] < 0.5 * a["prior_mape"], (a["fit_mape"], a["prior_mape"])
+    # and out of sample: the plans made after refits predict the measured times better than the prior's
+    assert np.median(a["errors"][-6:]) < 0.7 * np.median(a["errors"][:3]), a["errors"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynabatch import CostModel
+from dynabatch import CostModel, PlanOptions
 from dynabatch.planfile.inspect import format_summary, microbatch_columns, shape_histogram, summarize_plan, task_share
 from dynabatch.offline import Index, RunPlanConfig, plan_run
 from dynabatch.core.shape_sources import synthetic_shapes
@@ -15,7 +15,8 @@ from dynabatch.core.shape_sources import synthetic_shapes
 def run():
     shapes, names = synthetic_shapes("text", 3000, seed=2)
     cost = CostModel.preset("t5", num_stages=2)
-    cfg = RunPlanConfig(num_ranks=4, num_stages=2, global_batch_tokens=65536, epochs=1, seed=0)
+    cfg = RunPlanConfig(PlanOptions(num_ranks=4, num_stages=2, global_batch_tokens=65536, max_len=2048,
+                                    max_target_len=512, drop_last=True), epochs=1)
     return plan_run(Index(shapes, names, ["synthetic"]), cost, cfg, workers=1, progress=False)
 
 

@@ -171,7 +171,8 @@ def test_plan_from_index_equals_plan_from_data(work, tmp_path, capsys):
                  "--seed", str(SEED), "--workers", "1", "--no-progress", "--out", str(out)]) == 0
     a, b = load_run_plan(work["plan"]), load_run_plan(out)
     assert a.table.equals(b.table)  # same rows (metadata differs only in where the index came from)
-    assert a.dataset_fingerprint == b.dataset_fingerprint and b.options["tokenizer"] == "bytes"
+    assert a.dataset_fingerprint == b.dataset_fingerprint and b.tokenizer == "bytes"
+    assert b.options_dict["tokenizer"] == "bytes" and b.options == a.options
     assert b.index_info["scanned"] is False and a.index_info["scanned"] is True
     # an index scanned with bytes cannot be planned as if another tokenizer had counted it
     assert main(["plan", str(work["index"]), "--tokenizer", "cl100k_base", "--no-progress", "--out",
@@ -232,9 +233,13 @@ def test_missing_file_and_no_global_batch(tmp_path, capsys):
     assert "nope.jsonl: no such file or directory" in capsys.readouterr().err
     small = tmp_path / "small.jsonl"
     write_dataset(small, n=20)
-    assert main(["plan", str(small), "--workers", "1", "--no-progress", "--out", str(tmp_path / "p.parquet")]) == 1
+    assert main(["plan", str(small), "--workers", "1", "--no-progress", "--drop-last",
+                 "--out", str(tmp_path / "p.parquet")]) == 1
     err = capsys.readouterr().err
-    assert "less than one global batch" in err and len(err.strip().splitlines()) == 1
+    assert "less than one" in err and "global batch" in err and len(err.strip().splitlines()) == 1
+    # the last, smaller batch is kept by default (as in the DataLoader): one step of all 20 samples
+    assert main(["plan", str(small), "--workers", "1", "--no-progress", "--out", str(tmp_path / "p.parquet")]) == 0
+    assert len(load_run_plan(tmp_path / "p.parquet").step(0).sample_ids) == 20
 
 
 def test_packed_collation_and_help(work, tmp_path, capsys):
@@ -244,7 +249,7 @@ def test_packed_collation_and_help(work, tmp_path, capsys):
     assert main(["plan", str(work["index"]), "--collate", "packed", "--model", str(costs), "--workers", "2",
                  "--no-progress", "--out", str(out)]) == 0
     run = load_run_plan(out)
-    assert (run.method, run.collation, run.options["collation"]) == ("dp_varlen", "packed", "packed")
+    assert (run.method, run.collation, run.options.collation) == ("dp_varlen", "packed", "packed")
     assert (run.cost_model().model.name, run.cost_model().device.name) == ("t5", "h100")
     assert main(["plan", str(work["index"]), "--model", "nope.json", "--out", str(out)]) == 1
     assert "neither a preset" in capsys.readouterr().err
@@ -284,3 +289,116 @@ def test_scan_with_local_tokenizer_json(work, tmp_path, capsys):
     assert main(["scan", str(work["data"]), "--tokenizer", "gpt2", "--out", str(tmp_path / "x.parquet")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'gpt2' is not understood" in err
+
+
+def _edited(table, tmp_path, name, rows=None, ids=None):
+    """Write ``table`` with its rows taken in the order ``rows`` and/or its sample ids replaced."""
+    import pyarrow as pa
+
+    t = table.take(pa.array(rows)) if rows is not None else table
+    if ids is not None:
+        t = t.set_column(t.column_names.index("sample_id"), "sample_id", pa.array(ids, pa.int64()))
+    path = tmp_path / name
+    pq.write_table(t.replace_schema_metadata(table.schema.metadata), path)
+    return path
+
+
+def test_edited_plan_is_refused_naming_step_and_rank(work, tmp_path, capsys):
+    table = pq.read_table(work["plan"])
+    meta = json.loads(table.schema.metadata[b"dynabatch.integrity"])
+    assert meta["placements"] == table.num_rows and meta["num_ranks"] == RANKS
+    assert len(meta["distinct_samples"]) == EPOCHS and len(meta["sample_id_checksum"]) == 16
+    steps, ranks, mbs, ids = (table.column(c).to_numpy() for c in ("step", "rank", "microbatch", "sample_id"))
+    i = int(np.flatnonzero((steps == 3) & (ranks == 1))[2])
+    n = int(((steps == 3) & (ranks == 1)).sum())
+    everything = np.arange(table.num_rows)
+
+    # a row duplicated: the sample is placed twice in epoch 0
+    dup = _edited(table, tmp_path, "dup.parquet", rows=np.insert(everything, i + 1, i))
+    at = f"step 3 rank 1 micro-batch {mbs[i]}"
+    with pytest.raises(PlanMismatchError, match=rf"sample id {ids[i]} appears 2 times in epoch 0 "
+                                                rf"\({at} and {at}\)") as e:
+        load_run_plan(dup)
+    assert str(dup) in str(e.value) and "\n" not in str(e.value)
+    # a row deleted
+    gone = _edited(table, tmp_path, "gone.parquet", rows=np.delete(everything, i))
+    with pytest.raises(PlanMismatchError) as e:
+        load_run_plan(gone)
+    msg = str(e.value)
+    assert "was changed after it was written" in msg
+    assert f"it holds {table.num_rows - 1} placements but {table.num_rows} were written (rows deleted)" in msg
+    assert f"step 3 rank 1 holds {n - 1} placements but {n} were written (rows deleted)" in msg
+    assert f"epoch 0 has {meta['distinct_samples'][0] - 1} distinct sample ids" in msg
+    # one id changed: to an id the data does not have, or to one placed elsewhere in the same epoch
+    changed = ids.copy()
+    changed[i] = ids.max() + 1
+    with pytest.raises(PlanMismatchError, match="step 3 rank 1 a sample id, micro-batch or step was changed"):
+        load_run_plan(_edited(table, tmp_path, "changed.parquet", ids=changed))
+    j = int(np.flatnonzero(steps == 5)[0])
+    changed[i] = ids[j]
+    with pytest.raises(PlanMismatchError, match=rf"sample id {ids[j]} appears 2 times in epoch 0 \({at} and step 5 "
+                                                rf"rank {ranks[j]} micro-batch {mbs[j]}\)"):
+        load_run_plan(_edited(table, tmp_path, "moved.parquet", ids=changed))
+    # the checks do not depend on row order: a file with its steps in reverse loads and reads the same steps
+    reordered = load_run_plan(_edited(table, tmp_path, "reordered.parquet", rows=np.argsort(-steps, kind="stable")))
+    assert reordered.step(3).fingerprint() == load_run_plan(work["plan"]).step(3).fingerprint()
+    # dynabatch inspect refuses an edited plan with the same one-line message
+    capsys.readouterr()
+    assert main(["inspect", str(gone)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step 3 rank 1 holds" in err and str(gone) in err
+
+
+def _bare_plan(options: dict, epochs: int = 2, ranks: int = 2) -> "pa.Table":
+    """A plan table as older releases wrote it: `plans_to_arrow` steps, no epoch column, no run version."""
+    from dynabatch import plan_microbatches, plans_to_arrow, split_global_batches
+
+    rng = np.random.default_rng(1)
+    shapes = Shapes.from_lengths(rng.integers(10, 400, 300), rng.integers(1, 40, 300))
+    cost = CostModel.preset("gpt", "cpu", num_stages=2)
+    plans, step = [], 0
+    for e in range(epochs):
+        for pos in split_global_batches(shapes, 8000, seed=e):
+            plans.append(plan_microbatches(shapes.take(pos), cost, num_stages=2, num_ranks=ranks, step=step,
+                                           equal_microbatches=False))
+            step += 1
+    meta = {"dynabatch.dataset_fingerprint": shapes.fingerprint(), "dynabatch.options": json.dumps(options),
+            "dynabatch.epochs": str(epochs)}
+    table = plans_to_arrow(plans, metadata=meta)
+    meta = {k: v for k, v in table.schema.metadata.items() if k != b"dynabatch.integrity"}  # older: no record
+    return table.replace_schema_metadata(meta)
+
+
+@pytest.mark.parametrize("name", ["batch_tokens", "tokens_per_batch", "global_batch_tokens"])
+def test_plans_of_older_releases_load_with_plan_options(name):
+    run = load_run_plan(_bare_plan({"method": "dp", name: 8000, "seed": 0}))
+    assert isinstance(run.options, PlanOptions) and run.options.global_batch_tokens == 8000
+    assert run.options.num_ranks == 2 and run.options.num_stages == 2 and run.recorded("global_batch_tokens")
+    assert len(run.steps_per_epoch) == 2 and sum(run.steps_per_epoch) == run.num_steps  # epochs inferred
+    assert run.epoch_of(run.steps_per_epoch[0]) == 1
+    run.check(options={"global_batch_tokens": 8000, "max_len": 512})  # max_len is not recorded: not compared
+    with pytest.raises(PlanMismatchError, match="option 'global_batch_tokens' is 8000 in the plan but 4000 here"):
+        run.check(options={"global_batch_tokens": 4000})
+    with pytest.raises(PlanMismatchError, match="records no dynabatch.dataset_fingerprint"):
+        meta = {k: v for k, v in run.table.schema.metadata.items() if k != b"dynabatch.dataset_fingerprint"}
+        load_run_plan(run.table.replace_schema_metadata(meta)).check(dataset_fingerprint="0123456789abcdef")
+
+
+def test_not_a_plan_is_refused(tmp_path, work):
+    import pyarrow as pa
+
+    from dynabatch import PlanMismatchError as top_level
+    from dynabatch.planfile import PlanMismatchError as planfile_error
+
+    assert top_level is PlanMismatchError is planfile_error and issubclass(PlanMismatchError, ValueError)
+    with pytest.raises(PlanMismatchError, match="not a dynabatch plan"):
+        load_run_plan(pa.table({"step": [0], "rank": [0], "microbatch": [0], "sample_id": [1]}))
+    with pytest.raises(FileNotFoundError):
+        load_run_plan(tmp_path / "nope.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(PlanMismatchError, match="cannot read the plan file"):
+        load_run_plan(tmp_path / "junk.parquet")
+    table = pq.read_table(work["plan"])
+    meta = {**table.schema.metadata, b"dynabatch.run_plan_version": b"99"}
+    with pytest.raises(PlanMismatchError, match="run plan version 99 is not supported"):
+        load_run_plan(table.replace_schema_metadata(meta))

@@ -1,4 +1,4 @@
-"""`dynabatch.offline.engines.map_parts` (local engine): order, context, errors."""
+"""`dynabatch.engines.map_parts` (local engine): order, context, errors."""
 
 from __future__ import annotations
 

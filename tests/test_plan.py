@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dynabatch import Shapes
+from dynabatch.planfile import plan_to_arrow
 from dynabatch.core.kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel, dp_reference
 from dynabatch.core.baselines import BASELINE_COLLATION, BASELINE_KNOBS
 from dynabatch.core.cost import NUM_FEATURES, CostModel
@@ -517,7 +518,7 @@ def test_same_inputs_give_identical_plans():
     a, b = _fingerprint_plans(), _fingerprint_plans()
     for pa_, pb in zip(a, b):
         assert pa_.fingerprint() == pb.fingerprint()
-        ta, tb = pa_.to_arrow(), pb.to_arrow()
+        ta, tb = plan_to_arrow(pa_), plan_to_arrow(pb)
         assert ta.equals(tb, check_metadata=True)
         assert ta.schema.metadata == tb.schema.metadata
     # and the fingerprint does tell different plans apart
@@ -560,8 +561,8 @@ def test_dp_beats_every_feasible_baseline_setting(preset):
         for method in ("pad", "group_by_length", "token_budget", "rebalance", "pack", "pack_varlen"):
             knob, values = BASELINE_KNOBS[method]
             for v in values:
-                kw = {knob: v, **plan_kwargs(method, preset)}
-                base = plan_microbatches(shapes, cm, num_stages=S, num_ranks=R, method=method, **kw)
+                base = plan_microbatches(shapes, cm, num_stages=S, num_ranks=R, method=method,
+                                         method_options={knob: v}, **plan_kwargs(method, preset))
                 if base.options.get("over_memory_limit"):
                     continue  # an infeasible configuration is no competitor
                 compared += 1
@@ -570,3 +571,39 @@ def test_dp_beats_every_feasible_baseline_setting(preset):
                 else:
                     assert dp.iteration_time_s <= base.iteration_time_s, (method, v)
         assert compared >= 15
+
+
+# ----------------------------------------------------------------------------- 9. deprecated names
+
+
+def test_deprecated_forms_still_work_and_warn():
+    """The names of earlier releases give the same result as the new ones, with a DeprecationWarning
+    naming the new name (the one test that uses them; everything else uses the new names)."""
+    import warnings
+
+    from dynabatch import PlanOptions, split_global_batches
+    from dynabatch.offline import RunPlanConfig
+
+    cm = CostModel.preset("gpt")
+    rng = np.random.default_rng(7)
+    sh = Shapes.from_lengths(rng.integers(16, 1500, 200), sample_id=np.arange(200) + 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        new = plan_microbatches(sh, cm, num_stages=2, num_ranks=2, method="pad", method_options={"rows": 4})
+        new_split = split_global_batches(sh, 20000, seed=3)
+        new_opts = PlanOptions(global_batch_tokens=4096, num_ranks=4)
+    # a method knob as a bare keyword moves into method_options
+    with pytest.warns(DeprecationWarning, match=r"method_options=\{'rows': 4\}"):
+        old = plan_microbatches(sh, cm, num_stages=2, num_ranks=2, method="pad", rows=4)
+    assert old.fingerprint() == new.fingerprint() and old.options == new.options
+    # split_global_batches(tokens_per_batch=)
+    with pytest.warns(DeprecationWarning, match="tokens_per_batch= is deprecated, use global_batch_tokens="):
+        old_split = split_global_batches(sh, seed=3, tokens_per_batch=20000)
+    assert [p.tolist() for p in old_split] == [p.tolist() for p in new_split]
+    # PlanOptions.replace(batch_tokens=)
+    with pytest.warns(DeprecationWarning, match="batch_tokens= is deprecated, use global_batch_tokens="):
+        assert PlanOptions(num_ranks=4).replace(batch_tokens=4096) == new_opts
+    # RunPlanConfig(num_ranks=..., ...): the flat keywords of earlier releases
+    with pytest.warns(DeprecationWarning, match=r"RunPlanConfig\(PlanOptions\(...\), epochs=...\)"):
+        cfg = RunPlanConfig(num_ranks=4, global_batch_tokens=4096, epochs=2)
+    assert cfg.options == new_opts and cfg.epochs == 2 and cfg.num_ranks == 4

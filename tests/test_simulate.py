@@ -4,10 +4,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
+from dynabatch.core.kernels.simulate import simulate_reference as _simulate_reference
 from dynabatch.core.simulate import (
     PipelineDeadlock,
     SimResult,
-    _simulate_reference,
     makespan,
     makespan_kernel,
     pipeline_schedule,

@@ -16,10 +16,14 @@ from PIL import Image
 
 import tokenization
 from tokenization import (
+    ID_COLUMNS,
+    IGNORE_INDEX,
+    LABEL_COLUMN,
     SHAPE_SCHEMA,
     TASK_NAMES_KEY,
     ByteTokenizer,
     DynamicTiling,
+    FormatConfig,
     Formatter,
     SampleError,
     concat_length_tables,
@@ -102,6 +106,50 @@ def test_values_equal_per_sample_encoding(family, limits):
     assert any(e.vision_tokens for e in enc) and any(e.target_tokens for e in enc)
     assert scan_stats(table).num_truncated == sum(e.truncated for e in enc)
     assert (scan_stats(table).num_truncated > 0) == bool(limits)
+
+
+def _labels(e, family):
+    """Loss labels of one EncodedSample (decoder: trained labels less the first position)."""
+    if family == "encoder_decoder":
+        return len(e.target_ids)
+    trained = e.labels != IGNORE_INDEX
+    return int(trained[1:].sum()) if len(trained) else 0
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("train", [{}, {"max_input_tokens": 12, "max_target_tokens": 6, "max_total_tokens": 15}])
+def test_label_counts_and_ids_equal_the_training_formatter(family, train):
+    """label_config: the one scan also counts each sample's loss labels (and keeps its ids) as the
+    training formatter makes them, while the length columns keep full counts."""
+    samples = mixed_samples()
+    common = dict(family=family, truncation_side="left", add_bos=True)
+    label_config = FormatConfig(**common, **train)
+    table = scan_shapes(samples, "bytes", vision=DynamicTiling(), batch_size=7, label_config=label_config,
+                        keep_ids=True, **common)
+    full = [Formatter(ByteTokenizer(), vision=DynamicTiling(), **common).encode(s) for s in samples]
+    trained = [Formatter(ByteTokenizer(), label_config).encode(s) for s in samples]
+    assert table.column("input_tokens").to_pylist() == [e.input_tokens for e in full]
+    assert table.column(LABEL_COLUMN).to_pylist() == [_labels(e, family) for e in trained]
+    second = [e.target_ids if family == "encoder_decoder" else e.labels for e in trained]
+    assert table.column(ID_COLUMNS[0]).to_pylist() == [e.input_ids.tolist() for e in trained]
+    assert table.column(ID_COLUMNS[1]).to_pylist() == [a.tolist() for a in second]
+    if train:
+        assert any(e.truncated for e in trained)
+    # a budget smaller than the ids drops the id columns, not the labels
+    small = scan_shapes(samples, "bytes", label_config=label_config, keep_ids=True, ids_budget=100, **common)
+    assert LABEL_COLUMN in small.column_names and not set(ID_COLUMNS) & set(small.column_names)
+    # shards merge with their extra columns
+    merged = concat_length_tables([scan_shapes(samples[:13], "bytes", vision=DynamicTiling(), label_config=label_config,
+                                               keep_ids=True, **common),
+                                   scan_shapes(samples[13:], "bytes", vision=DynamicTiling(), label_config=label_config,
+                                               keep_ids=True, **common)])
+    for col in (LABEL_COLUMN, *ID_COLUMNS):
+        assert merged.column(col).to_pylist() == table.column(col).to_pylist(), col
+    with pytest.raises(ValueError, match="keep_ids"):
+        scan_shapes(samples, "bytes", keep_ids=True)
+    with pytest.raises(ValueError, match="family"):
+        scan_shapes(samples, "bytes", family=family, label_config=FormatConfig(
+            family="decoder" if family == "encoder_decoder" else "encoder_decoder"))
 
 
 def test_batch_size_independence():

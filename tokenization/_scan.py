@@ -1,4 +1,8 @@
-"""Length scan: samples -> per-sample token counts as an Arrow length table."""
+"""Length scan: samples -> per-sample token counts as an Arrow length table.
+
+`scan_shapes` is the one tokenize-and-count pass over records: ``dynabatch scan``/``plan``, the
+DataLoader's own index and ``dynabatch.build_index`` all run it (``dynabatch.index.scan`` maps it
+over parts of a source and merges the parts with `concat_length_tables`)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from ._adapters import load_tokenizer
-from ._format import ChatTemplate, Family, FormatConfig, OnError, plan_batch, sample_key
-from ._protocol import Tokenizer
+from ._format import PART_INPUT, PART_TARGET, ChatTemplate, Family, FormatConfig, OnError, plan_batch, sample_key
+from ._protocol import IGNORE_INDEX, Tokenizer
 from ._vision import VisionPolicy
 
 #: Columns and types of the length table (the contract with ``dynabatch.Shapes``).
@@ -29,6 +33,11 @@ SHAPE_SCHEMA = pa.schema(
 TASK_NAMES_KEY = b"dynabatch.task_names"
 #: Schema metadata key: JSON object with the scan's `ScanStats`.
 SCAN_STATS_KEY = b"dynabatch.scan_stats"
+#: Optional column (``label_config``): loss labels of each sample once formatted for training.
+LABEL_COLUMN = "label_tokens"
+#: Optional ``large_list<int32>`` columns (``keep_ids``): input ids, then labels (decoder-only) or
+#: target ids (encoder-decoder), as `Formatter` makes them under ``label_config``.
+ID_COLUMNS = ("cached_input_ids", "cached_second_ids")
 # Skipped samples named in the metadata; the count is always exact.
 _MAX_SKIPPED_LISTED = 100
 
@@ -70,12 +79,93 @@ def task_names_of(table: pa.Table) -> list[str]:
     return [] if raw is None else list(json.loads(raw))
 
 
-def _length_table(cols: dict[str, np.ndarray], task_names: Sequence[str], stats: ScanStats) -> pa.Table:
+def _length_table(cols: dict[str, np.ndarray], task_names: Sequence[str], stats: ScanStats,
+                  extra: dict[str, pa.Array | pa.ChunkedArray] | None = None) -> pa.Table:
     arrays = [pa.array(np.asarray(cols[f.name], dtype=f.type.to_pandas_dtype()), type=f.type) for f in SHAPE_SCHEMA]
-    schema = SHAPE_SCHEMA.with_metadata(
-        {TASK_NAMES_KEY: json.dumps(list(task_names)).encode(), SCAN_STATS_KEY: stats.to_json()}
-    )
-    return pa.Table.from_arrays(arrays, schema=schema)
+    fields = list(SHAPE_SCHEMA)
+    for name, arr in (extra or {}).items():
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    meta = {TASK_NAMES_KEY: json.dumps(list(task_names)).encode(), SCAN_STATS_KEY: stats.to_json()}
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=meta))
+
+
+def ragged_take(values: np.ndarray, starts, lengths) -> np.ndarray:
+    """``values[s:s + n]`` for every ``(s, n)`` of ``zip(starts, lengths)``, concatenated (one gather)."""
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    total = int(lengths.sum())
+    if len(starts) == 1 or total == 0:
+        return values[int(starts[0]) if len(starts) else 0:][:total]
+    src = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    src += np.arange(total, dtype=np.int64)
+    return values[src]
+
+
+def count_labels(second: np.ndarray, lengths, family: Family) -> np.ndarray:
+    """Loss labels per sample from flat ids (``lengths`` per sample): encoder-decoder, every target
+    id; decoder-only, the labels that are not ``IGNORE_INDEX``, less the first one of each sample
+    (it has no preceding token once labels are shifted)."""
+    lengths = np.asarray(lengths, np.int64)
+    if family == "encoder_decoder":
+        return lengths.copy()
+    trained = np.asarray(second) != IGNORE_INDEX
+    starts = np.cumsum(lengths) - lengths
+    nz = lengths > 0
+    trained[starts[nz]] = False
+    counts = np.zeros(len(lengths), np.int64)
+    counts[nz] = np.add.reduceat(trained.astype(np.int64), starts[nz])
+    return counts
+
+
+def _plan_ids(plan, family: Family) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(input ids, lengths, labels or target ids, lengths) of a batch plan's samples, flat."""
+    seg_len = np.fromiter(map(len, plan.seg_ids), np.int64, count=len(plan.seg_ids))
+
+    def flat(sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = [a for a, keep in zip(plan.seg_ids, sel) if keep]
+        values = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
+        return values, np.bincount(plan.seg_sample[sel], weights=seg_len[sel], minlength=len(plan.index)).astype(np.int64)
+
+    if family == "decoder":
+        values, lengths = flat(np.ones(len(seg_len), bool))
+        labels = values.copy()
+        labels[np.repeat(~plan.seg_trained, seg_len)] = IGNORE_INDEX
+        return values, lengths, labels, lengths
+    return (*flat(plan.seg_part == PART_INPUT), *flat(plan.seg_part == PART_TARGET))
+
+
+def _would_cut(cfg: FormatConfig, inp: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    """Samples whose text ``cfg``'s max lengths may cut (a superset; vision tokens never count)."""
+    cut = np.zeros(len(inp), bool)
+    for limit, n in ((cfg.max_input_tokens, inp), (cfg.max_target_tokens, tgt), (cfg.max_total_tokens, inp + tgt)):
+        if limit is not None:
+            cut |= n > limit
+    return cut
+
+
+def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, label_cfg: FormatConfig):
+    """`_plan_ids` of a batch as formatted with ``label_cfg``: ids of samples that ``cfg`` kept whole
+    and ``label_cfg`` does not cut are reused, the others are formatted again."""
+    flat = _plan_ids(plan, cfg.family)
+    redo = np.flatnonzero(plan.truncated | _would_cut(label_cfg, plan.input_tokens, plan.target_tokens))
+    if label_cfg == cfg or not len(redo):
+        return flat
+    again = _plan_ids(plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg), cfg.family)
+    out: list[np.ndarray] = []
+    for j in (0, 2):
+        lengths = flat[j + 1].copy()
+        starts = np.cumsum(lengths) - lengths
+        starts[redo] = len(flat[j]) + np.cumsum(again[j + 1]) - again[j + 1]
+        lengths[redo] = again[j + 1]
+        out += [ragged_take(np.concatenate([flat[j], again[j]]), starts, lengths), lengths]
+    return tuple(out)
+
+
+def _id_column(values: list[np.ndarray], lengths: list[np.ndarray]) -> pa.Array:
+    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    flat = np.concatenate(values) if values else np.zeros(0, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
 
 
 def _batches(samples: Iterable[dict], size: int) -> Iterable[list[dict]]:
@@ -100,6 +190,9 @@ def scan_shapes(
     task_names: Sequence[str] | None = None,
     on_error: OnError = "raise",
     progress: bool = False,
+    label_config: FormatConfig | None = None,
+    keep_ids: bool = False,
+    ids_budget: int | None = None,
 ) -> pa.Table:
     """Token counts of every sample as a length table (see `SHAPE_SCHEMA`).
 
@@ -116,6 +209,12 @@ def scan_shapes(
     `scan_stats`). ``tokenizer`` may be a `load_tokenizer` spec (handy in process pools:
     one call per shard). ``on_error="skip"`` drops samples with bad fields or unreadable
     images and counts them; ``progress=True`` shows a tqdm bar.
+
+    ``label_config`` (a `FormatConfig` of the same family: how the samples are formatted for
+    training, e.g. with other max lengths) adds the `LABEL_COLUMN`: each sample's loss labels
+    under it (see `count_labels`); with ``keep_ids`` also its token ids under it (`ID_COLUMNS`),
+    unless they pass ``ids_budget`` bytes (the table then has no id columns). The samples are
+    tokenized once; only those that ``label_config`` cuts are formatted a second time.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -131,10 +230,16 @@ def scan_shapes(
     )
     if add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=True but tokenizer {tok.name!r} has no BOS token")
+    if label_config is not None and label_config.family != family:
+        raise ValueError(f"label_config.family is {label_config.family!r} but the scan's family is {family!r}")
+    if keep_ids and label_config is None:
+        raise ValueError("keep_ids=True needs a label_config (the formatting the ids are kept under)")
     fixed_tasks = task_names is not None
     names: list[str] = list(task_names or [])
     task_index = {n: i for i, n in enumerate(names)}
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in [*SHAPE_SCHEMA.names, "_truncated"]}
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in [*SHAPE_SCHEMA.names, "_truncated", LABEL_COLUMN]}
+    kept: list[tuple[np.ndarray, ...]] = []
+    kept_bytes = 0
     skipped: list[tuple[str, str]] = []
     num_skipped = 0
 
@@ -145,7 +250,7 @@ def scan_shapes(
         bar = tqdm(total=len(samples) if hasattr(samples, "__len__") else None, unit="sample", desc="scan_shapes")
     try:
         for batch in _batches(samples, batch_size):
-            plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=False)
+            plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None)
             task_ids = np.empty(len(plan.index), dtype=np.int32)
             for k, pos in enumerate(plan.index):
                 task = batch[pos].get("task")
@@ -162,6 +267,15 @@ def scan_shapes(
                 ("_truncated", plan.truncated),
             ):
                 parts[col].append(values)
+            if label_config is not None:
+                ids = _trained_ids(batch, plan, tok, cfg, label_config)
+                parts[LABEL_COLUMN].append(count_labels(ids[2], ids[3], family))
+                if keep_ids:
+                    kept.append(ids)
+                    kept_bytes += ids[0].nbytes + ids[2].nbytes + 16 * len(plan.index)
+                    keep_ids = ids_budget is None or kept_bytes <= ids_budget
+                    if not keep_ids:
+                        kept.clear()
             num_skipped += len(plan.skipped)
             room = _MAX_SKIPPED_LISTED - len(skipped)
             skipped.extend((str(sample_key(batch[i])), str(exc)) for i, exc in plan.skipped[:room])
@@ -178,12 +292,19 @@ def scan_shapes(
         num_truncated=int(np.count_nonzero(cols["_truncated"])),
         skipped=tuple(skipped),
     )
-    return _length_table(cols, names, stats)
+    extra: dict[str, pa.Array] = {}
+    if label_config is not None:
+        extra[LABEL_COLUMN] = pa.array(cols[LABEL_COLUMN].astype(np.int32), pa.int32())
+    if keep_ids:
+        for name, j in zip(ID_COLUMNS, (0, 2)):
+            extra[name] = _id_column([k[j] for k in kept], [k[j + 1] for k in kept])
+    return _length_table(cols, names, stats, extra)
 
 
 def concat_length_tables(tables: Sequence[pa.Table]) -> pa.Table:
     """Concatenate length tables (e.g. one per shard), re-indexing ``task_id`` onto the union
-    of their task names (in order of first appearance) and summing their `ScanStats`."""
+    of their task names (in order of first appearance) and summing their `ScanStats`. Other
+    columns (`LABEL_COLUMN`, `ID_COLUMNS`) are kept when every table has them."""
     names: list[str] = []
     index: dict[str, int] = {}
     cols: dict[str, list[np.ndarray]] = {f.name: [] for f in SHAPE_SCHEMA}
@@ -206,4 +327,7 @@ def concat_length_tables(tables: Sequence[pa.Table]) -> pa.Table:
         num_truncated=sum(s.num_truncated for s in stats),
         skipped=tuple(itertools.islice((k for s in stats for k in s.skipped), _MAX_SKIPPED_LISTED)),
     )
-    return _length_table(merged, names, total)
+    others = [c for c in (tables[0].column_names if tables else []) if c not in SHAPE_SCHEMA.names]
+    extra = {c: pa.chunked_array([ch for t in tables for ch in t.column(c).chunks], tables[0].schema.field(c).type)
+             for c in others if all(c in t.column_names for t in tables)}
+    return _length_table(merged, names, total, extra)

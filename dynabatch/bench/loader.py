@@ -16,8 +16,8 @@ masked on prompts, truncated to ``max_len``), each at ``num_workers`` 0 and 2 by
 * ``dynabatch_padded``: ``dynabatch.DataLoader(collate="padded")`` (method ``dp``).
 * ``dynabatch_packed``: ``dynabatch.DataLoader(collate="packed")`` (method ``dp_varlen``).
 
-``B`` = round(``batch_tokens`` / mean sample length after truncation), so a baseline batch holds
-about as many real tokens as dynabatch's global batch (``batch_tokens``; one rank, so the global
+``B`` = round(``global_batch_tokens`` / mean sample length after truncation), so a baseline batch holds
+about as many real tokens as dynabatch's global batch (``global_batch_tokens``; one rank, so the global
 batch is this rank's).
 
 What is timed, symmetrically: setup is NOT timed for either side but is measured and reported
@@ -79,7 +79,7 @@ class LoaderBenchConfig:
 
     ``data``: .jsonl / .jsonl.gz files or folders (empty: the shared FLAN sample when present,
     else generated shards). ``limit``: first N samples (None = all). ``workers``: the
-    ``num_workers`` values to run every method with. ``batch_tokens``: dynabatch's global batch
+    ``num_workers`` values to run every method with. ``global_batch_tokens``: dynabatch's global batch
     in tokens (also sets the baselines' ``B``). ``max_len``: truncation (all methods) and the
     packing collator's row length. ``cost_model`` / ``device`` / ``stages``: dynabatch's planning.
     """
@@ -87,7 +87,7 @@ class LoaderBenchConfig:
     data: tuple[str, ...] = ()
     limit: int | None = None
     workers: tuple[int, ...] = (0, 2)
-    batch_tokens: int = 65536
+    global_batch_tokens: int = 65536
     max_len: int = 1024
     tokenizer: str = "bytes"
     cost_model: str = "gpt"
@@ -102,7 +102,7 @@ class LoaderBenchConfig:
             raise LoaderBenchError(f"--methods must be among {list(METHODS)}, got {list(self.methods)}")
         if not self.workers or any(w < 0 for w in self.workers):
             raise LoaderBenchError(f"--workers must be >= 0, got {list(self.workers)}")
-        for name in ("batch_tokens", "max_len", "stages"):
+        for name in ("global_batch_tokens", "max_len", "stages"):
             if getattr(self, name) < 1:
                 raise LoaderBenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:
@@ -174,7 +174,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
         if len(ds) == 0:
             raise LoaderBenchError(f"{label}: no samples")
         lengths = np.fromiter((len(x) for x in ds.input_ids), np.int64, count=len(ds))
-        B = max(1, int(round(cfg.batch_tokens / float(lengths.mean()))))
+        B = max(1, int(round(cfg.global_batch_tokens / float(lengths.mean()))))
         dyna_setup = 0.0
         index = None
         if any(m.startswith("dynabatch") for m in cfg.methods):
@@ -188,7 +188,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             for collate in ("padded", "packed"):
                 warm = dynabatch.DataLoader(jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
                                             cost_model=cfg.cost_model, device=cfg.device, num_stages=cfg.stages,
-                                            batch_tokens=cfg.batch_tokens, max_len=cfg.max_len, collate=collate,
+                                            global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len, collate=collate,
                                             rank=0, world_size=1)
                 next(iter(warm.steps()))
                 del warm
@@ -208,7 +208,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             dl = dynabatch.DataLoader(
                 jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
-                device=cfg.device, num_stages=cfg.stages, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len,
+                device=cfg.device, num_stages=cfg.stages, global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
                 collate="padded" if method == "dynabatch_padded" else "packed", rank=0, world_size=1,
                 num_workers=workers, seed=cfg.seed)
             return dl, time.perf_counter() - t0
@@ -266,7 +266,7 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"data: {c['data_label']} ({c['samples']} samples), tokenizer {c['tokenizer_name']}, max_len {c['max_len']}",
-        f"single rank (world_size 1); dynabatch batch_tokens {c['batch_tokens']} ({c['cost_model']} on {c['device']}, "
+        f"single rank (world_size 1); dynabatch global_batch_tokens {c['global_batch_tokens']} ({c['cost_model']} on {c['device']}, "
         f"{c['stages']} stage(s)); baselines B={c['baseline_batch_size']} samples x mean "
         f"{c['mean_sample_tokens']:.0f} tokens = {c['baseline_tokens_per_batch']:.0f} tokens/batch",
         f"setup (not timed in the rates): baseline pre-tokenization {c['baseline_setup_s']:.2f} s, "
@@ -300,7 +300,7 @@ ids, per method and per --workers value, on one rank (world_size 1, no torch.dis
   torch_pack        same, with a packing collate: rows of --max-len, position_ids per sample
   dynabatch_padded  dynabatch.DataLoader(collate="padded"), method dp, planning in the loop
   dynabatch_packed  dynabatch.DataLoader(collate="packed"), method dp_varlen
-B = round(--batch-tokens / mean sample length), so both sides put about as many tokens in a step.
+B = round(--global-batch-tokens / mean sample length), so both sides put about as many tokens in a step.
 Setup is not timed for either side (reported as setup_s): the baselines tokenize every sample up
 front, dynabatch builds its length index and token cache up front (build_index(cache_tokens=True),
 one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
@@ -316,7 +316,7 @@ columns:
 examples:
   dynabatch bench loader
   dynabatch bench loader --limit 20000 --workers 0 --json
-  dynabatch bench loader --data ../shared/data/text/niv2_sample.jsonl.gz --batch-tokens 32768 --max-len 2048
+  dynabatch bench loader --data ../shared/data/text/niv2_sample.jsonl.gz --global-batch-tokens 32768 --max-len 2048
 """
 
 
@@ -327,7 +327,7 @@ def add_bench_loader_command(bench_sub) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N samples")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], metavar="W",
                    help="num_workers values to run every method with (default: 0 2)")
-    p.add_argument("--batch-tokens", type=int, default=65536,
+    p.add_argument("--global-batch-tokens", type=int, default=65536,
                    help="dynabatch's global batch in tokens; sets the baselines' batch size (default 65536, as everywhere in dynabatch)")
     p.add_argument("--max-len", type=int, default=1024,
                    help="truncation for every method and the packing row length (default 1024)")
@@ -345,7 +345,7 @@ def add_bench_loader_command(bench_sub) -> None:
 def _cmd_bench_loader(args) -> int:
     return run_command(
         args, lambda: LoaderBenchConfig(data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers),
-                                        batch_tokens=args.batch_tokens, max_len=args.max_len,
+                                        global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
                                         tokenizer=args.tokenizer, cost_model=args.cost_model, device=args.device,
                                         stages=args.stages, methods=tuple(args.methods), seed=args.seed),
         run_loader_bench, format_table)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -18,24 +18,37 @@ from ..core import baselines as _bl
 from ..core.kernels.dp import dp_kernel, dp_reference
 from ..core.bounds import iteration_lower_bound
 from ..core.cost import CostModel
-from ..core.plan import METHODS, _ordering, plan_microbatches, split_global_batches
+from ..core.options import METHODS, PlanOptions
+from ..core.plan import _ordering
 from ..core.shapes import Shapes
+from ..core.steps import global_batches, plan_step
+
+#: The planning options `dynabatch bench plan` uses unless told otherwise (8 ranks x 4 stages,
+#: 64k-token global batches, FLAN's 2048/512 truncation).
+DEFAULT_OPTIONS = PlanOptions(global_batch_tokens=65536, max_len=2048, max_target_len=512, num_stages=4,
+                              num_ranks=8)
 
 
 @dataclass(frozen=True)
 class PlanBenchConfig:
-    """What `run_plan_bench` plans: model/device presets, world layout, batch size in tokens."""
+    """What `run_plan_bench` plans: the `PlanOptions` of every step (its ``method`` and
+    ``method_options`` are replaced by each compared method and knob) plus the bench's own fields:
+    the model/device presets the cost model came from, how many global batches to plan and a
+    label of the data."""
 
+    options: PlanOptions = field(default_factory=lambda: DEFAULT_OPTIONS)
     model: str = "gpt"
     device: str = "a100-80gb"
-    stages: int = 4
-    ranks: int = 8
-    global_batch_tokens: int = 65536
-    max_len: int = 2048
-    max_target_len: int = 512
     num_batches: int = 64
-    seed: int = 0
     data: str = "synthetic"
+
+    def to_dict(self) -> dict:
+        """Flat JSON form: the bench fields and every `PlanOptions` field (``collation`` left out:
+        it is per method)."""
+        opts = self.options.to_dict()
+        opts.pop("collation")
+        return {"model": self.model, "device": self.device, "num_batches": self.num_batches, "data": self.data,
+                **opts}
 
 
 def _summarize(plans, lbs, plan_ms) -> dict:
@@ -55,39 +68,54 @@ def _summarize(plans, lbs, plan_ms) -> dict:
     }
 
 
-def _run_method(batches, cost, cfg, method, options):
+def _method_options(options: PlanOptions, method: str, knobs: dict) -> PlanOptions:
+    return options.replace(method=method, method_options=knobs)
+
+
+def _run_method(shapes, batches, cost, options: PlanOptions, first_step: int = 0):
+    """Plan every global batch (``batches``: positions into ``shapes``) with ``options``; the plans
+    and each one's planning time in ms (the first batch is planned once more before timing, to
+    compile)."""
     plans, times = [], []
-    for k, g in enumerate(batches):
-        kw = dict(num_stages=cfg.stages, num_ranks=cfg.ranks, method=method, max_len=cfg.max_len,
-                  max_target_len=cfg.max_target_len, step=k, **options)
+    for k, pos in enumerate(batches):
         if k == 0:
-            plan_microbatches(g, cost, **kw)  # warm: numba compile and caches
+            plan_step(shapes, cost, options, pos, first_step)  # warm: numba compile and caches
         t0 = time.perf_counter()
-        plans.append(plan_microbatches(g, cost, **kw))
+        plans.append(plan_step(shapes, cost, options, pos, first_step + k))
         times.append((time.perf_counter() - t0) * 1e3)
     return plans, times
+
+
+def _limit(cost: CostModel, options: PlanOptions) -> float:
+    if options.memory_limit is not None:
+        return float(options.memory_limit)
+    return cost.memory_limit(options.num_stages, options.num_ranks)
 
 
 def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, methods=METHODS, *, progress=True,
                    reference=False):
     """Plan ``cfg.num_batches`` random global batches of ``shapes`` with every method.
 
-    Returns (result, plans): ``result`` is the JSON document of `dynabatch bench plan --json`,
-    ``plans[method]`` the list of BatchPlans of the chosen configuration.
+    The global batches are epoch 0's steps of ``cfg.options`` (`dynabatch.core.steps.global_batches`,
+    the cut the DataLoader and ``dynabatch plan`` make) and each is planned as they plan it
+    (`dynabatch.core.steps.plan_step`) with the method swapped in. Returns (result, plans):
+    ``result`` is the JSON document of `dynabatch bench plan --json`, ``plans[method]`` the list of
+    BatchPlans of the chosen configuration.
     """
-    batches_idx = split_global_batches(shapes, cfg.global_batch_tokens, seed=cfg.seed,
-                                       tokens=np.add(*cost.sample_dims(shapes, cfg.max_len, cfg.max_target_len)[:2]),
-                                       drop_last=True)
+    options = cfg.options
+    batches_idx = global_batches(shapes, cost, options, 0)
     if not batches_idx:
-        raise ValueError(f"the data ({len(shapes)} samples) holds less than one global batch of "
-                         f"{cfg.global_batch_tokens} tokens")
-    rng = np.random.default_rng(cfg.seed)
+        size = (f"{options.global_batch_tokens} tokens" if options.global_batch_size is None
+                else f"{options.global_batch_size} samples")
+        raise ValueError(f"the data ({len(shapes)} samples) holds less than one global batch of {size}")
+    rng = np.random.default_rng(options.seed)
     if cfg.num_batches and len(batches_idx) > cfg.num_batches:
         pick = np.sort(rng.choice(len(batches_idx), cfg.num_batches, replace=False))
         batches_idx = [batches_idx[i] for i in pick]
     batches = [shapes.take(i) for i in batches_idx]
-    lbs = [iteration_lower_bound(g, cost, num_stages=cfg.stages, num_ranks=cfg.ranks, max_len=cfg.max_len,
-                                 max_target_len=cfg.max_target_len) for g in batches]
+    lbs = [iteration_lower_bound(g, cost, num_stages=options.num_stages, num_ranks=min(options.num_ranks, len(g)),
+                                 max_len=options.max_len, max_target_len=options.max_target_len,
+                                 memory_limit=_limit(cost, options)) for g in batches]
     jobs = []
     for m in methods:
         if m in _bl.BASELINE_KNOBS:
@@ -99,7 +127,7 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
     bar = tqdm(jobs, desc=f"bench plan ({cfg.model})", disable=not progress, unit="config")
     for m, opts in bar:
         bar.set_postfix_str(f"{m} {opts}" if opts else m)
-        plans, ms = _run_method(batches, cost, cfg, m, opts)
+        plans, ms = _run_method(shapes, batches_idx, cost, _method_options(options, m, opts))
         results.setdefault(m, []).append((opts, plans, ms))
     out_methods, chosen = {}, {}
     for m, runs in results.items():
@@ -112,9 +140,8 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
         for v in out_methods.values():
             v["speedup_vs_pack"] = base / v["iteration_time_s"]
     result = {
-        "config": {**asdict(cfg), "num_batches": len(batches), "samples": int(sum(len(g) for g in batches)),
-                   "memory_limit_bytes": cost.memory_limit(cfg.stages, cfg.ranks),
-                   "forward_fraction": cost.forward_fraction},
+        "config": {**cfg.to_dict(), "num_batches": len(batches), "samples": int(sum(len(g) for g in batches)),
+                   "memory_limit_bytes": _limit(cost, options), "forward_fraction": cost.forward_fraction},
         "lower_bound_s": float(np.mean(lbs)),
         "methods": out_methods,
     }
@@ -126,13 +153,15 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
 def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict:
     """Time the numba DP kernel and the pure-Python reference on one global batch (ms), and check
     that they reach the same objective."""
-    main, dec, tiles = cost.sample_dims(batch, cfg.max_len, cfg.max_target_len)
+    o = cfg.options
+    main, dec, tiles = cost.sample_dims(batch, o.max_len, o.max_target_len)
     order = _ordering(cost, main, dec, tiles)
     main, dec, tiles = main[order], dec[order], tiles[order]
-    limit = cost.memory_limit(cfg.stages, cfg.ranks)
+    limit = _limit(cost, o)
+    ranks = min(o.num_ranks, len(batch))
     z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
     args = (main, dec, tiles, False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef, cost.mem_coef,
-            limit, cfg.ranks, cfg.stages, 48)
+            limit, ranks, o.num_stages, o.max_caps)
     dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
     t0 = time.perf_counter()
     starts, _ = dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
@@ -140,7 +169,7 @@ def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict
     t0 = time.perf_counter()
     ref, _ = dp_reference(main, dec, tiles, varlen=False, pad_multiple=cost.pad_multiple,
                           tile_patches=cost.model.tile_patches, tcoef=cost.time_coef, mcoef=cost.mem_coef,
-                          mem_limit=limit, ranks=cfg.ranks, stages=cfg.stages, max_caps=48)
+                          mem_limit=limit, ranks=ranks, stages=o.num_stages, max_caps=o.max_caps)
     ref_ms = (time.perf_counter() - t0) * 1e3
     return {"samples": len(batch), "dp_kernel_ms": kernel_ms, "dp_reference_ms": ref_ms,
             "same_partition": bool(np.array_equal(np.asarray(starts), np.asarray(ref)))}
@@ -178,8 +207,10 @@ def format_table(result: dict) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     cfg = result["config"]
-    title = (f"{cfg['model']} on {cfg['device']}: {cfg['ranks']} ranks x {cfg['stages']} stages, "
-             f"{cfg['global_batch_tokens']}-token global batches, max len {cfg['max_len']}, "
+    size = (f"{cfg['global_batch_tokens']}-token" if cfg.get("global_batch_size") is None
+            else f"{cfg['global_batch_size']}-sample")
+    title = (f"{cfg['model']} on {cfg['device']}: {cfg['num_ranks']} ranks x {cfg['num_stages']} stages "
+             f"({cfg['schedule']}), {size} global batches, max len {cfg['max_len']}, "
              f"{cfg['num_batches']} batches from {cfg['data']}")
     lb = f"lower bound of the pipeline objective: {result['lower_bound_s'] * 1e3:.1f} ms per step"
     return "\n".join([title, lb, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])

@@ -84,16 +84,6 @@ def default_data(root: Path | None = None) -> tuple:
     return paths if all(os.path.exists(p) for p in paths) else ()
 
 
-def stage_cost_model(model, stages: int, device: str):
-    """The analytic cost model of one pipeline stage (the whole model's layers / ``stages``)."""
-    from ..core.cost import CostModel, device_preset
-
-    cfg = model.config
-    one = replace(cfg, layers=cfg.layers / stages,
-                  **({"decoder_layers": cfg.decoder_layers / stages} if cfg.kind == "encoder_decoder" else {}))
-    return CostModel(one, device_preset(device))
-
-
 def uniform_bounds(model, stages: int) -> list[int]:
     """Stage bounds with about equal transformer blocks per stage (embedding on the first, head on
     the last); the same for every method."""
@@ -103,36 +93,10 @@ def uniform_bounds(model, stages: int) -> list[int]:
     return [0, *cuts, n]
 
 
-def representative(mbs, k: int = 8) -> list:
-    """Up to ``k`` of a step's micro-batch dicts, spread over their predicted times (shortest to
-    longest): the mix a stage split is profiled on. The choice depends on the plan alone, so every
-    rank of a replica picks the same micro-batches."""
-    order = np.argsort([float(b["predicted_time_s"]) for b in mbs], kind="stable")
-    pick = np.unique(np.linspace(0, len(mbs) - 1, min(k, len(mbs))).round().astype(int))
-    return [mbs[i] for i in order[pick]]
+from ..core.fit import mape as _mape  # noqa: E402
 
-
-def batch_shapes(mbs, collation: str):
-    """`MicroBatchShape`s of the DataLoader's micro-batch dicts (the runner's plan input), with the
-    plan's predicted seconds and activation bytes (what the ``adaptive`` schedule limits)."""
-    from ..pipeline import MicroBatchShape
-
-    out = []
-    for b in mbs:
-        rows, L = b["input_ids"].shape
-        T = b["decoder_input_ids"].shape[1] if "decoder_input_ids" in b else 0
-        if collation == "packed":
-            out.append(MicroBatchShape("packed", int(b["cu_seqlens"].numel() - 1), int(b["max_seqlen"]), 0, int(L),
-                                       float(b["predicted_time_s"]), float(b.get("predicted_memory_bytes", 0.0))))
-        else:
-            out.append(MicroBatchShape(collation, int(rows), int(L), int(T), 0, float(b["predicted_time_s"]),
-                                       float(b.get("predicted_memory_bytes", 0.0))))
-    return out
-
-
-def _mape(pred, y) -> float:
-    pred, y = np.asarray(pred, float), np.asarray(y, float)
-    return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12))) if len(y) else float("nan")
+# `batch_shapes`, `representative` and `stage_cost_model` are public in `dynabatch.pipeline` (imported
+# where used: this module is loaded by the CLI, which must not import torch up front)
 
 
 def _noise(phi: np.ndarray, y: np.ndarray) -> float:
@@ -157,19 +121,22 @@ class MethodRun:
 
         import dynabatch
         from ..core.feedback import FeedbackLoop
-        from ..pipeline import PipelineRunner, RunnerConfig, make_model, search_partition
+        from ..pipeline import (PipelineRunner, RunnerConfig, make_model, representative, search_partition,
+                                stage_cost_model)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
         self.prior = self.cost.time_coef.copy()
+        # dp: the loader's feedback loop refits its cost model; baselines: a loop that only scores
         self.feedback = (FeedbackLoop(self.cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting)
                          if method == "dp" else None)
+        self.scorer = self.feedback or FeedbackLoop(self.cost)
         enc_dec = model.kind == "encoder_decoder"
         # plan_ahead=0: step k+1 is planned after step k's refit, identically on every rank
         self.loader = dynabatch.DataLoader(
             list(cfg.data), index=cfg.index, mode="indexed", cost_model=self.cost, num_stages=ctx.num_stages,
-            batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
+            global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len, feedback=self.feedback,
             max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
             world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True,
             # the planner simulates gpipe or 1f1b; the adaptive order is 1f1b bounded by memory
@@ -206,19 +173,17 @@ class MethodRun:
         if mbs is None:
             self.done = True
             return None
-        shapes = batch_shapes(mbs, self.loader.collation)
-        res = self.runner.step(shapes, mbs, optimizer=self.optimizer)
-        timings = res.all_timings
-        wall = max(t.step_s for t in timings)
-        measured = np.max(np.array([t.compute_s for t in timings]), axis=0)  # slowest stage per micro-batch
-        pred = np.array([s.time_s for s in shapes])
-        phi = self.cost.padded_features(np.array([s.rows for s in shapes]), np.array([s.input_len for s in shapes]),
-                                        np.array([s.target_len for s in shapes]), np.zeros(len(shapes), np.int64))
+        from ..pipeline import batch_shapes
+
+        res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer)
+        wall = max(t.step_s for t in res.all_timings)
         if self.feedback is not None:
-            err = self.feedback.record(phi, measured, predicted_s=pred)
-            self.feedback.maybe_refit()
+            self.loader.feedback(res)  # record_step against the plan (slowest stage), refit every refit_every
         else:
-            err = _mape(pred, measured)
+            self.scorer.record_step(mbs, res)  # the same scoring, no refit
+        err = self.scorer.step_errors[-1].mape
+        seen = self.scorer.last  # features, measured (slowest stage) and planned seconds per micro-batch
+        phi, measured, pred = seen.phi, seen.measured_s, seen.predicted_s
         self.phis.append(phi)
         self.ys.append(measured)
         self.preds.append(pred)

@@ -27,7 +27,8 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+
+from .kernels.packing import budget_cuts, pack_rows
 
 BASELINES = ("pad", "group_by_length", "token_budget", "pack", "pack_varlen", "rebalance", "kk")
 
@@ -107,111 +108,24 @@ def group_by_length(tokens: np.ndarray, ranks: int, rows: int = 8, megabatch_mul
     return _from_lists(groups, [k % ranks for k in range(len(groups))])
 
 
-@njit(cache=True)
-def _budget_cuts(sorted_len, max_tokens, pad_multiple):
-    """Starts of consecutive groups of an ascending length list with rows * padded max <= budget."""
-    n = sorted_len.shape[0]
-    starts = []
-    a = 0
-    while a < n:
-        b = a + 1
-        while b < n:
-            L = sorted_len[b]
-            if pad_multiple > 1:
-                L = ((L + pad_multiple - 1) // pad_multiple) * pad_multiple
-            if (b - a + 1) * L > max_tokens:
-                break
-            b += 1
-        starts.append(a)
-        a = b
-    return np.array(starts, np.int64)
-
-
 def token_budget(tokens: np.ndarray, ranks: int, max_tokens: int = 4096, pad_multiple: int = 8) -> Grouping:
     """fairseq-style max-tokens micro-batches per rank (see module docstring)."""
     groups, owner = [], []
     for r, share in enumerate(_rank_shares(len(tokens), ranks)):
         idx = share[np.argsort(tokens[share], kind="stable")]
-        starts = _budget_cuts(tokens[idx].astype(np.int64), int(max_tokens), int(pad_multiple))
+        starts = budget_cuts(tokens[idx].astype(np.int64), int(max_tokens), int(pad_multiple))
         for a, b in zip(starts, list(starts[1:]) + [len(idx)]):
             groups.append(idx[a:b])
             owner.append(r)
     return _from_lists(groups, owner)
 
 
-@njit(cache=True)
-def _pack_rows(order, main, dec, cap_main, cap_dec, best_fit):
-    """Row of each sample (by position in ``order``) packing into rows of the given capacities:
-    first fit (best_fit=False) or best fit on the main length. Returns (row, number of rows)."""
-    n = order.shape[0]
-    row = np.empty(n, np.int64)
-    free_m = np.empty(n, np.int64)
-    free_d = np.empty(n, np.int64)
-    nrows = 0
-    for q in range(n):
-        s = order[q]
-        lm = min(main[s], cap_main)
-        ld = min(dec[s], cap_dec)
-        chosen = -1
-        best = cap_main + 1
-        for r in range(nrows):
-            if free_m[r] >= lm and free_d[r] >= ld:
-                if not best_fit:
-                    chosen = r
-                    break
-                if free_m[r] - lm < best:
-                    best = free_m[r] - lm
-                    chosen = r
-        if chosen < 0:
-            chosen = nrows
-            free_m[nrows] = cap_main
-            free_d[nrows] = cap_dec
-            nrows += 1
-        free_m[chosen] -= lm
-        free_d[chosen] -= ld
-        row[q] = chosen
-    return row, nrows
-
-
-def pack_rows_reference(order, main, dec, cap_main, cap_dec, best_fit):
-    """Plain-Python version of `_pack_rows` for tests."""
-    free, row = [], []
-    for s in order:
-        lm, ld = min(int(main[s]), cap_main), min(int(dec[s]), cap_dec)
-        fits = [r for r, (fm, fd) in enumerate(free) if fm >= lm and fd >= ld]
-        if not fits:
-            free.append((cap_main, cap_dec))
-            chosen = len(free) - 1
-        elif best_fit:
-            chosen = min(fits, key=lambda r: (free[r][0] - lm, r))
-        else:
-            chosen = fits[0]
-        free[chosen] = (free[chosen][0] - lm, free[chosen][1] - ld)
-        row.append(chosen)
-    return row, len(free)
-
-
-def budget_cuts_reference(sorted_len, max_tokens, pad_multiple):
-    """Plain-Python version of `_budget_cuts` for tests."""
-    def up(x):
-        return -(-x // pad_multiple) * pad_multiple if pad_multiple > 1 else x
-
-    starts, a, n = [], 0, len(sorted_len)
-    while a < n:
-        b = a + 1
-        while b < n and (b - a + 1) * up(int(sorted_len[b])) <= max_tokens:
-            b += 1
-        starts.append(a)
-        a = b
-    return starts
-
-
 def _packed(main, dec, ranks, rows, max_len, max_target_len, best_fit) -> Grouping:
     groups, owner, row_lists = [], [], []
     for r, share in enumerate(_rank_shares(len(main), ranks)):
         order = share[np.lexsort((dec[share], -main[share]))] if len(share) else share
-        row, nrows = _pack_rows(order, main.astype(np.int64), dec.astype(np.int64), int(max_len),
-                                int(max_target_len), best_fit)
+        row, nrows = pack_rows(order, main.astype(np.int64), dec.astype(np.int64), int(max_len),
+                               int(max_target_len), best_fit)
         for first in range(0, nrows, rows):
             sel = (row >= first) & (row < first + rows)
             # Samples grouped by row keep the row-major layout the collator will build.

@@ -4,46 +4,31 @@ which order, with each micro-batch's padded shape and predicted cost.
 A `BatchPlan` is columnar: per-sample placement arrays (`sample_ids`, `sample_row`) cut into
 micro-batches by `mb_offsets`, and per-micro-batch arrays (rank, position within the rank,
 shape, predicted time and memory). Micro-batches are stored rank by rank in execution order.
-`to_arrow` writes one row per sample placement (the offline plan file format) with the schema
-version in the table metadata; `from_arrow` reads it back exactly.
+Its on-disk form (one row per sample placement) is the plan-file format of `dynabatch.planfile`
+(`plan_to_arrow`, `plan_from_arrow`, `plans_to_arrow`); `core` itself never reads or writes files.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
-import pyarrow as pa
 
-PLAN_SCHEMA_VERSION = 1
-COLLATIONS = ("padded", "packed", "packed_rows")
+from .options import COLLATIONS
 
-_MB_COLUMNS = {
-    # name: (dtype, meaning)
+#: Per-micro-batch fields: name -> (dtype, meaning).
+MB_FIELDS = {
     "mb_rank": (np.int32, "data-parallel rank that runs the micro-batch"),
     "mb_order": (np.int32, "position of the micro-batch in its rank's execution order"),
-    "mb_rows": (np.int64, "rows (padded) or sequences (packed) or packed rows (packed_rows)"),
-    "mb_input_len": (np.int64, "padded main-stack length in tokens (packed: longest sample)"),
-    "mb_target_len": (np.int64, "padded decoder length in tokens (packed: longest sample)"),
-    "mb_vision_tiles": (np.int64, "vision tiles the ViT processes"),
-    "mb_tokens": (np.int64, "tokens computed: rows * (input_len + target_len), or the packed total"),
-    "mb_real_tokens": (np.int64, "tokens of real samples (no padding)"),
-    "mb_time_s": (np.float64, "predicted forward+backward seconds on one stage"),
-    "mb_memory_bytes": (np.float64, "predicted peak activation bytes on one stage"),
+    "mb_rows": (np.int64, "rows (padded), sequences (packed) or packed rows of the micro-batch"),
+    "mb_input_len": (np.int64, "padded main-stack length, tokens (packed: longest sample)"),
+    "mb_target_len": (np.int64, "padded decoder length, tokens"),
+    "mb_vision_tiles": (np.int64, "image tiles the vision encoder processes"),
+    "mb_tokens": (np.int64, "tokens computed: rows x (input_len + target_len), or the packed total"),
+    "mb_real_tokens": (np.int64, "tokens of the micro-batch's samples"),
+    "mb_time_s": (np.float64, "predicted forward+backward seconds of the micro-batch on one stage"),
+    "mb_memory_bytes": (np.float64, "predicted peak activation bytes of the micro-batch on one stage"),
 }
-
-def _json_value(obj):
-    """numpy scalars and arrays as their Python values in plan metadata; anything else as text."""
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    return str(obj)
-
-
-#: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
-_ARROW_NAME = {"mb_order": "microbatch"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +87,7 @@ class BatchPlan:
         m = len(self.mb_offsets) - 1
         if self.mb_offsets[0] != 0 or self.mb_offsets[-1] != len(self.sample_ids) or np.any(np.diff(self.mb_offsets) <= 0):
             raise ValueError("mb_offsets must start at 0, end at len(sample_ids) and increase strictly")
-        for name in _MB_COLUMNS:
+        for name in MB_FIELDS:
             if len(getattr(self, name)) != m:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {m} micro-batches")
         if len(self.rank_time_s) != self.num_ranks:
@@ -169,98 +154,3 @@ class BatchPlan:
             h.update(np.ascontiguousarray(arr).tobytes())
         h.update(f"{self.method}|{self.collation}|{self.num_ranks}|{self.num_stages}|{self.step}".encode())
         return h.hexdigest()[:16]
-
-    # -- Arrow ------------------------------------------------------------------------------
-    def to_arrow(self) -> pa.Table:
-        """One row per sample placement: step, rank, microbatch (position within the rank), row,
-        sample_id, plus the micro-batch's shape and predicted cost columns; metadata carries the
-        schema version, method, collation, world layout, rank times and options."""
-        sizes = np.diff(self.mb_offsets)
-        per_sample = {_ARROW_NAME.get(name, name[3:]): np.repeat(getattr(self, name), sizes) for name in _MB_COLUMNS}
-        cols = {
-            "step": np.full(len(self.sample_ids), self.step, np.int64),
-            "rank": per_sample.pop("rank"),
-            "microbatch": per_sample.pop("microbatch"),
-            "row": self.sample_row.astype(np.int32),
-            "sample_id": self.sample_ids.astype(np.int64),
-        }
-        cols.update(per_sample)
-        meta = {
-            "dynabatch.plan_schema_version": str(PLAN_SCHEMA_VERSION),
-            "dynabatch.method": self.method,
-            "dynabatch.collation": self.collation,
-            "dynabatch.num_ranks": str(self.num_ranks),
-            "dynabatch.num_stages": str(self.num_stages),
-            "dynabatch.schedule": self.schedule,
-            "dynabatch.rank_time_s": json.dumps({str(self.step): self.rank_time_s.tolist()}),
-            "dynabatch.options": json.dumps(self.options, sort_keys=True, default=_json_value),
-        }
-        return pa.table(cols).replace_schema_metadata(meta)
-
-    @staticmethod
-    def steps_in(table: pa.Table) -> np.ndarray:
-        """The step numbers a plan table holds, in ascending order."""
-        return np.unique(table.column("step").to_numpy())
-
-    @classmethod
-    def from_arrow(cls, table: pa.Table, step: int | None = None) -> "BatchPlan":
-        """Read the plan of one step (the only step if ``step`` is None) from `to_arrow`'s table."""
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        version = meta.get("dynabatch.plan_schema_version")
-        if version is None:
-            raise ValueError("not a dynabatch plan table: no dynabatch.plan_schema_version in its metadata")
-        if not version.isdigit() or int(version) != PLAN_SCHEMA_VERSION:
-            raise ValueError(f"plan schema version {version} is not supported (this dynabatch reads {PLAN_SCHEMA_VERSION})")
-        steps = table.column("step").to_numpy()
-        if step is None:
-            uniq = np.unique(steps)
-            if len(uniq) != 1:
-                raise ValueError(f"the table holds {len(uniq)} steps; pass step=")
-            step = int(uniq[0])
-        sel = np.flatnonzero(steps == step)
-        if len(sel) == 0:
-            raise ValueError(f"step {step} is not in the plan")
-        col = {name: table.column(name).to_numpy()[sel] for name in table.column_names}
-        rank, order = col["rank"].astype(np.int32), col["microbatch"].astype(np.int32)
-        change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
-        starts = np.concatenate(([0], change))
-        offsets = np.concatenate((starts, [len(sel)])).astype(np.int64)
-        mb = {name: col[_ARROW_NAME.get(name, name[3:])][starts].astype(dtype) for name, (dtype, _) in _MB_COLUMNS.items()}
-        num_ranks = int(meta["dynabatch.num_ranks"])
-        rank_times = json.loads(meta.get("dynabatch.rank_time_s", "{}")).get(str(step), [0.0] * num_ranks)
-        return cls(
-            method=meta["dynabatch.method"], collation=meta["dynabatch.collation"], num_ranks=num_ranks,
-            num_stages=int(meta["dynabatch.num_stages"]), schedule=meta["dynabatch.schedule"],
-            sample_ids=col["sample_id"].astype(np.int64), sample_row=col["row"].astype(np.int32),
-            mb_offsets=offsets, rank_time_s=np.asarray(rank_times, np.float64), step=step,
-            options=json.loads(meta.get("dynabatch.options", "{}")), **mb,
-        )
-
-
-_SHARED_META = ("dynabatch.plan_schema_version", "dynabatch.method", "dynabatch.collation", "dynabatch.num_ranks",
-                "dynabatch.num_stages", "dynabatch.schedule")
-
-
-def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = None) -> pa.Table:
-    """One table holding several steps' plans (a whole run), readable step by step with
-    `BatchPlan.from_arrow(table, step=k)`. The plans must share method, collation, world layout
-    and schedule; each step's rank times are kept. ``metadata`` adds run-level entries (dataset
-    fingerprint, cost model, options...)."""
-    if not plans:
-        raise ValueError("plans_to_arrow needs at least one plan")
-    steps = [p.step for p in plans]
-    if len(set(steps)) != len(steps):
-        raise ValueError("plans_to_arrow: two plans have the same step number")
-    tables = [p.to_arrow() for p in plans]
-    first = {k.decode(): v.decode() for k, v in tables[0].schema.metadata.items()}
-    rank_times = {}
-    for p, t in zip(plans, tables):
-        meta = {k.decode(): v.decode() for k, v in t.schema.metadata.items()}
-        for key in _SHARED_META:
-            if meta[key] != first[key]:
-                raise ValueError(f"step {p.step} differs in {key}: {meta[key]!r} vs {first[key]!r}")
-        rank_times[str(p.step)] = p.rank_time_s.tolist()
-    merged = dict(first)
-    merged["dynabatch.rank_time_s"] = json.dumps(rank_times)
-    merged.update(metadata or {})
-    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(merged)

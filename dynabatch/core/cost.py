@@ -20,8 +20,10 @@ analytic model is exactly linear in them:
 
 Three sources of truth sit behind this one interface: the analytic model built from a
 `ModelConfig` and a `DeviceProfile`; a `ProfiledTable` of measured padded shapes, interpolated
-(shapes outside the grid are infeasible unless ``extrapolate=True``); and a least-squares refit of
-the coefficients from observed step times (`CostModel.observe` / `CostModel.refit`).
+(shapes outside the grid are infeasible unless ``extrapolate=True``); and a robust refit of the
+coefficients from measured step times, by `dynabatch.core.feedback.FeedbackLoop` (the one refit path;
+the math is in `dynabatch.core.fit`). ``version`` counts the coefficient changes, and
+`CostModel.share_memory` lets forked processes holding a copy of the model see every refit.
 """
 
 from __future__ import annotations
@@ -32,280 +34,25 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
+# The feature layout and the numba cost kernels live in `kernels.cost` (beside their plain-Python
+# references), the model/device descriptions and their presets in `presets`; their names are
+# re-exported so ``from dynabatch.core.cost import X`` keeps working for every X it offered.
+from .kernels.cost import FEATURES, NUM_FEATURES, profiled_lookup
+from .presets import (  # noqa: F401
+    DEVICE_PRESETS,
+    KIND_CODE,
+    KINDS,
+    MODEL_PRESETS,
+    DeviceProfile,
+    GiB,
+    ModelConfig,
+    device_preset,
+    model_preset,
+)
+from .analytic import analytic_coefficients
+from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from .shapes import Shapes
-
-FEATURES = ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis")
-NUM_FEATURES = len(FEATURES)
-
-KINDS = ("decoder", "encoder_decoder", "vision_language")
-KIND_CODE = {k: i for i, k in enumerate(KINDS)}
-GiB = float(1 << 30)
-MAX_OBSERVATIONS = 100_000  # micro-batch timings CostModel.observe keeps for refit
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Transformer shape of one pipeline stage (layer counts are per stage and may be fractional).
-
-    ``kind`` is ``decoder`` (GPT-style), ``encoder_decoder`` (T5-style: ``layers`` encoder layers
-    and ``decoder_layers`` decoder layers per stage) or ``vision_language`` (a ViT of
-    ``vision_layers`` on image tiles feeding an LLM of ``layers``). ``attn_dim`` is heads*head_dim
-    and ``kv_dim`` the key/value width (smaller than ``attn_dim`` with grouped-query attention).
-    """
-
-    name: str
-    kind: str
-    hidden: int
-    attn_dim: int
-    kv_dim: int
-    ffn: int
-    layers: float
-    decoder_layers: float = 0.0
-    gated_ffn: bool = False
-    vision_hidden: int = 0
-    vision_attn_dim: int = 0
-    vision_ffn: int = 0
-    vision_layers: float = 0.0
-    tile_patches: int = 0  # ViT sequence length per tile (patches + class token)
-    tile_tokens: int = 0  # LLM tokens each tile becomes (after pixel shuffle)
-    recompute: bool = False  # full activation checkpointing
-    flash_attention: bool = True  # attention scores are not stored
-    dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"ModelConfig.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "encoder_decoder" and self.decoder_layers <= 0:
-            raise ValueError("an encoder_decoder ModelConfig needs decoder_layers > 0")
-        if self.kind == "vision_language" and (self.vision_layers <= 0 or self.tile_tokens <= 0):
-            raise ValueError("a vision_language ModelConfig needs vision_layers > 0 and tile_tokens > 0")
-
-    def _ffn_mats(self) -> int:
-        return 3 if self.gated_ffn else 2
-
-    @property
-    def params_per_stage(self) -> float:
-        """Parameters held by one pipeline stage."""
-        h, a, kv, f = self.hidden, self.attn_dim, self.kv_dim, self.ffn
-        layer = 2 * h * a + 2 * h * kv + self._ffn_mats() * h * f
-        cross = 2 * h * a + 2 * h * kv
-        vit = 4 * self.vision_hidden * self.vision_attn_dim + 2 * self.vision_hidden * self.vision_ffn
-        return self.layers * layer + self.decoder_layers * (layer + cross) + self.vision_layers * vit
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput of one accelerator: ``peak_flops`` (FLOP/s, bf16 dense), ``max_efficiency``
-    (fraction of peak reached by large GEMMs), ``memory_bandwidth`` (bytes/s, for reading weights),
-    ``overhead_s`` (fixed launch/sync time per micro-batch per stage, fwd+bwd), ``memory_bytes``,
-    and the stage-to-stage link (``p2p_bandwidth`` bytes/s, ``p2p_latency_s``)."""
-
-    name: str
-    peak_flops: float
-    max_efficiency: float
-    memory_bandwidth: float
-    overhead_s: float
-    memory_bytes: float
-    p2p_bandwidth: float
-    p2p_latency_s: float
-    usable_memory_fraction: float = 0.9  # allocator fragmentation and workspace
-
-
-MODEL_PRESETS = ("gpt", "t5", "vlm")
-
-DEVICE_PRESETS: dict[str, DeviceProfile] = {
-    "a100-80gb": DeviceProfile("a100-80gb", 312e12, 0.70, 2.0e12, 4e-4, 80 * GiB, 25e9, 2e-5),
-    "h100": DeviceProfile("h100", 989e12, 0.65, 3.35e12, 3e-4, 80 * GiB, 50e9, 2e-5),
-    "h200": DeviceProfile("h200", 989e12, 0.65, 4.8e12, 3e-4, 141e9, 50e9, 2e-5),
-    # Two desktop cores in fp32 through PyTorch eager; issue #5's profiler/refit replaces this.
-    "cpu": DeviceProfile("cpu", 1.0e11, 0.35, 2.0e10, 5e-4, 16 * GiB, 5e9, 5e-5, 0.8),
-}
-
-
-def model_preset(name: str, num_stages: int = 4) -> ModelConfig:
-    """The published configurations dynabatch is evaluated against.
-
-    ``gpt``: DynaPipe's GPT (hidden 4096, 32 heads, ffn 16384, 4 layers per stage).
-    ``t5``: DynaPipe's T5-11B (d_model 1024, d_ff 65536, 128 heads x d_kv 128, 2 encoder + 2 decoder
-    layers per stage). ``vlm``: OmniBal's InternVL setting, InternViT-6B (45 layers x 3200, 448-px
-    tiles of 1024 patches + class token -> 256 LLM tokens) + InternLM2-20B (48 layers x 6144, GQA with
-    8 KV heads, SwiGLU ffn 16384), both split evenly over ``num_stages`` with full activation
-    recomputation as InternVL trains it.
-    """
-    if name == "gpt":
-        return ModelConfig("gpt", "decoder", hidden=4096, attn_dim=4096, kv_dim=4096, ffn=16384, layers=4)
-    if name == "t5":
-        return ModelConfig(
-            "t5", "encoder_decoder", hidden=1024, attn_dim=128 * 128, kv_dim=128 * 128, ffn=65536,
-            layers=2, decoder_layers=2,
-        )
-    if name == "vlm":
-        return ModelConfig(
-            "vlm", "vision_language", hidden=6144, attn_dim=6144, kv_dim=8 * 128, ffn=16384,
-            layers=48 / num_stages, gated_ffn=True, vision_hidden=3200, vision_attn_dim=3200,
-            vision_ffn=12800, vision_layers=45 / num_stages, tile_patches=1025, tile_tokens=256,
-            recompute=True,
-        )
-    raise ValueError(f"unknown model preset {name!r}; choose one of {MODEL_PRESETS}")
-
-
-def device_preset(name: str) -> DeviceProfile:
-    """A `DeviceProfile` by name (``a100-80gb``, ``h100``, ``h200``, ``cpu``)."""
-    try:
-        return DEVICE_PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown device preset {name!r}; choose one of {sorted(DEVICE_PRESETS)}") from None
-
-
-def _layer_flops(h: int, a: int, kv: int, ffn_mats: int, f: int) -> tuple[float, float]:
-    """Forward FLOPs of one self-attention layer: (per token, per unit of sum(s**2))."""
-    per_token = 2.0 * (2 * h * a + 2 * h * kv) + 2.0 * ffn_mats * h * f
-    return per_token, 4.0 * a
-
-
-def _layer_act_bytes(h: int, a: int, kv: int, f: int, gated: bool, dtype: int) -> float:
-    """Activation bytes one layer keeps per token for its backward (Megatron-style accounting).
-
-    Inputs of both norms and of every matmul, Q/K/V, the attention output, the ffn intermediate
-    (twice when gated) and two 1-byte dropout masks. For GPT shapes this is ~36*h, close to
-    Megatron's 34*h.
-    """
-    return dtype * (6 * h + 2 * a + 2 * kv + (3 if gated else 2) * f) + 2 * h
-
-
-def analytic_coefficients(model: ModelConfig, device: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
-    """Time coefficients (seconds per feature unit) and memory coefficients (bytes per feature unit)."""
-    passes = 4.0 if model.recompute else 3.0  # fwd + 2x bwd (+ recomputed fwd)
-    rate = device.peak_flops * device.max_efficiency
-    t = np.zeros(NUM_FEATURES)
-    m = np.zeros(NUM_FEATURES)
-    h, a, kv, f, dt = model.hidden, model.attn_dim, model.kv_dim, model.ffn, model.dtype_bytes
-    tok, sq = _layer_flops(h, a, kv, model._ffn_mats(), f)
-    act = _layer_act_bytes(h, a, kv, f, model.gated_ffn, dt)
-    score_bytes = 0.0 if model.flash_attention else 5.0 * (a / 128)  # heads * (2+2+1) bytes per score
-
-    # Main stack (decoder-only / encoder / LLM).
-    t[0] = model.layers * tok * passes / rate
-    t[1] = model.layers * sq * passes / rate
-    if model.kind == "encoder_decoder":
-        # Cross-attention K/V projections run over encoder tokens in every decoder layer.
-        t[0] += model.decoder_layers * 2.0 * (2 * h * kv) * passes / rate
-        dec_tok = tok + 2.0 * 2 * h * a  # plus cross-attention Q and output projections
-        t[2] = model.decoder_layers * dec_tok * passes / rate
-        t[3] = model.decoder_layers * sq * passes / rate
-        t[4] = model.decoder_layers * 4.0 * a * passes / rate
-    if model.kind == "vision_language":
-        vh, va, vf = model.vision_hidden, model.vision_attn_dim, model.vision_ffn
-        vtok, vsq = _layer_flops(vh, va, va, 2, vf)
-        t[5] = model.vision_layers * vtok * passes / rate
-        t[6] = model.vision_layers * vsq * passes / rate
-        vit_params = model.vision_layers * (4 * vh * va + 2 * vh * vf)
-        t[8] = vit_params * dt * passes / device.memory_bandwidth
-    main_params = model.params_per_stage - (model.vision_layers * (4 * model.vision_hidden * model.vision_attn_dim + 2 * model.vision_hidden * model.vision_ffn))
-    t[7] = device.overhead_s + main_params * dt * passes / device.memory_bandwidth
-
-    if model.recompute:
-        # Only each layer's input is kept; the layer being recomputed holds its full set.
-        m[0] = model.layers * dt * h + act
-        if model.kind == "encoder_decoder":
-            m[2] = model.decoder_layers * dt * h + act
-        if model.kind == "vision_language":
-            vh, va, vf = model.vision_hidden, model.vision_attn_dim, model.vision_ffn
-            m[5] = model.vision_layers * dt * vh + _layer_act_bytes(vh, va, va, vf, False, dt)
-    else:
-        m[0] = model.layers * act
-        m[1] = model.layers * score_bytes
-        if model.kind == "encoder_decoder":
-            cross_act = dt * (3 * h + 2 * a) + h
-            m[0] += model.decoder_layers * dt * 2 * kv  # cross K/V of encoder tokens
-            m[2] = model.decoder_layers * (act + cross_act)
-            m[3] = model.decoder_layers * score_bytes
-            m[4] = model.decoder_layers * score_bytes
-        if model.kind == "vision_language":
-            vh, va, vf = model.vision_hidden, model.vision_attn_dim, model.vision_ffn
-            m[5] = model.vision_layers * _layer_act_bytes(vh, va, va, vf, False, dt)
-            m[6] = model.vision_layers * (0.0 if model.flash_attention else 5.0 * va / 128)
-    return t, m
-
-
-# ---------------------------------------------------------------------------------------------
-# Feature kernels (shared by the planner's numba DP and by the vectorized Python API)
-
-
-@njit(cache=True)
-def round_up(x: int, multiple: int) -> int:
-    """``x`` rounded up to a multiple of ``multiple`` (``multiple`` <= 1 leaves it unchanged)."""
-    if multiple <= 1:
-        return x
-    return ((x + multiple - 1) // multiple) * multiple
-
-
-@njit(cache=True)
-def padded_features(rows, main_len, dec_len, tiles, tile_patches, out):
-    """Fill ``out`` (length NUM_FEATURES) with the features of a padded micro-batch of ``rows``
-    rows padded to ``main_len``/``dec_len`` tokens, holding ``tiles`` vision tiles in total."""
-    r = float(rows)
-    L = float(main_len)
-    T = float(dec_len)
-    v = float(tiles) * tile_patches
-    out[0] = r * L
-    out[1] = r * L * L
-    out[2] = r * T
-    out[3] = r * T * T
-    out[4] = r * T * L
-    out[5] = v
-    out[6] = v * tile_patches
-    out[7] = 1.0 if rows > 0 else 0.0
-    out[8] = 1.0 if tiles > 0 else 0.0
-
-
-@njit(cache=True)
-def dot(coef, phi) -> float:
-    """``coef @ phi`` for two short float64 vectors."""
-    s = 0.0
-    for k in range(coef.shape[0]):
-        s += coef[k] * phi[k]
-    return s
-
-
-@njit(cache=True)
-def _interp_axis(grid, x):
-    """Index ``i`` and weight ``w`` so that x ~ (1-w)*grid[i] + w*grid[i+1]; w outside [0,1] extrapolates."""
-    n = grid.shape[0]
-    if n == 1:
-        return 0, 0.0
-    i = 0
-    while i < n - 2 and x > grid[i + 1]:
-        i += 1
-    w = (x - grid[i]) / (grid[i + 1] - grid[i])
-    return i, w
-
-
-@njit(cache=True)
-def profiled_lookup(grid_rows, grid_len, grid_dec, values, rows, main_len, dec_len, extrapolate) -> float:
-    """Trilinear interpolation of ``values[r, l, t]`` at a padded shape; +inf outside the grid
-    unless ``extrapolate`` (then linear extrapolation from the edge cell, clipped at 0)."""
-    if not extrapolate:
-        if (rows < grid_rows[0] or rows > grid_rows[-1] or main_len < grid_len[0] or main_len > grid_len[-1]
-                or dec_len < grid_dec[0] or dec_len > grid_dec[-1]):
-            return np.inf
-    i, wi = _interp_axis(grid_rows, float(rows))
-    j, wj = _interp_axis(grid_len, float(main_len))
-    k, wk = _interp_axis(grid_dec, float(dec_len))
-    ni = 1 if grid_rows.shape[0] > 1 else 0
-    nj = 1 if grid_len.shape[0] > 1 else 0
-    nk = 1 if grid_dec.shape[0] > 1 else 0
-    acc = 0.0
-    for di in range(ni + 1):
-        for dj in range(nj + 1):
-            for dk in range(nk + 1):
-                w = (wi if di else 1.0 - wi) if ni else 1.0
-                w *= (wj if dj else 1.0 - wj) if nj else 1.0
-                w *= (wk if dk else 1.0 - wk) if nk else 1.0
-                acc += w * values[i + di, j + dj, k + dk]
-    return max(acc, 0.0)
 
 
 @dataclass(frozen=True)
@@ -352,13 +99,6 @@ class ProfiledTable:
         return t, m
 
 
-@dataclass
-class _Observations:
-    phi: list = field(default_factory=list)
-    time_s: list = field(default_factory=list)
-    weight: list = field(default_factory=list)
-
-
 class CostModel:
     """Time (seconds) and activation memory (bytes) of one micro-batch on one pipeline stage.
 
@@ -374,15 +114,16 @@ class CostModel:
         self.model = model
         self.device = device
         self.prior_time_coef = t0
-        self.time_coef = t0.copy() if time_coef is None else np.asarray(time_coef, np.float64).copy()
+        tc = t0 if time_coef is None else np.asarray(time_coef, np.float64)
         self.mem_coef = m0.copy() if mem_coef is None else np.asarray(mem_coef, np.float64).copy()
-        if self.time_coef.shape != (NUM_FEATURES,) or self.mem_coef.shape != (NUM_FEATURES,):
+        self._coef_store(tc if tc.shape == (NUM_FEATURES,) else np.zeros(NUM_FEATURES), 0)
+        if tc.shape != (NUM_FEATURES,) or self.mem_coef.shape != (NUM_FEATURES,):
             raise ValueError(f"cost coefficients must have {NUM_FEATURES} entries ({', '.join(FEATURES)})")
         self.table = table
         self.pad_multiple = int(pad_multiple)
         self.forgetting = float(forgetting)
         self.prior_strength = float(prior_strength)
-        self._obs = _Observations()
+        self._legacy_loop = None  # the FeedbackLoop behind the deprecated observe/refit
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -521,40 +262,163 @@ class CostModel:
             )
         return free / max(num_stages, 1)
 
-    # -- feedback ----------------------------------------------------------------------------
-    def observe(self, phi, measured_s, weight: float = 1.0) -> None:
-        """Record measured stage times (seconds) of micro-batches with features ``phi``.
+    # -- coefficients: version counter, shared memory ----------------------------------------------
+    def _coef_store(self, coef, version: int, raw=None) -> None:
+        """Back ``time_coef`` and the version counter by ``raw`` (a shared `multiprocessing.RawArray`)
+        or by a private buffer, and write ``coef`` and ``version`` into it unless ``coef`` is None.
 
-        Older observations are down-weighted by ``forgetting`` per call so the fit follows drift.
-        """
+        Layout: NUM_FEATURES float64 coefficients, then one int64 sequence counter (even when no
+        write is in progress; ``version = counter // 2``)."""
+        base = np.frombuffer(raw, np.float64) if raw is not None else np.zeros(NUM_FEATURES + 1)
+        self._coef_raw = raw
+        self._coef = base[:NUM_FEATURES]
+        self._coef_seq = base[NUM_FEATURES:].view(np.int64)
+        if coef is not None:
+            self._coef[:] = coef
+            self._coef_seq[0] = 2 * int(version)
+
+    @property
+    def time_coef(self) -> np.ndarray:
+        """Seconds per feature unit (`FEATURES`): a live view, in shared memory after `share_memory`.
+
+        Assigning writes the new values in place and increments `version` (a `FeedbackLoop` refit
+        does exactly that); one process writes, any number read."""
+        return self._coef
+
+    @time_coef.setter
+    def time_coef(self, value) -> None:
+        value = np.asarray(value, np.float64)
+        if value.shape != (NUM_FEATURES,):
+            raise ValueError(f"cost coefficients must have {NUM_FEATURES} entries ({', '.join(FEATURES)})")
+        seq = self._coef_seq
+        seq[0] += 1  # odd: a write is in progress (`read_time_coef` waits it out)
+        self._coef[:] = value
+        seq[0] += 1
+
+    @property
+    def version(self) -> int:
+        """How many times ``time_coef`` changed since the model was built (+1 per refit); read from
+        shared memory after `share_memory`, so a forked process sees the parent's refits."""
+        return int(self._coef_seq[0]) // 2
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether ``time_coef`` and ``version`` live in shared memory (`share_memory`)."""
+        return self._coef_raw is not None
+
+    def share_memory(self) -> "CostModel":
+        """Move ``time_coef`` and ``version`` into shared memory (a `multiprocessing.RawArray`, no
+        torch needed) and return ``self``.
+
+        Processes forked afterwards (DataLoader workers, planner processes), processes started with
+        this model as an argument (spawn, forkserver) and ``copy.copy`` of the model share the
+        coefficients: every refit written here is seen there, with its ``version``. `snapshot`,
+        ``copy.deepcopy`` and ordinary pickling give independent copies. Idempotent."""
+        if self._coef_raw is None:
+            import multiprocessing
+
+            coef, version = self.read_time_coef()
+            self._coef_store(coef, version, multiprocessing.RawArray("b", 8 * (NUM_FEATURES + 1)))
+        return self
+
+    def read_time_coef(self) -> tuple[np.ndarray, int]:
+        """(a copy of ``time_coef``, its ``version``), consistent even while another process refits."""
+        import time as _time
+
+        seq = self._coef_seq
+        while True:
+            before = int(seq[0])
+            coef = self._coef.copy()
+            if before % 2 == 0 and int(seq[0]) == before:
+                return coef, before // 2
+            _time.sleep(0)
+
+    def snapshot(self) -> "CostModel":
+        """A private copy frozen at the current coefficients and version (plan one step with one model
+        even while a refit lands in shared memory)."""
+        import copy
+
+        return copy.deepcopy(self)
+
+    def __copy__(self) -> "CostModel":
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        new._legacy_loop = None
+        if self._coef_raw is None:  # a copy shares coefficients only when shared memory was asked for
+            coef, version = self.read_time_coef()
+            new._coef_store(coef, version)
+        return new
+
+    def __deepcopy__(self, memo) -> "CostModel":
+        import copy
+
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_coef_raw", "_coef", "_coef_seq")}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        coef, version = self.read_time_coef()
+        new._coef_store(coef, version)
+        return new
+
+    def __getstate__(self) -> dict:
+        from multiprocessing import context
+
+        d = {k: v for k, v in self.__dict__.items() if k not in ("_coef_raw", "_coef", "_coef_seq")}
+        coef, version = self.read_time_coef()
+        # a process being started with this model shares the shared buffer; any other pickle is a snapshot
+        share = self._coef_raw is not None and context.get_spawning_popen() is not None
+        d["_coef_state"] = (self._coef_raw if share else None, coef, version)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        raw, coef, version = d.pop("_coef_state")
+        self.__dict__.update(d)
+        self._coef_store(None if raw is not None else coef, version, raw)
+
+    # -- deprecated: the one refit path is dynabatch.core.feedback.FeedbackLoop -------------------
+    def _legacy(self):
+        from .feedback import FeedbackLoop
+
+        if self._legacy_loop is None:
+            self._legacy_loop = FeedbackLoop(self, refit_every=1, forgetting=self.forgetting,
+                                             prior=self.prior_time_coef, prior_strength=self.prior_strength,
+                                             min_weight=1e-6)
+        return self._legacy_loop
+
+    def observe(self, phi, measured_s, weight: float = 1.0) -> None:
+        """Deprecated: ``FeedbackLoop(cost).record(phi, measured_s)`` (the one refit path).
+
+        Records measured stage times (seconds) of micro-batches with features ``phi`` in a
+        `FeedbackLoop` of this model (forgetting ``self.forgetting`` per call, prior the analytic
+        coefficients, ridge ``self.prior_strength``)."""
+        import warnings
+
+        warnings.warn("CostModel.observe is deprecated: record measured times with "
+                      "dynabatch.core.feedback.FeedbackLoop(cost).record(...) or record_step(...), the one refit path",
+                      DeprecationWarning, stacklevel=2)
         phi = np.atleast_2d(np.asarray(phi, np.float64))
         y = np.atleast_1d(np.asarray(measured_s, np.float64))
         if phi.shape != (len(y), NUM_FEATURES):
             raise ValueError(f"observe needs phi of shape [n, {NUM_FEATURES}] matching {len(y)} times")
         if np.any(~np.isfinite(y)) or np.any(y < 0):
             raise ValueError("observed times must be finite and non-negative seconds")
-        self._obs.weight = [w * self.forgetting for w in self._obs.weight]
-        self._obs.phi.extend(phi)
-        self._obs.time_s.extend(y)
-        self._obs.weight.extend([weight] * len(y))
-        # Forgotten observations no longer move the fit: drop them so memory stays bounded.
-        keep = next((k for k, w in enumerate(self._obs.weight) if w >= 1e-6 * weight), len(self._obs.weight))
-        keep = max(keep, len(self._obs.weight) - MAX_OBSERVATIONS)
-        if keep:
-            del self._obs.phi[:keep], self._obs.time_s[:keep], self._obs.weight[:keep]
+        self._legacy().record(phi, y, weight=weight)
 
     @property
     def num_observations(self) -> int:
-        """How many micro-batch timings `observe` has recorded."""
-        return len(self._obs.time_s)
+        """How many micro-batch timings the deprecated `observe` holds for `refit`."""
+        return 0 if self._legacy_loop is None else self._legacy_loop.num_observations
 
     def refit(self) -> np.ndarray:
-        """Least-squares refit of the time coefficients on the observed features, shrunk towards the
-        analytic prior (so few observations cannot produce a wild model). Returns the new coefficients."""
-        if not self._obs.time_s:
+        """Deprecated: ``FeedbackLoop.refit``/``maybe_refit`` (the one refit path; this delegates to it).
+        Returns the new coefficients."""
+        import warnings
+
+        warnings.warn("CostModel.refit is deprecated: refit with dynabatch.core.feedback.FeedbackLoop "
+                      "(maybe_refit/refit), the one refit path", DeprecationWarning, stacklevel=2)
+        if self._legacy_loop is None or self._legacy_loop.num_observations == 0:
             raise ValueError("refit() needs observations: call observe(phi, measured_seconds) first")
-        self.time_coef = fit_relative(np.array(self._obs.phi), np.array(self._obs.time_s),
-                                         np.array(self._obs.weight), self.prior_time_coef, self.prior_strength)
+        self._legacy_loop.refit()
         return self.time_coef.copy()
 
     def mape(self, phi, measured_s) -> float:
@@ -611,31 +475,8 @@ class CostModel:
         return CostModel(replace(self.model, **changes), self.device, pad_multiple=self.pad_multiple)
 
     def __repr__(self) -> str:
-        src = "profiled" if self.table is not None else ("refit" if self._obs.time_s else "analytic")
+        src = "profiled" if self.table is not None else ("refit" if self.version else "analytic")
         return f"CostModel({self.model.name}, {self.device.name}, {src})"
-
-
-def fit_relative(phi, y, w, prior, strength) -> np.ndarray:
-    """Weighted least squares on *relative* residuals with a Gaussian prior on the relative
-    deviation from ``prior``.
-
-    Solving for c = prior * (1 + delta) keeps features of wildly different scale comparable;
-    dividing each row by its measured time makes the fit minimize percentage error (what MAPE
-    reports) instead of letting the longest micro-batches dominate; ``strength`` is the prior's
-    weight on every ``delta`` (the noise-to-prior variance ratio), so coefficients the data
-    cannot pin down stay near the analytic model instead of absorbing the others' residuals.
-    Coefficients whose prior is 0 stay 0 (the feature does not apply to this model); negative
-    coefficients are clipped to 0 (a cost cannot shrink with more work).
-    """
-    active = prior > 0
-    X = phi[:, active] * prior[active]  # columns in units of the prior's prediction
-    scale = np.sqrt(w) / np.maximum(y, 1e-30)
-    A = X * scale[:, None]
-    b = (y - X.sum(axis=1)) * scale
-    delta = np.linalg.solve(A.T @ A + strength * np.eye(A.shape[1]), A.T @ b)
-    c = prior.copy()
-    c[active] = np.maximum(prior[active] * (1.0 + delta), 0.0)
-    return c
 
 
 def describe(cost: CostModel) -> str:

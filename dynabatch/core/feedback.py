@@ -1,10 +1,21 @@
-"""Close the loop between measured step times and the planner's cost model.
+"""Close the loop between measured step times and the planner's cost model: the one refit path.
 
-`FeedbackLoop.record(plan, timings)` turns each executed micro-batch into an observation
-``(features phi, measured seconds)``, forwards it to `CostModel.observe`, and keeps its own window;
-`FeedbackLoop.maybe_refit()` refits the time coefficients every ``refit_every`` recorded steps and
-writes them into the cost model the planner uses, so the next global batches are planned with
-what was measured.
+Online, with the loader (the first-class loop)::
+
+    loader = DataLoader(..., cost_model=cost, feedback=FeedbackLoop(cost))
+    for step in loader.steps():                       # a Step: this rank's micro-batches + the plan
+        result = runner.step(batch_shapes(step), step, optimizer=optimizer)
+        loader.feedback(result)                       # record_step(step, result), then maybe_refit()
+
+`FeedbackLoop.record_step(step, result)` takes the loader's step (its global `BatchPlan` and, for
+packed plans, its `Shapes`) and the runner's `StepResult`, turns each executed micro-batch into an
+observation ``(features phi, measured seconds)`` scored against the plan's own prediction, and
+`FeedbackLoop.maybe_refit()` refits the time coefficients every ``refit_every`` recorded steps,
+writing them in place into the cost model the planner uses (``CostModel.version`` + 1; after
+``CostModel.share_memory()`` forked planner processes and DataLoader workers see them too), so the
+next global batches are planned with what was measured. `record(plan_or_phi, timings)` is the same
+for a plan or feature rows without a loader. `CostModel.observe`/`CostModel.refit` are deprecated
+wrappers of this class; the math is `dynabatch.core.fit`.
 
 The refit is a robust, prior-regularized least squares on the analytic features:
 
@@ -30,11 +41,13 @@ refit identically and keep planning the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
 import numpy as np
 
 from .batchplan import BatchPlan
-from .cost import NUM_FEATURES, CostModel, fit_relative
+from .cost import NUM_FEATURES, CostModel
+from .fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
 from .shapes import Shapes
 
 
@@ -44,7 +57,8 @@ class FeedbackRow:
     ``window`` of them new since the previous refit. ``mape_before_refit`` is the relative error (a
     fraction, 0.1 = 10%) of the predictions the planner used for those new observations (out of
     sample); ``mape_after_refit`` that of the refit coefficients on the same observations.
-    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.FEATURES`)."""
+    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.FEATURES`),
+    ``version`` the cost model's `CostModel.version` after writing them."""
 
     step: int
     observations: int
@@ -52,43 +66,87 @@ class FeedbackRow:
     mape_before_refit: float
     mape_after_refit: float
     time_coef: tuple[float, ...]
+    version: int = 0
 
 
 @dataclass(frozen=True)
 class StepError:
     """Prediction error of one recorded step: MAPE (fraction) of the planner's predictions against the
-    measured micro-batch times, before anything was learned from them."""
+    measured micro-batch times, before anything was learned from them; ``predicted_s`` and
+    ``measured_s`` are their sums over the step's recorded micro-batches (seconds, one stage each);
+    ``global_step`` the loader's step number when recorded with `FeedbackLoop.record_step`."""
 
     step: int
     mape: float
     microbatches: int
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    global_step: int | None = None
 
 
-def _mape(pred: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12))) if len(y) else float("nan")
+@dataclass(frozen=True)
+class StepObservations:
+    """What one recorded step contributed: feature rows ``phi`` [n, NUM_FEATURES], ``measured_s`` [n]
+    and the planner's ``predicted_s`` [n] (seconds), in plan order."""
+
+    phi: np.ndarray
+    measured_s: np.ndarray
+    predicted_s: np.ndarray
+
+
+def plan_features(cost: CostModel, plan: BatchPlan, shapes: Shapes | None = None,
+                  rank: int | None = None) -> np.ndarray:
+    """Feature rows [n, NUM_FEATURES] of ``plan``'s micro-batches (all ranks, or ``rank``'s) in plan
+    order, under ``cost``'s feature layout. Packed (varlen) plans need the global batch's ``shapes``
+    for per-sample lengths."""
+    sel = np.arange(plan.num_microbatches) if rank is None else np.flatnonzero(plan.mb_rank == rank)
+    if plan.collation != "packed":
+        return cost.padded_features(plan.mb_rows[sel], plan.mb_input_len[sel], plan.mb_target_len[sel],
+                                    plan.mb_vision_tiles[sel])
+    if shapes is None:
+        raise ValueError("features of a packed plan need the global batch's Shapes (per-sample lengths)")
+    main, dec, tiles = cost.sample_dims(shapes, plan.options.get("max_len"), plan.options.get("max_target_len"))
+    pos = {int(s): i for i, s in enumerate(shapes.sample_id)}
+    idx = np.array([pos[int(s)] for s in plan.sample_ids], np.int64)
+    sizes = np.diff(plan.mb_offsets)
+    group = np.repeat(np.arange(plan.num_microbatches), sizes)
+    phi = cost.packed_features(main[idx], dec[idx], tiles[idx], group)
+    return phi[sel]
+
+
+def _timings_of(result) -> list:
+    """StepTimings of a `StepResult` (every rank's when gathered, else its own) or of a sequence."""
+    if hasattr(result, "timing") and hasattr(result, "all_timings"):
+        return list(result.all_timings) if result.all_timings is not None else [result.timing]
+    return [result] if not isinstance(result, (list, tuple)) else list(result)
 
 
 class FeedbackLoop:
     """Measured micro-batch times -> robust online refit of a `CostModel` (see the module docstring).
 
-    ``cost_model`` is updated in place (give the same object to the planner, or read `cost_model`).
-    ``refit_every``: recorded steps between refits. ``forgetting``: per-step weight decay of old
-    observations (1.0 = never forget). ``huber_k``: Huber threshold in robust standard deviations.
-    ``prior_strength``: ridge weight towards the starting coefficients (relative to each feature's energy).
-    ``min_weight``: observations whose weight decayed below it are dropped.
+    ``cost_model`` is updated in place (give the same object to the planner or the `DataLoader`, or
+    read `cost_model`). ``refit_every``: recorded steps between refits. ``forgetting``: per-step
+    weight decay of old observations (1.0 = never forget). ``huber_k``: Huber threshold in robust
+    standard deviations. ``prior``: coefficients the fit is pulled towards (default: the model's
+    ``time_coef`` when the loop is built); ``prior_strength``: the pull (relative to each feature's
+    energy). ``min_weight``: observations whose weight decayed below it are dropped;
+    ``max_observations``: at most this many are kept (the oldest go first).
     A `ProfiledTable` attached to the model is dropped at the first refit: the linear fit to the
     table is the starting point and measurements take over from there.
     """
 
     def __init__(self, cost_model: CostModel, *, refit_every: int = 5, forgetting: float = 0.9,
-                 huber_k: float = 1.345, irls_iters: int = 10, prior_strength: float = 1e-3,
-                 stage_reduce: str | int = "max", min_weight: float = 1e-4):
+                 huber_k: float = 1.345, irls_iters: int = 10, prior=None, prior_strength: float = 1e-3,
+                 stage_reduce: str | int = "max", min_weight: float = 1e-4,
+                 max_observations: int = MAX_OBSERVATIONS):
         if refit_every < 1:
             raise ValueError("refit_every must be >= 1")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError("forgetting must be in (0, 1]")
         if not (stage_reduce in ("max", "mean") or isinstance(stage_reduce, int)):
             raise ValueError("stage_reduce must be 'max', 'mean' or a stage index")
+        if max_observations < 1:
+            raise ValueError("max_observations must be >= 1")
         self._cost = cost_model
         self.refit_every = int(refit_every)
         self.forgetting = float(forgetting)
@@ -97,11 +155,16 @@ class FeedbackLoop:
         self.prior_strength = float(prior_strength)
         self.stage_reduce = stage_reduce
         self.min_weight = float(min_weight)
-        self.prior = cost_model.time_coef.copy()
+        self.max_observations = int(max_observations)
+        self.prior = np.array(cost_model.time_coef if prior is None else prior, np.float64)
+        if self.prior.shape != (NUM_FEATURES,):
+            raise ValueError(f"prior must have {NUM_FEATURES} coefficients")
         self.history: list[FeedbackRow] = []
         self.step_errors: list[StepError] = []
+        self.last: StepObservations | None = None  # the last recorded step's observations
         self._phi = np.zeros((0, NUM_FEATURES))
         self._y = np.zeros(0)
+        self._w = np.zeros(0)  # base weight of each observation (before forgetting)
         self._step = np.zeros(0, np.int64)
         self._pred = np.zeros(0)  # prediction at record time (the planner's), for the window score
         self._steps_recorded = 0
@@ -119,43 +182,42 @@ class FeedbackLoop:
         """Observations currently in the fit window (after dropping decayed ones)."""
         return len(self._y)
 
-    def plan(self, shapes: Shapes, **kw) -> BatchPlan:
+    @property
+    def steps_recorded(self) -> int:
+        """Steps recorded so far."""
+        return self._steps_recorded
+
+    def plan(self, shapes: Shapes, *args, **kw) -> BatchPlan:
         """`dynabatch.core.plan.plan_microbatches` with the current cost model."""
         from .plan import plan_microbatches
 
-        return plan_microbatches(shapes, self._cost, **kw)
+        return plan_microbatches(shapes, self._cost, *args, **kw)
 
     # -- features ----------------------------------------------------------------------------------
     def features(self, plan: BatchPlan, shapes: Shapes | None = None, rank: int | None = None) -> np.ndarray:
-        """Feature rows [n, NUM_FEATURES] of the plan's micro-batches (all ranks, or ``rank``'s) in plan
-        order. Packed (varlen) plans need the global batch's ``shapes`` for per-sample lengths."""
-        sel = np.arange(plan.num_microbatches) if rank is None else np.flatnonzero(plan.mb_rank == rank)
-        if plan.collation != "packed":
-            return self._cost.padded_features(plan.mb_rows[sel], plan.mb_input_len[sel], plan.mb_target_len[sel],
-                                              plan.mb_vision_tiles[sel])
-        if shapes is None:
-            raise ValueError("features of a packed plan need the global batch's Shapes (per-sample lengths)")
-        main, dec, tiles = self._cost.sample_dims(shapes, plan.options.get("max_len"), plan.options.get("max_target_len"))
-        pos = {int(s): i for i, s in enumerate(shapes.sample_id)}
-        idx = np.array([pos[int(s)] for s in plan.sample_ids], np.int64)
-        sizes = np.diff(plan.mb_offsets)
-        group = np.repeat(np.arange(plan.num_microbatches), sizes)
-        phi = self._cost.packed_features(main[idx], dec[idx], tiles[idx], group)
-        return phi[sel]
+        """`plan_features` under this loop's cost model."""
+        return plan_features(self._cost, plan, shapes, rank)
 
-    def _measured(self, plan: BatchPlan, timings) -> tuple[np.ndarray, np.ndarray]:
-        """(micro-batch indices into the plan, measured seconds) from one or all ranks' StepTimings."""
-        timings = [timings] if not isinstance(timings, (list, tuple)) else list(timings)
+    def _measured(self, plan: BatchPlan, timings, placeholders: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(micro-batch indices into the plan, measured seconds) from one or all ranks' StepTimings.
+
+        ``placeholders``: a rank may have timed more micro-batches than the plan gives it (the
+        loader's trailing zero-token placeholders, or a rank the plan has none for); those are skipped."""
         by_replica: dict[int, list] = {}
-        for t in timings:
+        for t in _timings_of(timings):
             by_replica.setdefault(int(t.replica), []).append(t)
         idx, y = [], []
         for d, ts in sorted(by_replica.items()):
             mbs = np.flatnonzero(plan.mb_rank == d)
-            per_stage = {int(t.stage): np.asarray(t.compute_s, np.float64) for t in ts}
-            for st, v in per_stage.items():
-                if len(v) != len(mbs):
-                    raise ValueError(f"stage {st} of replica {d} timed {len(v)} micro-batches; the plan has {len(mbs)}")
+            per_stage = {}
+            for t in ts:
+                v = np.asarray(t.compute_s, np.float64)
+                if len(v) != len(mbs) and not (placeholders and len(v) > len(mbs)):
+                    raise ValueError(f"stage {int(t.stage)} of replica {d} timed {len(v)} micro-batches; "
+                                     f"the plan has {len(mbs)}")
+                per_stage[int(t.stage)] = v[:len(mbs)]
+            if not len(mbs):
+                continue
             stack = np.array([per_stage[k] for k in sorted(per_stage)])
             if len(per_stage) == 1:
                 vals = stack[0]
@@ -169,16 +231,47 @@ class FeedbackLoop:
                 vals = per_stage[self.stage_reduce]
             idx.append(mbs)
             y.append(vals)
+        if not idx:
+            return np.zeros(0, np.int64), np.zeros(0)
         return np.concatenate(idx), np.concatenate(y)
 
     # -- recording ---------------------------------------------------------------------------------
-    def record(self, what, timings, *, shapes: Shapes | None = None, predicted_s=None) -> float:
+    def record_step(self, step, result) -> float:
+        """Record one step the `DataLoader` yielded and the runner executed; returns the MAPE (fraction)
+        of the plan's predictions on it.
+
+        ``step``: the loader's `Step` (anything with ``.plan``, the step's global `BatchPlan`, and, for
+        packed plans, ``.shapes``, the global batch's `Shapes`; ``.step`` is kept as the global step
+        number). ``result``: the runner's `StepResult` (its ``all_timings``, every rank's, with
+        ``RunnerConfig(gather_timing=True)``; else its own ``timing``) or a sequence of `StepTiming`.
+        Timings of trailing placeholder micro-batches (ranks padded to equal counts) are skipped. A
+        one-rank plan (the streaming loader's own share) is matched with this replica's timings only
+        (``step.rank``); a step without a plan (a replayed plan file) raises TypeError.
+        """
+        plan = getattr(step, "plan", None)
+        if not isinstance(plan, BatchPlan):
+            raise TypeError("record_step needs the loader's step (with .plan, its BatchPlan); "
+                            "use record(plan_or_phi, timings) otherwise")
+        shapes = getattr(step, "shapes", None)
+        timings = _timings_of(result)
+        if plan.num_ranks == 1 and any(int(t.replica) != 0 for t in timings):
+            # a rank's own plan (the streaming loader): only this replica's timings belong to it
+            mine = int(getattr(step, "rank", 0) or 0)
+            timings = [replace(t, replica=0) for t in timings if int(t.replica) == mine]
+        idx, y = self._measured(plan, timings, placeholders=True)
+        phi = self.features(plan, shapes)[idx]
+        pred = np.asarray(plan.mb_time_s, np.float64)[idx]
+        gstep = getattr(step, "step", None)
+        return self._add(phi, y, pred, 1.0, None if gstep is None else int(gstep))
+
+    def record(self, what, timings, *, shapes: Shapes | None = None, predicted_s=None, weight: float = 1.0) -> float:
         """Record one executed step and return the MAPE (fraction) of the planner's predictions on it.
 
-        ``what`` is the step's `BatchPlan` (then ``timings`` is a `StepTiming` or a sequence of them,
-        e.g. ``StepResult.all_timings``; predictions are the plan's ``mb_time_s``) or feature rows
-        ``phi`` [n, NUM_FEATURES] (then ``timings`` are n measured seconds or a `StepTiming` whose
-        ``compute_s`` has n entries; predictions are ``predicted_s`` or the current model's).
+        ``what`` is the step's `BatchPlan` (then ``timings`` is a `StepResult`, a `StepTiming` or a
+        sequence of them, e.g. ``StepResult.all_timings``; predictions are the plan's ``mb_time_s``) or
+        feature rows ``phi`` [n, NUM_FEATURES] (then ``timings`` are n measured seconds or a `StepTiming`
+        whose ``compute_s`` has n entries; predictions are ``predicted_s`` or the current model's).
+        ``weight`` scales the step's observations in the fit.
         """
         if isinstance(what, BatchPlan):
             idx, y = self._measured(what, timings)
@@ -188,21 +281,41 @@ class FeedbackLoop:
             phi = np.atleast_2d(np.asarray(what, np.float64))
             y = np.asarray(timings.compute_s if hasattr(timings, "compute_s") else timings, np.float64).ravel()
             pred = self._cost.time(phi) if predicted_s is None else np.asarray(predicted_s, np.float64)
-        if phi.shape != (len(y), NUM_FEATURES):
-            raise ValueError(f"{len(y)} measured times for feature rows of shape {phi.shape}")
+        return self._add(phi, y, pred, weight, None)
+
+    def _add(self, phi, y, pred, weight: float, global_step: int | None) -> float:
+        pred = np.asarray(pred, np.float64).ravel()
+        if phi.shape != (len(y), NUM_FEATURES) or len(pred) != len(y):
+            raise ValueError(f"{len(y)} measured times for feature rows of shape {phi.shape} "
+                             f"and {len(pred)} predictions")
         keep = np.isfinite(y) & (y > 0)
         phi, y, pred = phi[keep], y[keep], pred[keep]
-        self._cost.observe(phi, y)
         step = self._steps_recorded
         self._phi = np.vstack([self._phi, phi])
         self._y = np.concatenate([self._y, y])
+        self._w = np.concatenate([self._w, np.full(len(y), float(weight))])
         self._step = np.concatenate([self._step, np.full(len(y), step, np.int64)])
         self._pred = np.concatenate([self._pred, pred])
         self._steps_recorded += 1
         self._since_refit += 1
+        self._trim(self._steps_recorded - 1)
         err = _mape(pred, y)
-        self.step_errors.append(StepError(step, err, len(y)))
+        self.last = StepObservations(phi, y, pred)
+        self.step_errors.append(StepError(step, err, len(y), float(pred.sum()), float(y.sum()), global_step))
         return err
+
+    def _trim(self, now: int) -> np.ndarray:
+        """Drop observations whose weight decayed below ``min_weight`` (and the oldest beyond
+        ``max_observations``); returns the remaining observations' forgetting weights."""
+        w0 = self._w * self.forgetting ** (now - self._step).astype(np.float64)
+        live = w0 >= self.min_weight * np.maximum(self._w, 1e-300)
+        cut = int(np.argmax(live)) if live.any() else len(live)
+        cut = max(cut, len(self._y) - self.max_observations)
+        if cut > 0:
+            self._phi, self._y, self._w, self._step, self._pred, w0 = (
+                a[cut:] for a in (self._phi, self._y, self._w, self._step, self._pred, w0))
+            self._window_start = max(self._window_start - cut, 0)
+        return w0
 
     # -- refitting ---------------------------------------------------------------------------------
     def maybe_refit(self) -> FeedbackRow | None:
@@ -212,55 +325,22 @@ class FeedbackLoop:
         return self.refit()
 
     def refit(self) -> FeedbackRow:
-        """Robust refit now (see the module docstring); updates the cost model and `history`."""
+        """Robust refit now (see the module docstring): writes the coefficients into the cost model in
+        place (``CostModel.version`` + 1) and appends to `history`."""
         if len(self._y) == 0:
             raise ValueError("refit() needs recorded observations")
         now = self._steps_recorded - 1
-        w0 = self.forgetting ** (now - self._step).astype(np.float64)
-        live = w0 >= self.min_weight
-        # drop what has decayed away (keeps the buffers bounded under forgetting < 1)
-        cut = int(np.argmax(live)) if live.any() else len(live)
-        shift = min(cut, self._window_start)
-        self._phi, self._y, self._step, self._pred, w0 = (a[shift:] for a in (self._phi, self._y, self._step,
-                                                                               self._pred, w0))
-        self._window_start -= shift
+        w0 = self._trim(now)
         coef = robust_fit(self._phi, self._y, w0, self.prior, self._cost.time_coef, huber_k=self.huber_k,
                           iters=self.irls_iters, prior_strength=self.prior_strength)
         win = slice(self._window_start, None)
         before = _mape(self._pred[win], self._y[win])
         after = _mape(self._phi[win] @ coef, self._y[win])
-        self._cost.time_coef = coef
+        self._cost.time_coef = coef  # in place: shared memory and every holder of the model see it
         self._cost.table = None  # measurements supersede a profiled table from here on
-        row = FeedbackRow(now, int(live[shift:].sum()), len(self._y) - self._window_start, before, after,
-                          tuple(float(c) for c in coef))
+        row = FeedbackRow(now, int((w0 > 0).sum()), len(self._y) - self._window_start, before, after,
+                          tuple(float(c) for c in coef), self._cost.version)
         self.history.append(row)
         self._window_start = len(self._y)
         self._since_refit = 0
         return row
-
-
-def robust_fit(phi, y, weight, prior, start, *, huber_k: float = 1.345, iters: int = 10,
-               prior_strength: float = 1e-3) -> np.ndarray:
-    """Huber-IRLS fit of time coefficients on relative errors, ridge-shrunk towards ``prior``.
-
-    ``phi`` [n, NUM_FEATURES], ``y`` [n] seconds, ``weight`` [n] (forgetting), ``start`` the first
-    iterate. Returns the coefficients (seconds per feature unit, non-negative; zero where the prior is).
-    """
-    phi = np.asarray(phi, np.float64)
-    y = np.asarray(y, np.float64)
-    base = np.asarray(weight, np.float64)
-    prior = np.asarray(prior, np.float64)
-    coef = np.asarray(start, np.float64).copy()
-    hub = np.ones(len(y))
-    for _ in range(max(iters, 1)):
-        new = fit_relative(phi, y, base * hub, prior, prior_strength)
-        r = (phi @ new - y) / np.maximum(y, 1e-12)
-        mad = float(np.median(np.abs(r - np.median(r)))) * 1.4826
-        scale = max(mad, 1e-3)  # below 0.1% relative error every point is an inlier
-        u = np.abs(r) / scale
-        hub = np.where(u <= huber_k, 1.0, huber_k / np.maximum(u, 1e-12))
-        done = np.allclose(new, coef, rtol=1e-6, atol=0.0)
-        coef = new
-        if done:
-            break
-    return coef

@@ -15,9 +15,10 @@ Op encoding (int32): ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)``
 backward; a schedule is an ``[S, 2M]`` array holding one such list per stage.
 
 The hot loops are ``@njit(cache=True)`` kernels (:func:`simulate_kernel`,
-:func:`makespan_kernel`, :func:`schedule_kernel`, :func:`inflight_kernel`) that other numba
-code may call directly with contiguous float64 / int32 arrays. :func:`simulate_pipeline` is
-the validating, user-facing wrapper.
+:func:`makespan_kernel`, :func:`schedule_kernel`, :func:`inflight_kernel`, defined with their
+plain-Python references in `dynabatch.core.kernels.simulate`) that other numba code may call
+directly with contiguous float64 / int32 arrays. :func:`simulate_pipeline` is the validating,
+user-facing wrapper.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+
+from .options import SCHEDULE_CODES, SCHEDULES
+
+# The kernels live beside their plain-Python references in `kernels.simulate`; they are
+# re-exported here because numba callers (the planner, `dynabatch.pipeline`) use them by this name.
+from .kernels.simulate import (
+    DEADLOCK,
+    inflight_kernel,
+    makespan_kernel,
+    schedule_kernel,
+    simulate_kernel,
+)
 
 __all__ = [
     "PipelineDeadlock",
@@ -39,11 +51,8 @@ __all__ = [
     "simulate_pipeline",
 ]
 
-#: Schedule name -> ``kind_code`` understood by :func:`schedule_kernel`.
-SCHEDULE_KINDS: dict[str, int] = {"gpipe": 0, "1f1b": 1}
-
-#: Return codes of :func:`simulate_kernel`.
-OK, DEADLOCK, BAD_INPUT = 0, 1, 2
+#: Schedule name -> ``kind_code`` of :func:`schedule_kernel` (the one vocabulary of `dynabatch.core.options`).
+SCHEDULE_KINDS = SCHEDULE_CODES
 
 
 class PipelineDeadlock(RuntimeError):
@@ -78,194 +87,6 @@ class SimResult:
     end_s: np.ndarray
 
 
-# --------------------------------------------------------------------------- kernels
-
-
-@njit(cache=True)
-def schedule_kernel(S, M, kind_code):
-    """int32 ``[S, 2M]`` op lists for ``kind_code`` 0 (GPipe) or 1 (Megatron 1F1B).
-
-    GPipe: every stage runs ``F_0 .. F_{M-1}`` then ``B_0 .. B_{M-1}`` (FIFO backwards).
-    1F1B: stage ``s`` runs ``min(S-s-1, M)`` warm-up forwards, then alternates one forward
-    and one backward, then drains the remaining backwards.
-    """
-    ops = np.empty((S, 2 * M), dtype=np.int32)
-    for s in range(S):
-        warmup = M if kind_code == 0 else min(S - s - 1, M)
-        k = 0
-        for j in range(warmup):
-            ops[s, k] = j + 1
-            k += 1
-        for i in range(M - warmup):
-            ops[s, k] = warmup + i + 1
-            ops[s, k + 1] = -(i + 1)
-            k += 2
-        for i in range(M - warmup, M):
-            ops[s, k] = -(i + 1)
-            k += 1
-    return ops
-
-
-@njit(cache=True)
-def simulate_kernel(fwd, bwd, p2p, ops, start, end):
-    """Simulate op lists ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
-
-    ``fwd``/``bwd`` are float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds.
-    Returns 0 when every op ran, 1 on deadlock (unfinished ops keep ``-inf`` in both
-    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M``.
-    Each op is examined O(1) times, so the cost is O(S*M).
-    """
-    S, M = fwd.shape
-    n_ops = 2 * M
-    if ops.shape[0] != S or ops.shape[1] != n_ops:
-        return BAD_INPUT
-    start[:] = -np.inf
-    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
-    ptr = np.zeros(S, dtype=np.int64)
-    free = np.zeros(S)
-    # Worklist of stages that may be able to advance: a stage only becomes unblocked when a
-    # neighbour finishes an op, so re-queueing neighbours after progress keeps this O(S*M)
-    # instead of re-sweeping all stages until a fixpoint.
-    stack = np.empty(S, dtype=np.int64)
-    queued = np.ones(S, dtype=np.bool_)
-    for i in range(S):
-        stack[i] = S - 1 - i
-    top = S
-    remaining = S * n_ops
-    while top > 0:
-        top -= 1
-        s = stack[top]
-        queued[s] = False
-        advanced = False
-        while ptr[s] < n_ops:
-            op = ops[s, ptr[s]]
-            if op > 0 and op <= M:
-                j = op - 1
-                k = 0
-                dur = fwd[s, j]
-                if s == 0:
-                    ready = 0.0
-                else:
-                    e = end[s - 1, j, 0]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[j]
-            elif op < 0 and op >= -M:
-                j = -op - 1
-                k = 1
-                dur = bwd[s, j]
-                if s == S - 1:
-                    ready = end[s, j, 0]
-                    if ready == -np.inf:
-                        break
-                else:
-                    e = end[s + 1, j, 1]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[j]
-            else:
-                return BAD_INPUT
-            t0 = max(free[s], ready)
-            t1 = t0 + dur
-            start[s, j, k] = t0
-            end[s, j, k] = t1
-            free[s] = t1
-            ptr[s] += 1
-            remaining -= 1
-            advanced = True
-        if advanced:
-            for nb in (s - 1, s + 1):
-                if nb >= 0 and nb < S and not queued[nb] and ptr[nb] < n_ops:
-                    stack[top] = nb
-                    top += 1
-                    queued[nb] = True
-    return DEADLOCK if remaining > 0 else OK
-
-
-@njit(cache=True)
-def makespan_kernel(fwd, bwd, p2p, ops):
-    """Makespan in seconds of op lists ``ops``; ``+inf`` on deadlock, NaN on malformed ``ops``.
-
-    Same argument types as :func:`simulate_kernel`.
-    """
-    S, M = fwd.shape
-    start = np.empty((S, M, 2))
-    end = np.empty((S, M, 2))
-    code = simulate_kernel(fwd, bwd, p2p, ops, start, end)
-    if code == DEADLOCK:
-        return np.inf
-    if code != OK:
-        return np.nan
-    return end.max() if end.size else 0.0
-
-
-@njit(cache=True)
-def inflight_kernel(ops, mem, peak_n, peak_bytes):
-    """Fill ``peak_n`` (int64 ``[S]``) and ``peak_bytes`` (float64 ``[S]``, bytes) from ``ops``.
-
-    ``mem`` is float64 ``[M]`` activation bytes per micro-batch. See :class:`SimResult` for
-    the definition of in-flight; it depends only on the order, not on the times.
-    """
-    for s in range(ops.shape[0]):
-        n = 0
-        held = 0.0
-        best_n = 0
-        best_b = 0.0
-        for k in range(ops.shape[1]):
-            op = ops[s, k]
-            if op > 0:
-                n += 1
-                held += mem[op - 1]
-                best_n = max(best_n, n)
-                best_b = max(best_b, held)
-            else:
-                n -= 1
-                held -= mem[-op - 1]
-        peak_n[s] = best_n
-        peak_bytes[s] = best_b
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def _simulate_reference(fwd, bwd, p2p, ops):
-    """Plain-Python oracle for :func:`simulate_kernel`: sweep all stages until nothing moves.
-
-    Returns ``(start, end, deadlocked)`` with the same ``-inf`` convention.
-    """
-    S, M = len(fwd), len(fwd[0])
-    start = np.full((S, M, 2), -np.inf)
-    end = np.full((S, M, 2), -np.inf)
-    finished = {}  # (stage, micro-batch, 0 fwd / 1 bwd) -> end time
-    pos = [0] * S
-    free = [0.0] * S
-    moved = True
-    while moved:
-        moved = False
-        for s in range(S):
-            while pos[s] < 2 * M:
-                op = int(ops[s][pos[s]])
-                j, k = abs(op) - 1, int(op < 0)
-                if k == 0:
-                    dep, delay = ((s - 1, j, 0), float(p2p[j])) if s > 0 else (None, 0.0)
-                elif s == S - 1:
-                    dep, delay = (s, j, 0), 0.0
-                else:
-                    dep, delay = (s + 1, j, 1), float(p2p[j])
-                if dep is not None and dep not in finished:
-                    break
-                ready = 0.0 if dep is None else finished[dep] + delay
-                t0 = max(free[s], ready)
-                t1 = t0 + float(fwd[s][j] if k == 0 else bwd[s][j])
-                start[s, j, k], end[s, j, k] = t0, t1
-                finished[(s, j, k)] = t1
-                free[s] = t1
-                pos[s] += 1
-                moved = True
-    deadlocked = any(p < 2 * M for p in pos)
-    return start, end, deadlocked
-
-
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -273,11 +94,12 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, kind: str = "1f1b"
     """Per-stage op lists, int32 ``[num_stages, 2 * num_microbatches]`` (encoding in the module doc).
 
     ``kind`` is ``"gpipe"`` (all forwards, then all backwards in micro-batch order 0..M-1)
-    or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order).
+    or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order); ``"adaptive"``
+    is simulated as ``"1f1b"`` (see `dynabatch.core.options.SCHEDULES`).
     """
     code = SCHEDULE_KINDS.get(str(kind).lower())
     if code is None:
-        raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {sorted(SCHEDULE_KINDS)}")
+        raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {SCHEDULES}")
     S, M = int(num_stages), int(num_microbatches)
     if S < 1 or M < 1:
         raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {S} and {M}")

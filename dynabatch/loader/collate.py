@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from numba import njit
+
+from ..core.kernels.rows import pad_rows
 
 IGNORE_INDEX = -100
 
@@ -106,30 +107,13 @@ def _labels_of(samples) -> list[np.ndarray]:
     return [s.labels if s.labels is not None else s.input_ids for s in samples]
 
 
-@njit(cache=True)
-def _pad_rows(flat, lengths, fill, out, mask):
-    """Row i of ``out`` [n, L]: sample i's values from ``flat`` (samples concatenated in row
-    order), then ``fill``. ``mask`` (same shape, or 0 rows to skip) gets 1 on real tokens, else 0.
-    One pass instead of a boolean mask, a fill and a scatter per micro-batch; `_dense` is the
-    plain-numpy reference the tests compare it with."""
-    pos = 0
-    L = out.shape[1]
-    for i in range(lengths.shape[0]):
-        n = lengths[i]
-        for j in range(L):
-            out[i, j] = flat[pos + j] if j < n else fill
-        if mask.shape[0]:
-            for j in range(L):
-                mask[i, j] = 1 if j < n else 0
-        pos += n
-
-
 def _rows(flat, lengths: np.ndarray, L: int, fill: int, with_mask: bool):
-    """(values [n, L] int64, attention mask [n, L] int64 or None) via `_pad_rows`."""
+    """(values [n, L] int64, attention mask [n, L] int64 or None) via the `pad_rows` kernel; `_dense`
+    is the boolean-mask numpy path the tests compare it with."""
     n = len(lengths)
     out = np.empty((n, L), np.int64)
     mask = np.empty((n, L) if with_mask else (0, 0), np.int64)
-    _pad_rows(np.asarray(flat, np.int64), lengths, fill, out, mask)
+    pad_rows(np.asarray(flat, np.int64), lengths, fill, out, mask)
     return out, (mask if with_mask else None)
 
 

@@ -61,6 +61,13 @@ class StepPlan:
     plan_time_s: float = 0.0
     #: index positions of `sample_ids` (indexed mode, when the planner computed them), else None
     positions: np.ndarray | None = None
+    #: the step's `BatchPlan`: the global plan (indexed mode), this rank's own plan (streaming), None
+    #: for a replayed plan file
+    plan: BatchPlan | None = None
+    #: `Shapes` of the samples of ``plan`` (set by the mode that made the plan), else None
+    shapes: object = None
+    #: ``getattr(cost_model, "version", 0)`` when the step was planned
+    cost_version: int = 0
 
     @property
     def num_microbatches(self) -> int:
@@ -167,7 +174,7 @@ def rank_step(plan: BatchPlan, rank: int, *, epoch: int, step_in_epoch: int, ste
     return StepPlan(step=int(plan.step), epoch=epoch, step_in_epoch=step_in_epoch, collation=plan.collation,
                     microbatches=tuple(mbs), step_real_tokens=int(plan.mb_real_tokens.sum()),
                     step_target_tokens=int(step_target_tokens), step_samples=len(plan.sample_ids),
-                    plan_time_s=plan_time_s)
+                    plan_time_s=plan_time_s, plan=plan)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ together with their slot's source state; the planning thread consumes the chunks
 the slots into a FIFO buffer of tokenized samples. Then, for every step:
 
 1. *Proposal*: the buffer's oldest samples up to this rank's share of the global batch
-   (``batch_tokens / world_size`` tokens, or ``batch_size / world_size`` samples), planned with
+   (``global_batch_tokens / world_size`` tokens, or ``global_batch_size / world_size`` samples), planned with
    ``plan_microbatches(..., num_ranks=1)`` -> its predicted step time.
 2. *Exchange 1* (`Collective.all_gather` of a few numbers): which ranks still have data, their
    proposed times and buffered amounts. All ranks empty: the epoch ends (on every rank at once).
@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..core.options import PlanOptions
 from ..core.plan import PlanningError, plan_microbatches
 from ..core.shapes import Shapes
 from .steps import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
@@ -240,33 +241,33 @@ class StreamBuffer:
 
 @dataclass
 class StreamConfig:
-    """Planning settings of the streaming mode (tokens and seconds)."""
+    """Planning settings of the streaming mode: the loader's `PlanOptions` (``num_ranks`` is the
+    world size) plus what only streaming has (``buffer_tokens``: lookahead in tokens)."""
 
     cost: object
-    world_size: int
+    options: PlanOptions
     rank: int
-    num_stages: int
-    batch_tokens: int | None
-    batch_size: int | None
-    method: str
-    max_len: int | None
-    max_target_len: int | None
-    method_options: dict = field(default_factory=dict)
-    memory_limit: float | None = None
-    schedule: str = "1f1b"
-    drop_last: bool = False
     buffer_tokens: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.options.num_ranks
+
+    @property
+    def total(self) -> float:
+        """The global batch: samples (``global_batch_size``) or tokens (``global_batch_tokens``)."""
+        o = self.options
+        return o.global_batch_size if o.global_batch_size is not None else o.global_batch_tokens
 
     @property
     def share(self) -> float:
         """This rank's nominal share of a global batch (tokens, or samples in sample mode)."""
-        total = self.batch_size if self.batch_size is not None else self.batch_tokens
-        return total / self.world_size
+        return self.total / self.world_size
 
     @property
     def buffer_target(self) -> float:
         """Buffered amount (tokens, or samples) kept before each step: lookahead for selection."""
-        if self.buffer_tokens is not None and self.batch_size is None:
+        if self.buffer_tokens is not None and self.options.global_batch_size is None:
             return max(float(self.buffer_tokens), self.share)
         return 2.0 * self.share
 
@@ -289,16 +290,15 @@ class StreamingPlanner:
 
     def _plan(self, shapes: Shapes, step: int):
         c = self.cfg
-        limit = c.memory_limit if c.memory_limit is not None else c.cost.memory_limit(c.num_stages, c.world_size)
-        kw = dict(num_stages=c.num_stages, num_ranks=1, memory_limit=limit, method=c.method, max_len=c.max_len,
-                  max_target_len=c.max_target_len, schedule=c.schedule, step=step, **c.method_options)
+        o = c.options
+        limit = o.memory_limit if o.memory_limit is not None else c.cost.memory_limit(o.num_stages, c.world_size)
         try:
-            return plan_microbatches(shapes, c.cost, **kw)
+            return plan_microbatches(shapes, c.cost, replace(o, num_ranks=1, memory_limit=limit), step=step)
         except PlanningError as e:
             raise PlanningError(f"rank {c.rank}, step {step}: {e}") from e
 
     def _units(self, buf: StreamBuffer) -> np.ndarray:
-        return np.ones(len(buf), np.int64) if self.cfg.batch_size is not None else buf.tok
+        return np.ones(len(buf), np.int64) if self.cfg.options.global_batch_size is not None else buf.tok
 
     def run(self, feed: ChunkFeed, buf: StreamBuffer, *, epoch: int, step: int, step_in_epoch: int,
             snapshot_extra=None):
@@ -327,13 +327,15 @@ class StreamingPlanner:
                                                     float(feed.done)]))
                 if g1[:, 0].sum() == 0:
                     return
-                total = c.batch_size if c.batch_size is not None else c.batch_tokens
-                if c.drop_last and g1[:, 3].all() and g1[:, 2].sum() < total:
+                sample_mode = c.options.global_batch_size is not None
+                if c.options.drop_last and g1[:, 3].all() and g1[:, 2].sum() < c.total:
                     logger.info("epoch %d: dropping the last %d buffered %s of rank %d (drop_last=True)", epoch,
-                                int(cum[-1]) if has else 0, "samples" if c.batch_size else "tokens", c.rank)
+                                int(cum[-1]) if has else 0, "samples" if sample_mode else "tokens", c.rank)
                     return
                 n = self._select(buf, n_prop, t_prop, g1) if has else 0
-                plan = self._plan(buf.shapes(n), step) if n else None
+                version = getattr(c.cost, "version", 0)
+                shapes = buf.shapes(n)
+                plan = self._plan(shapes, step) if n else None
                 buf_lab = buf.lab
                 chosen = buf.take(n)
                 k_r = plan.num_microbatches if plan is not None else 0
@@ -356,7 +358,8 @@ class StreamingPlanner:
                 sp = StepPlan(step=step, epoch=epoch, step_in_epoch=step_in_epoch, collation=collation,
                               microbatches=tuple(mbs), step_real_tokens=int(round(g2[:, 1].sum())),
                               step_target_tokens=int(round(g2[:, 2].sum())), step_samples=int(round(g2[:, 3].sum())),
-                              plan_time_s=0.0)
+                              plan_time_s=0.0, plan=plan, shapes=shapes if plan is not None else None,
+                              cost_version=int(version))
             sp = replace(sp, plan_time_s=t.s)
             with Timer() as ct:
                 batches = collate_step(sp, {x.sample_id: x for x in chosen}, self.collate)
@@ -367,7 +370,7 @@ class StreamingPlanner:
     def _select(self, buf: StreamBuffer, n_prop: int, t_prop: float, g1: np.ndarray) -> int:
         """How many of the oldest buffered samples this rank takes (see the module docstring)."""
         c = self.cfg
-        if c.batch_size is not None or n_prop == 0:
+        if c.options.global_batch_size is not None or n_prop == 0:
             return n_prop
         active = g1[:, 0] > 0
         target = float(g1[active, 1].mean())

@@ -6,9 +6,10 @@ Command line: ``dynabatch scan``, ``dynabatch plan``, ``dynabatch inspect`` (see
 docs/offline_plans.md).
 """
 
-from .engines import ENGINES, EngineError, map_parts
+from ..engines import ENGINES, EngineError, map_parts
 from .inputs import Index, OfflineError, is_index, read_index, tokenizer_spec
-from ..planfile.reader import RUN_PLAN_VERSION, PlanMismatchError, RunPlan, load_run_plan
+from ..planfile.format import RUN_PLAN_VERSION
+from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
 from ..core.steps import global_batches, plan_step, sample_tokens
 from .runplan import RunPlanConfig, plan_run
 from .scan import ScanConfig, ScanResult, scan_dataset, write_index

@@ -51,9 +51,11 @@ INDEX is a `dynabatch scan` output or any file with input_tokens[/target_tokens/
 columns (or OmniBal's vit_num/token_num records). The kind is detected from the records.
 
 global batches and steps: epoch e shuffles the samples with seed (--seed + e) and cuts them each
-time a batch reaches --global-batch-tokens tokens (after truncation to --max-len/--max-target-len);
-the last, smaller batch of an epoch is dropped unless --keep-last. Steps are numbered from 0
-across epochs. Every global batch is planned independently (in parallel) with --method.
+time a batch reaches --global-batch-tokens tokens (after truncation to --max-len/--max-target-len)
+or --global-batch-size samples; the last, smaller batch of an epoch is kept unless --drop-last (as
+the DataLoader keeps it). Steps are numbered from 0 across epochs. Every global batch is planned
+independently (in parallel) with --method and its --method-option knobs, exactly as a
+dynabatch.DataLoader given the same options plans it online.
 
 the plan (--out, Parquet), one row per sample placement, grouped by step, rank, micro-batch:
   step           global step, 0-based across epochs
@@ -73,15 +75,16 @@ the plan (--out, Parquet), one row per sample placement, grouped by step, rank, 
   task_id        the sample's task (index into dynabatch.task_names; only when the index has tasks)
   sample_tokens  the sample's own tokens after truncation
 metadata: dynabatch.dataset_fingerprint, dynabatch.cost_model (JSON), dynabatch.options (JSON:
-method, collation, max_len, max_target_len, global_batch_tokens, seed, epochs, tokenizer,
-drop_last, schedule, family), dynabatch.epochs, dynabatch.seed, dynabatch.steps_per_epoch,
-dynabatch.rank_time_s (simulated time of every rank at every step), schema versions.
+every PlanOptions field, collation, epochs, tokenizer, family), dynabatch.epochs, dynabatch.seed,
+dynabatch.steps_per_epoch, dynabatch.rank_time_s (simulated time of every rank at every step), schema versions.
 Read it with dynabatch.offline.load_run_plan(path): .step(k) -> BatchPlan, .check(...).
 
 examples:
   dynabatch plan ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz \\
       --tokenizer bytes --model gpt --ranks 8 --stages 4 --global-batch-tokens 65536 --epochs 2 --out plan.parquet
   dynabatch plan index.parquet --model t5 --collate packed --out plan.parquet
+  dynabatch plan index.parquet --method pack --method-option rows=4 --global-batch-size 512 \\
+      --memory-limit 16GiB --drop-last --out plan.parquet
   dynabatch plan index.parquet --model costs.json --engine ray --out plan.parquet
   dynabatch inspect plan.parquet --plot plan.png
 """
@@ -118,7 +121,7 @@ def _guarded(fn):
     def run(args) -> int:
         from ..core.plan import PlanningError
         from ..core.shape_sources import ShapeSourceError
-        from .engines import EngineError
+        from ..engines import EngineError
 
         try:
             return int(fn(args) or 0)
@@ -173,8 +176,8 @@ def _add_engine_options(p) -> None:
 
 def add_commands(sub) -> None:
     """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
+    from ..core.option_flags import PLAN_OPTIONS_HELP, add_plan_options
     from ..core.cost import DEVICE_PRESETS, MODEL_PRESETS
-    from ..core.plan import METHODS
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("scan", help="tokenize a dataset into a length index (token counts per sample)",
@@ -192,28 +195,19 @@ def add_commands(sub) -> None:
                        description="Plan every step of a training run (global batches -> micro-batches -> ranks, "
                                    "with predicted time and memory) and write it as one Parquet file that a "
                                    "DataLoader replays.",
-                       epilog=PLAN_EPILOG, formatter_class=fmt)
+                       epilog=PLAN_EPILOG + "\n" + PLAN_OPTIONS_HELP, formatter_class=fmt)
     _add_data(p, "DATA|INDEX", "a raw dataset (scanned first) or a length index")
     p.add_argument("--out", required=True, metavar="PLAN.parquet", help="where to write the plan")
-    g = p.add_argument_group("model and world layout")
+    g = p.add_argument_group("cost model")
     g.add_argument("--model", default="gpt", metavar="PRESET|COSTS.json",
                    help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default gpt) or a saved cost model "
                         "JSON (CostModel.save, e.g. from profiling)")
     g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
                    help="device preset for a --model preset (default a100-80gb)")
-    g.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
-    g.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule (default 1f1b)")
-    g = p.add_argument_group("batches")
-    g.add_argument("--global-batch-tokens", type=int, default=65536,
-                   help="tokens per global batch (all ranks together; default 65536)")
+    g = p.add_argument_group("run length")
     g.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
-    g.add_argument("--seed", type=int, default=0, help="base seed; epoch e uses seed+e (default 0)")
-    g.add_argument("--keep-last", action="store_true", help="keep each epoch's last, smaller global batch")
-    g.add_argument("--max-len", type=int, default=None,
-                   help="truncate samples to this many main-stack tokens (default 2048; 8192 for vlm)")
-    g.add_argument("--max-target-len", type=int, default=512, help="decoder tokens for t5 (default 512)")
-    g.add_argument("--method", choices=METHODS, default="dp", help="planning method (default dp)")
+    add_plan_options(p)
+    g = p.add_argument_group("collation")
     g.add_argument("--collate", choices=("padded", "packed"), default=None,
                    help="padded rows (dp) or packed varlen sequences (dp_varlen); default: the method's own")
     _add_scan_options(p, for_plan=True)
@@ -288,9 +282,9 @@ def _method(args) -> str:
 
 def _cmd_plan(args) -> int:
     from ..planfile.inspect import microbatch_columns
-    from .engines import default_workers
+    from ..engines import default_workers
     from .inputs import is_index, read_index, tokenizer_spec
-    from ..core.options import PlanOptions
+    from ..core.option_flags import plan_options_from_args
     from .runplan import RunPlanConfig, plan_run
     from .scan import ScanConfig, scan_dataset
 
@@ -323,10 +317,8 @@ def _cmd_plan(args) -> int:
             skipped = result.summary()["skipped"]
             print(f"scanned {len(index.shapes)} samples with {tokenizer} in {scan_s:.1f} s"
                   + (f" ({skipped} skipped)" if skipped else ""), file=sys.stderr)
-    max_len = args.max_len or (8192 if cost.kind == "vision_language" else 2048)
-    options = PlanOptions(num_ranks=args.ranks, num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
-                          seed=args.seed, method=_method(args), max_len=max_len, max_target_len=args.max_target_len,
-                          schedule=args.schedule, drop_last=not args.keep_last)
+    options = plan_options_from_args(args, max_len=8192 if cost.kind == "vision_language" else 2048,
+                                     method=_method(args))
     cfg = RunPlanConfig(options, epochs=args.epochs, tokenizer=tokenizer, family=family)
     t1 = time.perf_counter()
     run = plan_run(index, cost, cfg, engine=args.engine, workers=args.workers, progress=not quiet)

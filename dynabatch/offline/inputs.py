@@ -13,44 +13,23 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..core.shape_sources import SUFFIXES, read_shapes
-from ..core.shapes import Shapes
+from ..core.shape_sources import SUFFIXES
+from ..index.scan import TIKTOKEN_ENCODINGS, check_ids_in_data, tokenizer_spec  # noqa: F401
+from ..index.table import LengthIndex, read_index as _read_index
+from ..planfile import format as _format
 
-#: tiktoken encodings accepted without the ``tiktoken:`` prefix.
-TIKTOKEN_ENCODINGS = ("cl100k_base", "o200k_base", "p50k_base", "p50k_edit", "r50k_base")
-TASK_NAMES_KEY = b"dynabatch.task_names"
-FINGERPRINT_KEY = "dynabatch.dataset_fingerprint"
+TASK_NAMES_KEY = _format.TASK_NAMES_KEY.encode()  # bytes: compared with raw Arrow metadata keys
+FINGERPRINT_KEY = _format.FINGERPRINT_KEY
 _TOKEN_COLUMNS = ({"input_tokens"}, {"vit_num", "token_num"})
 
 
 class OfflineError(ValueError):
     """Bad input to an offline command (unreadable file, mismatched plan...); one-line message."""
-
-
-def tokenizer_spec(spec: str | None) -> str:
-    """Normalize a ``--tokenizer`` value for `tokenization.load_tokenizer`.
-
-    ``None`` or ``"bytes"``: the built-in byte-level tokenizer (one token per UTF-8 byte: an
-    over-estimate of subword counts, about 4x for English). A bare tiktoken encoding name
-    (``cl100k_base``...) becomes ``tiktoken:<name>``; paths (``tokenizer.json``, a
-    sentencepiece ``.model``, a transformers folder) are made absolute so worker processes
-    started elsewhere find them.
-    """
-    if spec is None or spec == "bytes":
-        return "bytes"
-    if spec in TIKTOKEN_ENCODINGS:
-        return f"tiktoken:{spec}"
-    if spec.startswith("tiktoken:"):
-        return spec
-    path = Path(spec).expanduser()
-    return str(path.resolve()) if path.exists() else spec
 
 
 def _first_record_keys(path: Path) -> set[str] | None:
@@ -125,54 +104,20 @@ def is_index(paths) -> bool:
     return all(kinds.values())
 
 
-@dataclass(frozen=True)
-class Index:
-    """A dataset's length index in memory: its `Shapes`, the task names ``task_id`` indexes, and
-    where it came from (``paths``; ``scanned`` when it was tokenized just now)."""
-
-    shapes: Shapes
-    task_names: list[str]
-    paths: list[str]
-    scanned: bool = False
-    scan_options: dict = field(default_factory=dict)
-
-    @property
-    def fingerprint(self) -> str:
-        """`Shapes.fingerprint()`: the dataset identity a plan is tied to."""
-        return self.shapes.fingerprint()
+#: The length index of `dynabatch plan` is the one `dynabatch.index.LengthIndex` (same fields, in
+#: the order ``Index(shapes, task_names, paths, scanned, scan_options)``).
+Index = LengthIndex
 
 
-def read_index(paths) -> Index:
-    """Read a length index: a `dynabatch scan` Parquet file (task names from its metadata), or
-    any files `dynabatch.read_shapes` accepts. Sample ids must be unique."""
+def read_index(paths) -> LengthIndex:
+    """Read a length index for planning (`dynabatch.index.read_index`, rows in file order): a
+    ``dynabatch scan`` file (task names and scan settings from its metadata), or any files
+    `dynabatch.read_shapes` accepts. Refuses an empty index, repeated sample ids, rows changed
+    since the index was written, and ids the data it was scanned from does not hold."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    files = [f for p in paths for f in _files(Path(p))]
-    scan_options: dict = {}
-    if len(files) == 1 and files[0].name.endswith((".parquet", ".pq")):
-        try:
-            table = pq.read_table(files[0])
-        except (pa.ArrowInvalid, OSError) as e:
-            raise OfflineError(f"{files[0]}: cannot read ({e})") from None
-        meta = table.schema.metadata or {}
-        if TASK_NAMES_KEY in meta and "input_tokens" in table.column_names:
-            try:
-                shapes = Shapes.from_arrow(table)
-            except (ValueError, TypeError) as e:
-                raise OfflineError(f"{files[0]}: not a valid length index ({e})") from None
-            names = list(json.loads(meta[TASK_NAMES_KEY]))
-            scan_options = json.loads(meta.get(b"dynabatch.scan", b"{}"))
-            return _checked(Index(shapes, names, [str(Path(p).resolve()) for p in paths], False, scan_options))
-    shapes, names = read_shapes(paths)
-    return _checked(Index(shapes, names, [str(Path(p).resolve()) for p in paths], False, scan_options))
-
-
-def _checked(index: Index) -> Index:
-    ids = index.shapes.sample_id
-    if len(ids) == 0:
-        raise OfflineError(f"{', '.join(index.paths)}: the index holds no samples")
-    uniq, counts = np.unique(ids, return_counts=True)
-    if len(uniq) != len(ids):
-        k = int(np.argmax(counts > 1))
-        raise OfflineError(f"{', '.join(index.paths)}: sample_id {int(uniq[k])} appears {int(counts[k])} times; "
-                           "a plan names samples by id, so ids must be unique")
+    index = _read_index(paths, sort=False)
+    name = ", ".join(map(str, paths))
+    if len(index) == 0:
+        raise OfflineError(f"{name}: the index holds no samples")
+    check_ids_in_data(index, name)
     return index

@@ -24,15 +24,17 @@ import numpy as np
 import pyarrow as pa
 
 from .. import __version__
-from ..core.batchplan import plans_to_arrow
+from ..planfile.arrow import plans_to_arrow
 from ..core.cost import CostModel
 from ..core.options import PlanOptions
 from ..core.plan import PlanningError
 from ..core.shapes import Shapes
 from ..core.steps import global_batches, plan_step, sample_tokens
-from .engines import default_workers, map_parts
-from .inputs import FINGERPRINT_KEY, Index, OfflineError
-from ..planfile.reader import RUN_PLAN_VERSION, RunPlan
+from ..engines import default_workers, map_parts
+from .inputs import Index, OfflineError
+from ..planfile import format as fmt
+from ..planfile.format import RUN_PLAN_VERSION
+from ..planfile.reader import RunPlan
 
 
 @dataclass(frozen=True, init=False)
@@ -114,20 +116,19 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
     plans = [p for part in results for p in part]
     default_opts = plans[0].options
     step_opts = {str(p.step): p.options for p in plans if p.options != default_opts}
-    meta = {
-        "dynabatch.run_plan_version": str(RUN_PLAN_VERSION),
-        "dynabatch.created_by": f"dynabatch {__version__}",
-        FINGERPRINT_KEY: index.fingerprint,
-        "dynabatch.cost_model": json.dumps(cost.to_dict()),
-        "dynabatch.options": json.dumps(config.metadata_options(), sort_keys=True),
-        "dynabatch.epochs": str(config.epochs),
-        "dynabatch.seed": str(config.seed),
-        "dynabatch.steps_per_epoch": json.dumps(per_epoch),
-        "dynabatch.step_options": json.dumps({"default": default_opts, "steps": step_opts}, sort_keys=True,
-                                             default=str),
-        "dynabatch.task_names": json.dumps(index.task_names),
-        "dynabatch.index": json.dumps({"paths": index.paths, "samples": len(shapes), "scanned": index.scanned,
-                                       "scan": index.scan_options}, sort_keys=True),
+    meta = {  # the keys are documented in dynabatch.planfile.format
+        fmt.RUN_PLAN_VERSION_KEY: str(RUN_PLAN_VERSION),
+        fmt.CREATED_BY_KEY: f"dynabatch {__version__}",
+        fmt.FINGERPRINT_KEY: index.fingerprint,
+        fmt.COST_MODEL_KEY: json.dumps(cost.to_dict()),
+        fmt.OPTIONS_KEY: json.dumps(config.metadata_options(), sort_keys=True),
+        fmt.EPOCHS_KEY: str(config.epochs),
+        fmt.SEED_KEY: str(config.seed),
+        fmt.STEPS_PER_EPOCH_KEY: json.dumps(per_epoch),
+        fmt.STEP_OPTIONS_KEY: json.dumps({"default": default_opts, "steps": step_opts}, sort_keys=True, default=str),
+        fmt.TASK_NAMES_KEY: json.dumps(index.task_names),
+        fmt.INDEX_KEY: json.dumps({"paths": index.paths, "samples": len(shapes), "scanned": index.scanned,
+                                   "scan": index.scan_options}, sort_keys=True),
     }
     table = plans_to_arrow(plans, meta)
     return RunPlan(_with_sample_columns(table, shapes, cost, config, per_epoch))
@@ -147,4 +148,7 @@ def _with_sample_columns(table: pa.Table, shapes: Shapes, cost: CostModel, confi
     main, dec, _ = cost.sample_dims(shapes, config.max_len, config.max_target_len)
     tok = (main + dec)[pos]
     table = table.append_column("sample_tokens", pa.array(tok.astype(np.int32)))
+    cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID, fmt.EPOCH)}
+    meta = {k.decode(): v.decode() for k, v in meta.items()}
+    meta.update(fmt.integrity_metadata(cols, int(meta[fmt.NUM_RANKS_KEY])))  # now with distinct ids per epoch
     return table.replace_schema_metadata(meta)

@@ -7,6 +7,8 @@
 * `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`.
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `launch`: run N local ranks.
+* `microbatches`: a loader step's shapes for the runner (`batch_shapes`), the mix a split is profiled
+  on (`representative`), the one-stage cost model of a split (`stage_cost_model`).
 
 See docs/pipeline.md.
 """
@@ -14,6 +16,7 @@ See docs/pipeline.md.
 from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
 from .failure import PipelineAborted
 from .launch import ProcResult, free_port, launch_local
+from .microbatches import batch_shapes, representative, stage_cost_model
 from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, segment_ids, t5_tiny
 from .partition import (
     LayerCosts,
@@ -48,4 +51,5 @@ __all__ = [
     "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
     "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
     "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
+    "batch_shapes", "representative", "stage_cost_model",
 ]

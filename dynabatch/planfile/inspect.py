@@ -127,9 +127,9 @@ def summarize_plan(run: RunPlan, step: int | None = None, top_tasks: int = 10) -
     ids = run.table.column("sample_id").to_numpy()
     return {
         "file": run.path,
-        "method": run.method, "collation": run.collation, "schedule": run.metadata.get("dynabatch.schedule"),
+        "method": run.method, "collation": run.collation, "schedule": run.schedule,
         "model": cost.model.name, "device": cost.device.name, "ranks": run.num_ranks, "stages": run.num_stages,
-        "dataset_fingerprint": run.dataset_fingerprint, "options": run.options,
+        "dataset_fingerprint": run.dataset_fingerprint, "options": run.options_dict,
         "samples_in_index": run.index_info.get("samples"),
         "epochs": run.epochs, "steps": run.num_steps, "steps_per_epoch": run.steps_per_epoch,
         "placements": int(run.table.num_rows), "unique_samples": int(len(np.unique(ids))),

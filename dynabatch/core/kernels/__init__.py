@@ -1,1 +1,35 @@
-"""dynabatch/core/kernels."""
+"""The numba kernels of dynabatch, each beside a readable plain-Python reference.
+
+Every ``@njit(cache=True)`` kernel that code outside this package calls has a ``*_reference``
+function in the same module computing the same result with plain loops; the tests
+(``tests/test_kernels_reference.py``, and ``tests/test_plan.py`` for the DP) compare each pair on
+random inputs. Small helpers used only by other kernels are covered through their caller's
+reference. The submodules import nothing from the rest of dynabatch except one another.
+
+====================  ==============================  ==========================================
+module                kernel                          reference
+====================  ==============================  ==========================================
+`.dp`                 `dp_kernel`                     `dp_reference`
+                      `_pick_caps`                    `pick_caps_reference`
+                      `enumerate_segments`,           steps of `dp_kernel`, covered by
+                      `dp_for_cap`, `dp_mod_ranks`    `dp_reference`
+`.assign`             `assign_ranks`                  `assign_ranks_reference`
+                      `order_ranks`                   `order_ranks_reference`
+                      `simulate_rank`                 `simulate_rank_reference`
+                      `_candidate_orders`             `candidate_orders_reference`
+                      `_rank_stats`, `_max_without`   helpers of `assign_ranks`
+`.simulate`           `schedule_kernel`               `schedule_reference`
+                      `simulate_kernel`               `simulate_reference`
+                      `makespan_kernel`               `makespan_reference`
+                      `inflight_kernel`               `inflight_reference`
+`.cost`               `padded_features`               `padded_features_reference`
+                      `profiled_lookup`               `profiled_lookup_reference`
+                      `round_up`, `dot`,              helpers of the DP and of
+                      `_interp_axis`                  `profiled_lookup`
+`.packing`            `budget_cuts`                   `budget_cuts_reference`
+                      `pack_rows`                     `pack_rows_reference`
+`.rows`               `pad_rows`                      `pad_rows_reference`
+====================  ==============================  ==========================================
+
+``dynabatch.core.plan._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
+"""

@@ -5,7 +5,18 @@ the rank's micro-batch times: longest-processing-time-first with an optional equ
 rank (so every rank runs the same number of micro-batches and DDP never waits on a missing
 one), then pairwise swaps (and, without the equal-count rule, moves) out of the slowest rank
 while they help. The order within a rank is chosen by simulating the pipeline schedule for a
-few candidate orders instead of trusting the closed form.
+few candidate orders instead of trusting the closed form. Times are seconds.
+
+==========================  ===============================
+kernel                      reference
+==========================  ===============================
+`assign_ranks`              `assign_ranks_reference`
+`order_ranks`               `order_ranks_reference`
+`simulate_rank`             `simulate_rank_reference`
+`_candidate_orders`         `candidate_orders_reference`
+`_rank_stats`,              helpers of `assign_ranks`, covered by its reference
+`_max_without`
+==========================  ===============================
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..simulate import makespan_kernel
+from .simulate import makespan_kernel, makespan_reference
 
 
 @njit(cache=True)
@@ -111,83 +122,6 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
     return rank_of
 
 
-@njit(cache=True)
-def _candidate_orders(times):
-    """Candidate execution orders of a rank's micro-batches (rows of the result)."""
-    k = times.shape[0]
-    asc = np.argsort(times, kind="mergesort")
-    out = np.empty((4, k), np.int64)
-    for q in range(k):
-        out[0, q] = asc[k - 1 - q]  # longest first
-        out[1, q] = asc[q]  # shortest first
-    # shortest first, then longest to shortest
-    out[2, 0] = asc[0]
-    for q in range(1, k):
-        out[2, q] = asc[k - q]
-    # shortest first, second shortest last, the rest longest first (short fill and drain)
-    out[3, 0] = asc[0]
-    if k > 1:
-        out[3, k - 1] = asc[1]
-        for q in range(1, k - 1):
-            out[3, q] = asc[k - q]
-    return out
-
-
-@njit(cache=True, nogil=True)
-def simulate_rank(times, p2p, fwd_fraction, stages, ops):
-    """Pipeline makespan (seconds) of one rank running micro-batches in the given order on
-    ``stages`` identical stages."""
-    k = times.shape[0]
-    fwd = np.empty((stages, k))
-    bwd = np.empty((stages, k))
-    for s in range(stages):
-        for j in range(k):
-            fwd[s, j] = times[j] * fwd_fraction
-            bwd[s, j] = times[j] - fwd[s, j]
-    return makespan_kernel(fwd, bwd, p2p, ops)
-
-
-@njit(cache=True, nogil=True)
-def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
-    """Execution order within each rank and each rank's simulated makespan.
-
-    Returns (perm, rank_time): ``perm`` lists micro-batch indices rank by rank in execution order.
-    With ``optimize`` the best of `_candidate_orders` by simulation is used; otherwise the given
-    order. ``ops_by_count[k]`` is the schedule for k micro-batches (padded with zeros).
-    """
-    m = times.shape[0]
-    perm = np.empty(m, np.int64)
-    rank_time = np.zeros(ranks)
-    pos = 0
-    for r in range(ranks):
-        idx = np.flatnonzero(rank_of == r)
-        k = idx.shape[0]
-        if k == 0:
-            continue
-        ops = np.ascontiguousarray(ops_by_count[k][:, : 2 * k])
-        t = times[idx]
-        p = p2p[idx]
-        if optimize and k > 1:
-            cands = _candidate_orders(t)
-            best = np.inf
-            best_c = 0
-            for c in range(cands.shape[0]):
-                o = cands[c]
-                v = simulate_rank(t[o], p[o], fwd_fraction, stages, ops)
-                if v < best:
-                    best = v
-                    best_c = c
-            chosen = cands[best_c]
-            rank_time[r] = best
-        else:
-            chosen = np.arange(k)
-            rank_time[r] = simulate_rank(t, p, fwd_fraction, stages, ops)
-        for q in range(k):
-            perm[pos + q] = idx[chosen[q]]
-        pos += k
-    return perm, rank_time
-
-
 def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
     """Plain-Python version of `assign_ranks` for tests (same greedy start, same swaps)."""
     times = [float(t) for t in times]
@@ -251,3 +185,126 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
         else:
             rank_of[a] = -1 - b
     return rank_of
+
+
+@njit(cache=True)
+def _candidate_orders(times):
+    """Candidate execution orders of a rank's micro-batches (rows of the result)."""
+    k = times.shape[0]
+    asc = np.argsort(times, kind="mergesort")
+    out = np.empty((4, k), np.int64)
+    for q in range(k):
+        out[0, q] = asc[k - 1 - q]  # longest first
+        out[1, q] = asc[q]  # shortest first
+    # shortest first, then longest to shortest
+    out[2, 0] = asc[0]
+    for q in range(1, k):
+        out[2, q] = asc[k - q]
+    # shortest first, second shortest last, the rest longest first (short fill and drain)
+    out[3, 0] = asc[0]
+    if k > 1:
+        out[3, k - 1] = asc[1]
+        for q in range(1, k - 1):
+            out[3, q] = asc[k - q]
+    return out
+
+
+def candidate_orders_reference(times):
+    """Plain-Python `_candidate_orders`, as a list of the four orders (lists of positions)."""
+    asc = sorted(range(len(times)), key=lambda q: times[q])  # stable, as the kernel's mergesort
+    longest_first = asc[::-1]
+    shortest_first = asc[:]
+    # The shortest first so the pipeline fills fast, then longest to shortest.
+    short_then_longest = asc[:1] + asc[:0:-1]
+    # As above with the second shortest moved last, so the pipeline also drains fast.
+    short_fill_and_drain = asc[:1] + asc[:1:-1] + asc[1:2]
+    return [longest_first, shortest_first, short_then_longest, short_fill_and_drain]
+
+
+@njit(cache=True, nogil=True)
+def simulate_rank(times, p2p, fwd_fraction, stages, ops):
+    """Pipeline makespan (seconds) of one rank running micro-batches in the given order on
+    ``stages`` identical stages."""
+    k = times.shape[0]
+    fwd = np.empty((stages, k))
+    bwd = np.empty((stages, k))
+    for s in range(stages):
+        for j in range(k):
+            fwd[s, j] = times[j] * fwd_fraction
+            bwd[s, j] = times[j] - fwd[s, j]
+    return makespan_kernel(fwd, bwd, p2p, ops)
+
+
+def simulate_rank_reference(times, p2p, fwd_fraction, stages, ops):
+    """Plain-Python `simulate_rank`: every stage spends ``fwd_fraction`` of a micro-batch's time
+    (seconds) in its forward and the rest in its backward."""
+    fwd = [float(t) * fwd_fraction for t in times]
+    bwd = [float(t) - f for t, f in zip(times, fwd)]
+    return makespan_reference([fwd] * stages, [bwd] * stages, p2p, ops)
+
+
+@njit(cache=True, nogil=True)
+def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
+    """Execution order within each rank and each rank's simulated makespan.
+
+    Returns (perm, rank_time): ``perm`` lists micro-batch indices rank by rank in execution order.
+    With ``optimize`` the best of `_candidate_orders` by simulation is used; otherwise the given
+    order. ``ops_by_count[k]`` is the schedule for k micro-batches (padded with zeros).
+    """
+    m = times.shape[0]
+    perm = np.empty(m, np.int64)
+    rank_time = np.zeros(ranks)
+    pos = 0
+    for r in range(ranks):
+        idx = np.flatnonzero(rank_of == r)
+        k = idx.shape[0]
+        if k == 0:
+            continue
+        ops = np.ascontiguousarray(ops_by_count[k][:, : 2 * k])
+        t = times[idx]
+        p = p2p[idx]
+        if optimize and k > 1:
+            cands = _candidate_orders(t)
+            best = np.inf
+            best_c = 0
+            for c in range(cands.shape[0]):
+                o = cands[c]
+                v = simulate_rank(t[o], p[o], fwd_fraction, stages, ops)
+                if v < best:
+                    best = v
+                    best_c = c
+            chosen = cands[best_c]
+            rank_time[r] = best
+        else:
+            chosen = np.arange(k)
+            rank_time[r] = simulate_rank(t, p, fwd_fraction, stages, ops)
+        for q in range(k):
+            perm[pos + q] = idx[chosen[q]]
+        pos += k
+    return perm, rank_time
+
+
+def order_ranks_reference(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
+    """Plain-Python `order_ranks`: returns (perm, rank_time) as lists (positions, seconds)."""
+    perm, rank_time = [], [0.0] * ranks
+    for r in range(ranks):
+        mine = [q for q in range(len(times)) if rank_of[q] == r]  # positions, in plan order
+        k = len(mine)
+        if k == 0:
+            continue
+        ops = ops_by_count[k][:, : 2 * k]  # the schedule for k micro-batches, without padding
+        t, p = [float(times[q]) for q in mine], [float(p2p[q]) for q in mine]
+
+        def span(order):
+            return simulate_rank_reference([t[q] for q in order], [p[q] for q in order], fwd_fraction, stages, ops)
+
+        if optimize and k > 1:
+            candidates = candidate_orders_reference(t)
+            spans = [span(order) for order in candidates]
+            best = min(range(len(candidates)), key=lambda c: spans[c])  # the first of equals
+            chosen, rank_time[r] = candidates[best], spans[best]
+        else:
+            chosen = list(range(k))
+            rank_time[r] = span(chosen)
+        perm += [mine[q] for q in chosen]
+    return perm, rank_time

@@ -11,15 +11,18 @@ receive the same count, over caps in order of their unconstrained objective unti
 
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate. `dp_reference` is the same algorithm in
-plain Python; tests check that both reach the same optimum.
+plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
+optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
-from ..cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
+from .cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
 
 INFEASIBLE_SAMPLE = -1
 TOO_FEW_SAMPLES = -2
@@ -192,6 +195,24 @@ def _pick_caps(values, lo_index, count):
     return out[:used]
 
 
+def pick_caps_reference(values, lo_index, count):
+    """Plain-Python `_pick_caps`: walk ``count`` targets evenly spaced in log space from
+    ``values[lo_index]`` to ``values[-1]`` and keep, for each, the first value not below it
+    (never moving back, dropping repeats)."""
+    values = [float(v) for v in values]
+    if len(values) - lo_index <= count:
+        return values[lo_index:]
+    lo, hi = math.log(values[lo_index]), math.log(values[-1])
+    picked, pos = [], lo_index
+    for k in range(count):
+        target = math.exp(lo + (hi - lo) * k / (count - 1))
+        while pos < len(values) - 1 and values[pos] < target:
+            pos += 1
+        if not picked or values[pos] != picked[-1]:
+            picked.append(values[pos])
+    return picked
+
+
 @njit(cache=True, nogil=True)
 def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
               max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal_counts=True):
@@ -358,12 +379,12 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
     if stages == 1:  # no bubble: the uncapped partition minimizes the sum
         caps = [values[-1]]
     else:
-        caps = list(_pick_caps(values, int(np.searchsorted(values, floor)), max_caps))
+        caps = pick_caps_reference(values, int(np.searchsorted(values, floor)), max_caps)
     objs = [objective(best_for_cap(c, 1)) for c in caps]
     k = int(np.argmin(objs))
     lo_v, hi_v = caps[max(k - 1, 0)], caps[min(k + 1, len(caps) - 1)]
     window = values[np.searchsorted(values, lo_v): np.searchsorted(values, hi_v, side="right")]
-    fine = list(_pick_caps(window, 0, max_caps)) if stages > 1 else []
+    fine = pick_caps_reference(window, 0, max_caps) if stages > 1 else []
     caps += fine
     objs += [objective(best_for_cap(c, 1)) for c in fine]
     order = np.argsort(np.array(objs), kind="mergesort")

@@ -1,19 +1,20 @@
-"""Random access to a `loaders` source by ``sample_id``: the indexed mode's reader.
+"""Random access to a `Source` (or `Mixture`) by ``sample_id``: `open_access` and `Source.read`.
 
-``sample_id`` is ``(shard << 32) | position`` (the loaders convention; the row index for a HF
-``datasets.Dataset``), so a sample is found without any search. Costs, per format:
+``sample_id`` is ``(shard << 32) | position`` (the row index for a HF ``datasets.Dataset``), so a
+sample is found without any search. Costs, per format:
 
 * Parquet: the row-group starts come from the footer (already read by the source). A read groups
   the wanted rows by row group and decodes each touched row group once per call (``read_row_group``
-  + ``take``), so a step whose samples are spread over the file decodes up to one row group per
-  sample: keep row groups small (a few thousand rows) for indexed training.
+  + ``take``), so a read of samples spread over the file decodes up to one row group per sample:
+  keep row groups small (a few thousand rows) for random access.
 * Arrow IPC files: memory-mapped; one record batch per touched batch, zero-copy ``take``.
 * JSONL: a byte offset per line, built once by one vectorized newline scan of each file (8 bytes
   of memory per line, about 1 s per GB); reads are ``mmap`` slices. Compressed ``.gz``/``.zst`` files
   have no byte offsets: they are decompressed once into memory (the whole file) and indexed there.
 * HF ``datasets.Dataset``: ``dataset[indices]`` through the Arrow formatter (one ``take``).
 * Anything else (webdataset, JSON arrays, streaming HF): the source's own reader over the nearby
-  positions; streaming HF datasets re-stream from the shard start, so they are not random access.
+  positions; streaming HF datasets re-stream from the shard start, so they are not random access
+  (``Source.supports_random_access`` is False).
 
 Every reader maps raw records to the same normalized sample dicts the source yields (same schema
 mapping, ``key``, ``source`` name and ``sample_id``).
@@ -28,15 +29,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._arrow import ArrowIPCReader, ParquetReader
+from ._errors import InvalidJSONError
+from ._files import is_compressed, open_binary
+from ._hf import HFDatasetReader
+from ._iterator import _clusters, normalized_sample
+from ._jsonl import JsonlReader, parse_json_object
+from ._types import RawRecord
+
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1
 _CHUNK = 1 << 20
-# Positions further apart than this are read with separate range reads by the generic reader.
-_GAP = 256
 
 
-def split_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
-    """(shard, position) of loaders sample ids."""
+def split_sample_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, position) arrays of sample ids (``(shard << 32) | position``)."""
     ids = np.asarray(sample_ids, np.int64)
     return ids >> POSITION_BITS, ids & POSITION_MASK
 
@@ -52,21 +59,18 @@ class SampleAccess(ABC):
         self.name = name or source.name
         self.shard_offset = shard_offset
         self._pid = os.getpid()
+        self._handles: dict = {}  # open files by shard: never shared with forked or pickled copies
 
-    # handles opened in a parent process must not be shared with forked DataLoader workers
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._reset()
-
-    def _reset(self) -> None:
-        pass
+            self._handles = {}
 
     def read(self, sample_ids: Sequence[int] | np.ndarray) -> list[dict]:
         """The samples with these ids, in the given order. Raises KeyError for an unknown id."""
         self._check_pid()
         ids = np.asarray(sample_ids, np.int64)
-        shard, pos = split_ids(ids)
+        shard, pos = split_sample_ids(ids)
         shard = shard - self.shard_offset
         found: dict[int, dict] = {}
         for s in np.unique(shard):
@@ -84,20 +88,14 @@ class SampleAccess(ABC):
         """`loaders` RawRecords at the sorted, unique ``positions`` of ``shard``, in that order."""
 
     def _normalize(self, raw, shard: int) -> dict:
-        from loaders import normalized_sample
-
         if raw.error is not None:
             raise raw.error
         return normalized_sample(raw, self.source._schema(raw), shard + self.shard_offset, self.name)
 
     def __getstate__(self):
         d = self.__dict__.copy()
-        self._drop_handles(d)
+        d["_handles"] = {}
         return d
-
-    @staticmethod
-    def _drop_handles(d: dict) -> None:
-        pass
 
 
 class GenericAccess(SampleAccess):
@@ -109,17 +107,7 @@ class GenericAccess(SampleAccess):
 
     def _read_shard(self, shard, positions):
         got = {}
-        lo = hi = None
-        clusters = []
-        for p in positions.tolist():
-            if lo is not None and p - hi <= _GAP:
-                hi = p
-            else:
-                if lo is not None:
-                    clusters.append((lo, hi))
-                lo = hi = p
-        if lo is not None:
-            clusters.append((lo, hi))
+        clusters = _clusters(positions.tolist())
         wanted = set(positions.tolist())
         for a, b in clusters:
             for raw in self.reader.read(shard, a, b + 1):
@@ -135,23 +123,12 @@ class GenericAccess(SampleAccess):
 class ParquetAccess(SampleAccess):
     """Parquet files: row group + offset, one decode per touched row group per call."""
 
-    def __init__(self, source, name=None, shard_offset=0):
-        super().__init__(source, name, shard_offset)
-        self._files: dict[int, object] = {}
-
-    def _reset(self):
-        self._files = {}
-
-    @staticmethod
-    def _drop_handles(d):
-        d["_files"] = {}
-
     def _file(self, shard):
         import pyarrow.parquet as pq
 
-        if shard not in self._files:
-            self._files[shard] = pq.ParquetFile(self.reader.shards[shard].path)
-        return self._files[shard]
+        if shard not in self._handles:
+            self._handles[shard] = pq.ParquetFile(self.reader.shards[shard].path)
+        return self._handles[shard]
 
     def _groups(self, shard, positions):
         starts = np.asarray(self.reader._group_starts[shard], np.int64)
@@ -164,8 +141,6 @@ class ParquetAccess(SampleAccess):
         return self._file(shard).read_row_group(int(group), columns=self.reader.columns)
 
     def _read_shard(self, shard, positions):
-        from loaders._types import RawRecord
-
         info = self.reader.shards[shard]
         base_dir = os.path.dirname(info.path)
         starts, group = self._groups(shard, positions)
@@ -183,10 +158,10 @@ class ArrowAccess(ParquetAccess):
     def _file(self, shard):
         import pyarrow as pa
 
-        if shard not in self._files:
+        if shard not in self._handles:
             mm = pa.memory_map(self.reader.shards[shard].path)
-            self._files[shard] = pa.ipc.open_file(mm)
-        return self._files[shard]
+            self._handles[shard] = pa.ipc.open_file(mm)
+        return self._handles[shard]
 
     def _read_group(self, shard, group):
         batch = self._file(shard).get_batch(int(group))
@@ -199,8 +174,6 @@ class HFAccess(SampleAccess):
     """A map-style ``datasets.Dataset``: ``sample_id`` is the row index."""
 
     def _read_shard(self, shard, positions):
-        from loaders._types import RawRecord
-
         n = self.reader.shards[0].num_rows
         if len(positions) and positions[-1] >= n:
             raise KeyError(f"row {int(positions[-1])} is past the end of dataset {self.name!r} ({n} rows)")
@@ -233,12 +206,9 @@ class JsonlAccess(SampleAccess):
     """JSON Lines: byte offset of every line (see the module docstring for the cost)."""
 
     def __init__(self, source, name=None, shard_offset=0):
-        from loaders._files import is_compressed, open_binary
-
         super().__init__(source, name, shard_offset)
         self._offsets: list[np.ndarray] = []
         self._memory: dict[int, bytes] = {}  # decompressed files
-        self._maps: dict[int, mmap.mmap] = {}
         for info in self.reader.shards:
             if is_compressed(info.path):
                 with open_binary(info.path) as f:
@@ -248,26 +218,15 @@ class JsonlAccess(SampleAccess):
                 with open(info.path, "rb") as f:
                     self._offsets.append(line_offsets(f))
 
-    def _reset(self):
-        self._maps = {}
-
-    @staticmethod
-    def _drop_handles(d):
-        d["_maps"] = {}
-
     def _data(self, shard):
         if shard in self._memory:
             return self._memory[shard]
-        if shard not in self._maps:
+        if shard not in self._handles:
             with open(self.reader.shards[shard].path, "rb") as f:
-                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
-        return self._maps[shard]
+                self._handles[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+        return self._handles[shard]
 
     def _read_shard(self, shard, positions):
-        from loaders._jsonl import parse_json_object
-        from loaders._types import RawRecord
-        from loaders import InvalidJSONError
-
         info = self.reader.shards[shard]
         offs = self._offsets[shard]
         if len(positions) and positions[-1] >= len(offs) - 1:
@@ -292,16 +251,14 @@ class MixtureAccess:
 
     def __init__(self, mixture, generic: bool = False):
         self.parts = []
-        for name in mixture.names:
-            child = mixture._children[name]
-            off = mixture._offsets[name]
-            self.parts.append((off, off + child.num_shards,
-                               open_access(child, name=name, shard_offset=off, generic=generic)))
+        for name, (lo, hi) in mixture.shard_ranges.items():
+            self.parts.append((lo, hi, open_access(mixture.sources[name], name=name, shard_offset=lo,
+                                                   generic=generic)))
         self.random_access = all(p[2].random_access for p in self.parts)
 
     def read(self, sample_ids) -> list[dict]:
         ids = np.asarray(sample_ids, np.int64)
-        shard, _ = split_ids(ids)
+        shard, _ = split_sample_ids(ids)
         out: list = [None] * len(ids)
         for lo, hi, acc in self.parts:
             sel = np.flatnonzero((shard >= lo) & (shard < hi))
@@ -317,12 +274,9 @@ class MixtureAccess:
 def open_access(source, name: str | None = None, shard_offset: int = 0, generic: bool = False):
     """The best random-access reader for a `loaders.Source` (or `Mixture`). ``generic`` uses the
     source's own range reads, which need no index of their own (for the few re-reads of a resume)."""
-    import loaders
-    from loaders._arrow import ArrowIPCReader, ParquetReader
-    from loaders._hf import HFDatasetReader
-    from loaders._jsonl import JsonlReader
+    from ._mixture import Mixture
 
-    if isinstance(source, loaders.Mixture):
+    if isinstance(source, Mixture):
         return MixtureAccess(source, generic)
     reader = source._reader
     if generic:
@@ -348,12 +302,3 @@ def _all_ipc_files(reader) -> bool:
         return True
     except (pa.ArrowInvalid, OSError):
         return False
-
-
-def supports_indexed(source) -> bool:
-    """Whether a source can be read by ``sample_id`` cheaply enough for the indexed mode."""
-    import loaders
-
-    if isinstance(source, loaders.Mixture):
-        return False
-    return bool(getattr(source._reader, "random_access", True)) and source.num_rows is not None

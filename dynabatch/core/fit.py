@@ -1,0 +1,77 @@
+"""The one place the cost model's time coefficients are fitted to measurements.
+
+`fit_relative` is one weighted least-squares solve on *relative* residuals around a prior;
+`robust_fit` wraps it in Huber iteratively reweighted least squares. `dynabatch.core.feedback.FeedbackLoop`
+(the one refit path of a running job) and `CostModel.profiled` (a fit to a profiled table) call
+them; nothing else fits coefficients. Times are seconds, coefficients seconds per feature unit
+(`dynabatch.core.cost.FEATURES`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Observations a `FeedbackLoop` keeps at most (the oldest go first), whatever its forgetting.
+MAX_OBSERVATIONS = 100_000
+
+
+def fit_relative(phi, y, w, prior, strength) -> np.ndarray:
+    """Weighted least squares on *relative* residuals with a Gaussian prior on the relative
+    deviation from ``prior``.
+
+    Solving for c = prior * (1 + delta) keeps features of wildly different scale comparable;
+    dividing each row by its measured time makes the fit minimize percentage error (what MAPE
+    reports) instead of letting the longest micro-batches dominate; ``strength`` is the prior's
+    weight on every ``delta`` (the noise-to-prior variance ratio), so coefficients the data
+    cannot pin down stay near the prior instead of absorbing the others' residuals.
+    Coefficients whose prior is 0 stay 0 (the feature does not apply to this model); negative
+    coefficients are clipped to 0 (a cost cannot shrink with more work).
+    """
+    phi = np.asarray(phi, np.float64)
+    y = np.asarray(y, np.float64)
+    w = np.asarray(w, np.float64)
+    prior = np.asarray(prior, np.float64)
+    active = prior > 0
+    X = phi[:, active] * prior[active]  # columns in units of the prior's prediction
+    scale = np.sqrt(w) / np.maximum(y, 1e-30)
+    A = X * scale[:, None]
+    b = (y - X.sum(axis=1)) * scale
+    delta = np.linalg.solve(A.T @ A + strength * np.eye(A.shape[1]), A.T @ b)
+    c = prior.copy()
+    c[active] = np.maximum(prior[active] * (1.0 + delta), 0.0)
+    return c
+
+
+def robust_fit(phi, y, weight, prior, start, *, huber_k: float = 1.345, iters: int = 10,
+               prior_strength: float = 1e-3) -> np.ndarray:
+    """Huber-IRLS fit of time coefficients on relative errors, ridge-shrunk towards ``prior``.
+
+    ``phi`` [n, NUM_FEATURES], ``y`` [n] seconds, ``weight`` [n] (forgetting), ``start`` the first
+    iterate. Residuals are scaled by their median absolute deviation (at least 0.1%), so a
+    garbage-collection pause or a preempted step cannot drag the fit. Returns the coefficients
+    (seconds per feature unit, non-negative; zero where the prior is).
+    """
+    phi = np.asarray(phi, np.float64)
+    y = np.asarray(y, np.float64)
+    base = np.asarray(weight, np.float64)
+    prior = np.asarray(prior, np.float64)
+    coef = np.asarray(start, np.float64).copy()
+    hub = np.ones(len(y))
+    for _ in range(max(iters, 1)):
+        new = fit_relative(phi, y, base * hub, prior, prior_strength)
+        r = (phi @ new - y) / np.maximum(y, 1e-12)
+        mad = float(np.median(np.abs(r - np.median(r)))) * 1.4826
+        scale = max(mad, 1e-3)  # below 0.1% relative error every point is an inlier
+        u = np.abs(r) / scale
+        hub = np.where(u <= huber_k, 1.0, huber_k / np.maximum(u, 1e-12))
+        done = np.allclose(new, coef, rtol=1e-6, atol=0.0)
+        coef = new
+        if done:
+            break
+    return coef
+
+
+def mape(pred, y) -> float:
+    """Mean absolute percentage error of ``pred`` against measured ``y`` (a fraction; nan when empty)."""
+    pred, y = np.asarray(pred, np.float64), np.asarray(y, np.float64)
+    return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12))) if len(y) else float("nan")

@@ -1,0 +1,287 @@
+"""Numba kernels of the pipeline simulator, each beside its plain-Python reference.
+
+Op encoding (int32): ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)`` its backward; a
+schedule is an ``[S, 2M]`` array holding one op list per stage. Times are seconds, memory bytes.
+The dependency rules are documented in `dynabatch.core.simulate`, which wraps these kernels with
+validation. The kernels take contiguous float64 / int32 arrays so other numba code can call them.
+
+=====================  ==========================
+kernel                 reference
+=====================  ==========================
+`schedule_kernel`      `schedule_reference`
+`simulate_kernel`      `simulate_reference`
+`makespan_kernel`      `makespan_reference`
+`inflight_kernel`      `inflight_reference`
+=====================  ==========================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: Return codes of :func:`simulate_kernel`.
+OK, DEADLOCK, BAD_INPUT = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+@njit(cache=True)
+def schedule_kernel(S, M, kind_code):
+    """int32 ``[S, 2M]`` op lists for ``kind_code`` 0 (GPipe) or 1 (Megatron 1F1B).
+
+    GPipe: every stage runs ``F_0 .. F_{M-1}`` then ``B_0 .. B_{M-1}`` (FIFO backwards).
+    1F1B: stage ``s`` runs ``min(S-s-1, M)`` warm-up forwards, then alternates one forward
+    and one backward, then drains the remaining backwards.
+    """
+    ops = np.empty((S, 2 * M), dtype=np.int32)
+    for s in range(S):
+        warmup = M if kind_code == 0 else min(S - s - 1, M)
+        k = 0
+        for j in range(warmup):
+            ops[s, k] = j + 1
+            k += 1
+        for i in range(M - warmup):
+            ops[s, k] = warmup + i + 1
+            ops[s, k + 1] = -(i + 1)
+            k += 2
+        for i in range(M - warmup, M):
+            ops[s, k] = -(i + 1)
+            k += 1
+    return ops
+
+
+def schedule_reference(S, M, kind_code):
+    """Plain-Python `schedule_kernel`: a list of ``S`` op lists (codes as in the module doc)."""
+    schedule = []
+    for s in range(S):
+        forwards = [j + 1 for j in range(M)]
+        backwards = [-(j + 1) for j in range(M)]
+        if kind_code == 0:  # GPipe: all forwards, then all backwards
+            schedule.append(forwards + backwards)
+            continue
+        # 1F1B: the last stage starts its first backward right after its first forward; each
+        # earlier stage runs one more forward first, so stage s warms up with S-s-1 forwards.
+        warmup = min(S - s - 1, M)
+        ops = forwards[:warmup]
+        for f, b in zip(forwards[warmup:], backwards):
+            ops += [f, b]
+        ops += backwards[M - warmup:]
+        schedule.append(ops)
+    return schedule
+
+
+# --------------------------------------------------------------------------- event simulation
+
+
+@njit(cache=True)
+def simulate_kernel(fwd, bwd, p2p, ops, start, end):
+    """Simulate op lists ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
+
+    ``fwd``/``bwd`` are float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds.
+    Returns 0 when every op ran, 1 on deadlock (unfinished ops keep ``-inf`` in both
+    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M``.
+    Each op is examined O(1) times, so the cost is O(S*M).
+    """
+    S, M = fwd.shape
+    n_ops = 2 * M
+    if ops.shape[0] != S or ops.shape[1] != n_ops:
+        return BAD_INPUT
+    start[:] = -np.inf
+    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
+    ptr = np.zeros(S, dtype=np.int64)
+    free = np.zeros(S)
+    # Worklist of stages that may be able to advance: a stage only becomes unblocked when a
+    # neighbour finishes an op, so re-queueing neighbours after progress keeps this O(S*M)
+    # instead of re-sweeping all stages until a fixpoint.
+    stack = np.empty(S, dtype=np.int64)
+    queued = np.ones(S, dtype=np.bool_)
+    for i in range(S):
+        stack[i] = S - 1 - i
+    top = S
+    remaining = S * n_ops
+    while top > 0:
+        top -= 1
+        s = stack[top]
+        queued[s] = False
+        advanced = False
+        while ptr[s] < n_ops:
+            op = ops[s, ptr[s]]
+            if op > 0 and op <= M:
+                j = op - 1
+                k = 0
+                dur = fwd[s, j]
+                if s == 0:
+                    ready = 0.0
+                else:
+                    e = end[s - 1, j, 0]
+                    if e == -np.inf:
+                        break
+                    ready = e + p2p[j]
+            elif op < 0 and op >= -M:
+                j = -op - 1
+                k = 1
+                dur = bwd[s, j]
+                if s == S - 1:
+                    ready = end[s, j, 0]
+                    if ready == -np.inf:
+                        break
+                else:
+                    e = end[s + 1, j, 1]
+                    if e == -np.inf:
+                        break
+                    ready = e + p2p[j]
+            else:
+                return BAD_INPUT
+            t0 = max(free[s], ready)
+            t1 = t0 + dur
+            start[s, j, k] = t0
+            end[s, j, k] = t1
+            free[s] = t1
+            ptr[s] += 1
+            remaining -= 1
+            advanced = True
+        if advanced:
+            for nb in (s - 1, s + 1):
+                if nb >= 0 and nb < S and not queued[nb] and ptr[nb] < n_ops:
+                    stack[top] = nb
+                    top += 1
+                    queued[nb] = True
+    return DEADLOCK if remaining > 0 else OK
+
+
+def simulate_reference(fwd, bwd, p2p, ops):
+    """Plain-Python `simulate_kernel` for op lists in which every stage lists each op once:
+    sweep all stages until nothing moves.
+
+    Returns ``(start, end, deadlocked)``: float64 ``[S, M, 2]`` arrays (seconds, ``-inf`` for ops
+    that never ran) and whether some op never ran.
+    """
+    start, end, pos = _sweep(fwd, bwd, p2p, ops)
+    return start, end, any(p < 2 * np.shape(fwd)[1] for p in pos)
+
+
+def _sweep(fwd, bwd, p2p, ops):
+    """`simulate_reference` plus where each stage stopped (``2M`` when it ran every op); a stage
+    also stops at an op code outside ``±1..±M``, as the kernel does."""
+    S, M = np.shape(fwd)
+    start = np.full((S, M, 2), -np.inf)
+    end = np.full((S, M, 2), -np.inf)
+    finished = {}  # (stage, micro-batch, 0 fwd / 1 bwd) -> end time
+    pos = [0] * S
+    free = [0.0] * S
+    moved = True
+    while moved:
+        moved = False
+        for s in range(S):
+            while pos[s] < 2 * M:
+                op = int(ops[s][pos[s]])
+                if not 1 <= abs(op) <= M:
+                    break
+                j, k = abs(op) - 1, int(op < 0)
+                if k == 0:
+                    dep, delay = ((s - 1, j, 0), float(p2p[j])) if s > 0 else (None, 0.0)
+                elif s == S - 1:
+                    dep, delay = (s, j, 0), 0.0
+                else:
+                    dep, delay = (s + 1, j, 1), float(p2p[j])
+                if dep is not None and dep not in finished:
+                    break
+                ready = 0.0 if dep is None else finished[dep] + delay
+                t0 = max(free[s], ready)
+                t1 = t0 + float(fwd[s][j] if k == 0 else bwd[s][j])
+                start[s, j, k], end[s, j, k] = t0, t1
+                finished[(s, j, k)] = t1
+                free[s] = t1
+                pos[s] += 1
+                moved = True
+    return start, end, pos
+
+
+# --------------------------------------------------------------------------- makespan
+
+
+@njit(cache=True)
+def makespan_kernel(fwd, bwd, p2p, ops):
+    """Makespan in seconds of op lists ``ops``; ``+inf`` on deadlock, NaN on malformed ``ops``.
+
+    Same argument types as :func:`simulate_kernel`.
+    """
+    S, M = fwd.shape
+    start = np.empty((S, M, 2))
+    end = np.empty((S, M, 2))
+    code = simulate_kernel(fwd, bwd, p2p, ops, start, end)
+    if code == DEADLOCK:
+        return np.inf
+    if code != OK:
+        return np.nan
+    return end.max() if end.size else 0.0
+
+
+def makespan_reference(fwd, bwd, p2p, ops):
+    """Plain-Python `makespan_kernel`: the last op's end (seconds), ``inf`` on deadlock, NaN when
+    ``ops`` is not ``[S, 2M]`` or a stage reaches an op code outside ``±1..±M``."""
+    S, M = np.shape(fwd)
+    if np.shape(ops) != (S, 2 * M):
+        return float("nan")
+    _, end, pos = _sweep(fwd, bwd, p2p, ops)
+    stuck = [(s, p) for s, p in enumerate(pos) if p < 2 * M]
+    if any(not 1 <= abs(int(ops[s][p])) <= M for s, p in stuck):
+        return float("nan")  # the kernel stops at a malformed op as soon as a stage reaches it
+    if stuck:
+        return float("inf")
+    return max((float(t) for t in end.ravel()), default=0.0)
+
+
+# --------------------------------------------------------------------------- memory in flight
+
+
+@njit(cache=True)
+def inflight_kernel(ops, mem, peak_n, peak_bytes):
+    """Fill ``peak_n`` (int64 ``[S]``) and ``peak_bytes`` (float64 ``[S]``, bytes) from ``ops``.
+
+    ``mem`` is float64 ``[M]`` activation bytes per micro-batch. In flight on a stage: a
+    micro-batch counts from the start of its forward to the end of its backward there, so the
+    peak depends only on the order, not on the times.
+    """
+    for s in range(ops.shape[0]):
+        n = 0
+        held = 0.0
+        best_n = 0
+        best_b = 0.0
+        for k in range(ops.shape[1]):
+            op = ops[s, k]
+            if op > 0:
+                n += 1
+                held += mem[op - 1]
+                best_n = max(best_n, n)
+                best_b = max(best_b, held)
+            else:
+                n -= 1
+                held -= mem[-op - 1]
+        peak_n[s] = best_n
+        peak_bytes[s] = best_b
+
+
+def inflight_reference(ops, mem):
+    """Plain-Python `inflight_kernel`: per stage, the most micro-batches held at once and the most
+    bytes held at once, as two lists (the kernel fills arrays instead)."""
+    peak_n, peak_bytes = [], []
+    for row in ops:
+        held = []  # micro-batches whose forward started and whose backward has not ended
+        held_bytes = 0.0
+        most, most_bytes = 0, 0.0
+        for op in row:
+            j = abs(int(op)) - 1
+            if op > 0:
+                held.append(j)
+                held_bytes += float(mem[j])
+                most = max(most, len(held))
+                most_bytes = max(most_bytes, held_bytes)
+            else:
+                held.remove(j)
+                held_bytes -= float(mem[j])
+        peak_n.append(most)
+        peak_bytes.append(most_bytes)
+    return peak_n, peak_bytes

@@ -1,0 +1,140 @@
+"""The token cache: every sample's token ids after formatting and truncation, by length-index
+position, so the DataLoader collates a step without reading or tokenizing its records again. It
+comes from an index's token columns (`dynabatch.index.TOKEN_COLUMNS`, kept by the scan with
+``keep_tokens``) or from one tokenization pass (`encode_all`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from tokenization import count_labels, ragged_take
+
+from .scan import natural_order
+from .table import TOKEN_COLUMNS, LengthIndex
+
+#: Default memory budget of the token cache (bytes of int32 ids held in memory).
+TOKEN_CACHE_BUDGET = 2 << 30
+
+
+class TokenCache:
+    """Every sample's token ids after formatting and truncation, by length-index position:
+    flat int32 arrays plus offsets (input ids; labels for decoder-only models, target ids for
+    encoder-decoder ones). ``gather`` returns a micro-batch's concatenated ids without reading or
+    tokenizing the records again; the collated tensors are exactly those of the uncached path."""
+
+    def __init__(self, index: "LengthIndex", input_ids, input_offsets, second, second_offsets):
+        self.index = index
+        self.input_ids = np.asarray(input_ids, np.int32)
+        self.input_offsets = np.asarray(input_offsets, np.int64)
+        self.second = np.asarray(second, np.int32)
+        self.second_offsets = np.asarray(second_offsets, np.int64)
+        self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
+                                  index.shapes.sample_id[-1] == len(index) - 1))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.input_ids.nbytes + self.second.nbytes + self.input_offsets.nbytes + self.second_offsets.nbytes)
+
+    @staticmethod
+    def _take(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenated slices ``values[offsets[p]:offsets[p+1]]`` for ``p`` in ``pos``, and their lengths."""
+        lengths = offsets[pos + 1] - offsets[pos]
+        return ragged_take(values, offsets[pos], lengths), lengths
+
+    def positions(self, sample_ids) -> np.ndarray:
+        ids = np.asarray(sample_ids, np.int64)
+        if self._identity_ids and len(ids) and ids.min() >= 0 and ids.max() < len(self.index):
+            return ids
+        return self.index.positions(ids)
+
+    def gather(self, sample_ids, positions=None):
+        """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
+        order: int32 arrays and int64 lengths (``positions``: their index positions, if known)."""
+        pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
+        flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
+        if self.second_offsets is self.input_offsets:
+            return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
+        second, slen = self._take(self.second, self.second_offsets, pos)
+        return flat, lengths, second, slen
+
+    def label_counts(self, sample_ids, family: str) -> np.ndarray:
+        """Loss labels of these samples from the cached ids (`tokenization.count_labels`)."""
+        _, lengths, second, slen = self.gather(sample_ids)
+        return count_labels(second, slen if family == "encoder_decoder" else lengths, family)
+
+    @classmethod
+    def from_encoded(cls, index: "LengthIndex", encs: dict, family: str) -> "TokenCache | None":
+        """From ``{sample_id: EncodedSample}``; None when a sample of the index is missing."""
+        ids = index.shapes.sample_id
+        try:
+            ordered = [encs[int(i)] for i in ids.tolist()]
+        except KeyError:
+            return None
+        inp, off, second, soff = _flat_columns(ordered, family)
+        return cls(index, inp, off, second, soff if family == "encoder_decoder" else off)
+
+    @classmethod
+    def from_table(cls, index: "LengthIndex", table: pa.Table, family: str) -> "TokenCache | None":
+        """From an index table's token columns (see `TOKEN_COLUMNS`); None without them."""
+        if not all(c in table.column_names for c in TOKEN_COLUMNS):
+            return None
+        cols = []
+        for c in TOKEN_COLUMNS:
+            arr = table.column(c).combine_chunks()
+            if isinstance(arr, pa.ChunkedArray):
+                arr = arr.chunk(0) if arr.num_chunks else pa.array([], pa.large_list(pa.int32()))
+            offsets = arr.offsets.to_numpy().astype(np.int64)
+            values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+            cols.append((values[offsets[0]:offsets[-1]] if len(offsets) else values[:0], offsets - offsets[0]))
+        (inp, off), (second, soff) = cols
+        tids = table.column("sample_id").to_numpy(zero_copy_only=False).astype(np.int64)
+        if len(tids) != len(index) or not np.array_equal(tids, index.shapes.sample_id):
+            pos = np.argsort(tids, kind="stable")
+            if len(tids) != len(index) or not np.array_equal(tids[pos], index.shapes.sample_id):
+                return None
+            inp, lens = cls._take(inp, off, pos)
+            off = np.concatenate([[0], np.cumsum(lens)])
+            second, slens = cls._take(second, soff, pos)
+            soff = np.concatenate([[0], np.cumsum(slens)])
+        same = family == "decoder" and np.array_equal(off, soff)
+        return cls(index, inp, off, second, off if same else soff)
+
+
+def _flat_columns(encs, family: str):
+    """Flat int32 ids and int64 offsets of input ids and labels / target ids of EncodedSamples."""
+    def flat(arrays):
+        lengths = np.fromiter((len(a) for a in arrays), np.int64, count=len(arrays))
+        values = np.concatenate(arrays).astype(np.int32, copy=False) if len(arrays) else np.zeros(0, np.int32)
+        return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    inp, off = flat([e.input_ids for e in encs])
+    if family == "encoder_decoder":
+        second, soff = flat([e.target_ids for e in encs])
+    else:
+        second, soff = flat([e.labels if e.labels is not None else e.input_ids for e in encs])
+    return inp, off, second, soff
+
+
+def token_cache_bytes(shapes, family: str) -> int:
+    """Upper bound of the token cache's memory (int32 ids; untruncated lengths)."""
+    inp = shapes.input_tokens.astype(np.int64).sum()
+    tgt = shapes.target_tokens.astype(np.int64).sum()
+    return int(4 * (2 * (inp + tgt) if family == "decoder" else inp + tgt) + 16 * len(shapes))
+
+
+def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise") -> dict:
+    """``{sample_id: EncodedSample}`` of a whole source under ``formatter`` (one tokenization pass,
+    natural order): the token cache of an index that came without one."""
+    src = natural_order(source)
+    out: dict = {}
+    batch: list[dict] = []
+    for sample in src:
+        batch.append(sample)
+        if len(batch) >= batch_size:
+            out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+            batch.clear()
+    if batch:
+        out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+    return out
+
+

@@ -1,0 +1,234 @@
+"""Indexed mode: every rank computes the same global plan of each step from a length index and
+reads its own samples by ``sample_id`` (see `dynabatch.loader.indexed`); `IndexedMode` is its
+stateful iterator, `open_index` builds (or reads) the length index and the token cache.
+
+Mode state (nested in the DataLoader's under ``"indexed"``, or ``"replay"``): ``identity``,
+``layout``, ``epoch``, ``step``, ``step_in_epoch``, ``microbatch``, ``consumed``, ``exclude`` (ids
+of the step consumed before an earlier resume on another world size) and ``fresh``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from .. import state as lstate
+from ..ahead import fork_available
+from ..indexed import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
+                       WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
+                       token_cache_bytes, write_index_table)
+from ..steps import ReadyStep
+from ..streaming import _identity
+from .base import Context, Mode
+
+logger = logging.getLogger("dynabatch")
+
+
+class VersionedPlanner:
+    """A planner (`IndexedPlanner` / `ReplayPlanner` interface) whose step plans also carry the cost
+    model's ``version`` at planning time and the `Shapes` of their global plan."""
+
+    def __init__(self, inner, cost):
+        self.inner, self.cost = inner, cost
+        self.index = inner.index
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "inner":  # unpickling: before __dict__ is filled
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def plan(self, epoch: int, k: int, rank: int, exclude=None):
+        version = int(getattr(self.cost, "version", 0))
+        sp = self.inner.plan(epoch, k, rank, exclude)
+        shapes = None
+        if sp.plan is not None:
+            shapes = self.index.shapes.take(self.index.positions(sp.plan.sample_ids))
+        return replace(sp, shapes=shapes, cost_version=version)
+
+
+def open_index(ctx: Context, index, index_cache):
+    """(length index, its table, token cache or None) of the loader's data (scans it without ``index``)."""
+    s = ctx.settings
+    settings = index_settings(ctx.formatter, ctx.vision, ctx.source)
+    text = ctx.vision is None
+    want = text and s.cache_tokens is not False
+    if index is None:
+        index = _scan_index(ctx, index_cache, settings, keep_tokens=want)
+    table = read_index_table(index)
+    o = ctx.options
+    idx = load_index(table, ctx.family, o.max_len, o.max_target_len, bos=int(ctx.formatter.config.add_bos))
+    if idx.settings is not None:
+        theirs = {k: v for k, v in idx.settings.items() if k in settings and k != "source_fingerprint"}
+        diff = {k: (v, settings[k]) for k, v in theirs.items() if settings[k] != v}
+        if diff:
+            logger.warning("the length index was built with other tokenization settings %s (index vs loader); "
+                           "its token counts may not match the batches", diff)
+    if s.cache_tokens and not text:
+        logger.warning("cache_tokens=True is ignored with a vision policy (images are loaded per step)")
+    if want and s.cache_tokens is None:
+        need = token_cache_bytes(idx.shapes, ctx.family)
+        if need > TOKEN_CACHE_BUDGET:
+            want = False
+            logger.info("token cache off: the ids of %d samples need up to %.1f GiB (budget %.1f GiB); pass "
+                        "cache_tokens=True to keep them anyway", len(idx), need / 2**30, TOKEN_CACHE_BUDGET / 2**30)
+    return idx, table, (_token_cache(ctx, idx, table, settings) if want else None)
+
+
+def _token_cache(ctx: Context, index, table, settings) -> TokenCache | None:
+    """From the index table's token columns when made with these settings, else one tokenization pass."""
+    raw = (table.schema.metadata or {}).get(TOKEN_SETTINGS_KEY)
+    if raw is not None and json.loads(raw) == settings:
+        tc = TokenCache.from_table(index, table, ctx.family)
+        if tc is not None:
+            return tc
+    t0 = time.perf_counter()
+    tc = TokenCache.from_encoded(index, encode_all(ctx.source, ctx.formatter, on_error=ctx.settings.on_error),
+                                 ctx.family)
+    if tc is None:
+        logger.warning("token cache off: the data lacks samples of the length index (stale index?)")
+    else:
+        logger.info("tokenized %d samples into the token cache (%.1f MiB) in %.1f s", len(index),
+                    tc.nbytes / 2**20, time.perf_counter() - t0)
+    return tc
+
+
+def _scan_index(ctx: Context, index_cache, settings, keep_tokens: bool = False):
+    if index_cache is not None and os.path.exists(index_cache):
+        table = read_index_table(index_cache)
+        raw = (table.schema.metadata or {}).get(b"dynabatch.index_settings")
+        if raw is not None and json.loads(raw) == settings:
+            return table
+        logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)
+    t0 = time.perf_counter()
+    table = scan_source(ctx.source, ctx.formatter, vision=ctx.vision, on_error=ctx.settings.on_error,
+                        keep_tokens=keep_tokens,
+                        token_budget=TOKEN_CACHE_BUDGET if ctx.settings.cache_tokens is None else None)
+    logger.info("built the length index of %d samples in %.1f s (one tokenization pass; pass index= or "
+                "index_cache= to reuse it)", table.num_rows, time.perf_counter() - t0)
+    if index_cache is not None:
+        write_index_table(table, index_cache)
+    return table
+
+
+class IndexedMode(Mode):
+    """Steps of the indexed mode (``planner``: an `IndexedPlanner`, or a `ReplayPlanner`)."""
+
+    name = "indexed"
+
+    def __init__(self, ctx: Context, index, planner, token_cache=None, plan_fingerprint=None):
+        import loaders
+
+        o = ctx.options
+        identity = {"index": index.fingerprint, "method": o.method, "collation": o.collation,
+                    "global_batch_tokens": o.global_batch_tokens, "global_batch_size": o.global_batch_size,
+                    "seed": o.seed, "drop_last": o.drop_last, "max_len": o.max_len,
+                    "max_target_len": o.max_target_len, "num_stages": o.num_stages, "plan": plan_fingerprint}
+        super().__init__(ctx, identity)
+        self.index, self.token_cache = index, token_cache
+        self.planner = VersionedPlanner(planner, ctx.cost)
+        s = ctx.settings
+        n = int(s.plan_processes or 0)
+        if n and (ctx.num_workers or not fork_available()):
+            n = 0  # workers plan in their own thread; no fork (or one CPU): plan in a thread
+        self.steps = IndexedSteps(self.planner, loaders.open_access(ctx.source), ctx.formatter, ctx.collate,
+                                  rank=ctx.rank, vision=ctx.vision, load_pixels=s.load_pixels, on_error=s.on_error,
+                                  plan_ahead=s.plan_ahead, exact_labels=index.exact_labels, tokens=token_cache,
+                                  plan_processes=n)
+
+    def num_steps(self, epoch: int | None = None) -> int:
+        return self.planner.num_steps(self.epoch if epoch is None else epoch)
+
+    def _first_step(self) -> int:
+        return self.planner.first_step(self.epoch)
+
+    def _generate(self):
+        epoch, s = self.epoch, self.ctx.settings
+        r = self._resume or {}
+        if r.get("epoch", epoch) != epoch:
+            r = {}
+        start = int(r.get("step_in_epoch", 0)) if not r.get("fresh") else 0
+        exclude = np.asarray(r.get("exclude", []), np.int64)
+        skip = int(r.get("microbatch", 0)) if not r.get("fresh") else 0
+        self._resume = None
+        n = self.planner.num_steps(epoch)
+        self.steps.configure(epoch, start, exclude if len(exclude) else None)
+        if self.ctx.num_workers == 0:
+            it = self.steps.iter_worker(0, 1)
+            self._closers.append(lambda wait: it.close())
+        else:
+            from torch.utils.data import DataLoader as TorchDataLoader
+
+            dl = TorchDataLoader(WorkerSplitDataset(self.steps), batch_size=None, num_workers=self.ctx.num_workers,
+                                 collate_fn=_identity, pin_memory=s.pin_memory and torch.cuda.is_available(),
+                                 **s.loader_kwargs)
+            it = iter(dl)
+            self._closers.append(lambda wait: getattr(it, "_shutdown_workers", lambda: None)())
+        pending: dict[int, ReadyStep] = {}
+        expect = start
+        for ready in it:
+            ready = ready.unpacked()
+            pending[ready.step.step_in_epoch] = ready
+            while expect in pending:
+                rd = pending.pop(expect)
+                first = expect == start
+                pos = {"epoch": epoch, "step_in_epoch": expect, "step": rd.step.step, "microbatch": skip if first else 0,
+                       "consumed": [mb.sample_ids for mb in rd.step.microbatches[:skip]] if first else [],
+                       "exclude": exclude if first else np.zeros(0, np.int64), "num_steps": n,
+                       "next_step": rd.step.step, "done": False}
+                yield rd, (skip if first else 0), pos
+                expect += 1
+        if expect < n:
+            raise RuntimeError(f"the DataLoader workers delivered steps up to {expect} of {n}")
+
+    def _position_state(self, p: dict, consumed: list) -> dict:
+        k, m, exclude, done = p["step_in_epoch"], p["microbatch"], lstate._ids(p["exclude"]), p["done"]
+        if done:  # the whole step was yielded: the position is the start of the next step
+            k, m, consumed, exclude = k + 1, 0, [], []
+            if k >= p["num_steps"]:
+                return self._fresh_state(p["epoch"] + 1, p["next_step"])
+        return self._state(epoch=p["epoch"], step=p["step"] + (1 if done else 0), step_in_epoch=k, microbatch=m,
+                           consumed=consumed, exclude=exclude)
+
+    def _resume_from(self, s: dict) -> dict:
+        k = int(s["step_in_epoch"])
+        if s.get("merged"):
+            mbs = set(s["microbatch"])
+            if s["from_world_size"] == self.ctx.world_size and len(mbs) == 1:
+                return {"epoch": s["epoch"], "step": s["step"], "step_in_epoch": k, "microbatch": mbs.pop(),
+                        "exclude": s["exclude_before"]}
+            if self.name == "replay" and s["exclude"]:
+                raise lstate.LoaderStateError("a replayed plan cannot resume a half-done step on another world size")
+            return self._skip_empty({"epoch": s["epoch"], "step": s["step"], "step_in_epoch": k, "microbatch": 0,
+                                     "exclude": s["exclude"]})
+        m = int(s.get("microbatch", 0))
+        L = s["layout"]
+        if (L["world_size"], L["rank"]) != (self.ctx.world_size, self.ctx.rank) and (m or s.get("exclude")):
+            raise lstate.LoaderStateError(
+                f"this state was taken in the middle of step {s['step']} on rank {L['rank']} of {L['world_size']}; "
+                f"to resume it on rank {self.ctx.rank} of {self.ctx.world_size}, load the list of every rank's states")
+        return {"epoch": s["epoch"], "step": s["step"], "step_in_epoch": k, "microbatch": m,
+                "exclude": s.get("exclude", [])}
+
+    def _skip_empty(self, r: dict) -> dict:
+        """A half-done step whose samples were all consumed is skipped."""
+        epoch, k = r["epoch"], r["step_in_epoch"]
+        if not r["exclude"] or self.name == "replay":
+            return r
+        pos = self.planner.batches(epoch)[k]
+        if (~np.isin(self.index.shapes.sample_id[pos], np.asarray(r["exclude"], np.int64))).any():
+            return r
+        if k + 1 >= self.planner.num_steps(epoch):
+            return {"epoch": epoch + 1, "step": r["step"] + 1, "fresh": True}
+        return {"epoch": epoch, "step": r["step"] + 1, "step_in_epoch": k + 1, "microbatch": 0, "exclude": []}
+
+
+def build_indexed(ctx: Context, index=None, index_cache=None) -> IndexedMode:
+    """The indexed mode of a loader: length index (scanned when not given), planner, token cache."""
+    idx, _, tokens = open_index(ctx, index, index_cache)
+    return IndexedMode(ctx, idx, IndexedPlanner(idx, ctx.cost, ctx.options), tokens)

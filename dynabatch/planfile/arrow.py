@@ -1,0 +1,131 @@
+"""A `BatchPlan` in the plan-file row format and back: one row per sample placement.
+
+`plan_to_arrow` writes one step, `plans_to_arrow` a whole run (with the integrity record), and
+`plan_from_arrow` reads one step back exactly. Columns and metadata keys are those of `format`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+
+from ..core.batchplan import MB_FIELDS, BatchPlan
+from . import format as fmt
+
+#: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
+_ARROW_NAME = {"mb_order": fmt.MICROBATCH}
+
+
+def _column(field: str) -> str:
+    return _ARROW_NAME.get(field, field[3:])
+
+
+def _json_value(obj):
+    """numpy scalars and arrays as their Python values in plan metadata; anything else as text."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)
+
+
+def _decode(meta) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (meta or {}).items()}
+
+
+def plan_to_arrow(plan: BatchPlan) -> pa.Table:
+    """One row per sample placement: step, rank, microbatch (position within the rank), row,
+    sample_id, plus the micro-batch's shape and predicted cost columns; metadata carries the
+    schema version, method, collation, world layout, rank times and options."""
+    sizes = np.diff(plan.mb_offsets)
+    per_sample = {_column(name): np.repeat(getattr(plan, name), sizes) for name in MB_FIELDS}
+    cols = {
+        fmt.STEP: np.full(len(plan.sample_ids), plan.step, np.int64),
+        fmt.RANK: per_sample.pop(fmt.RANK),
+        fmt.MICROBATCH: per_sample.pop(fmt.MICROBATCH),
+        fmt.ROW: plan.sample_row.astype(np.int32),
+        fmt.SAMPLE_ID: plan.sample_ids.astype(np.int64),
+    }
+    cols.update(per_sample)
+    meta = {
+        fmt.PLAN_SCHEMA_VERSION_KEY: str(fmt.PLAN_SCHEMA_VERSION),
+        fmt.METHOD_KEY: plan.method,
+        fmt.COLLATION_KEY: plan.collation,
+        fmt.NUM_RANKS_KEY: str(plan.num_ranks),
+        fmt.NUM_STAGES_KEY: str(plan.num_stages),
+        fmt.SCHEDULE_KEY: plan.schedule,
+        fmt.RANK_TIME_KEY: json.dumps({str(plan.step): plan.rank_time_s.tolist()}),
+        fmt.OPTIONS_KEY: json.dumps(plan.options, sort_keys=True, default=_json_value),
+    }
+    return pa.table(cols).replace_schema_metadata(meta)
+
+
+def steps_in(table: pa.Table) -> np.ndarray:
+    """The step numbers a plan table holds, in ascending order."""
+    return np.unique(table.column(fmt.STEP).to_numpy())
+
+
+def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
+    """Read the plan of one step (the only step if ``step`` is None) from a plan table."""
+    meta = _decode(table.schema.metadata)
+    version = meta.get(fmt.PLAN_SCHEMA_VERSION_KEY)
+    if version is None:
+        raise ValueError(f"not a dynabatch plan table: no {fmt.PLAN_SCHEMA_VERSION_KEY} in its metadata")
+    if not version.isdigit() or int(version) != fmt.PLAN_SCHEMA_VERSION:
+        raise ValueError(f"plan schema version {version} is not supported (this dynabatch reads "
+                         f"{fmt.PLAN_SCHEMA_VERSION})")
+    steps = table.column(fmt.STEP).to_numpy()
+    if step is None:
+        uniq = np.unique(steps)
+        if len(uniq) != 1:
+            raise ValueError(f"the table holds {len(uniq)} steps; pass step=")
+        step = int(uniq[0])
+    sel = np.flatnonzero(steps == step)
+    if len(sel) == 0:
+        raise ValueError(f"step {step} is not in the plan")
+    col = {name: table.column(name).to_numpy()[sel] for name in table.column_names}
+    rank, order = col[fmt.RANK].astype(np.int32), col[fmt.MICROBATCH].astype(np.int32)
+    change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
+    starts = np.concatenate(([0], change))
+    offsets = np.concatenate((starts, [len(sel)])).astype(np.int64)
+    mb = {name: col[_column(name)][starts].astype(dtype) for name, (dtype, _) in MB_FIELDS.items()}
+    num_ranks = int(meta[fmt.NUM_RANKS_KEY])
+    rank_times = json.loads(meta.get(fmt.RANK_TIME_KEY, "{}")).get(str(step), [0.0] * num_ranks)
+    return BatchPlan(
+        method=meta[fmt.METHOD_KEY], collation=meta[fmt.COLLATION_KEY], num_ranks=num_ranks,
+        num_stages=int(meta[fmt.NUM_STAGES_KEY]), schedule=meta[fmt.SCHEDULE_KEY],
+        sample_ids=col[fmt.SAMPLE_ID].astype(np.int64), sample_row=col[fmt.ROW].astype(np.int32),
+        mb_offsets=offsets, rank_time_s=np.asarray(rank_times, np.float64), step=step,
+        options=json.loads(meta.get(fmt.OPTIONS_KEY, "{}")), **mb,
+    )
+
+
+def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = None) -> pa.Table:
+    """One table holding several steps' plans (a whole run), readable step by step with
+    `plan_from_arrow(table, step=k)`. The plans must share method, collation, world layout and
+    schedule; each step's rank times are kept, and the integrity record
+    (`dynabatch.planfile.format.integrity_metadata`) lets a reader notice rows edited afterwards.
+    ``metadata`` adds run-level entries (dataset fingerprint, cost model, options...)."""
+    if not plans:
+        raise ValueError("plans_to_arrow needs at least one plan")
+    steps = [p.step for p in plans]
+    if len(set(steps)) != len(steps):
+        raise ValueError("plans_to_arrow: two plans have the same step number")
+    tables = [plan_to_arrow(p) for p in plans]
+    first = _decode(tables[0].schema.metadata)
+    rank_times = {}
+    for p, t in zip(plans, tables):
+        meta = _decode(t.schema.metadata)
+        for key in fmt.SHARED_KEYS:
+            if meta[key] != first[key]:
+                raise ValueError(f"step {p.step} differs in {key}: {meta[key]!r} vs {first[key]!r}")
+        rank_times[str(p.step)] = p.rank_time_s.tolist()
+    merged = dict(first)
+    merged[fmt.RANK_TIME_KEY] = json.dumps(rank_times)
+    merged.update(metadata or {})
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID)}
+    merged.update(fmt.integrity_metadata(cols, plans[0].num_ranks))
+    return table.replace_schema_metadata(merged)
