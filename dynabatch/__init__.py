@@ -19,48 +19,25 @@ from .core.cost import (
     device_preset,
     model_preset,
 )
+from .core.feedback import FeedbackLoop, FeedbackRow, StepError
 from .core.options import COLLATIONS, METHODS, SCHEDULES, PlanOptions
 from .core.plan import PlanningError, plan_microbatches, split_global_batches
-from .core.steps import global_batches, plan_step
-from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, plans_to_arrow
 from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 from .core.shapes import SHAPES_SCHEMA, Shapes
 from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
+from .core.steps import global_batches, plan_step
+from .index import LengthIndex, read_index, write_index
+from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, RunPlan, load_run_plan, plans_to_arrow
 
-__all__ = [
-    "BatchPlan",
-    "COLLATIONS",
-    "PlanOptions",
-    "SCHEDULES",
-    "global_batches",
-    "plan_step",
-    "CostModel",
-    "DEVICE_PRESETS",
-    "DeviceProfile",
-    "FEATURES",
-    "METHODS",
-    "MODEL_PRESETS",
-    "MicroBatch",
-    "ModelConfig",
-    "PLAN_SCHEMA_VERSION",
-    "PipelineDeadlock",
-    "PlanningError",
-    "ProfiledTable",
-    "SHAPES_SCHEMA",
-    "ShapeSourceError",
-    "Shapes",
-    "SimResult",
-    "device_preset",
-    "iteration_lower_bound",
-    "model_preset",
-    "pipeline_schedule",
-    "plan_microbatches",
-    "plans_to_arrow",
-    "read_shapes",
-    "simulate_pipeline",
-    "split_global_batches",
-    "synthetic_shapes",
-]
+__all__ = sorted([
+    "BatchPlan", "COLLATIONS", "CostModel", "DEVICE_PRESETS", "DeviceProfile", "FEATURES", "FeedbackLoop",
+    "FeedbackRow", "LengthIndex", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
+    "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RunPlan",
+    "SCHEDULES", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
+    "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "pipeline_schedule",
+    "plan_microbatches", "plan_step", "plans_to_arrow", "read_index", "read_shapes", "simulate_pipeline",
+    "split_global_batches", "synthetic_shapes", "write_index",
+])
 __version__ = "0.1.0"
 
 # The DataLoader and collation need torch: imported on first use so `import dynabatch` stays light.
@@ -68,7 +45,7 @@ _LAZY = {
     "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "collate_padded": "loader.collate",
     "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
     "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
-    "TorchCollective": "loader.collective", "LoaderStateError": "loader.state",
+    "TorchCollective": "loader.collective", "LoaderStateError": "loader.state", "Step": "loader.step",
 }
 __all__ += sorted(_LAZY)
 

@@ -28,7 +28,6 @@ import tempfile
 import torch
 
 import dynabatch
-from dynabatch.core.feedback import FeedbackLoop
 from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import (PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, launch_local, make_model,
                                 representative, search_partition, stage_cost_model)
@@ -43,7 +42,7 @@ def worker(rank: int, world_size: int, port: int, args: dict):
         model = make_model(args["model"], hidden=args["hidden"], seed=args["seed"])
         enc_dec = model.kind == "encoder_decoder"
         cost = stage_cost_model(model, stages, "cpu")          # analytic prior for one stage, refit online
-        feedback = FeedbackLoop(cost, refit_every=2, forgetting=0.8)
+        feedback = dynabatch.FeedbackLoop(cost, refit_every=2, forgetting=0.8)
         loader = dynabatch.DataLoader(
             args["data"], index=args["index"], cost_model=cost, feedback=feedback, num_stages=stages,
             global_batch_tokens=args["batch_tokens"], max_len=args["max_len"],
