@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dynabatch.loader.indexed as indexed
+import dynabatch.loader.indexed_steps as indexed
 from dynabatch import DataLoader, build_index
-from dynabatch.loader.indexed import TOKEN_COLUMNS
-from dynabatch.loader.steps import PackedBatches
+from dynabatch.loader.indexed_steps import TOKEN_COLUMNS
+from dynabatch.loader.records import PackedBatches
 
 from test_dataloader_data import records, write_parquet
 

@@ -1,5 +1,11 @@
-"""dynabatch/loader: the `DataLoader` facade, its planning modes (`dynabatch.loader.modes`), the
-`Step` it yields, collation, collectives and loader states.
+"""The `DataLoader` and what lies under it, in the data's order.
+
+`dataloader` (the facade) -> `options` (its keywords normalized into one `PlanOptions` and the
+loader settings) -> `modes/` (`IndexedMode`, `ReplayMode`, `StreamingMode`: stateful iterators over
+steps) driving their planners (`indexed_steps`, `replay_planner`, `stream_planner`) -> `records`
+(a rank's step plan, tokenized samples, ready steps) -> `collate` (model inputs) -> `step` (the
+`Step` that `DataLoader.steps` yields). `ahead` plans in the background, `state` nests and merges
+the states, `collective` lets streaming ranks agree, `pixels` loads image tiles.
 
 Names are imported lazily (torch is only needed once the loader is used)."""
 

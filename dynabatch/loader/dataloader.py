@@ -22,11 +22,11 @@ from collections.abc import Iterator
 import torch
 
 from . import state as lstate
-from .indexed import scan_source, write_index_table
+from .indexed_steps import scan_source, write_index_table
 from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexed, build_replay
 from .options import make_formatter, open_data, resolve
 from .step import Step
-from .steps import CollateConfig
+from .records import CollateConfig
 
 
 def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: int | None = None,

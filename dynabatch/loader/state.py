@@ -147,7 +147,7 @@ def encoded_to_json(toks) -> list[dict]:
 def encoded_from_json(items: list[dict]):
     from tokenization import EncodedSample
 
-    from .steps import TokSample
+    from .records import TokSample
 
     def arr(v):
         return None if v is None else np.asarray(v, np.int32)

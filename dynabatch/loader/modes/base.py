@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import state as lstate
-from ..steps import CollateConfig, ReadyStep
+from ..records import CollateConfig, ReadyStep
 
 logger = logging.getLogger("dynabatch")
 

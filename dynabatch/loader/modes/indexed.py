@@ -1,5 +1,5 @@
 """Indexed mode: every rank computes the same global plan of each step from a length index and
-reads its own samples by ``sample_id`` (see `dynabatch.loader.indexed`); `IndexedMode` is its
+reads its own samples by ``sample_id`` (see `dynabatch.loader.indexed_steps`); `IndexedMode` is its
 stateful iterator, `open_index` builds (or reads) the length index and the token cache.
 
 Mode state (nested in the DataLoader's under ``"indexed"``, or ``"replay"``): ``identity``,
@@ -20,11 +20,11 @@ import torch
 
 from .. import state as lstate
 from ..ahead import fork_available
-from ..indexed import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
+from ..indexed_steps import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
                        WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
                        token_cache_bytes, write_index_table)
-from ..steps import ReadyStep
-from ..streaming import _identity
+from ..records import ReadyStep
+from ..stream_planner import _identity
 from .base import Context, Mode
 
 logger = logging.getLogger("dynabatch")

@@ -4,7 +4,7 @@ mode's, nested under ``"replay"``; a half-done step cannot move to another world
 
 from __future__ import annotations
 
-from ..replay import ReplayPlanner
+from ..replay_planner import ReplayPlanner
 from .base import Context
 from .indexed import IndexedMode, open_index
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..planfile import format as fmt
 from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
-from .steps import MicroBatchPlan, StepPlan, Timer
+from .records import MicroBatchPlan, StepPlan, Timer
 
 __all__ = ["PlanMismatchError", "ReplayPlanner", "RunPlan", "load_run_plan"]
 

@@ -27,7 +27,7 @@ from ..core.steps import global_batches, num_global_batches, plan_step
 from ..index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_CACHE_BUDGET, TOKEN_COLUMNS,  # noqa: F401
                      TOKEN_SETTINGS_KEY, LengthIndex, TokenCache, derived_labels, encode_all, index_settings,
                      read_index, read_index_table, scan_source, token_cache_bytes, write_index)
-from .steps import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
+from .records import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
                             label_counts, rank_step)
 from .ahead import Ahead, ProcessAhead
 

@@ -37,7 +37,7 @@ import numpy as np
 from ..core.options import PlanOptions
 from ..core.plan import PlanningError, plan_microbatches
 from ..core.shapes import Shapes
-from .steps import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
+from .records import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
                             encode_samples, label_counts)
 
 logger = logging.getLogger("dynabatch")
@@ -136,7 +136,7 @@ class ChunkFeed:
         else:
             from torch.utils.data import DataLoader as TorchDataLoader
 
-            from .indexed import WorkerSplitDataset
+            from .indexed_steps import WorkerSplitDataset
 
             kw = dict(loader_kwargs or {})
             self._dl_iter = iter(TorchDataLoader(WorkerSplitDataset(producer), batch_size=None,
