@@ -477,6 +477,12 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
             dl.set_epoch(epoch)
             got += [b["sample_ids"].tolist() for b in dl if not b["is_padding"]]
         assert got == [mb.sample_ids.tolist() for k in range(run.num_steps) for mb in run.step(k).microbatches(1)]
+        dl.set_epoch(0)
+        for k, step in enumerate(dl.steps()):  # each replayed step carries the file's plan of that step
+            assert step.plan.fingerprint() == run.step(k).fingerprint()
+            assert sorted(step.shapes.sample_id.tolist()) == sorted(step.plan.sample_ids.tolist())
+            assert [b["sample_ids"].tolist() for b in step if not b["is_padding"]] == \
+                [mb.sample_ids.tolist() for mb in step.plan.microbatches(1)]
     # the online indexed mode plans exactly what `dynabatch plan` planned for the same settings
     online = DataLoader(data["parquet"], world_size=2, rank=1, global_batch_tokens=TOKENS, seed=4, drop_last=True,
                         max_len=256, **PLAN)

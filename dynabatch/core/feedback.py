@@ -246,7 +246,7 @@ class FeedbackLoop:
         ``RunnerConfig(gather_timing=True)``; else its own ``timing``) or a sequence of `StepTiming`.
         Timings of trailing placeholder micro-batches (ranks padded to equal counts) are skipped. A
         one-rank plan (the streaming loader's own share) is matched with this replica's timings only
-        (``step.rank``); a step without a plan (a replayed plan file) raises TypeError.
+        (``step.rank``); a step without a plan raises TypeError.
         """
         plan = getattr(step, "plan", None)
         if not isinstance(plan, BatchPlan):

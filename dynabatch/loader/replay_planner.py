@@ -14,27 +14,22 @@ re-planned.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from ..planfile import format as fmt
 from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
-from .records import MicroBatchPlan, StepPlan, Timer
+from .records import StepPlan, Timer, rank_step
 
 __all__ = ["PlanMismatchError", "ReplayPlanner", "RunPlan", "load_run_plan"]
-
-_STEP_COLUMNS = (fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID, fmt.ROW, "input_len", "target_len", "real_tokens", "time_s",
-                 "memory_bytes")
-
 
 class ReplayPlanner:
     """`IndexedPlanner`'s interface over a `RunPlan`: the file's steps, nothing re-planned."""
 
-    def __init__(self, plan, index, cost, max_len=None, max_target_len=None):
+    def __init__(self, plan, index):
         self.run = load_run_plan(plan)
         self.index = index
         self.world_size = self.run.num_ranks
-        main, dec, _ = cost.sample_dims(index.shapes, max_len, max_target_len)
-        self._real = (main + dec).astype(np.int64)
         self._per_epoch = self.run.steps_per_epoch
 
     def num_steps(self, epoch: int) -> int:
@@ -48,40 +43,16 @@ class ReplayPlanner:
         return self.run.first_step(epoch)
 
     def plan(self, epoch: int, k: int, rank: int, exclude=None) -> StepPlan:
+        """This rank's plan of step ``k`` of ``epoch``: the file's `BatchPlan` of that step, cut for
+        ``rank`` exactly as the indexed mode cuts a plan it made itself (`rank_step`)."""
         if exclude is not None and len(exclude):
             raise ValueError("a replayed plan cannot resume a half-done step on another world size")
-        run = self.run
         with Timer() as t:
-            step = self.first_step(epoch) + k
-            rows = run.step_rows(step)
-            c = {name: rows.column(name).to_numpy() for name in _STEP_COLUMNS if name in rows.column_names}
-            ids = c[fmt.SAMPLE_ID].astype(np.int64)
-            pos = np.searchsorted(self.index.shapes.sample_id, ids)
-            rank_col, mb_col = c[fmt.RANK].astype(np.int64), c[fmt.MICROBATCH].astype(np.int64)
-            key = rank_col * (int(mb_col.max(initial=0)) + 1) + mb_col
-            uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
-            per_rank = np.bincount(rank_col[first], minlength=run.num_ranks)
-            K = int(per_rank.max(initial=0))
-            real_of_sample = c["real_tokens"].astype(np.int64) if "real_tokens" in c else None
-            packed = run.collation == "packed"
-            mbs = []
-            mine = rank_col[first] == rank
-            for j in np.flatnonzero(mine)[np.argsort(mb_col[first][mine], kind="stable")]:
-                sel = np.flatnonzero(inv == j)
-                rows_of = c[fmt.ROW][sel].astype(np.int64) if run.collation == "packed_rows" and fmt.ROW in c else None
-                real = int(real_of_sample[sel[0]]) if real_of_sample is not None else int(self._real[pos[sel]].sum())
-                mbs.append(MicroBatchPlan(
-                    sample_ids=ids[sel], rows=rows_of,
-                    input_len=int(c["input_len"][sel[0]]) if "input_len" in c and not packed else 0,
-                    target_len=int(c["target_len"][sel[0]]) if "target_len" in c and not packed else 0,
-                    real_tokens=real, predicted_time_s=float(c["time_s"][sel[0]]) if "time_s" in c else 0.0,
-                    predicted_memory_bytes=float(c["memory_bytes"][sel[0]]) if "memory_bytes" in c else 0.0))
-            mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
-            if real_of_sample is not None:
-                step_real = int(real_of_sample[first].sum())
-            else:
-                step_real = int(self._real[pos].sum())
-        return StepPlan(step=int(step), epoch=epoch, step_in_epoch=k, collation=run.collation,
-                        microbatches=tuple(mbs), step_real_tokens=step_real,
-                        step_target_tokens=int(self.index.label_tokens[pos].sum()), step_samples=len(ids),
-                        plan_time_s=t.s)
+            plan = self.run.step(self.first_step(epoch) + k)
+            ids = plan.sample_ids
+            pos = self.index.positions(ids) if len(ids) else np.zeros(0, np.int64)
+            sp = rank_step(plan, rank, epoch=epoch, step_in_epoch=k,
+                           step_target_tokens=int(self.index.label_tokens[pos].sum()))
+            mine = sp.sample_ids()
+            positions = self.index.positions(mine) if len(mine) else np.zeros(0, np.int64)
+        return dataclasses.replace(sp, plan_time_s=t.s, positions=positions)

@@ -5,8 +5,8 @@ working) carrying what the feedback loop and loss normalization need about the s
 
 * ``step`` (global step number, from 0 across epochs), ``epoch``, ``rank``;
 * ``plan``: the step's `BatchPlan`: the global plan over all ranks (indexed mode), this rank's own
-  plan (streaming mode, where each rank plans its share with ``num_ranks=1``), None for a replayed
-  plan file;
+  plan (streaming mode, where each rank plans its share with ``num_ranks=1``), the file's plan of
+  the step when replaying a plan file;
 * ``shapes``: the `Shapes` of the samples of ``plan`` (per-sample lengths, for packed features);
 * ``target_tokens``: the step's real target (loss) tokens over all ranks;
 * ``cost_version``: ``getattr(cost_model, "version", 0)`` when the step was planned (a step planned

@@ -22,5 +22,5 @@ def build_replay(ctx: Context, run, explicit: dict, index=None, index_cache=None
     o = ctx.options
     run.check(dataset_fingerprint=idx.fingerprints, num_ranks=ctx.world_size, num_stages=o.num_stages,
               options=explicit, sample_ids=idx.shapes.sample_id)
-    planner = ReplayPlanner(run, idx, ctx.cost, o.max_len, o.max_target_len)
+    planner = ReplayPlanner(run, idx)
     return ReplayMode(ctx, idx, planner, tokens, run.dataset_fingerprint)
