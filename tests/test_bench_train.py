@@ -25,7 +25,7 @@ def test_bench_train_json(tmp_path):
     assert time.monotonic() - t0 < 60
     res = json.loads(out.stdout)
     assert set(res) >= {"config", "methods"}
-    assert res["config"]["model"] == "t5-tiny" and res["config"]["stages"] == 2
+    assert res["config"]["model"] == "t5-tiny" and res["config"]["options"]["num_stages"] == 2
     assert set(res["methods"]) == set(TRAIN_METHODS)
     for name, m in res["methods"].items():
         assert {"tokens_per_s", "steps", "mape_start", "mape_end", "warmup_steps", "real_tokens"} <= set(m), name
@@ -68,7 +68,7 @@ def test_bench_train_runs_the_adaptive_schedule(tmp_path):
         capture_output=True, text=True, timeout=58)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
-    assert res["config"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
+    assert res["config"]["options"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
     assert all(m["steps"] == 3 and m["tokens_per_s"] > 0 for m in res["methods"].values())
 
 

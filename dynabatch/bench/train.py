@@ -35,10 +35,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
+
+from ..core.option_flags import parse_bytes
+from ..core.options import SCHEDULES, PlanOptions
 
 TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")
 SHARED_FLAN = ("../shared/data/text/niv2_sample.jsonl.gz", "../shared/data/text/flan_cot_sample.jsonl.gz")
@@ -46,26 +49,30 @@ MODEL_SIZES = {"gpt-tiny": dict(vocab=512, hidden=256, layers=4, heads=4),
                "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4)}
 
 
+def default_train_options() -> "PlanOptions":
+    """The planning options ``bench train`` runs with unless told otherwise: 32768-token global
+    batches, 2048/512-token caps (byte tokens: FLAN inputs run to ~1.9k at the 95th percentile),
+    2 stages, the last partial step dropped so every timed step is full."""
+    return PlanOptions(global_batch_tokens=32768, max_len=2048, max_target_len=512, num_stages=2, drop_last=True)
+
+
 @dataclass
 class TrainBenchConfig:
-    """Settings of one ``bench train`` run (tokens, seconds)."""
+    """Settings of one ``bench train`` run (tokens, seconds): the `PlanOptions` every method plans
+    with (``method`` is set per run; ``num_stages`` is the number of local processes) plus what
+    only the benchmark knows."""
 
     model: str = "t5-tiny"
     data: tuple = ()
-    stages: int = 2
+    options: PlanOptions = field(default_factory=default_train_options)
     steps: int = 20
     warmup: int = 3
     methods: tuple = TRAIN_METHODS
-    global_batch_tokens: int = 32768
-    max_len: int = 2048
-    max_target_len: int = 512
     device_preset: str = "cpu"
     backend: str | None = None
-    seed: int = 0
     lr: float = 1e-3
     refit_every: int = 2
     forgetting: float = 0.8
-    schedule: str = "1f1b"
     partition: str = "searched"  # or "uniform" (equal block counts)
     save_cost_model: str | None = None  # JSON path for dp's refit cost model (written by rank 0)
     threads_per_proc: int = 1
@@ -75,6 +82,18 @@ class TrainBenchConfig:
 
     def resolved_sizes(self) -> dict:
         return {**MODEL_SIZES[self.model], **self.model_sizes}
+
+    def to_payload(self) -> dict:
+        """A JSON-able dict (to send to worker processes); `from_payload` reads it back."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(options=self.options.to_dict(), data=list(self.data), methods=list(self.methods))
+        return d
+
+    @classmethod
+    def from_payload(cls, d: dict) -> "TrainBenchConfig":
+        d = {k: v for k, v in d.items() if not k.startswith("_")}
+        return cls(**{**d, "options": PlanOptions.from_dict(d["options"]), "data": tuple(d["data"]),
+                      "methods": tuple(d["methods"])})
 
 
 def default_data(root: Path | None = None) -> tuple:
@@ -125,7 +144,7 @@ class MethodRun:
                                 stage_cost_model)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
-        model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
+        model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
         self.prior = self.cost.time_coef.copy()
         # dp: the loader's feedback loop refits its cost model; baselines: a loop that only scores
@@ -134,13 +153,11 @@ class MethodRun:
         self.scorer = self.feedback or FeedbackLoop(self.cost)
         enc_dec = model.kind == "encoder_decoder"
         # plan_ahead=0: step k+1 is planned after step k's refit, identically on every rank
+        opts = cfg.options.replace(method=method, num_stages=ctx.num_stages, num_ranks=ctx.num_replicas,
+                                   max_target_len=cfg.options.max_target_len if enc_dec else None)
         self.loader = dynabatch.DataLoader(
-            list(cfg.data), index=cfg.index, mode="indexed", cost_model=self.cost, num_stages=ctx.num_stages,
-            global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len, feedback=self.feedback,
-            max_target_len=cfg.max_target_len if enc_dec else None, method=method, seed=cfg.seed,
-            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, drop_last=True,
-            # the planner simulates gpipe or 1f1b; the adaptive order is 1f1b bounded by memory
-            schedule="1f1b" if cfg.schedule == "adaptive" else cfg.schedule)
+            list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=self.cost, feedback=self.feedback,
+            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0)
         self._it = iter(self.loader.steps())
         t0 = time.perf_counter()
         self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
@@ -148,14 +165,14 @@ class MethodRun:
         if cfg.partition == "searched" and self._first:
             model.to(ctx.device)
             self.partition = search_partition(model.layers, representative(self._first), ctx.num_stages,
-                                              schedule=cfg.schedule, device=ctx.device)
+                                              schedule=cfg.options.schedule, device=ctx.device)
             bounds = self.partition.bounds
         else:
             self.partition = None
             bounds = uniform_bounds(model, ctx.num_stages)
         self.bounds = [int(b) for b in bounds]
         self.runner = PipelineRunner.from_model(model, ctx, bounds,
-                                                config=RunnerConfig(schedule=cfg.schedule, gather_timing=True))
+                                                config=RunnerConfig(schedule=cfg.options.schedule, gather_timing=True))
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
         self.phis, self.ys, self.preds = [], [], []
@@ -262,8 +279,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
 
     from ..pipeline import init_pipeline
 
-    kw = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
-    cfg = TrainBenchConfig(**{**kw, "data": tuple(kw["data"]), "methods": tuple(kw["methods"])})
+    cfg = TrainBenchConfig.from_payload(cfg_dict)
     torch.set_num_threads(cfg.threads_per_proc)
     verbose = bool(cfg_dict.get("_verbose")) and rank == 0
 
@@ -275,7 +291,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # one GPU per local rank with NCCL
     out = {}
-    with init_pipeline(num_stages=cfg.stages, rank=rank, world_size=world_size, master_port=port,
+    with init_pipeline(num_stages=cfg.options.num_stages, rank=rank, world_size=world_size, master_port=port,
                        backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
         out = train_methods(ctx, cfg, log=log if verbose else None)
     return out if rank == 0 else None
@@ -288,16 +304,17 @@ def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -
 
     data = tuple(cfg.data) or default_data()
     if not data:
-        data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", generated_samples, seed=cfg.seed))
+        data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", generated_samples, seed=cfg.options.seed))
     family = "encoder_decoder" if cfg.model == "t5-tiny" else "decoder"
     index = os.path.join(tmp, "index.parquet")
-    dynabatch.build_index(list(data), family=family, max_len=cfg.max_len,
-                          max_target_len=cfg.max_target_len if family == "encoder_decoder" else None, path=index)
+    o = cfg.options
+    dynabatch.build_index(list(data), family=family, max_len=o.max_len,
+                          max_target_len=o.max_target_len if family == "encoder_decoder" else None, path=index)
     return replace(cfg, data=data, index=index)
 
 
 def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000) -> dict:
-    """Run the benchmark on ``cfg.stages`` local processes; returns the JSON-able result."""
+    """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result."""
     from ..pipeline import count_parameters, launch_local, make_model
 
     unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"group_by_length", "kk", "rebalance"}
@@ -307,8 +324,8 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
         t0 = time.perf_counter()
         cfg = build_data(cfg, tmp, generated_samples)
         index_s = time.perf_counter() - t0
-        payload = {**asdict(cfg), "data": list(cfg.data), "methods": list(cfg.methods), "_verbose": verbose}
-        procs = launch_local(f"{__name__}:worker", cfg.stages, args=(payload,), timeout_s=cfg.timeout_s,
+        payload = {**cfg.to_payload(), "_verbose": verbose}
+        procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,), timeout_s=cfg.timeout_s,
                              threads_per_proc=cfg.threads_per_proc)
     bad = [p for p in procs if p.returncode != 0 or p.timed_out]
     if bad or procs[0].result is None:
@@ -317,8 +334,8 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     if verbose:
         sys.stderr.write(procs[0].stderr)
     methods = procs[0].result
-    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.seed)
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("index", "model_sizes", "timeout_s")}
+    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
+    config = {k: v for k, v in cfg.to_payload().items() if k not in ("index", "model_sizes", "timeout_s")}
     config.update(data=list(cfg.data), methods=list(cfg.methods), model_sizes=cfg.resolved_sizes(),
                   parameters=count_parameters(model),
                   backend=cfg.backend or "auto (gloo on CPU, nccl on GPU)", index_build_s=index_s,
@@ -346,10 +363,11 @@ def _pct(x: float) -> str:
 def format_table(result: dict) -> str:
     """The human-readable table of a `run_train_bench` result."""
     cfg = result["config"]
-    lines = [f"bench train: {cfg['model']} ({cfg['parameters'] / 1e6:.2f}M parameters), {cfg['stages']} stages "
+    o = cfg["options"]
+    lines = [f"bench train: {cfg['model']} ({cfg['parameters'] / 1e6:.2f}M parameters), {o['num_stages']} stages "
              f"({cfg['partition']} split), {cfg['steps']} steps ({cfg['warmup']} warm-up excluded), global batch "
-             f"{cfg['global_batch_tokens']} tokens, max_len {cfg['max_len']}"
-             + (f"/{cfg['max_target_len']}" if cfg["model"] == "t5-tiny" else "") + f", {cfg['schedule']}",
+             f"{o['global_batch_tokens']} tokens, max_len {o['max_len']}"
+             + (f"/{o['max_target_len']}" if cfg["model"] == "t5-tiny" else "") + f", {o['schedule']}",
              f"data: {' '.join(os.path.basename(d) for d in cfg['data'])}",
              "",
              f"{'method':<13}{'tok/s':>9}{'e2e tok/s':>11}{'vs pack':>9}{'mbs/step':>10}{'loss start->end':>18}"
@@ -418,7 +436,11 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
     p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "adaptive"))
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule the runner follows (adaptive: planned as 1f1b, run memory-bounded)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+                   help="activation bytes one micro-batch may use on one stage (17e9, 16GiB, 800MB; default: the "
+                        "cost model's)")
     p.add_argument("--partition", choices=("searched", "uniform"), default="searched",
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest) or uniform block counts")
@@ -437,13 +459,13 @@ def add_bench_train_command(bench_sub) -> None:
 
 def _cmd_bench_train(args) -> int:
     sizes = {"hidden": args.hidden} if args.hidden else {}
-    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), stages=args.stages, steps=args.steps,
-                           warmup=args.warmup, methods=tuple(args.methods),
-                           global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
-                           max_target_len=args.max_target_len, device_preset=args.device_preset,
-                           backend=args.backend, seed=args.seed, refit_every=args.refit_every,
-                           schedule=args.schedule, partition=args.partition, timeout_s=args.timeout,
-                           model_sizes=sizes,
+    options = default_train_options().replace(
+        num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
+        max_target_len=args.max_target_len, schedule=args.schedule, seed=args.seed, memory_limit=args.memory_limit)
+    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), options=options, steps=args.steps,
+                           warmup=args.warmup, methods=tuple(args.methods), device_preset=args.device_preset,
+                           backend=args.backend, refit_every=args.refit_every, partition=args.partition,
+                           timeout_s=args.timeout, model_sizes=sizes,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     try:
         result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples)

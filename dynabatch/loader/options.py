@@ -121,6 +121,9 @@ def resolve(kwargs: dict, options: PlanOptions | None) -> Resolved:
             raise TypeError(f"give the planning options either in options= or as keywords, not both ({sorted(given)})")
         planning = {k: getattr(options, k) for k in PLAN_FIELDS}
     rank, world_size = resolve_layout(s.rank, s.world_size)
+    if options is not None and options.num_ranks not in (1, world_size):
+        raise ValueError(f"options.num_ranks={options.num_ranks} but the loader's world size is {world_size}; the "
+                         "loader plans for its world size (leave num_ranks at 1 or set it to the world size)")
     method, collate = planning.pop("method", None), s.collate
     explicit = {"method": method, "collation": collate, "family": s.family,
                 **{k: planning.get(k) for k in ("global_batch_tokens", "global_batch_size", "max_len",
