@@ -39,12 +39,13 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..core.options import PlanOptions, default_method
 from ._format import fmt_rate
 from .load_common import (add_data_option, add_output_options, add_subcommand, failure_summary, per_s,
                           run_command)
@@ -79,22 +80,19 @@ class LoaderBenchConfig:
 
     ``data``: .jsonl / .jsonl.gz files or folders (empty: the shared FLAN sample when present,
     else generated shards). ``limit``: first N samples (None = all). ``workers``: the
-    ``num_workers`` values to run every method with. ``global_batch_tokens``: dynabatch's global batch
-    in tokens (also sets the baselines' ``B``). ``max_len``: truncation (all methods) and the
-    packing collator's row length. ``cost_model`` / ``device`` / ``stages``: dynabatch's planning.
+    ``num_workers`` values to run every method with. ``options``: dynabatch's `PlanOptions`; its
+    ``global_batch_tokens`` also sets the baselines' ``B``, its ``max_len`` the truncation of every
+    method and the packing collator's row length. ``cost_model`` / ``device``: dynabatch's costs.
     """
 
     data: tuple[str, ...] = ()
     limit: int | None = None
     workers: tuple[int, ...] = (0, 2)
-    global_batch_tokens: int = 65536
-    max_len: int = 1024
+    options: PlanOptions = field(default_factory=lambda: PlanOptions(global_batch_tokens=65536, max_len=1024))
     tokenizer: str = "bytes"
     cost_model: str = "gpt"
     device: str = "a100-80gb"
-    stages: int = 1
     methods: tuple[str, ...] = METHODS
-    seed: int = 0
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -102,9 +100,18 @@ class LoaderBenchConfig:
             raise LoaderBenchError(f"--methods must be among {list(METHODS)}, got {list(self.methods)}")
         if not self.workers or any(w < 0 for w in self.workers):
             raise LoaderBenchError(f"--workers must be >= 0, got {list(self.workers)}")
-        for name in ("global_batch_tokens", "max_len", "stages"):
-            if getattr(self, name) < 1:
-                raise LoaderBenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.options.global_batch_tokens is None or self.options.max_len is None:
+            raise LoaderBenchError("the bench needs global_batch_tokens and max_len in its options")
+
+    @property
+    def seed(self) -> int:
+        """The seed of every method's shuffle (and of generated data)."""
+        return self.options.seed
+
+    def loader_options(self, collate: str) -> PlanOptions:
+        """dynabatch's options for one collation (``dp`` padded, ``dp_varlen`` packed)."""
+        return self.options.replace(method=default_method(collate))
+
         if self.limit is not None and self.limit < 1:
             raise LoaderBenchError(f"limit must be >= 1 samples, got {self.limit}")
 
@@ -116,7 +123,7 @@ def _formatter(cfg: LoaderBenchConfig):
     """The tokenizer and formatting every method shares (decoder-only, truncated to ``max_len``)."""
     from ..loader.dataloader import make_formatter
 
-    return make_formatter(cfg.tokenizer, "decoder", max_len=cfg.max_len)
+    return make_formatter(cfg.tokenizer, "decoder", max_len=cfg.options.max_len)
 
 
 def _loop(loader, on_batch=None) -> dict:
@@ -174,22 +181,21 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
         if len(ds) == 0:
             raise LoaderBenchError(f"{label}: no samples")
         lengths = np.fromiter((len(x) for x in ds.input_ids), np.int64, count=len(ds))
-        B = max(1, int(round(cfg.global_batch_tokens / float(lengths.mean()))))
+        B = max(1, int(round(cfg.options.global_batch_tokens / float(lengths.mean()))))
         dyna_setup = 0.0
         index = None
         if any(m.startswith("dynabatch") for m in cfg.methods):
             t0 = time.perf_counter()
             # The index scan keeps the token ids (the token cache): the same one tokenization pass
             # as the baselines' pre-tokenization.
-            index = dynabatch.build_index(jsonl_source(files), tokenizer=fmt.tokenizer, max_len=cfg.max_len,
+            index = dynabatch.build_index(jsonl_source(files), tokenizer=fmt.tokenizer, max_len=cfg.options.max_len,
                                           cache_tokens=True)
             # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
             # their first call; a training job pays that once per process, not per epoch.
             for collate in ("padded", "packed"):
                 warm = dynabatch.DataLoader(jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
-                                            cost_model=cfg.cost_model, device=cfg.device, num_stages=cfg.stages,
-                                            global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len, collate=collate,
-                                            rank=0, world_size=1)
+                                            cost_model=cfg.cost_model, device=cfg.device,
+                                            options=cfg.loader_options(collate), rank=0, world_size=1)
                 next(iter(warm.steps()))
                 del warm
             dyna_setup = time.perf_counter() - t0
@@ -197,7 +203,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
 
         def make(method: str, workers: int):
             if method.startswith("torch"):
-                collate = pad_collate if method == "torch_pad" else PackCollate(cfg.max_len, pad_id)
+                collate = pad_collate if method == "torch_pad" else PackCollate(cfg.options.max_len, pad_id)
                 if method == "torch_pad" and pad_id != 0:
                     from functools import partial
 
@@ -208,9 +214,8 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             dl = dynabatch.DataLoader(
                 jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
-                device=cfg.device, num_stages=cfg.stages, global_batch_tokens=cfg.global_batch_tokens, max_len=cfg.max_len,
-                collate="padded" if method == "dynabatch_padded" else "packed", rank=0, world_size=1,
-                num_workers=workers, seed=cfg.seed)
+                device=cfg.device, options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
+                rank=0, world_size=1, num_workers=workers)
             return dl, time.perf_counter() - t0
 
         runs = []
@@ -253,8 +258,10 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
         run["samples_per_s_vs_torch_pad"] = x
         if x is not None:
             ratios[f"{run['method']}@{run['workers']}"] = x
-    config = asdict(cfg)
-    config.update(data=list(cfg.data), workers=list(cfg.workers), methods=list(cfg.methods), data_label=label,
+    config = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    o = cfg.options
+    config.update(options=o.to_dict(), global_batch_tokens=o.global_batch_tokens, max_len=o.max_len,
+                  stages=o.num_stages, seed=o.seed, data=list(cfg.data), workers=list(cfg.workers), methods=list(cfg.methods), data_label=label,
                   tokenizer_name=fmt.tokenizer.name, samples=total_samples, baseline_batch_size=B,
                   mean_sample_tokens=float(lengths.mean()), baseline_tokens_per_batch=float(lengths.mean() * B),
                   world_size=1, rank=0, baseline_setup_s=base_setup, dynabatch_index_s=dyna_setup,
@@ -342,10 +349,18 @@ def add_bench_loader_command(bench_sub) -> None:
     p.set_defaults(func=_cmd_bench_loader)
 
 
+def _options(args) -> PlanOptions:
+    """The bench's `PlanOptions` from its flags; a bad value is a `LoaderBenchError` (one line)."""
+    try:
+        return PlanOptions(global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
+                           num_stages=args.stages, seed=args.seed)
+    except ValueError as e:
+        raise LoaderBenchError(str(e)) from None
+
+
 def _cmd_bench_loader(args) -> int:
     return run_command(
-        args, lambda: LoaderBenchConfig(data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers),
-                                        global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
-                                        tokenizer=args.tokenizer, cost_model=args.cost_model, device=args.device,
-                                        stages=args.stages, methods=tuple(args.methods), seed=args.seed),
+        args, lambda: LoaderBenchConfig(
+            data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers), options=_options(args),
+            tokenizer=args.tokenizer, cost_model=args.cost_model, device=args.device, methods=tuple(args.methods)),
         run_loader_bench, format_table)
