@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._arrow import ArrowIPCReader, ParquetReader
-from ._errors import InvalidJSONError
-from ._files import is_compressed, open_binary
+from ._errors import CorruptFileError, InvalidJSONError
+from ._files import decompression_errors, is_compressed, open_binary, stream_error
 from ._hf import HFDatasetReader
 from ._iterator import _clusters, normalized_sample
 from ._jsonl import JsonlReader, parse_json_object
@@ -140,6 +140,17 @@ class ParquetAccess(SampleAccess):
     def _read_group(self, shard, group):
         return self._file(shard).read_row_group(int(group), columns=self.reader.columns)
 
+    def _checked_group(self, shard, group, starts):
+        import pyarrow as pa
+
+        try:
+            return self._read_group(shard, group)
+        except (pa.ArrowException, OSError) as e:
+            info = self.reader.shards[shard]
+            raise CorruptFileError(f"cannot read {self.reader.kind} data of group {int(group)} (rows "
+                                   f"{int(starts[group])}-{int(starts[group + 1]) - 1}): {e}",
+                                   where=f"{info.name}:{int(starts[group])}") from None
+
     def _read_shard(self, shard, positions):
         info = self.reader.shards[shard]
         base_dir = os.path.dirname(info.path)
@@ -147,7 +158,7 @@ class ParquetAccess(SampleAccess):
         out = []
         for g in np.unique(group):
             sel = positions[group == g]
-            rows = self._read_group(shard, g).take(sel - starts[g]).to_pylist()
+            rows = self._checked_group(shard, g, starts).take(sel - starts[g]).to_pylist()
             out += [RawRecord(int(p), f"{info.name}:{int(p)}", r, base_dir=base_dir) for p, r in zip(sel, rows)]
         return out
 
@@ -211,8 +222,12 @@ class JsonlAccess(SampleAccess):
         self._memory: dict[int, bytes] = {}  # decompressed files
         for info in self.reader.shards:
             if is_compressed(info.path):
-                with open_binary(info.path) as f:
-                    self._memory[info.index] = f.read()
+                # Only the part that passed the integrity check when the source was built.
+                try:
+                    with open_binary(info.path, limit=self.reader.readable_bytes(info.index)) as f:
+                        self._memory[info.index] = f.read()
+                except decompression_errors() as e:  # the file changed since the source was built
+                    raise stream_error(info.path, e, where=info.name) from None
                 self._offsets.append(line_offsets(self._memory[info.index]))
             else:
                 with open(info.path, "rb") as f:

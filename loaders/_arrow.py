@@ -71,6 +71,10 @@ class _GroupedTableReader(ShardReader):
             except (pa.ArrowException, OSError) as e:
                 where = f"{info.name}:{max(pos, start)}"
                 err = CorruptFileError(f"cannot read {self.kind} data near row {pos}: {e}", where=where)
+                # Every work unit that meets the damaged group fails at the same row ``pos`` (reads go
+                # from the group's start); only the unit holding that row counts it, so the count does
+                # not depend on how the file was cut into units (number of workers, scan parts).
+                err.repeat = pos < start
                 # Skip the rest of the damaged group. The error takes the last skipped
                 # position, so a resume after it does not meet (and count) it again.
                 group = bisect.bisect_right(starts, pos)

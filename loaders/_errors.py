@@ -13,8 +13,11 @@ class LoaderError(ValueError):
     """Base class of all bad-input errors; ``kind`` is the key used in ``error_counts``.
 
     ``where`` names the file and position (``"a.jsonl:12"``, ``"a.parquet:40"``) or the
-    sample key; ``field`` the offending field when there is one.
+    sample key; ``field`` the offending field when there is one. ``repeat`` is True on an error
+    that another work unit reports too (it raises, but a skip does not count it twice).
     """
+
+    repeat = False
 
     kind = "error"
 
@@ -105,5 +108,10 @@ class ErrorPolicy:
         """Raise ``err``, or count it when skipping."""
         if self.on_error == "raise":
             raise err
+        if getattr(err, "repeat", False):
+            # The same damage as an error another work unit counts (e.g. a Parquet row group split
+            # over several units): skipped, not counted again.
+            logger.debug("skipped, counted elsewhere (%s): %s", err.kind, err)
+            return
         self.counts[err.kind] += 1
         logger.debug("skipped bad input (%s): %s", err.kind, err)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 
 from ._errors import BadFieldError, BadImageError, MissingImageError
 
@@ -45,5 +46,6 @@ def image_size(ref: dict, where: str) -> tuple[int, int]:
         with Image.open(source) as im:
             return im.size
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        name = ref.get("path", "embedded image bytes")
-        raise BadImageError(f"cannot open image {name}: {e}", where=where, field="image") from None
+        name = ref.get("path", f"embedded image bytes ({len(ref.get('bytes') or b'')} bytes)")
+        reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e)) or type(e).__name__
+        raise BadImageError(f"cannot open image {name}: {reason}", where=where, field="image") from None

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._errors import CorruptFileError, InvalidJSONError
-from ._files import decompression_errors, is_compressed, open_binary, stream_error
+from ._errors import CorruptFileError, InvalidJSONError, TruncatedFileError
+from ._files import (CheckedReader, DamagedStream, compression_of, decompression_errors, is_compressed, open_binary,
+                     stream_error)
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
 # A byte offset is kept for every CHECKPOINT-th line of a plain file, so a work unit
@@ -31,34 +32,74 @@ def parse_json_object(data: bytes | str, where: str) -> dict:
     return obj
 
 
-def count_lines(path: str) -> tuple[int, np.ndarray, BaseException | None]:
+def count_lines(path: str) -> tuple[int, np.ndarray, BaseException | None, int | None]:
     """Count the lines of ``path`` in one sequential pass (the only indexing cost of JSONL).
 
-    Returns (lines, checkpoint byte offsets, error). Offsets are only meaningful for
-    uncompressed files. On a damaged compressed stream the count stops at the last
-    complete line and the error is returned instead of raised.
+    Returns (lines, checkpoint byte offsets, error, readable bytes). Offsets are only meaningful
+    for uncompressed files. Compressed files are checked unit by unit (gzip member, zstd frame,
+    bz2 stream, see `CheckedReader`): when a unit fails its check, the count stops at the last
+    complete line of the units before it, which passed theirs; when the file ends early, at the
+    last complete line decoded. ``readable bytes`` is then where those lines end (reads never go
+    past it), else None; the error is returned instead of raised.
     """
     offsets = [np.zeros(1, np.int64)]
     newlines = 0
     byte_pos = 0
     last = b"\n"
+    line_end = 0  # decompressed offset just after the last newline
+    verified = (0, 0)  # (newlines, line_end) within the units that passed their check
+    fmt = compression_of(path)
+    reader = CheckedReader(path, fmt) if fmt else None
     try:
-        with open_binary(path) as f:
-            # read1: a damaged stream then still yields every chunk decoded before the damage.
-            while chunk := f.read1(_CHUNK):
+        if reader is None:
+            f = open(path, "rb")
+            chunks = iter(lambda: f.read(_CHUNK), b"")
+        else:
+            f = reader
+            chunks = reader.chunks()
+        with f:
+            for chunk in chunks:
+                if reader is not None and reader.verified_end >= byte_pos:
+                    verified = (newlines, line_end)
                 nl = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
                 # Line k starts after newline k; keep the starts of lines CHECKPOINT, 2*CHECKPOINT, ...
                 line_after = newlines + 1 + np.arange(len(nl))
                 keep = nl[line_after % CHECKPOINT == 0]
                 if len(keep):
                     offsets.append(byte_pos + keep.astype(np.int64) + 1)
+                if len(nl):
+                    line_end = byte_pos + int(nl[-1]) + 1
                 newlines += len(nl)
                 byte_pos += len(chunk)
                 last = chunk[-1:]
-    except decompression_errors() as e:
-        return newlines, np.concatenate(offsets), e
+                if reader is not None and reader.verified_end >= byte_pos:
+                    verified = (newlines, line_end)
+    except DamagedStream as e:
+        if e.verified_end >= byte_pos:  # the last unit ended on a call that gave no output
+            verified = (newlines, line_end)
+        if e.kind == "truncated":
+            # The decoded part of a cut stream is what the stream holds (the cut only drops the
+            # unit's checksum): keep its complete lines.
+            return newlines, np.concatenate(offsets), e, line_end
+        return verified[0], np.concatenate(offsets), e, verified[1]
+    except decompression_errors() as e:  # pragma: no cover - CheckedReader translates them
+        return newlines, np.concatenate(offsets), e, line_end
     lines = newlines + (1 if last != b"\n" else 0)
-    return lines, np.concatenate(offsets), None
+    return lines, np.concatenate(offsets), None, None
+
+
+def damage_error(path: str, name: str, err: BaseException, lines: int, readable: int | None):
+    """The `LoaderError` of a damaged compressed file found while indexing: names the file, the
+    first line not delivered and what happened there."""
+    if not isinstance(err, DamagedStream):
+        return stream_error(path, err, where=f"{name}:{lines + 1}")
+    if err.kind == "truncated":
+        return TruncatedFileError(
+            f"compressed stream of {name} ends early: {err.message}; the data ends after line {lines} "
+            f"(decompressed byte {readable}), the rest of the file is missing", where=f"{name}:{lines + 1}")
+    return CorruptFileError(
+        f"compressed stream of {name} is damaged: {err.message}; lines from {lines + 1} on (decompressed "
+        f"byte {readable} on, in or after {err.unit}) are not used", where=f"{name}:{lines + 1}")
 
 
 class JsonlReader(ShardReader):
@@ -74,15 +115,22 @@ class JsonlReader(ShardReader):
         super().__init__()
         self.paths = paths
         self._offsets: list[np.ndarray] = []
+        self._readable: list[int | None] = []  # decompressed bytes to read of a damaged file; None: all
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
-            lines, offsets, err = count_lines(path)
+            lines, offsets, err, readable = count_lines(path)
             if err is not None:
-                self.index_errors.append(stream_error(path, err, where=f"{name}:{lines + 1}"))
+                self.index_errors.append(damage_error(path, name, err, lines, readable))
             self._offsets.append(offsets)
+            self._readable.append(readable)
             self.shards.append(
                 ShardInfo(i, name, path, lines, seekable=not is_compressed(path),
                           size_bytes=os.path.getsize(path))
             )
+
+    def readable_bytes(self, shard: int) -> int | None:
+        """Decompressed bytes of ``shard`` that passed the integrity check (None: the whole file)."""
+        readable = getattr(self, "_readable", None)  # None: a reader pickled before this existed
+        return readable[shard] if readable else None
 
     def read(self, shard: int, start: int, stop: int) -> Iterator[RawRecord]:
         info = self.shards[shard]
@@ -90,7 +138,7 @@ class JsonlReader(ShardReader):
         if start >= stop:
             return
         base_dir = os.path.dirname(info.path)
-        with open_binary(info.path) as f:
+        with open_binary(info.path, limit=self.readable_bytes(shard)) as f:
             line_no = 0
             if info.seekable:
                 cp = min(start // CHECKPOINT, len(self._offsets[shard]) - 1)
@@ -106,7 +154,9 @@ class JsonlReader(ShardReader):
                 except decompression_errors() as e:
                     # The rest of the unit is lost; report it at the last skipped position
                     # so that a resume after the error does not meet it again.
-                    yield RawRecord(stop - 1, where, error=stream_error(info.path, e, where))
+                    err = stream_error(info.path, e, where)
+                    err.repeat = line_no < start  # a unit before this one meets (and counts) it too
+                    yield RawRecord(stop - 1, where, error=err)
                     return
                 text = raw.strip() if line_no >= start else b""
                 if text:
@@ -143,7 +193,10 @@ class JsonArrayReader(ShardReader):
                     data = json.load(f)
                 if not isinstance(data, list):
                     raise ValueError(f"top level is {type(data).__name__}, expected an array")
-            except (ValueError, *decompression_errors()) as e:
+            except decompression_errors() as e:
+                self.index_errors.append(stream_error(path, e, where=name))
+                data = []
+            except ValueError as e:
                 self.index_errors.append(CorruptFileError(f"cannot read JSON array: {e}", where=name))
                 data = []
             self._cache[i] = data

@@ -27,7 +27,7 @@ _HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 class JsonlSource(Source):
-    """JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``); ``paths`` is a path, glob,
+    """JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.jsonl.bz2``); ``paths`` is a path, glob,
     ``{000..009}`` pattern, folder, or a list of them. Options: see ``Source``."""
 
     def __init__(self, paths, **options):
@@ -81,7 +81,8 @@ _SOURCES = {"jsonl": JsonlSource, "json": JsonSource, "parquet": ParquetSource,
 
 
 def _format_of(path: str) -> str | None:
-    return next((kind for suffix, kind in _BY_SUFFIX.items() if path.endswith(suffix)), None)
+    low = path.lower()
+    return next((kind for suffix, kind in _BY_SUFFIX.items() if low.endswith(suffix)), None)
 
 
 def open_source(data, split: str | None = None, **options) -> Source:

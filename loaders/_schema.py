@@ -81,7 +81,7 @@ class Schema:
         self.check_images = check_images
 
     def __call__(self, raw: RawRecord) -> Mapped:
-        rec, where = raw.record, raw.key
+        rec, where = raw.record, raw.where or raw.key
         root = self.image_root if self.image_root is not None else raw.base_dir
         if callable(self.mapping):
             out = self._user(rec, raw, root)
@@ -180,7 +180,7 @@ class Schema:
         return Mapped("\n".join(m["content"] for m in prompt), targets, messages=messages), {name}
 
     def _user(self, rec: dict, raw: RawRecord, root: str) -> Mapped:
-        where = raw.key
+        where = raw.where or raw.key
         out = self.mapping(dict(rec))
         if not isinstance(out, dict):
             raise BadFieldError(f"mapping function returned {type(out).__name__}, expected a dict",

@@ -40,7 +40,8 @@ class RawRecord:
 
     ``images`` holds images carried next to the record (webdataset image members);
     ``base_dir`` is where relative image paths resolve when no ``image_root`` is given;
-    ``extra`` holds further members/columns that go to ``meta`` unchanged.
+    ``extra`` holds further members/columns that go to ``meta`` unchanged. ``where`` names the
+    file and position in error messages when ``key`` alone does not (webdataset keys).
     """
 
     position: int
@@ -50,6 +51,7 @@ class RawRecord:
     images: list = field(default_factory=list)
     base_dir: str = ""
     extra: dict = field(default_factory=dict)
+    where: str = ""
 
 
 class ShardReader(ABC):

@@ -14,6 +14,7 @@ Compressed shards (``.tar.gz``) cannot seek and are streamed from the start.
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 from collections.abc import Iterable, Iterator
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from webdataset.tariterators import base_plus_ext
 
 from ._errors import BadFieldError, CorruptFileError, MissingFieldError, TruncatedFileError
-from ._files import decompression_errors
+from ._files import CheckedReader, DamagedStream, compression_of, decompression_errors, open_binary
 from ._jsonl import parse_json_object
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
@@ -62,13 +63,24 @@ def _split(name: str) -> tuple[str | None, str]:
     return key, (ext or "").lower()
 
 
-def _stream_members(path: str) -> Iterator[tuple[str, str, tarfile.TarInfo, tarfile.TarFile]]:
-    """Walk a (possibly compressed) tar as a stream; the caller reads data before moving on."""
-    with tarfile.open(path, "r|*") as tf:
-        for m in tf:
-            key, ext = _split(m.name)
-            if m.isfile() and key is not None and not os.path.basename(m.name).startswith("__"):
-                yield key, ext, m, tf
+def _keep(m: tarfile.TarInfo) -> tuple[str, str] | None:
+    """(key, ext) of a member that is part of a sample; None for directories, ``__`` files etc."""
+    key, ext = _split(m.name)
+    if m.isfile() and key is not None and not os.path.basename(m.name).startswith("__"):
+        return key, ext
+    return None
+
+
+def _tar_stream_error(name: str, e: BaseException, where: str):
+    if isinstance(e, DamagedStream):
+        if e.kind == "truncated":
+            return TruncatedFileError(f"compressed tar ends early: {e.message}", where=where)
+        return CorruptFileError(f"compressed tar is damaged: {e.message}; nothing from decompressed byte "
+                                f"{e.verified_end} on is used", where=where)
+    if isinstance(e, tarfile.ReadError):
+        kind = TruncatedFileError if "unexpected end" in str(e) else CorruptFileError
+        return kind(f"bad tar data: {e}", where=where)
+    return TruncatedFileError(f"compressed tar ends early ({e})", where=where)
 
 
 def _index_plain(path: str, name: str) -> tuple[list[_Sample], Exception | None]:
@@ -81,13 +93,17 @@ def _index_plain(path: str, name: str) -> tuple[list[_Sample], Exception | None]
                 for m in tf:
                     key, ext = _split(m.name)
                     if m.offset_data + m.size > size:
-                        error = TruncatedFileError(f"member {m.name} is cut off", where=name)
+                        error = TruncatedFileError(f"member {m.name} is cut off: its data ends at byte "
+                                                   f"{m.offset_data + m.size}, the file at byte {size}", where=name)
                         break
                     end = m.offset_data + -(-m.size // _BLOCK) * _BLOCK
                     if m.isfile() and key is not None and not os.path.basename(m.name).startswith("__"):
                         entries.append((key, ext, _Member(ext, m.offset_data, m.size)))
         except tarfile.ReadError as e:
-            error = CorruptFileError(f"bad tar header after byte {end}: {e}", where=name)
+            # "unexpected end of data": the file ends inside a member's data or padding.
+            kind = TruncatedFileError if "unexpected end" in str(e) or end + _BLOCK > size else CorruptFileError
+            what = f"the file is cut at byte {size}" if kind is TruncatedFileError else f"bad tar header after byte {end}"
+            error = kind(f"{what}: {e}", where=name)
         if error is None:
             # tarfile treats a cut-off header as the end of the archive; a real end has a zero block.
             f.seek(end)
@@ -98,23 +114,44 @@ def _index_plain(path: str, name: str) -> tuple[list[_Sample], Exception | None]
     samples = [_Sample(k, tuple(p for _, p in parts)) for k, parts in _group(entries)]
     if error is not None and samples:
         samples.pop()  # the last sample may be missing members
-    return samples, error
+    return samples, error, None
 
 
-def _index_stream(path: str, name: str) -> tuple[list[_Sample], Exception | None]:
-    samples, error = [], None
+def _index_stream(path: str, name: str) -> tuple[list[_Sample], Exception | None, int | None]:
+    """Index a compressed tar in one pass; the whole compressed stream is checked (`CheckedReader`:
+    gzip CRC/ISIZE per member, also after the tar's end blocks). Returns the samples whose data lies
+    in the verified part, the damage found, and the decompressed bytes later reads may use (None:
+    all)."""
+    raw = CheckedReader(path, compression_of(path) or "gz")
+    entries, error, tar_error = [], None, None
     try:
-        entries = ((k, ext, _Member(ext, -1, m.size)) for k, ext, m, _ in _stream_members(path))
-        for key, parts in _group(entries):
-            samples.append(_Sample(key, tuple(p for _, p in parts)))
-    except decompression_errors() as e:
-        error = TruncatedFileError(f"compressed tar ends early ({e})", where=f"{name} sample {len(samples)}")
-    except tarfile.ReadError as e:
-        kind = TruncatedFileError if "unexpected end" in str(e) else CorruptFileError
-        error = kind(f"bad tar data: {e}", where=f"{name} sample {len(samples)}")
-    if error is not None and samples:
-        samples.pop()
-    return samples, error
+        with raw, io.BufferedReader(raw, buffer_size=1 << 16) as buf:
+            try:
+                with tarfile.open(fileobj=buf, mode="r|") as tf:
+                    for m in tf:
+                        if (kept := _keep(m)) is not None:
+                            entries.append((*kept, _Member(kept[1], -1, m.size), m.offset_data + m.size))
+            except tarfile.ReadError as e:
+                tar_error = e
+            for _ in raw.chunks():  # check the rest of the stream (tarfile stops at the end blocks)
+                pass
+    except DamagedStream as e:
+        safe = e.data_offset if e.kind == "truncated" else e.verified_end
+        error = e
+        entries = [x for x in entries if x[3] <= safe]
+    if error is None and tar_error is not None:
+        error = tar_error
+    grouped = list(_group((k, ext, (m, end)) for k, ext, m, end in entries))
+    samples = [_Sample(k, tuple(m for _, (m, _) in parts)) for k, parts in grouped]
+    ends = [max(end for _, (_, end) in parts) for _, parts in grouped]
+    readable = None
+    if error is not None:
+        if samples:
+            samples.pop()  # the last sample may be missing members
+            ends.pop()
+        readable = ends[-1] if ends else 0
+        error = _tar_stream_error(name, error, where=f"{name}:sample {len(samples)}")
+    return samples, error, readable
 
 
 class WebDatasetReader(ShardReader):
@@ -126,12 +163,14 @@ class WebDatasetReader(ShardReader):
         super().__init__()
         self.paths = paths
         self._samples: list[list[_Sample]] = []
+        self._readable: list[int | None] = []  # decompressed bytes a read may use; None: all
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
-            plain = path.endswith(".tar")
-            samples, error = (_index_plain if plain else _index_stream)(path, name)
+            plain = path.lower().endswith(".tar")
+            samples, error, readable = (_index_plain if plain else _index_stream)(path, name)
             if error is not None:
                 self.index_errors.append(error)
             self._samples.append(samples)
+            self._readable.append(readable)
             self.shards.append(ShardInfo(i, name, path, len(samples), seekable=plain,
                                          size_bytes=os.path.getsize(path)))
 
@@ -150,28 +189,35 @@ class WebDatasetReader(ShardReader):
                         parts.append((m.ext, f.read(m.size)))
                     yield to_raw_record(info, pos, samples[pos].key, parts)
             return
-        yield from self._read_stream(info, start, stop)
+        yield from self._read_stream(shard, start, stop)
 
-    @staticmethod
-    def _read_stream(info: ShardInfo, start: int, stop: int) -> Iterator[RawRecord]:
-        # A sample is emitted as soon as the next key shows up, before that member's data
-        # is read, so a damaged tail never hides the complete samples before it.
-        key, parts, pos = None, [], 0
+    def _read_stream(self, shard: int, start: int, stop: int) -> Iterator[RawRecord]:
+        # Only the part of the stream that passed the integrity check when indexing is read, and a
+        # sample is emitted as soon as it has all its members (known from the index).
+        info = self.shards[shard]
+        samples = self._samples[shard]
+        readable = getattr(self, "_readable", None)
+        limit = readable[shard] if readable else None
+        pos, parts = 0, []
         try:
-            for k, ext, member, tf in _stream_members(info.path):
-                if k != key and parts:
-                    if pos >= start:
-                        yield to_raw_record(info, pos, key, parts)
-                    pos, parts = pos + 1, []
-                    if pos >= stop:
-                        return
-                key = k
-                parts.append((ext, tf.extractfile(member).read() if pos >= start else b""))
-            if parts and start <= pos < stop:
-                yield to_raw_record(info, pos, key, parts)
+            with open_binary(info.path, limit=limit) as f, tarfile.open(fileobj=f, mode="r|") as tf:
+                for member in tf:
+                    if _keep(member) is None:
+                        continue
+                    ext = _split(member.name)[1]
+                    parts.append((ext, tf.extractfile(member).read() if pos >= start else b""))
+                    if len(parts) >= len(samples[pos].members):
+                        if pos >= start:
+                            yield to_raw_record(info, pos, samples[pos].key, parts)
+                        pos, parts = pos + 1, []
+                        if pos >= stop:
+                            return
+            if pos < stop:
+                raise tarfile.ReadError(f"unexpected end of data: {pos} of {len(samples)} indexed samples found")
         except (*decompression_errors(), tarfile.ReadError) as e:
-            err = TruncatedFileError(f"compressed tar ends early ({e})", where=f"{info.name} sample {pos}")
-            yield RawRecord(stop - 1, f"{info.name}:{pos}", error=err)
+            err = _tar_stream_error(info.name, e, where=f"{info.name}:sample {pos}")
+            err.repeat = pos < start  # a unit before this one meets (and counts) it too
+            yield RawRecord(stop - 1, f"{info.name}:{pos}", error=err, where=f"{info.name}:sample {pos}")
 
 
 def to_raw_record(info: ShardInfo, pos: int, key: str, parts: list[tuple[str, bytes]]) -> RawRecord:
@@ -195,8 +241,8 @@ def to_raw_record(info: ShardInfo, pos: int, key: str, parts: list[tuple[str, by
             raise MissingFieldError("sample has no .json or .txt member", where=where, field="json")
         extra = {ext: _maybe_text(data) for ext, data in texts.items()}
     except (MissingFieldError, BadFieldError, ValueError) as e:
-        return RawRecord(pos, key, error=e)
-    return RawRecord(pos, key, record, images=images, base_dir=base_dir, extra=extra)
+        return RawRecord(pos, key, error=e, where=where)
+    return RawRecord(pos, key, record, images=images, base_dir=base_dir, extra=extra, where=where)
 
 
 def _decode(data: bytes, where: str, ext: str) -> str:
