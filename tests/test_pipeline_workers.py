@@ -6,6 +6,9 @@ the test process checks. No tests are defined here.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 
 import numpy as np
@@ -191,6 +194,72 @@ def wrong_plan(rank, world, port, wrong_rank):
         mine = [model.random_batch(sh, torch.Generator().manual_seed(j)) for j, sh in enumerate(shapes)] \
             if rank in (0, 1) else None
         runner.step(shapes, mine)
+    return {"finished": True}
+
+
+def fault(rank, world, port, num_stages, scenario, culprit, fault_step, timeout_s, abort_after_s=3.0):
+    """Rank ``culprit`` misbehaves in step ``fault_step`` at micro-batch 1: ``stall_layer`` sleeps forever
+    inside its stage's last layer, ``stall_send`` sleeps forever before posting its send of act F1,
+    ``kill`` SIGKILLs itself inside a layer, ``raise`` raises a ValueError inside a layer (``raise_linger``:
+    and its process stays alive 15 s more, as if it had caught the error), ``shape``
+    holds a plan whose micro-batch 1 is 8 tokens longer (debug headers off). The culprit prints
+    ``DYNABATCH_FAULT_AT <time.time()>`` to stderr when the fault starts."""
+    ctx = init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=timeout_s,
+                        abort_after_s=abort_after_s)
+    with ctx:
+        model = make_model("gpt-tiny", **TINY["gpt-tiny"], seed=0)  # 5 layers: embedding, 3 blocks, head
+        bounds = [0, 2, 5] if num_stages == 2 else [0, 2, 3, 4, 5]
+        runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule="1f1b"))
+        state = {"step": -1, "forwards": 0}
+        faulty = rank == culprit
+
+        def mark():
+            sys.stderr.write(f"DYNABATCH_FAULT_AT {time.time():.3f}\n")
+            sys.stderr.flush()
+
+        def in_layer(module, args):
+            if not faulty or state["step"] != fault_step:
+                return
+            state["forwards"] += 1
+            if state["forwards"] != 2:  # the forward of micro-batch 1
+                return
+            mark()
+            if scenario == "stall_layer":
+                time.sleep(10 ** 6)
+            elif scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif scenario in ("raise", "raise_linger"):
+                raise ValueError(f"boom from rank {rank} at step {fault_step}")
+
+        runner.stage.layers[-1].register_forward_pre_hook(in_layer)
+        send = runner.p2p.send
+
+        def stalling_send(msg, tensors, specs):
+            if faulty and scenario == "stall_send" and state["step"] == fault_step and msg.kind == "act" \
+                    and msg.microbatch == 1:
+                mark()
+                time.sleep(10 ** 6)
+            return send(msg, tensors, specs)
+
+        runner.p2p.send = stalling_send
+        rng = np.random.default_rng(0)
+        for step in range(fault_step + 3):
+            state["step"], state["forwards"] = step, 0
+            plan = synthetic_plan(rng, collation="padded", num_ranks=1, num_stages=num_stages, mbs=(2, 3), step=step)
+            shapes = plan_shapes(plan, 0)
+            if faulty and scenario == "shape" and step == fault_step:
+                s1 = shapes[1]
+                shapes[1] = MicroBatchShape(s1.collation, s1.rows, s1.input_len + 8, s1.target_len, s1.tokens,
+                                            s1.time_s, s1.memory_bytes)
+                mark()
+            mine = [model.random_batch(sh, torch.Generator().manual_seed(step * 10 + j)) for j, sh in enumerate(shapes)] \
+                if ctx.stage in (0, num_stages - 1) else None
+            try:
+                runner.step(shapes, mine)
+            except ValueError:
+                if faulty and scenario == "raise_linger":
+                    time.sleep(15.0)
+                raise
     return {"finished": True}
 
 

@@ -6,8 +6,12 @@ stage a data-parallel group (the same stage of every replica, for the gradient a
 
 Transfers use ``torch.distributed.batch_isend_irecv`` (NCCL on GPUs, gloo on CPU) with tag 0, so
 gloo matches them first-in first-out per peer exactly like NCCL. Receive buffers are allocated
-from the plan's shapes; nothing is negotiated at run time. ``debug_shapes=True`` additionally
-sends a small fixed-size header before every message and checks it against the receiver's plan.
+from the plan's shapes; nothing is negotiated at run time. Before a step's first transfer, both ends
+of every link exchange one small fixed-size fingerprint of what they will send and receive on it
+(`P2P.check_links`): ranks that hold different plans stop with a `ShapeMismatch` naming the
+micro-batch and both shapes instead of crashing in the transport. ``debug_shapes=True``
+additionally sends a small fixed-size header before every message and checks it against the
+receiver's plan.
 An optional ``recorder`` sees every posted operation in order (tests use it to check that both
 ends of every link post the same sequence).
 """
@@ -15,7 +19,9 @@ ends of every link post the same sequence).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import inspect
+import json
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,6 +35,8 @@ from .schedule import Message
 from .spec import TensorSpec
 
 HEADER_LEN = 64
+_PLAN_MAGIC = 0x5DB2
+_PLAN_WORDS = 4
 _HEADER_MAGIC = 0x5DB1
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
@@ -36,7 +44,7 @@ _MAX_DIMS = 6
 
 
 class ShapeMismatch(RuntimeError):
-    """The sender's planned shapes (debug header) differ from the receiver's plan."""
+    """A tensor or a peer's planned shapes (plan check, debug header) differ from this rank's plan."""
 
 
 @dataclass
@@ -96,7 +104,8 @@ class DistContext:
         self._closed = True
         atexit.unregister(self.close)
         self.monitor.close()
-        if self.owns_process_group and dist.is_initialized():
+        # after a failure a helper thread may still be blocked in a gloo wait: leave the group alone
+        if self.owns_process_group and dist.is_initialized() and not self.monitor.failure:
             try:
                 dist.destroy_process_group()
             except Exception:
@@ -129,9 +138,12 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     ``rank``/``world_size``/``master_addr``/``master_port`` default to the ``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT`` environment variables (torchrun). ``backend`` defaults to NCCL
     when CUDA is available, gloo otherwise; ``device`` to ``cuda:LOCAL_RANK`` or ``cpu``.
-    ``timeout_s`` (seconds) bounds every blocking collective/receive (``init_process_group(timeout=)``);
-    ``abort_after_s`` bounds how long a rank may stay blocked after another rank failed (see
-    `dynabatch.pipeline.failure`). If a default process group already exists it is reused.
+    ``timeout_s`` (seconds) is the liveness timeout: a rank that makes no progress for that long
+    while others wait on it (or whose heartbeat stops) ends every rank with an error naming it and
+    what it was doing (see `dynabatch.pipeline.failure`); with gloo the process-group timeout is set
+    well above it (a backstop), with NCCL it is ``timeout_s``. ``abort_after_s`` bounds how long a
+    rank may stay blocked after another rank failed. If a default process group already exists it is
+    reused.
     """
     owns = not dist.is_initialized()
     if owns:
@@ -151,8 +163,11 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
         # device_id (torch >= 2.3) binds the NCCL communicators to this rank's GPU eagerly
         kw = {"device_id": device} if backend == "nccl" and "device_id" in inspect.signature(
             dist.init_process_group).parameters else {}
+        # gloo: liveness (FailureMonitor.wait) ends stalls after timeout_s with a named culprit; the
+        # group's own timeout (which would raise from a collective still making progress) is a backstop
+        pg_timeout = timeout_s if backend == "nccl" else 2 * timeout_s + 30
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s), **kw)
+                                timeout=timedelta(seconds=pg_timeout), **kw)
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
@@ -178,7 +193,8 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
         watch_store = store
     where = f"stage {rank % num_stages}, replica {rank // num_stages}"
     monitor = FailureMonitor(store, watch_store, rank=rank, world_size=world_size, where=where, is_host=(rank == 0),
-                             poll_s=poll_s, abort_after_s=abort_after_s, timeout_s=timeout_s)
+                             poll_s=poll_s, abort_after_s=abort_after_s, timeout_s=timeout_s, num_stages=num_stages,
+                             threaded_waits=(backend != "nccl"))
     monitor.start()
     ctx = DistContext(rank, world_size, num_stages, backend, device, store, pp_group, dp_group, monitor,
                       float(timeout_s), owns)
@@ -293,9 +309,11 @@ class P2P:
         """Post the send of ``msg`` (to the peer stage in this replica); returns the work handles.
         ``tensors`` must match ``specs`` (checked locally: no communication)."""
         if len(tensors) != len(specs) or not all(sp.matches(t) for sp, t in zip(specs, tensors)):
-            got = ", ".join(f"{list(t.shape)} {t.dtype}" for t in tensors)
+            got = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
             want = ", ".join(sp.describe() for sp in specs)
-            raise ShapeMismatch(f"stage {self.ctx.stage} produced [{got}] for {msg.describe()} but the plan says [{want}]")
+            raise ShapeMismatch(f"stage {self.ctx.stage} (rank {self.ctx.rank}) produced [{got}] for {msg.describe()} "
+                                f"(micro-batch {msg.microbatch} of step {self.step}) but the plan says [{want}]; "
+                                f"nothing was sent")
         peer = self.ctx.global_rank(msg.dst)
         ops = []
         if self.debug_shapes:
@@ -313,8 +331,9 @@ class P2P:
         if self.debug_shapes:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.ctx.device)
             self._record(peer, "recv", f"header {msg.describe()}", [header])
-            for w in self._post([dist.P2POp(dist.irecv, header, peer, self.ctx.pp_group)]):
-                w.wait()
+            self.ctx.monitor.wait(self._post([dist.P2POp(dist.irecv, header, peer, self.ctx.pp_group)]),
+                                  f"waiting for the debug header of {msg.describe()} from rank {peer} "
+                                  f"(micro-batch {msg.microbatch} of step {self.step})", [peer])
             expected = _encode_header(msg, self.step, specs)
             if not torch.equal(header.cpu(), expected):
                 raise ShapeMismatch(
@@ -324,3 +343,75 @@ class P2P:
         bufs = [sp.empty(self.ctx.device) for sp in specs]
         self._record(peer, "recv", msg.describe(), bufs)
         return bufs, self._post([dist.P2POp(dist.irecv, b, peer, self.ctx.pp_group) for b in bufs])
+
+    # -- plan check ------------------------------------------------------------------------------
+    def check_links(self, links: dict[int, list[tuple[Message, Sequence[TensorSpec]]]]) -> None:
+        """Verify, before any transfer of the step, that both ends of every link expect the same
+        messages: ``links`` maps a neighbour stage to this rank's messages with it, in posting order,
+        with the specs this rank sends or expects. Each end sends the other a fixed-size fingerprint
+        (one small message per direction and step); only when they differ are the descriptions
+        exchanged, to raise a `ShapeMismatch` naming the first differing micro-batch and both shapes."""
+        ctx = self.ctx
+        mine, fps, ops, order = {}, {}, [], sorted(links)
+        for st in order:
+            peer = ctx.global_rank(st)
+            desc = [[m.describe(), m.microbatch, [[list(sp.shape), str(sp.dtype).replace("torch.", "")] for sp in specs]]
+                    for m, specs in links[st]]
+            raw = json.dumps(desc).encode()
+            digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+            mine[st] = (desc, raw, torch.tensor([_PLAN_MAGIC, len(desc), digest, len(raw)], dtype=torch.int64))
+            theirs = torch.empty(_PLAN_WORDS, dtype=torch.int64, device=ctx.device)
+            fps[st] = theirs
+            send = (dist.isend, mine[st][2].to(ctx.device), "send")
+            recv = (dist.irecv, theirs, "recv")
+            # the lower rank sends first, the higher receives first: both ends post mirrored sequences
+            for fn, t, side in ((send, recv) if ctx.rank < peer else (recv, send)):
+                self._record(peer, side, "plan check", [t])
+                ops.append(dist.P2POp(fn, t, peer, ctx.pp_group))
+        if not ops:
+            return
+        peers = [ctx.global_rank(st) for st in order]
+        ctx.monitor.wait(self._post(ops), f"checking the plan of step {self.step} with ranks {peers}", peers)
+        bad = [st for st in order if not torch.equal(fps[st].cpu(), mine[st][2])]
+        if not bad:
+            return
+        # slow path: exchange the descriptions of the links that differ
+        ops, got = [], {}
+        for st in bad:
+            peer = ctx.global_rank(st)
+            n = int(fps[st][3].item())
+            got[st] = torch.empty(max(n, 0), dtype=torch.uint8, device=ctx.device)
+            send = (dist.isend, torch.frombuffer(bytearray(mine[st][1]), dtype=torch.uint8).to(ctx.device))
+            recv = (dist.irecv, got[st])
+            for fn, t in ((send, recv) if ctx.rank < peer else (recv, send)):
+                ops.append(dist.P2POp(fn, t, peer, ctx.pp_group))
+        ctx.monitor.wait(self._post(ops), f"comparing the plan of step {self.step} with ranks "
+                                          f"{[ctx.global_rank(st) for st in bad]}", [ctx.global_rank(st) for st in bad])
+        st = bad[0]
+        theirs = json.loads(bytes(got[st].cpu().tolist()).decode())
+        raise ShapeMismatch(self._plan_difference(st, mine[st][0], theirs))
+
+    def _plan_difference(self, st: int, mine: list, theirs: list) -> str:
+        ctx = self.ctx
+        me, other = f"stage {ctx.stage} (rank {ctx.rank})", f"stage {st} (rank {ctx.global_rank(st)})"
+
+        def shapes(entry):
+            return "[" + ", ".join(f"{shape} {dtype}" for shape, dtype in entry[2]) + "]"
+
+        tail = (f"the ranks do not hold the same plan (step {self.step}; caught by the plan check before any "
+                f"transfer)")
+        for a, b in zip(mine, theirs):
+            if a == b:
+                continue
+            if a[0] != b[0]:
+                return (f"{me} next exchanges {a[0]} (micro-batch {a[1]}) with {other}, which next exchanges "
+                        f"{b[0]} (micro-batch {b[1]}): {tail}")
+            label = a[0]
+            sending = label.endswith(f"{ctx.stage}->{st}")
+            if sending:
+                return (f"{me} will send {label} (micro-batch {a[1]}) as {shapes(a)} but {other} planned to receive "
+                        f"{label} as {shapes(b)}: {tail}")
+            return (f"{me} planned to receive {label} (micro-batch {a[1]}) as {shapes(a)} but {other} will send "
+                    f"{label} as {shapes(b)}: {tail}")
+        return (f"{me} exchanges {len(mine)} messages with {other} in this step, which exchanges {len(theirs)}: "
+                f"{tail}")

@@ -45,7 +45,10 @@ class RunnerConfig:
     1F1B's depth). ``debug_shapes``: send a header before every message and check it against the
     receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
     (what `dynabatch.core.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
-    micro-batch dictionaries against the plan before running.
+    micro-batch dictionaries against the plan before running. ``check_plan``: before the step's first
+    transfer, both ends of every link compare a small fingerprint of the messages and shapes they
+    expect (one tiny message per link and direction); ranks holding different plans then stop with a
+    `ShapeMismatch` naming the micro-batch and both shapes instead of crashing in the transport.
     """
 
     schedule: str = "1f1b"
@@ -53,6 +56,7 @@ class RunnerConfig:
     debug_shapes: bool = False
     gather_timing: bool = False
     check_inputs: bool = True
+    check_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -240,7 +244,9 @@ class PipelineRunner:
         ``batches`` are the micro-batch dictionaries of this replica in plan order; the first and
         the last stage need them (inputs, labels), the others may pass None. Instead of a plan, a list
         of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works. Raises the original exception on the rank where something failed and
-        `PipelineAborted` (naming that rank and its error) on every other rank.
+        `PipelineAborted` (naming that rank and its error) on every other rank; a rank that makes no
+        progress for ``timeout_s`` while others wait on it, or dies, ends every other rank with a
+        `PipelineAborted` naming it and what it was doing (see `dynabatch.pipeline.failure`).
         """
         mon = self.ctx.monitor
         mon.raise_if_failed()
@@ -255,19 +261,37 @@ class PipelineRunner:
         finally:
             self._in_comm = False
             mon.leave()
+            mon.set_state("idle", f"outside the runner after step {self.step_index - 1} "
+                                  f"(e.g. in the data loader or the training loop)")
 
-    def _wait(self, works) -> float:
+    def _wait(self, works, text: str, peers) -> float:
         t0 = time.perf_counter()
         self._in_comm = True
-        for w in works:
-            w.wait()
+        self.ctx.monitor.wait(works, text, peers)
         self._in_comm = False
         return time.perf_counter() - t0
+
+    def _links(self, program, spec_in, spec_out) -> dict[int, list]:
+        """Neighbour stage -> [(message, specs)] in posting order (what `P2P.check_links` compares)."""
+        s, links = self.ctx.stage, {}
+        for ins in program:
+            if isinstance(ins, Post):
+                m = ins.message
+                links.setdefault(m.dst if m.src == s else m.src, []).append((m, self._specs(m, spec_in, spec_out)))
+        return links
+
+    def _specs(self, m: Message, spec_in, spec_out):
+        if m.src == self.ctx.stage:
+            return spec_out[m.microbatch] if m.kind == "act" else \
+                [sp for sp in spec_in[m.microbatch] if sp.requires_grad]
+        return spec_in[m.microbatch] if m.kind == "act" else \
+            [sp for sp in spec_out[m.microbatch] if sp.requires_grad]
 
     def _step(self, plan, batches, optimizer, collation) -> StepResult:
         t_step = time.perf_counter()
         ctx, stage, mon = self.ctx, self.stage, self.ctx.monitor
-        s = ctx.stage
+        s, k = ctx.stage, self.step_index
+        mon.set_state("busy", f"preparing step {k}")
         shapes = self._shapes(plan, collation)
         M = len(shapes)
         if M == 0:
@@ -286,6 +310,10 @@ class PipelineRunner:
         params = [p for p in stage.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
+        if self.config.check_plan and ctx.num_stages > 1:
+            self._in_comm = True
+            self.p2p.check_links(self._links(program, spec_in, spec_out))
+            self._in_comm = False
 
         clock = _Clock(ctx.device)
         fwd_s, bwd_s = np.zeros(M), np.zeros(M)
@@ -302,16 +330,16 @@ class PipelineRunner:
             mon.raise_if_failed()
             if isinstance(ins, Post):
                 m = ins.message
+                specs = self._specs(m, spec_in, spec_out)
                 if m.src == s:
                     tensors = outbox.pop(m)
-                    specs = spec_out[m.microbatch] if m.kind == "act" else \
-                        [sp for sp in spec_in[m.microbatch] if sp.requires_grad]
+                    mon.set_state("busy", f"posting the send of {m.describe()} (micro-batch {m.microbatch} of step {k})")
                     self._in_comm = True
-                    sent.append((tensors, self.p2p.send(m, tensors, specs)))
+                    sent.append((m, tensors, self.p2p.send(m, tensors, specs)))
                     self._in_comm = False
                 else:
-                    specs = spec_in[m.microbatch] if m.kind == "act" else \
-                        [sp for sp in spec_out[m.microbatch] if sp.requires_grad]
+                    mon.set_state("busy", f"posting the receive of {m.describe()} (micro-batch {m.microbatch} of "
+                                          f"step {k})")
                     self._in_comm = True
                     inbox[m] = self.p2p.recv(m, specs)
                     self._in_comm = False
@@ -323,13 +351,17 @@ class PipelineRunner:
                 if stage.is_first:
                     x, inputs = None, []
                 else:
-                    bufs, works = inbox.pop(Message(j, "act", s - 1, s))
-                    wait_s += self._wait(works)
+                    m = Message(j, "act", s - 1, s)
+                    bufs, works = inbox.pop(m)
+                    peer = ctx.global_rank(s - 1)
+                    wait_s += self._wait(works, f"waiting for {m.describe()} from rank {peer} (micro-batch {j} of "
+                                                f"step {k})", [peer])
                     for b, sp in zip(bufs, spec_in[j]):
                         if sp.requires_grad:
                             b.requires_grad_(True)
                     inputs = bufs
                     x = bufs[0] if len(bufs) == 1 else tuple(bufs)
+                mon.set_state("busy", f"in forward of micro-batch {j} of step {k}")
                 t0 = clock.start()
                 out = stage(x, data[j])
                 clock.stop(t0, fwd_s, j)
@@ -347,14 +379,19 @@ class PipelineRunner:
             else:
                 inputs, outs = saved.pop(j)
                 if stage.is_last:
+                    mon.set_state("busy", f"in backward of micro-batch {j} of step {k}")
                     t0 = clock.start()
                     outs.backward()
                     clock.stop(t0, bwd_s, j)
                 else:
-                    bufs, works = inbox.pop(Message(j, "grad", s + 1, s))
-                    wait_s += self._wait(works)
+                    m = Message(j, "grad", s + 1, s)
+                    bufs, works = inbox.pop(m)
+                    peer = ctx.global_rank(s + 1)
+                    wait_s += self._wait(works, f"waiting for {m.describe()} from rank {peer} (micro-batch {j} of "
+                                                f"step {k})", [peer])
                     grad_outs = [o for o, sp in zip(outs, spec_out[j]) if sp.requires_grad]
                     pairs = [(o, g) for o, g in zip(grad_outs, bufs) if o.requires_grad]
+                    mon.set_state("busy", f"in backward of micro-batch {j} of step {k}")
                     t0 = clock.start()
                     if pairs:
                         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
@@ -364,17 +401,22 @@ class PipelineRunner:
                         (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, spec_in[j])
                         if sp.requires_grad]
                 data[j] = None
-        for _, works in sent:
-            wait_s += self._wait(works)
+        for m, _, works in sent:
+            peer = ctx.global_rank(m.dst)
+            wait_s += self._wait(works, f"waiting for rank {peer} to take {m.describe()} (micro-batch "
+                                        f"{m.microbatch} of step {k})", [peer])
         if inbox or outbox or saved:
             raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
 
         # one all-reduce over every rank: [sum of token losses, real target tokens]
         mon.raise_if_failed()
+        everyone = range(ctx.world_size)
         stats = torch.stack([loss_sum, tokens])
         self._in_comm = True
-        dist.all_reduce(stats)
+        self._wait([dist.all_reduce(stats, async_op=True)], f"in the loss all-reduce of step {k} (waiting for "
+                                                            f"every rank)", everyone)
         self._in_comm = False
+        mon.set_state("busy", f"scaling the gradients of step {k}")
         total_loss, n_tokens = stats.tolist()
         scale = 1.0 / max(n_tokens, 1.0)
         grads = []
@@ -387,7 +429,9 @@ class PipelineRunner:
                 mon.raise_if_failed()
                 flat = _flatten_dense_tensors(grads)
                 self._in_comm = True
-                dist.all_reduce(flat, group=ctx.dp_group)
+                self._wait([dist.all_reduce(flat, group=ctx.dp_group, async_op=True)],
+                           f"in the gradient all-reduce of step {k} (waiting for stage {s} of every replica)",
+                           [ctx.global_rank(s, d) for d in range(ctx.num_replicas)])
                 self._in_comm = False
                 flat.mul_(scale)
                 for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -395,6 +439,7 @@ class PipelineRunner:
             else:
                 torch._foreach_mul_(grads, scale)
         if optimizer is not None:
+            mon.set_state("busy", f"in optimizer.step() of step {k}")
             optimizer.step()
         clock.resolve()
         timing = StepTiming(self.step_index, ctx.rank, s, ctx.replica, fwd_s, bwd_s, wait_s,
@@ -414,7 +459,8 @@ class PipelineRunner:
         mine = mine.to(ctx.device)
         out = [torch.empty_like(mine) for _ in range(ctx.world_size)]
         self._in_comm = True
-        dist.all_gather(out, mine)
+        self._wait([dist.all_gather(out, mine, async_op=True)], f"gathering the timings of step {timing.step} "
+                                                                 f"(waiting for every rank)", range(ctx.world_size))
         self._in_comm = False
         res = []
         for r, t in enumerate(out):
