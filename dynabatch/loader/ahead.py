@@ -118,7 +118,11 @@ def fork_available() -> bool:
     return cpus > 1
 
 
-def _process_main(make_iter, depth, conn) -> None:
+def _process_main(make_iter, depth, conn, parent_pid=None, from_main=False) -> None:
+    if parent_pid is not None:
+        from .processes import watch_parent
+
+        watch_parent(parent_pid, from_main)  # die with the parent, even when it is SIGKILLed
     credits = 2 * max(int(depth), 1)
     try:
         for item in make_iter():
@@ -147,18 +151,24 @@ class ProcessAhead:
     The child gets the generator by ``fork`` (nothing is pickled on the way in); items come back
     pickled through a pipe, at most ``2 * depth`` (``depth`` >= 1) ahead of the consumer (the
     consumer hands out credits ``depth`` items at a time to keep the pipe traffic low). `close`
-    terminates the child."""
+    terminates the child. The fork happens under `dynabatch.loader.processes.fork_lock` (never
+    while numba compiles) and the child dies with its parent (`processes.watch_parent`)."""
 
     def __init__(self, make_iter: Callable[[], Iterator], depth: int, name: str = "dynabatch-planner"):
         import multiprocessing
+        import os
+
+        from .processes import fork_lock, in_main_thread
 
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)
         self._done = False
         self._depth = max(int(depth), 1)
         self._taken = 0
-        self._proc = ctx.Process(target=_process_main, args=(make_iter, depth, child), name=name, daemon=True)
-        self._proc.start()
+        self._proc = ctx.Process(target=_process_main, args=(make_iter, depth, child, os.getpid(), in_main_thread()),
+                                 name=name, daemon=True)
+        with fork_lock():
+            self._proc.start()
         child.close()
 
     def __iter__(self):

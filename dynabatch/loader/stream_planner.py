@@ -137,10 +137,13 @@ class ChunkFeed:
             from torch.utils.data import DataLoader as TorchDataLoader
 
             from .indexed_steps import WorkerSplitDataset
+            from .processes import WorkerInit, start_workers
 
             kw = dict(loader_kwargs or {})
-            self._dl_iter = iter(TorchDataLoader(WorkerSplitDataset(producer), batch_size=None,
-                                                 num_workers=producer.num_workers, collate_fn=_identity, **kw))
+            kw["worker_init_fn"] = WorkerInit(kw.get("worker_init_fn"))  # workers die with this process
+            dl = TorchDataLoader(WorkerSplitDataset(producer), batch_size=None, num_workers=producer.num_workers,
+                                 collate_fn=_identity, **kw)
+            self._dl_iter = start_workers(lambda: iter(dl))  # forked while no thread compiles a kernel
 
     @property
     def done(self) -> bool:

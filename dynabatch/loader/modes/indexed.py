@@ -23,6 +23,7 @@ from ..ahead import fork_available
 from ..indexed_steps import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
                        WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
                        token_cache_bytes, write_index_table)
+from ..processes import WorkerInit, start_workers, warm_kernels
 from ..records import ReadyStep
 from ..stream_planner import _identity
 from .base import Context, Mode
@@ -158,16 +159,20 @@ class IndexedMode(Mode):
         self._resume = None
         n = self.planner.num_steps(epoch)
         self.steps.configure(epoch, start, exclude if len(exclude) else None)
+        if self.ctx.num_workers or self.steps.plan_processes:
+            # the children inherit every planning kernel compiled: none compiles (or forks) mid-compile
+            warm_kernels(self.ctx.cost, self.ctx.options)
         if self.ctx.num_workers == 0:
             it = self.steps.iter_worker(0, 1)
             self._closers.append(lambda wait: it.close())
         else:
             from torch.utils.data import DataLoader as TorchDataLoader
 
+            kw = dict(s.loader_kwargs)
+            kw["worker_init_fn"] = WorkerInit(kw.get("worker_init_fn"))  # workers die with this process
             dl = TorchDataLoader(WorkerSplitDataset(self.steps), batch_size=None, num_workers=self.ctx.num_workers,
-                                 collate_fn=_identity, pin_memory=s.pin_memory and torch.cuda.is_available(),
-                                 **s.loader_kwargs)
-            it = iter(dl)
+                                 collate_fn=_identity, pin_memory=s.pin_memory and torch.cuda.is_available(), **kw)
+            it = start_workers(lambda: iter(dl))  # forked while no thread compiles a kernel
             self._closers.append(lambda wait: getattr(it, "_shutdown_workers", lambda: None)())
         pending: dict[int, ReadyStep] = {}
         expect = start
