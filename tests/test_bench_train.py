@@ -1,11 +1,11 @@
 """`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens."""
 
 import json
-import subprocess
 import sys
-import time
 
 import numpy as np
+import pytest
+from liveness import run_live
 
 from dynabatch import CostModel
 from dynabatch.bench.train import TRAIN_METHODS
@@ -13,17 +13,19 @@ from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
 
 
+@pytest.mark.slow
 def test_bench_train_json(tmp_path):
+    """(No wall clock: --timeout is the bench's liveness timeout, run_live the test's.)"""
     paths = write_text_shards(tmp_path / "data", 300, seed=0)
-    t0 = time.monotonic()
-    out = subprocess.run(
+    out = run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
          "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096",
-         "--data", *map(str, paths), "--timeout", "50", "--json", "--save-cost-model", str(tmp_path / "refit.json")],
-        capture_output=True, text=True, timeout=58)
+         "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
+         "--out", str(tmp_path / "result.json")], idle_s=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert time.monotonic() - t0 < 60
     res = json.loads(out.stdout)
+    assert res["partial"] is False and res["status"] == "complete" and res["stopped_by"] is None
+    assert json.loads((tmp_path / "result.json").read_text()) == res  # --out holds the same document
     assert set(res) >= {"config", "methods"}
     assert res["config"]["model"] == "t5-tiny" and res["config"]["options"]["num_stages"] == 2
     assert set(res["methods"]) == set(TRAIN_METHODS)
@@ -58,14 +60,14 @@ def test_batch_shapes_carry_the_plans_time_and_memory():
     assert shape.time_s == 0.25 and shape.memory_bytes == 1.5e6
 
 
+@pytest.mark.slow
 def test_bench_train_runs_the_adaptive_schedule(tmp_path):
     """--schedule adaptive: the planner simulates 1f1b, the runner uses the memory-bounded order."""
     paths = write_text_shards(tmp_path / "data", 120, seed=1)
-    out = subprocess.run(
+    out = run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--schedule", "adaptive",
-         "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "50", "--json"],
-        capture_output=True, text=True, timeout=58)
+         "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=120)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert res["config"]["options"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
@@ -87,3 +89,111 @@ def test_public_microbatch_helpers():
     model = make_model("t5-tiny", hidden=64)
     one = stage_cost_model(model, 2, "cpu")
     assert one.model.layers == model.config.layers / 2 and one.model.decoder_layers == model.config.decoder_layers / 2
+
+
+@pytest.mark.slow
+def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
+    """A run asked for far more steps than it gets: SIGTERM after a few rounds still prints (--json)
+    and writes (--out) the per-method results of the steps done, marked partial; the ranks are gone."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    paths = write_text_shards(tmp_path / "data", 1000, seed=2)
+    out_file = tmp_path / "result.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "100000",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--methods", "dp", "pack",
+         "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # --out is rewritten after a round, once a second (partial, "running"): wait for two rounds, with a
+        # liveness check of our own (the file must keep changing, the process must keep running)
+        last_change, seen, running = time.monotonic(), None, None
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            stat = out_file.stat().st_mtime_ns if out_file.exists() else None
+            if stat != seen:
+                seen, last_change = stat, time.monotonic()
+                try:
+                    running = json.loads(out_file.read_text())
+                except (OSError, ValueError):
+                    running = None
+                if running and min(running["steps_done"].values()) >= 2:
+                    break
+            assert time.monotonic() - last_change < 180, "bench train made no progress for 180 s"
+            time.sleep(0.2)
+        assert running["partial"] is True and running["status"] == "running"
+        os.kill(proc.pid, signal.SIGTERM)  # the bench process only, as `kill PID` would
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr and "steps done: dp" in stderr
+    res = json.loads(stdout)
+    assert res["partial"] is True and res["status"] == "stopped" and res["stopped_by"] == "stopped by SIGTERM"
+    assert json.loads(out_file.read_text()) == res
+    assert set(res["methods"]) == {"dp", "pack"} and res["config"]["steps"] == 100000
+    for name, m in res["methods"].items():
+        assert 2 <= m["steps"] == res["steps_done"][name] == len(m["per_step"]) < 100000
+        assert m["tokens_per_s"] > 0 and m["mape_start"] >= 0
+    # interleaved rounds: the methods are at most one step apart, on the same global batches
+    n = min(m["steps"] for m in res["methods"].values())
+    assert max(m["steps"] for m in res["methods"].values()) <= n + 1
+    assert [r["real_tokens"] for r in res["methods"]["dp"]["per_step"][:n]] == \
+        [r["real_tokens"] for r in res["methods"]["pack"]["per_step"][:n]]
+    # no rank outlived the stop (they are in the bench process's session)
+    time.sleep(0.5)
+    assert _session_members(proc.pid) == []
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``, from /proc (Linux; [] elsewhere)."""
+    import os
+
+    found = []
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                found.append(int(d))
+    return found
+
+
+def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monkeypatch):
+    """When the ranks stop making progress, launch_local kills them (timed_out, "idle"): the
+    command still hands back what rank 0 wrote after its last round, marked partial."""
+    import dynabatch.pipeline as pipeline
+    from dynabatch.bench import train
+    from dynabatch.pipeline.launch import ProcResult
+
+    seen = {}
+
+    def stalled_launch(target, nprocs, *, args, idle_timeout_s, max_wall_s, threads_per_proc):
+        (payload,) = args
+        seen.update(idle=idle_timeout_s, max_wall=max_wall_s)
+        row = {"steps": 3, "tokens_per_s": 1000.0, "per_step": [{"step": k} for k in range(3)]}
+        train._write_json(payload["_partial"], train.assemble_result(payload["_config"], {"dp": row}, status="running"))
+        return [ProcResult(r, None, "", f"rank {r} silent", 40.0, True, None, "idle") for r in range(nprocs)]
+
+    monkeypatch.setattr(pipeline, "launch_local", stalled_launch)
+    cfg = train.TrainBenchConfig(model="gpt-tiny", data=tuple(map(str, write_text_shards(tmp_path / "d", 60, seed=3))),
+                                 steps=50, methods=("dp", "pack"), timeout_s=40.0, model_sizes={"hidden": 32})
+    out = tmp_path / "partial.json"
+    with pytest.raises(train.TrainBenchStopped) as e:
+        train.run_train_bench(cfg, out=str(out))
+    assert seen == {"idle": 40.0, "max_wall": None}
+    res = e.value.result
+    assert e.value.exit_code == 1 and "liveness timeout: no rank made progress for 40 s" in str(e.value)
+    assert "rank 1 silent" in str(e.value)
+    assert res["partial"] is True and res["status"] == "stopped" and res["stopped_by"].startswith("liveness timeout")
+    assert res["steps_done"] == {"dp": 3, "pack": 0} and res["methods"]["dp"]["steps"] == 3
+    assert json.loads(out.read_text()) == res
+    assert train.format_table({**res, "methods": {}}).startswith("PARTIAL RESULT (liveness timeout")

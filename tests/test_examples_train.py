@@ -1,25 +1,24 @@
-"""The pipelined training examples train for real: the loss goes down, no hang (< 60 s each)."""
+"""The pipelined training examples train for real: the loss goes down, no hang (liveness: the run is
+killed only after 120 s without progress, however slow the machine)."""
 
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from liveness import run_live
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_t5_pipeline.py", "train_gpt_pipeline.py"])
 def test_example_trains(script):
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--steps", "8", "--samples", "400",
-                          "--hidden", "64", "--batch-tokens", "4096", "--lr", "3e-3", "--seed", "0",
-                          "--timeout", "50"],
-                         capture_output=True, text=True, timeout=58)
+    # --timeout is launch_local's liveness timeout (no rank printed a step for that long)
+    out = run_live([sys.executable, str(EXAMPLES / script), "--steps", "8", "--samples", "400",
+                    "--hidden", "64", "--batch-tokens", "4096", "--lr", "3e-3", "--seed", "0",
+                    "--timeout", "60"], idle_s=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert time.monotonic() - t0 < 60
     losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout, re.M)]
     assert len(losses) == 8, out.stdout
     assert sum(losses[-2:]) / 2 < 0.9 * sum(losses[:2]) / 2, losses

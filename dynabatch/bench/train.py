@@ -25,6 +25,8 @@ What is measured (seconds, tokens):
   ``mape_start_step``/``mape_end_step`` score each step's summed prediction the same way. Baselines
   are not refit: their MAPE is the prior's, for reference. ``mape_noise`` estimates the timing
   noise floor: the median relative spread of repeated identical shapes within the run.
+
+Stopping, timeouts and partial results: see `dynabatch.bench.train_report`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ import numpy as np
 
 from ..core.option_flags import parse_bytes
 from ..core.options import SCHEDULES, PlanOptions
+from .train_report import (BENCH_TRAIN_EPILOG, TrainBenchStopped, _read_json, _result_config,  # noqa: F401
+                           _Stop, _stop_on_signals, _write_json, assemble_result, format_table)
 
 TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")
+PARTIAL_EVERY_S = 1.0  # rank 0 rewrites the partial result after a round at most this often
 SHARED_FLAN = ("../shared/data/text/niv2_sample.jsonl.gz", "../shared/data/text/flan_cot_sample.jsonl.gz")
 MODEL_SIZES = {"gpt-tiny": dict(vocab=512, hidden=256, layers=4, heads=4),
                "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4)}
@@ -76,7 +81,8 @@ class TrainBenchConfig:
     partition: str = "searched"  # or "uniform" (equal block counts)
     save_cost_model: str | None = None  # JSON path for dp's refit cost model (written by rank 0)
     threads_per_proc: int = 1
-    timeout_s: float = 900.0
+    timeout_s: float = 900.0  # liveness: kill the ranks after this long without progress from any of them
+    max_wall_s: float | None = None  # optional whole-run cap (a last resort)
     model_sizes: dict = field(default_factory=dict)
     index: str | None = None  # length index Parquet (built by run_train_bench)
 
@@ -212,8 +218,18 @@ class MethodRun:
         return row
 
     def summary(self) -> dict:
-        cfg, rows, feedback = self.cfg, self.rows, self.feedback
+        """The method's result at the end of the run (closes its loader, saves dp's cost model)."""
         self.loader.close()
+        out = self.stats()
+        if self.feedback is not None and self.cfg.save_cost_model:
+            if self.rank == 0:  # every rank holds the same coefficients
+                self.cost.save(self.cfg.save_cost_model)
+            out["cost_model_path"] = self.cfg.save_cost_model
+        return out
+
+    def stats(self) -> dict:
+        """The result of the steps trained so far, without side effects (also a partial result mid-run)."""
+        cfg, rows, feedback = self.cfg, self.rows, self.feedback
         n = len(rows)
         if not n:
             raise RuntimeError(f"{self.method}: the data gave no step (too little data for the global batch?)")
@@ -246,25 +262,33 @@ class MethodRun:
         }
         if feedback is not None and feedback.history:
             out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
-        if feedback is not None and cfg.save_cost_model:
-            if self.rank == 0:  # every rank holds the same coefficients
-                self.cost.save(cfg.save_cost_model)
-            out["cost_model_path"] = cfg.save_cost_model
         return out
 
 
-def train_methods(ctx, cfg: TrainBenchConfig, *, log=None) -> dict:
+def train_methods(ctx, cfg: TrainBenchConfig, *, log=None, on_round=None) -> dict:
     """Train every method for ``cfg.steps`` steps, interleaved step by step (the order rotates each
-    step) so that a change in the machine's background load hits every method alike."""
-    runs = {m: MethodRun(ctx, cfg, m) for m in cfg.methods}
+    step) so that a change in the machine's background load hits every method alike.
+    ``on_round(k, runs)`` is called after round ``k`` (every method did step ``k``); each step
+    reports progress to the launcher (`dynabatch.pipeline.launch.heartbeat`)."""
+    from ..pipeline.launch import heartbeat
+
+    runs = {}
+    for m in cfg.methods:
+        heartbeat()
+        runs[m] = MethodRun(ctx, cfg, m)
     names = list(runs)
     for k in range(cfg.steps):
         order = names[k % len(names):] + names[:k % len(names)]
         for m in order:
             if not runs[m].done:
                 row = runs[m].step(k)
+                heartbeat()
                 if row is not None and log is not None:
                     log(m, row)
+        if on_round is not None:
+            on_round(k, runs)
+        if all(r.done for r in runs.values()):
+            break
     return {m: runs[m].summary() for m in names}
 
 
@@ -289,11 +313,25 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
               f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
               file=sys.stderr, flush=True)
 
+    partial_path, config = cfg_dict.get("_partial"), cfg_dict.get("_config") or {}
+    last_write = [-1e9]
+
+    def on_round(k, runs):  # rank 0 keeps the result so far on disk: what a stopped run reports
+        # at most once a second: the other ranks wait for rank 0 meanwhile, inside their timed step
+        if rank != 0 or not partial_path or time.monotonic() - last_write[0] < PARTIAL_EVERY_S:
+            return
+        last_write[0] = time.monotonic()
+        try:
+            methods = {m: r.stats() for m, r in runs.items() if r.rows}
+            _write_json(partial_path, assemble_result(config, methods, status="running"))
+        except Exception as e:  # never let the report of a partial result break the run itself
+            print(f"bench train: could not write the partial result: {e!r}", file=sys.stderr, flush=True)
+
     os.environ.setdefault("LOCAL_RANK", str(rank))  # one GPU per local rank with NCCL
     out = {}
     with init_pipeline(num_stages=cfg.options.num_stages, rank=rank, world_size=world_size, master_port=port,
                        backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
-        out = train_methods(ctx, cfg, log=log if verbose else None)
+        out = train_methods(ctx, cfg, log=log if verbose else None, on_round=on_round)
     return out if rank == 0 else None
 
 
@@ -313,101 +351,65 @@ def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -
     return replace(cfg, data=data, index=index)
 
 
-def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000) -> dict:
-    """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result."""
+def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000,
+                    out: str | None = None) -> dict:
+    """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result
+    (``"partial": false``). ``out``: a JSON file kept up to date after every round of steps (partial,
+    ``"status": "running"``) and holding the final or stopped result at the end. A run that does
+    not finish (SIGINT/SIGTERM, liveness timeout, ``max_wall_s``, a failed rank) raises
+    `TrainBenchStopped` with the partial result of the steps done so far."""
     from ..pipeline import count_parameters, launch_local, make_model
 
     unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"group_by_length", "kk", "rebalance"}
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        cfg = build_data(cfg, tmp, generated_samples)
-        index_s = time.perf_counter() - t0
-        payload = {**cfg.to_payload(), "_verbose": verbose}
-        procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,), timeout_s=cfg.timeout_s,
-                             threads_per_proc=cfg.threads_per_proc)
-    bad = [p for p in procs if p.returncode != 0 or p.timed_out]
-    if bad or procs[0].result is None:
-        msg = "; ".join(f"rank {p.rank}: rc={p.returncode} timed_out={p.timed_out}\n{p.stderr[-3000:]}" for p in procs)
-        raise RuntimeError(f"bench train failed: {msg}")
-    if verbose:
-        sys.stderr.write(procs[0].stderr)
-    methods = procs[0].result
-    model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
-    config = {k: v for k, v in cfg.to_payload().items() if k not in ("index", "model_sizes", "timeout_s")}
-    config.update(data=list(cfg.data), methods=list(cfg.methods), model_sizes=cfg.resolved_sizes(),
-                  parameters=count_parameters(model),
-                  backend=cfg.backend or "auto (gloo on CPU, nccl on GPU)", index_build_s=index_s,
-                  timing="tokens_per_s = real tokens of the timed steps / sum over those steps of the slowest "
-                         "rank's PipelineRunner.step wall time (warm-up steps excluded); tokens_per_s_e2e adds "
-                         "the time waiting for the DataLoader",
-                  mape_basis="per micro-batch: planned forward+backward seconds on one stage vs measured on the "
-                             "slowest stage; mape_start = steps before the first refit, mape_end = last "
-                             "max(3, steps//4) steps, predictions made before the step ran")
-    ref = methods.get("pack", {}).get("tokens_per_s")
-    best_other = max((v["tokens_per_s"] for k, v in methods.items() if k != "dp"), default=None)
-    ratios = {}
-    if "dp" in methods and ref:
-        ratios["dp_vs_pack"] = methods["dp"]["tokens_per_s"] / ref
-    if "dp" in methods and best_other:
-        ratios["dp_vs_best_baseline"] = methods["dp"]["tokens_per_s"] / best_other
-    return {"config": config, "methods": methods, "ratios": ratios}
-
-
-def _pct(x: float) -> str:
-    """``x`` as a percentage, ``-`` when undefined (no shape repeated often enough to measure noise)."""
-    return "-" if x != x else f"{x:.1%}"
-
-
-def format_table(result: dict) -> str:
-    """The human-readable table of a `run_train_bench` result."""
-    cfg = result["config"]
-    o = cfg["options"]
-    lines = [f"bench train: {cfg['model']} ({cfg['parameters'] / 1e6:.2f}M parameters), {o['num_stages']} stages "
-             f"({cfg['partition']} split), {cfg['steps']} steps ({cfg['warmup']} warm-up excluded), global batch "
-             f"{o['global_batch_tokens']} tokens, max_len {o['max_len']}"
-             + (f"/{o['max_target_len']}" if cfg["model"] == "t5-tiny" else "") + f", {o['schedule']}",
-             f"data: {' '.join(os.path.basename(d) for d in cfg['data'])}",
-             "",
-             f"{'method':<13}{'tok/s':>9}{'e2e tok/s':>11}{'vs pack':>9}{'mbs/step':>10}{'loss start->end':>18}"
-             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}  stage bounds"]
-    pack = result["methods"].get("pack", {}).get("tokens_per_s")
-    for name, m in result["methods"].items():
-        vs = f"{m['tokens_per_s'] / pack:.2f}x" if pack else "-"
-        lines.append(f"{name:<13}{m['tokens_per_s']:>9.0f}{m['tokens_per_s_e2e']:>11.0f}{vs:>9}"
-                     f"{m['microbatches_per_step']:>10.1f}{m['loss_start']:>9.3f}->{m['loss_end']:<7.3f}"
-                     f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{_pct(m['mape_noise']):>8}"
-                     f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}"
-                     f"  {m.get('bounds', '-')}")
-    r = result.get("ratios", {})
-    if r:
-        lines.append("")
-        lines.append("dp vs pack: " + (f"{r['dp_vs_pack']:.2f}x" if "dp_vs_pack" in r else "-")
-                     + "; dp vs best other baseline: "
-                     + (f"{r['dp_vs_best_baseline']:.2f}x" if "dp_vs_best_baseline" in r else "-"))
-    lines.append("dp: feedback refits its cost model every %d steps; baselines: planner default knobs, no refit "
-                 "(their MAPE is the analytic prior's)" % cfg["refit_every"])
-    return "\n".join(lines)
-
-
-BENCH_TRAIN_EPILOG = """\
-columns:
-  tok/s        real (unpadded) tokens / wall seconds of the pipelined training steps (slowest rank),
-               warm-up steps excluded
-  e2e tok/s    the same, counting the time the loop waited for the DataLoader
-  vs pack      tok/s over pack's
-  MAPE         per micro-batch: planned vs measured forward+backward seconds on the slowest stage;
-               start = before the first refit, end = the last max(3, steps/4) steps (predictions made
-               before each step ran: out of sample); noise = median relative spread of identical
-               shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
-  step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
-               time the planner balances sees, with the per-micro-batch timer noise averaged out
-
-examples:
-  dynabatch bench train --model t5-tiny --stages 2 --steps 20
-  dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
-"""
+    out = os.path.abspath(out) if out else None
+    if out and os.path.exists(out):
+        os.remove(out)  # a stale file must not pass for this run's partial result
+    procs, stop, config = None, None, None
+    with tempfile.TemporaryDirectory() as tmp, _stop_on_signals():
+        partial_path = out or os.path.join(tmp, "partial.json")
+        try:
+            t0 = time.perf_counter()
+            cfg = build_data(cfg, tmp, generated_samples)
+            index_s = time.perf_counter() - t0
+            model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
+            config = _result_config(cfg, index_s, count_parameters(model))
+            payload = {**cfg.to_payload(), "_verbose": verbose, "_partial": partial_path, "_config": config}
+            procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,),
+                                 idle_timeout_s=cfg.timeout_s, max_wall_s=cfg.max_wall_s,
+                                 threads_per_proc=cfg.threads_per_proc)
+        except _Stop as e:
+            stop = e
+        partial = _read_json(partial_path)
+    bad = [p for p in procs if p.returncode != 0 or p.timed_out] if procs else []
+    if stop is None and not bad and procs[0].result is not None:
+        if verbose:
+            sys.stderr.write(procs[0].stderr)
+        result = assemble_result(config, procs[0].result)
+        if out:
+            _write_json(out, result)
+        return result
+    # stopped early: report what was done
+    if stop is not None:
+        why, code = f"stopped by {stop.args[0]}", 128 + stop.signum
+    elif any(p.timed_out and p.timeout_reason == "max_wall" for p in procs):
+        why, code = f"max wall time: stopped after {cfg.max_wall_s:g} s", 1
+    elif any(p.timed_out for p in procs):
+        why, code = f"liveness timeout: no rank made progress for {cfg.timeout_s:g} s", 1
+    else:
+        why, code = "failed: " + ", ".join(f"rank {p.rank} exited with {p.returncode}" for p in bad or procs), 1
+    detail = "; ".join(f"rank {p.rank}: rc={p.returncode} timed_out={p.timed_out}\n{p.stderr[-3000:]}"
+                       for p in (bad or procs or ()))
+    result = None
+    if config is not None:
+        methods = (partial or {}).get("methods") or {}
+        result = assemble_result(config, methods, status="stopped", stopped_by=why)
+        if out:
+            _write_json(out, result)
+    done = ", ".join(f"{m} {n}" for m, n in result["steps_done"].items()) if result else "none"
+    raise TrainBenchStopped(f"bench train {why}; steps done: {done} of {cfg.steps}"
+                            + (f"\n{detail}" if detail else ""), result, code)
 
 
 def add_bench_train_command(bench_sub) -> None:
@@ -451,8 +453,16 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
     p.add_argument("--generated-samples", type=int, default=2000, help="generated samples when no data is found")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="liveness timeout: stop when no rank made progress (a step) for this long (default 900); "
+                        "a slow or loaded machine only makes the run slower")
+    p.add_argument("--max-wall", type=float, default=None, metavar="SECONDS",
+                   help="optional cap on the whole run's wall time (default none)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--out", metavar="PATH",
+                   help="also write the JSON document here, updated as the steps go (at most once a second; marked "
+                        "\"partial\": true until the run completes); a run stopped early (SIGINT/SIGTERM, a "
+                        "timeout) leaves its partial result here and on stdout")
     p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
     p.set_defaults(func=_cmd_bench_train)
 
@@ -465,10 +475,15 @@ def _cmd_bench_train(args) -> int:
     cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), options=options, steps=args.steps,
                            warmup=args.warmup, methods=tuple(args.methods), device_preset=args.device_preset,
                            backend=args.backend, refit_every=args.refit_every, partition=args.partition,
-                           timeout_s=args.timeout, model_sizes=sizes,
+                           timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     try:
-        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples)
+        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out)
+    except TrainBenchStopped as e:
+        if e.result is not None:
+            print(json.dumps(e.result, default=float) if args.json else format_table(e.result), flush=True)
+        print(f"dynabatch {e}", file=sys.stderr)  # "dynabatch bench train stopped by SIGTERM; steps done: ..."
+        return e.exit_code
     except (ValueError, RuntimeError) as e:
         print(f"dynabatch bench train: {e}", file=sys.stderr)
         return 1

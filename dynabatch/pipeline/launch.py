@@ -3,8 +3,20 @@
 ``launch_local("path/to/file.py:worker", nprocs, args=...)`` starts ``nprocs`` Python processes,
 each calling ``worker(rank, world_size, port, *args)`` with a shared free ``port`` on 127.0.0.1
 (pass it to `dynabatch.pipeline.init_pipeline` as ``master_port``). A JSON-serializable return value
-comes back in `ProcResult.result`; each process's exit code, stdout and stderr are kept, and every
-process still running at ``timeout_s`` is killed (by its own pid) and marked ``timed_out``.
+comes back in `ProcResult.result`; each process's exit code, stdout and stderr are kept.
+
+Timeouts are **liveness** timeouts, not wall clocks: the ranks are killed (each by its own pid) and
+marked ``timed_out`` only when *none* of them made progress for ``idle_timeout_s`` seconds (the
+old keyword ``timeout_s`` means the same). Progress is anything a rank shows the outside world:
+a byte written to its stdout or stderr, a rank exiting, or a call to `heartbeat` (which touches
+the file named by the ``DYNABATCH_HEARTBEAT`` environment variable; a worker that computes for a
+long time without printing calls it once per step). A slow machine therefore only makes a run
+slower, never failed, while a hang (every rank blocked) is still killed within about
+``idle_timeout_s``. ``max_wall_s`` is an optional whole-run cap, a last resort only.
+
+Liveness nests: while its ranks make progress, `launch_local` itself calls `heartbeat`, so a
+process that runs ``launch_local`` under a parent watching ``DYNABATCH_HEARTBEAT`` (another
+``launch_local``, or the test suite's ``tests/liveness.py``) looks alive exactly while its ranks do.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,13 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RESULT_PREFIX = "DYNABATCH_RESULT "
-_CHILD = "import sys; from dynabatch.pipeline.launch import _main; sys.exit(_main(sys.argv[1:]))"
+HEARTBEAT_ENV = "DYNABATCH_HEARTBEAT"
+DEFAULT_IDLE_TIMEOUT_S = 120.0
+# a rank's first sign of life is its start (before the slow imports), the next ones its imports done
+_CHILD = ("import os; p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close(); "
+          "import sys; from dynabatch.pipeline.launch import _main; sys.exit(_main(sys.argv[1:]))")
+_last_beat = [0.0]
 
 
 @dataclass(frozen=True)
 class ProcResult:
-    """One launched rank: exit code (None if killed at the timeout), output, wall seconds, and the
-    worker's return value (None when it raised or returned nothing)."""
+    """One launched rank: exit code (None if killed at the timeout), output, wall seconds (to its
+    exit, or to the kill), and the worker's return value (None when it raised or returned nothing).
+    ``timeout_reason`` says why a ``timed_out`` rank was killed: ``"idle"`` (no rank made progress
+    for ``idle_timeout_s``) or ``"max_wall"``."""
 
     rank: int
     returncode: int | None
@@ -37,6 +57,7 @@ class ProcResult:
     wall_s: float
     timed_out: bool
     result: object = None
+    timeout_reason: str | None = None
 
 
 def free_port() -> int:
@@ -44,6 +65,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def heartbeat(min_interval_s: float = 0.2) -> None:
+    """Report progress to whoever launched this process (`launch_local`, ``tests/liveness.py``):
+    touch the file named by ``$DYNABATCH_HEARTBEAT``; a no-op when it is not set. Cheap (at most one
+    touch per ``min_interval_s``): call it once per step of a loop that prints nothing."""
+    path = os.environ.get(HEARTBEAT_ENV)
+    now = time.monotonic()
+    if not path or now - _last_beat[0] < min_interval_s:
+        return
+    _last_beat[0] = now
+    try:
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _resolve(target: str):
@@ -60,32 +98,86 @@ def _resolve(target: str):
     return getattr(mod, name)
 
 
-def launch_local(target: str, nprocs: int, *, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None,
-                 threads_per_proc: int = 1) -> list[ProcResult]:
+def _mtime_ns(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
+                 timeout_s: float | None = None, max_wall_s: float | None = None, env: dict | None = None,
+                 threads_per_proc: int = 1, poll_s: float = 0.05) -> list[ProcResult]:
     """Run ``target`` on ``nprocs`` local processes and collect their results (see the module doc).
-    ``threads_per_proc`` sets ``OMP_NUM_THREADS`` (small tensors on few cores: 1 is fastest)."""
+
+    ``idle_timeout_s`` (default 120; ``timeout_s`` is its old name and means the same): kill every
+    rank still running once no rank has made progress (output, exit, `heartbeat`) for that many
+    seconds. ``max_wall_s`` (default None: no cap): kill them after that many seconds whatever
+    they do. ``threads_per_proc`` sets ``OMP_NUM_THREADS`` (small tensors on few cores: 1 is
+    fastest). An exception in the caller while waiting (KeyboardInterrupt, a signal handler's
+    exception) kills the ranks before it propagates."""
+    if idle_timeout_s is not None and timeout_s is not None and idle_timeout_s != timeout_s:
+        raise ValueError("pass idle_timeout_s or its old name timeout_s, not both")
+    idle = float(idle_timeout_s if idle_timeout_s is not None else
+                 timeout_s if timeout_s is not None else DEFAULT_IDLE_TIMEOUT_S)
     port = free_port()
     payload = json.dumps(list(args))
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_proc), **(env or {})}
+    base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
+    beat_dir = tempfile.mkdtemp(prefix="dynabatch-launch-")
+    beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
     procs = []
     t0 = time.monotonic()
-    for r in range(nprocs):
-        cmd = [sys.executable, "-c", _CHILD, target, str(r), str(nprocs), str(port), payload]
-        # files, not pipes: a rank blocked on a full pipe while we wait on another would look hung
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=base_env), out, err))
     ended: dict[int, float] = {}
-    while len(ended) < nprocs and time.monotonic() - t0 < timeout_s:
+    reason = None
+    try:
+        for r in range(nprocs):
+            cmd = [sys.executable, "-c", _CHILD, target, str(r), str(nprocs), str(port), payload]
+            # files, not pipes: a rank blocked on a full pipe while we wait on another would look hung
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                           env={**base_env, HEARTBEAT_ENV: beats[r]}), out, err))
+        seen = [(0, 0, 0)] * nprocs
+        last_progress = time.monotonic()
+        while len(ended) < nprocs:
+            now = time.monotonic()
+            progress = False
+            for r, (p, out, err) in enumerate(procs):
+                if r not in ended and p.poll() is not None:
+                    ended[r] = now - t0
+                    progress = True
+                state = (os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size, _mtime_ns(beats[r]))
+                if state != seen[r]:
+                    seen[r] = state
+                    progress = True
+            if progress:
+                last_progress = now
+                heartbeat()  # our own launcher sees us alive while our ranks are
+            elif now - last_progress > idle:
+                reason = "idle"
+                break
+            if max_wall_s is not None and now - t0 > max_wall_s:
+                reason = "max_wall"
+                break
+            time.sleep(poll_s)
+    finally:
+        killed_at = time.monotonic() - t0
         for r, (p, _, _) in enumerate(procs):
-            if r not in ended and p.poll() is not None:
-                ended[r] = time.monotonic() - t0
-        time.sleep(0.02)
+            if r in ended:
+                continue
+            if p.poll() is not None:  # exited since the last look: not a timeout
+                ended[r] = killed_at
+            else:
+                p.kill()
+                p.wait()
+        shutil.rmtree(beat_dir, ignore_errors=True)
+        if sys.exc_info()[0] is not None:  # interrupted: the ranks are gone, let the exception through
+            for _, out, err in procs:
+                out.close()
+                err.close()
     results = []
     for r, (p, out, err) in enumerate(procs):
         timed_out = r not in ended
-        if timed_out:
-            p.kill()
-            p.wait()
         out.seek(0)
         err.seek(0)
         text_out, text_err = out.read(), err.read()
@@ -96,13 +188,15 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), timeout_s: float
             if line.startswith(RESULT_PREFIX):
                 value = json.loads(line[len(RESULT_PREFIX):])
         results.append(ProcResult(r, None if timed_out else p.returncode, text_out, text_err,
-                                  ended.get(r, timeout_s), timed_out, value))
+                                  ended.get(r, killed_at), timed_out, value, reason if timed_out else None))
     return results
 
 
 def _main(argv: list[str]) -> int:
     target, rank, world, port, payload = argv
+    heartbeat(0.0)  # dynabatch (torch) imported
     fn = _resolve(target)
+    heartbeat(0.0)  # the target's module imported
     value = fn(int(rank), int(world), int(port), *json.loads(payload))
     if value is not None:
         sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
