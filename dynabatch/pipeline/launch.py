@@ -197,7 +197,16 @@ def _main(argv: list[str]) -> int:
     heartbeat(0.0)  # dynabatch (torch) imported
     fn = _resolve(target)
     heartbeat(0.0)  # the target's module imported
-    value = fn(int(rank), int(world), int(port), *json.loads(payload))
+    try:
+        value = fn(int(rank), int(world), int(port), *json.loads(payload))
+    except BaseException:
+        waits = sys.modules.get("dynabatch.pipeline.waits")
+        if waits is not None and waits.abandoned():  # see waits.exit_if_abandoned
+            import traceback
+
+            traceback.print_exc()
+            waits.exit_if_abandoned(1)
+        raise
     if value is not None:
         sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
         sys.stdout.flush()

@@ -41,6 +41,25 @@ def abandon_wait() -> None:
     _abandoned_waits = True
 
 
+def abandoned() -> bool:
+    """Whether this process gave up waiting on a communication handle (after a failure)."""
+    return _abandoned_waits
+
+
+def exit_if_abandoned(code: int) -> None:
+    """Leave now with ``code`` (output flushed) when a wait was abandoned: a process that handled its
+    failure itself (e.g. a launcher that prints the error and returns 1) would otherwise meet the
+    same abort at interpreter exit that `_exit_after_abandoned_wait` avoids for uncaught errors."""
+    if not _abandoned_waits:
+        return
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 
 class _Job:
     __slots__ = ("works", "done", "error")
