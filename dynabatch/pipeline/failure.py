@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 
-from .waits import abandon_wait, Waiter
+from .waits import Waiter, abandon_wait, note_daemon_calls
 
 MSG_KEY = "dynabatch/failure/message"
 ACK_KEY = "dynabatch/failure/acks"
@@ -131,6 +131,7 @@ class FailureMonitor:
             except Exception:
                 pass
             self._thread = threading.Thread(target=self._watch, name=f"dynabatch-watchdog-{self.rank}", daemon=True)
+            note_daemon_calls()
             self._thread.start()
 
     def stop(self) -> None:

@@ -14,16 +14,18 @@ import sys
 import threading
 
 _abandoned_waits = False
+_daemon_calls = False  # a daemon thread of ours may sit in a blocking C++ call (store, gloo) at exit
 
 
 def _exit_after_abandoned_wait() -> None:
     """At interpreter exit after a failure, a helper thread may still be blocked in a gloo wait. If that
     wait ends during finalization (its peer exits), CPython 3.11 ends the thread with pthread_exit, whose
     unwinding through C++ frames aborts the process (SIGABRT, "terminate called without an active
-    exception"). So a process that is exiting on an uncaught exception (status 1) after abandoning a
-    wait leaves right away, with its output flushed. Registered at import: runs after handlers
+    exception"); so does a daemon thread caught in a blocking store call. So a process that is exiting
+    on an uncaught exception (status 1) after abandoning a wait, or while such a daemon thread may be
+    running, leaves right away, with its output flushed. Registered at import: runs after handlers
     registered later."""
-    if not _abandoned_waits or getattr(sys, "last_value", None) is None:
+    if not (_abandoned_waits or _daemon_calls) or getattr(sys, "last_value", None) is None:
         return
     try:
         logging.shutdown()
@@ -34,6 +36,13 @@ def _exit_after_abandoned_wait() -> None:
 
 
 atexit.register(_exit_after_abandoned_wait)
+
+
+def note_daemon_calls() -> None:
+    """A daemon thread that makes blocking C++ calls (the failure watchdog's store look-ups) started:
+    exiting on an uncaught error then leaves at once too (see `_exit_after_abandoned_wait`)."""
+    global _daemon_calls
+    _daemon_calls = True
 
 
 def abandon_wait() -> None:
