@@ -25,14 +25,18 @@ def _exit_after_abandoned_wait() -> None:
     on an uncaught exception (status 1) after abandoning a wait, or while such a daemon thread may be
     running, leaves right away, with its output flushed. Registered at import: runs after handlers
     registered later."""
-    if not (_abandoned_waits or _daemon_calls) or getattr(sys, "last_value", None) is None:
-        return
+    if (_abandoned_waits or _daemon_calls) and getattr(sys, "last_value", None) is not None:
+        _leave(1)
+
+
+def _leave(code: int) -> None:
+    """Flush logging and the standard streams, then end the process with ``code`` at once."""
     try:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(1)
+        os._exit(code)
 
 
 atexit.register(_exit_after_abandoned_wait)
@@ -59,15 +63,8 @@ def exit_if_abandoned(code: int) -> None:
     """Leave now with ``code`` (output flushed) when a wait was abandoned: a process that handled its
     failure itself (e.g. a launcher that prints the error and returns 1) would otherwise meet the
     same abort at interpreter exit that `_exit_after_abandoned_wait` avoids for uncaught errors."""
-    if not _abandoned_waits:
-        return
-    try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
+    if _abandoned_waits:
+        _leave(code)
 
 
 class _Job:
