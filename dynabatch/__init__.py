@@ -26,17 +26,16 @@ from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 from .core.shapes import SHAPES_SCHEMA, Shapes
 from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
 from .core.steps import global_batches, plan_step
-from .index import LengthIndex, read_index, write_index
 from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, RunPlan, load_run_plan, plans_to_arrow
 
 __all__ = sorted([
     "BatchPlan", "COLLATIONS", "CostModel", "DEVICE_PRESETS", "DeviceProfile", "FEATURES", "FeedbackLoop",
-    "FeedbackRow", "LengthIndex", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
+    "FeedbackRow", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
     "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RunPlan",
     "SCHEDULES", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
     "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "pipeline_schedule",
-    "plan_microbatches", "plan_step", "plans_to_arrow", "read_index", "read_shapes", "simulate_pipeline",
-    "split_global_batches", "synthetic_shapes", "write_index",
+    "plan_microbatches", "plan_step", "plans_to_arrow", "read_shapes", "simulate_pipeline",
+    "split_global_batches", "synthetic_shapes",
 ])
 __version__ = "0.1.0"
 
@@ -46,6 +45,8 @@ _LAZY = {
     "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
     "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
     "TorchCollective": "loader.collective", "LoaderStateError": "loader.state", "Step": "loader.step",
+    # the length index pulls in `tokenization` (its scan): loaded on first use too
+    "LengthIndex": "index", "read_index": "index", "write_index": "index",
 }
 __all__ += sorted(_LAZY)
 

@@ -44,9 +44,10 @@ def write_parquet(path, recs, row_group_size: int = 16, compression: str = "snap
     return str(path)
 
 
-def write_tar(path, samples: list[tuple[str, dict[str, bytes]]]) -> str:
-    """Write a webdataset shard: ``samples`` = [(key, {ext: bytes})]."""
-    with tarfile.open(str(path), "w:gz" if str(path).endswith(".gz") else "w") as tf:
+def write_tar(path, samples: list[tuple[str, dict[str, bytes]]], compresslevel: int | None = None) -> str:
+    """Write a webdataset shard: ``samples`` = [(key, {ext: bytes})] (``.gz``: gzipped, at ``compresslevel``)."""
+    kw = {"compresslevel": compresslevel} if compresslevel is not None else {}
+    with tarfile.open(str(path), "w:gz" if str(path).endswith(".gz") else "w", **kw) as tf:
         for key, members in samples:
             for ext, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{ext}")

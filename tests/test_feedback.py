@@ -123,11 +123,16 @@ def test_record_plan_with_all_stage_timings_and_plan_again():
     assert 1.5 < float(np.median(ratio)) < 2.5  # ~2x slower than the prior, as measured
 
 
-def test_packed_plans_need_shapes_for_features():
-    rng = np.random.default_rng(4)
+def _packed_plan(seed: int):
+    """(cost model, shapes, dp_varlen plan) of 32 decoder-only samples of 4-200 tokens, 2 stages."""
+    rng = np.random.default_rng(seed)
     cm = CostModel(CFG, device_preset("cpu"))
     shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 200, 32), target_tokens=np.zeros(32, int))
-    plan = plan_microbatches(shapes, cm, num_stages=2, method="dp_varlen", max_len=256)
+    return cm, shapes, plan_microbatches(shapes, cm, num_stages=2, method="dp_varlen", max_len=256)
+
+
+def test_packed_plans_need_shapes_for_features():
+    cm, shapes, plan = _packed_plan(4)
     fb = FeedbackLoop(cm)
     with pytest.raises(ValueError, match="Shapes"):
         fb.features(plan)
@@ -215,10 +220,7 @@ def test_record_step_predictions_converge_to_measured_times():
 
 
 def test_record_step_packed_plan_uses_the_steps_shapes():
-    rng = np.random.default_rng(8)
-    cm = CostModel(CFG, device_preset("cpu"))
-    shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 200, 32), target_tokens=np.zeros(32, int))
-    plan = plan_microbatches(shapes, cm, num_stages=2, method="dp_varlen", max_len=256)
+    cm, shapes, plan = _packed_plan(8)
     fb = FeedbackLoop(cm)
     t = plan.mb_time_s * 2.0
     timing = StepTiming(0, 0, 0, 0, 0.5 * t, 0.5 * t, 0.0, 1.0)

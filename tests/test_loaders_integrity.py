@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import io
 import json
 import logging
 import tarfile
 
 import pyarrow.parquet as pq
 import pytest
-from conftest_loaders import image_bytes, write_parquet
+from conftest_loaders import image_bytes, write_parquet, write_tar
 
 import loaders
 
@@ -77,13 +76,18 @@ def test_gzip_damaged_member_keeps_verified_members(tmp_path):
     assert [s["key"] for s in got] == [f"multi.jsonl.gz:{i + 1}" for i in range(200)]
 
 
-def test_gzip_deflate_error_in_later_member(tmp_path):
-    lines = _lines(300)
+def _gzip_with_damaged_middle_member(lines) -> bytes:
+    """Three gzip members of 100 lines each; 8 bytes in the middle of the second are overwritten."""
     members = [gzip.compress(_text(lines[i:i + 100])) for i in range(0, 300, 100)]
     bad = bytearray(members[1])
     bad[len(bad) // 2: len(bad) // 2 + 8] = b"\xff" * 8
+    return members[0] + bytes(bad) + members[2]
+
+
+def test_gzip_deflate_error_in_later_member(tmp_path):
+    lines = _lines(300)
     path = tmp_path / "z.jsonl.gz"
-    path.write_bytes(members[0] + bytes(bad) + members[2])
+    path.write_bytes(_gzip_with_damaged_middle_member(lines))
     got, counts = _skip(path)
     assert counts == {"corrupt_file": 1} and len(got) == 100
     assert all(s["inputs"] == json.loads(x)["inputs"] for s, x in zip(got, lines))
@@ -166,11 +170,8 @@ def test_bz2_is_read_and_checked(tmp_path):
 
 def _damaged_files(tmp_path):
     lines = _lines(300)
-    members = [gzip.compress(_text(lines[i:i + 100])) for i in range(0, 300, 100)]
-    bad = bytearray(members[1])
-    bad[len(bad) // 2: len(bad) // 2 + 8] = b"\xff" * 8
     gz = tmp_path / "m.jsonl.gz"
-    gz.write_bytes(members[0] + bytes(bad) + members[2])
+    gz.write_bytes(_gzip_with_damaged_middle_member(lines))
     data = b"".join(_frames(lines, 50))
     zst = tmp_path / "t.jsonl.zst"
     zst.write_bytes(data[: int(len(data) * 0.6)])
@@ -209,18 +210,6 @@ def test_indexed_dataloader_skips_damaged_compressed_shard(tmp_path):
 
 # -- 4. webdataset errors name the tar ---------------------------------------------------------------
 
-def _write_tar(path, samples, compresslevel=None):
-    mode = "w:gz" if str(path).endswith(".gz") else "w"
-    kw = {"compresslevel": compresslevel} if compresslevel is not None else {}
-    with tarfile.open(str(path), mode, **kw) as tf:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    return str(path)
-
-
 def _img_samples(n):
     return [(f"s{i:04d}", {"png": image_bytes(), "txt": f"caption {i} ".encode() + b"w" * 40}) for i in range(n)]
 
@@ -228,7 +217,7 @@ def _img_samples(n):
 def test_bad_image_error_names_tar(tmp_path):
     samples = _img_samples(8)
     samples[4] = ("s0004", {"png": b"\x89PNG garbage", "txt": b"broken"})
-    path = _write_tar(tmp_path / "shard-000.tar", samples)
+    path = write_tar(tmp_path / "shard-000.tar", samples)
     with pytest.raises(loaders.BadImageError) as info:
         list(loaders.WebDatasetSource(path))
     msg = str(info.value)
@@ -238,7 +227,7 @@ def test_bad_image_error_names_tar(tmp_path):
 
 
 def test_truncated_tar_is_truncation_wherever_cut(tmp_path):
-    good_path = _write_tar(tmp_path / "good.tar", _img_samples(12))
+    good_path = write_tar(tmp_path / "good.tar", _img_samples(12))
     good = open(good_path, "rb").read()
     with tarfile.open(good_path) as tf:
         data_end = max(m.offset_data + m.size for m in tf.getmembers())
@@ -256,7 +245,7 @@ def test_truncated_tar_is_truncation_wherever_cut(tmp_path):
 
 def test_tar_gz_crc_failure_yields_nothing_unverified(tmp_path):
     path = tmp_path / "flip.tar.gz"
-    data = open(_write_tar(tmp_path / "g.tar.gz", _img_samples(12), compresslevel=0), "rb").read()
+    data = open(write_tar(tmp_path / "g.tar.gz", _img_samples(12), compresslevel=0), "rb").read()
     path.write_bytes(_flip_letters(data, start=len(data) // 2, count=4))
     with pytest.raises(loaders.CorruptFileError, match=r"flip\.tar\.gz.*gzip member 1"):
         loaders.WebDatasetSource(str(path))
@@ -265,7 +254,7 @@ def test_tar_gz_crc_failure_yields_nothing_unverified(tmp_path):
 
 
 def test_truncated_tar_gz_keeps_complete_samples(tmp_path):
-    data = open(_write_tar(tmp_path / "g.tar.gz", _img_samples(30)), "rb").read()
+    data = open(write_tar(tmp_path / "g.tar.gz", _img_samples(30)), "rb").read()
     path = tmp_path / "cut.tar.gz"
     path.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(loaders.TruncatedFileError, match=r"cut\.tar\.gz"):

@@ -45,6 +45,17 @@ def write_index_table(table, path) -> None:
     write_index(table, path)
 
 
+def index_rank_step(index: LengthIndex, plan, pos: np.ndarray, rank: int, *, epoch: int, step_in_epoch: int,
+                    rank_map: np.ndarray | None = None) -> StepPlan:
+    """`rank_step` of a global plan whose samples sit at index positions ``pos``, with what the
+    indexed and replay modes add: the step's label tokens, its `Shapes` and this rank's positions."""
+    sp = rank_step(plan, rank, epoch=epoch, step_in_epoch=step_in_epoch, rank_map=rank_map,
+                   step_target_tokens=int(index.label_tokens[pos].sum()))
+    ids = sp.sample_ids()
+    positions = index.positions(ids) if len(ids) else np.zeros(0, np.int64)
+    return replace(sp, shapes=index.shapes.take(pos), positions=positions)
+
+
 class IndexedPlanner:
     """Global batches of each epoch and their plans (see the module docstring), made by the same
     `dynabatch.core.steps` functions ``dynabatch plan`` uses, from ``options`` (a `PlanOptions`
@@ -92,11 +103,8 @@ class IndexedPlanner:
             if exclude is not None and len(exclude):
                 pos = pos[~np.isin(self.index.shapes.sample_id[pos], exclude)]
             plan, rank_map = self.plan_global(pos, self.first_step(epoch) + k)
-            sp = rank_step(plan, rank, epoch=epoch, step_in_epoch=k, plan_time_s=0.0, rank_map=rank_map,
-                           step_target_tokens=int(self.index.label_tokens[pos].sum()))
-            ids = sp.sample_ids()
-            positions = self.index.positions(ids) if len(ids) else np.zeros(0, np.int64)
-        return replace(sp, plan_time_s=t.s, positions=positions)
+            sp = index_rank_step(self.index, plan, pos, rank, epoch=epoch, step_in_epoch=k, rank_map=rank_map)
+        return replace(sp, plan_time_s=t.s)
 
     def plan_global(self, pos: np.ndarray, step: int):
         """The global `BatchPlan` of the samples at index positions ``pos`` (all ranks), and the map

@@ -19,7 +19,8 @@ import dataclasses
 import numpy as np
 
 from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
-from .records import StepPlan, Timer, rank_step
+from .indexed_steps import index_rank_step
+from .records import StepPlan, Timer
 
 __all__ = ["PlanMismatchError", "ReplayPlanner", "RunPlan", "load_run_plan"]
 
@@ -51,8 +52,5 @@ class ReplayPlanner:
             plan = self.run.step(self.first_step(epoch) + k)
             ids = plan.sample_ids
             pos = self.index.positions(ids) if len(ids) else np.zeros(0, np.int64)
-            sp = rank_step(plan, rank, epoch=epoch, step_in_epoch=k,
-                           step_target_tokens=int(self.index.label_tokens[pos].sum()))
-            mine = sp.sample_ids()
-            positions = self.index.positions(mine) if len(mine) else np.zeros(0, np.int64)
-        return dataclasses.replace(sp, plan_time_s=t.s, positions=positions)
+            sp = index_rank_step(self.index, plan, pos, rank, epoch=epoch, step_in_epoch=k)
+        return dataclasses.replace(sp, plan_time_s=t.s)

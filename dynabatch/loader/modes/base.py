@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ class Context:
         return {"rank": self.rank, "world_size": self.world_size, "num_workers": self.num_workers}
 
 
-class Mode:
+class Mode(ABC):
     """Base of the planning modes (see the module docstring). Subclasses set ``name`` and
     ``identity`` and implement `_generate` (``(ReadyStep, skip, position)`` items of the epoch),
     `_position_state` and `_resume_from`."""
@@ -144,11 +145,13 @@ class Mode:
         self._closers = []
 
     # -- bookkeeping ------------------------------------------------------------------------------
+    @abstractmethod
     def _first_step(self) -> int:
-        raise NotImplementedError
+        """Global step number of the current epoch's first step."""
 
+    @abstractmethod
     def _generate(self):
-        raise NotImplementedError
+        """(ReadyStep, micro-batches to skip, position) of the current epoch, from the resume point."""
 
     def _record(self, ready: ReadyStep, wait: float, interval: float) -> None:
         st = self.stats
@@ -228,8 +231,10 @@ class Mode:
                 f"{L['num_workers']}); to resume it on rank {self.ctx.rank} of {self.ctx.world_size} (num_workers="
                 f"{self.ctx.num_workers}), load the list of every rank's states")
 
+    @abstractmethod
     def _position_state(self, p: dict, consumed: list) -> dict:
-        raise NotImplementedError
+        """The mode's state at position ``p`` (``consumed``: sample ids already yielded)."""
 
+    @abstractmethod
     def _resume_from(self, s: dict) -> dict:
-        raise NotImplementedError
+        """The internal resume point of a loaded (checked) mode state ``s``."""

@@ -33,7 +33,7 @@ logger = logging.getLogger("dynabatch")
 
 class VersionedPlanner:
     """A planner (`IndexedPlanner` / `ReplayPlanner` interface) whose step plans also carry the cost
-    model's ``version`` at planning time and the `Shapes` of their global plan."""
+    model's ``version`` at planning time."""
 
     def __init__(self, inner, cost):
         self.inner, self.cost = inner, cost
@@ -46,11 +46,7 @@ class VersionedPlanner:
 
     def plan(self, epoch: int, k: int, rank: int, exclude=None):
         version = int(getattr(self.cost, "version", 0))
-        sp = self.inner.plan(epoch, k, rank, exclude)
-        shapes = None
-        if sp.plan is not None:
-            shapes = self.index.shapes.take(self.index.positions(sp.plan.sample_ids))
-        return replace(sp, shapes=shapes, cost_version=version)
+        return replace(self.inner.plan(epoch, k, rank, exclude), cost_version=version)
 
 
 def open_index(ctx: Context, index, index_cache):
