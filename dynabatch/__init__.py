@@ -47,6 +47,8 @@ _LAZY = {
     "TorchCollective": "loader.collective", "LoaderStateError": "loader.state", "Step": "loader.step",
     # the length index pulls in `tokenization` (its scan): loaded on first use too
     "LengthIndex": "index", "read_index": "index", "write_index": "index",
+    # training integrations: `DynabatchTrainer` needs transformers, `step_backward` torch only
+    "DynabatchTrainer": "integrations.hf", "step_backward": "integrations.accumulation",
 }
 __all__ += sorted(_LAZY)
 

@@ -66,7 +66,9 @@ def _add_bench_plan(sub) -> None:
     src.add_argument("--synthetic", action="store_true", help="use the project's generator (default)")
     p.add_argument("--samples", type=int, default=40000, help="synthetic samples to generate (default 40000)")
     p.add_argument("--model", choices=MODEL_PRESETS, default="gpt", help="model preset (default gpt)")
-    p.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb", help="device preset")
+    p.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
+                   help="device preset planned for (default a100-80gb, whatever this machine has: offline "
+                        "planning plans for the cluster; the DataLoader's default is this machine's)")
     p.add_argument("--batches", type=int, default=64, help="global batches to plan, 0 = all (default 64)")
     add_plan_options(p, methods=False)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),

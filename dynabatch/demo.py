@@ -60,7 +60,7 @@ def _text_demo(text_dir: Path, model: str, seed: int) -> None:
                         max_len=options.max_len, max_target_len=options.max_target_len, method=options.method,
                         seed=options.seed, drop_last=options.drop_last, mode="indexed")
     try:
-        step = next(iter(loader.steps()))
+        step = next(iter(loader))
     finally:
         loader.close()
     keys = ("input_ids", "decoder_input_ids") if family == "encoder_decoder" else ("input_ids",)
@@ -81,10 +81,12 @@ def _image_text_demo(image_dir: Path, seed: int) -> None:
     from .loader.dataloader import DataLoader
 
     # One rank cannot shard the optimizer state of a 26B model, so the H200's memory is needed.
-    loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model="vlm", device="h200", num_stages=STAGES,
+    # (a CostModel, not device="h200": planning for other hardware than this machine's is the point)
+    vlm = CostModel.preset("vlm", "h200", num_stages=STAGES)
+    loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model=vlm, num_stages=STAGES,
                         global_batch_tokens=BATCH_TOKENS, max_len=8192, vision=DynamicTiling(), seed=seed)
     try:
-        step = next(iter(loader.steps()))
+        step = next(iter(loader))
     finally:
         loader.close()
     tiles = np.concatenate([mb["image_tiles"].numpy() for mb in step])

@@ -1,4 +1,5 @@
-"""Streaming sample sources: JSONL, Parquet/Arrow, HF datasets, webdataset."""
+"""Streaming sample sources: JSONL, Parquet/Arrow, HF datasets, webdataset, lists of records; local or
+remote (``s3://``, ``gs://``, ``hf://``, ``https://`` ... through fsspec)."""
 
 from ._errors import (
     BadFieldError,
@@ -16,6 +17,7 @@ from ._errors import (
     TruncatedFileError,
 )
 from ._access import open_access, split_sample_ids
+from ._fs import Storage, is_url
 from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
 from ._open import (
@@ -59,6 +61,8 @@ __all__ = [
     "SlotIterator",
     "Source",
     "StateError",
+    "Storage",
+    "is_url",
     "TruncatedFileError",
     "WebDatasetSource",
     "WorkUnit",

@@ -22,6 +22,7 @@ mapping, ``key``, ``source`` name and ``sample_id``).
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from abc import ABC, abstractmethod
@@ -29,9 +30,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._arrow import ArrowIPCReader, ParquetReader
+from ._arrow import ArrowIPCReader, ParquetReader, arrow_input
 from ._errors import CorruptFileError, InvalidJSONError
 from ._files import decompression_errors, is_compressed, open_binary, stream_error
+from ._fs import LOCAL
 from ._hf import HFDatasetReader
 from ._iterator import _clusters, normalized_sample
 from ._jsonl import JsonlReader, parse_json_object
@@ -56,6 +58,7 @@ class SampleAccess(ABC):
     def __init__(self, source, name: str | None = None, shard_offset: int = 0):
         self.source = source
         self.reader = source._reader
+        self.storage = getattr(self.reader, "storage", None) or LOCAL
         self.name = name or source.name
         self.shard_offset = shard_offset
         self._pid = os.getpid()
@@ -127,7 +130,9 @@ class ParquetAccess(SampleAccess):
         import pyarrow.parquet as pq
 
         if shard not in self._handles:
-            self._handles[shard] = pq.ParquetFile(self.reader.shards[shard].path)
+            path = self.reader.shards[shard].path
+            local = self.storage.local_path(path)
+            self._handles[shard] = pq.ParquetFile(local if local is not None else self.storage.open(path, random=True))
         return self._handles[shard]
 
     def _groups(self, shard, positions):
@@ -170,8 +175,7 @@ class ArrowAccess(ParquetAccess):
         import pyarrow as pa
 
         if shard not in self._handles:
-            mm = pa.memory_map(self.reader.shards[shard].path)
-            self._handles[shard] = pa.ipc.open_file(mm)
+            self._handles[shard] = pa.ipc.open_file(arrow_input(self.storage, self.reader.shards[shard].path, True))
         return self._handles[shard]
 
     def _read_group(self, shard, group):
@@ -224,21 +228,28 @@ class JsonlAccess(SampleAccess):
             if is_compressed(info.path):
                 # Only the part that passed the integrity check when the source was built.
                 try:
-                    with open_binary(info.path, limit=self.reader.readable_bytes(info.index)) as f:
+                    limit = self.reader.readable_bytes(info.index)
+                    with open_binary(info.path, limit=limit, storage=self.storage) as f:
                         self._memory[info.index] = f.read()
                 except decompression_errors() as e:  # the file changed since the source was built
                     raise stream_error(info.path, e, where=info.name) from None
                 self._offsets.append(line_offsets(self._memory[info.index]))
             else:
-                with open(info.path, "rb") as f:
+                with self.storage.open(info.path) as f:
                     self._offsets.append(line_offsets(f))
 
     def _data(self, shard):
         if shard in self._memory:
             return self._memory[shard]
         if shard not in self._handles:
-            with open(self.reader.shards[shard].path, "rb") as f:
-                self._handles[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+            path = self.reader.shards[shard].path
+            local = self.storage.local_path(path)
+            if local is None:  # a remote file: range requests
+                self._handles[shard] = _RemoteBytes(self.storage.open(path, random=True))
+            else:
+                with open(local, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    self._handles[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         return self._handles[shard]
 
     def _read_shard(self, shard, positions):
@@ -247,6 +258,8 @@ class JsonlAccess(SampleAccess):
         if len(positions) and positions[-1] >= len(offs) - 1:
             raise KeyError(f"{info.name}: line {int(positions[-1]) + 1} is past the end ({len(offs) - 1} lines)")
         data = self._data(shard)
+        if isinstance(data, _RemoteBytes):
+            data.fetch(offs, positions)
         base_dir = os.path.dirname(info.path)
         out = []
         for p in positions.tolist():
@@ -259,6 +272,39 @@ class JsonlAccess(SampleAccess):
             except InvalidJSONError as e:
                 out.append(RawRecord(p, where, error=e))
         return out
+
+
+class _RemoteBytes:
+    """Slices of a remote file: `fetch` reads the lines wanted, one range request per run of lines
+    less than 64 KiB apart; slicing then serves them from memory."""
+
+    GAP = 1 << 16
+
+    def __init__(self, f):
+        self.f = f
+        self.spans: list[tuple[int, bytes]] = []  # (start byte, data), by start
+
+    def fetch(self, offs: np.ndarray, positions: np.ndarray) -> None:
+        runs: list[list[int]] = []
+        for p in positions.tolist():
+            a, b = int(offs[p]), int(offs[p + 1])
+            if runs and a - runs[-1][1] <= self.GAP:
+                runs[-1][1] = max(runs[-1][1], b)
+            else:
+                runs.append([a, b])
+        self.spans = []
+        for a, b in runs:
+            self.f.seek(a)
+            self.spans.append((a, self.f.read(b - a)))
+
+    def __getitem__(self, sl: slice) -> bytes:
+        start, stop = int(sl.start), int(sl.stop)
+        i = bisect.bisect_right([a for a, _ in self.spans], start) - 1
+        if i < 0 or stop > self.spans[i][0] + len(self.spans[i][1]):
+            self.f.seek(start)
+            return self.f.read(stop - start)
+        a, data = self.spans[i]
+        return data[start - a:stop - a]
 
 
 class MixtureAccess:
@@ -310,9 +356,10 @@ def open_access(source, name: str | None = None, shard_offset: int = 0, generic:
 def _all_ipc_files(reader) -> bool:
     import pyarrow as pa
 
+    storage = getattr(reader, "storage", None) or LOCAL
     try:
         for info in reader.shards:
-            with pa.memory_map(info.path) as mm:
+            with arrow_input(storage, info.path, random=True) as mm:
                 pa.ipc.open_file(mm)
         return True
     except (pa.ArrowInvalid, OSError):

@@ -6,12 +6,14 @@ import bisect
 import os
 from abc import abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ._errors import CorruptFileError
+from ._fs import LOCAL, Storage
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
 # Rows converted to Python at once; bounds memory inside a big row group.
@@ -22,15 +24,18 @@ class _GroupedTableReader(ShardReader):
     """Shared logic: a shard is a sequence of groups (row groups or record batches).
 
     Position = 0-based row index in the file, key = ``file:row``. A group that fails to
-    decode yields one ``CorruptFileError`` and reading resumes at the next group.
+    decode yields one ``CorruptFileError`` and reading resumes at the next group. ``storage``
+    opens local paths and URLs (`loaders.Storage`).
     """
 
-    def __init__(self, paths: list[str], columns: list[str] | None = None):
+    def __init__(self, paths: list[str], columns: list[str] | None = None, storage: Storage | None = None):
         super().__init__()
         self.paths = paths
         self.columns = columns
+        self.storage = storage or LOCAL
         self._group_starts: list[list[int]] = []
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
+            size, version = self.storage.stat(path)
             try:
                 sizes = self._group_sizes(path)
             except (pa.ArrowException, OSError) as e:
@@ -39,7 +44,7 @@ class _GroupedTableReader(ShardReader):
             starts = [0, *np.cumsum(sizes).tolist()]
             self._group_starts.append(starts)
             self.shards.append(ShardInfo(i, name, path, starts[-1], boundaries=tuple(starts),
-                                         size_bytes=os.path.getsize(path)))
+                                         size_bytes=size, version=version))
 
     @abstractmethod
     def _group_sizes(self, path: str) -> list[int]:
@@ -89,11 +94,12 @@ class ParquetReader(_GroupedTableReader):
     kind = "parquet"
 
     def _group_sizes(self, path: str) -> list[int]:
-        md = pq.ParquetFile(path).metadata
+        with parquet_file(self.storage, path, random=True) as pf:
+            md = pf.metadata
         return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
 
     def _iter_batches(self, path: str, first_group: int) -> Iterator[pa.RecordBatch]:
-        with pq.ParquetFile(path) as pf:
+        with parquet_file(self.storage, path) as pf:
             # One row group per call: given several, pyarrow reads ahead, and a damaged
             # group would then fail (and be blamed on) the groups before it.
             for group in range(first_group, pf.metadata.num_row_groups):
@@ -105,7 +111,8 @@ class ArrowIPCReader(_GroupedTableReader):
 
     Files are memory-mapped, so counting rows touches only batch headers. The random-access
     file format jumps to a batch directly; the stream format walks batch headers from the
-    start (cheap: no data is copied).
+    start (cheap: no data is copied). A remote file without a local copy (``cache_dir``) is read
+    through fsspec instead: counting rows then reads every batch once.
     """
 
     kind = "arrow"
@@ -119,14 +126,14 @@ class ArrowIPCReader(_GroupedTableReader):
             return pa.ipc.open_stream(source), False
 
     def _group_sizes(self, path: str) -> list[int]:
-        with pa.memory_map(path) as mm:
+        with arrow_input(self.storage, path) as mm:
             reader, is_file = self._open(mm)
             if is_file:
                 return [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
             return [b.num_rows for b in reader]
 
     def _iter_batches(self, path: str, first_group: int) -> Iterator[pa.RecordBatch]:
-        with pa.memory_map(path) as mm:
+        with arrow_input(self.storage, path) as mm:
             reader, is_file = self._open(mm)
             if is_file:
                 batches = (reader.get_batch(g) for g in range(first_group, reader.num_record_batches))
@@ -137,3 +144,22 @@ class ArrowIPCReader(_GroupedTableReader):
                     batch = batch.select(self.columns)
                 for off in range(0, batch.num_rows, BATCH_ROWS):
                     yield batch.slice(off, BATCH_ROWS)
+
+
+@contextmanager
+def parquet_file(storage: Storage, path: str, random: bool = False):
+    """A ``pq.ParquetFile`` of a local path or URL (``random``: see `Storage.open`), closed on exit."""
+    local = storage.local_path(path)
+    if local is not None:
+        with pq.ParquetFile(local) as pf:
+            yield pf
+        return
+    with storage.open(path, random=random) as f, pq.ParquetFile(f) as pf:
+        yield pf
+
+
+def arrow_input(storage: Storage, path: str, random: bool = False):
+    """What ``pa.ipc`` reads a file from: a memory map of a local file (or local copy), else the
+    remote file opened through fsspec (``random``: see `Storage.open`)."""
+    local = storage.local_path(path)
+    return pa.memory_map(local) if local is not None else storage.open(path, random=random)

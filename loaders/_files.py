@@ -15,14 +15,19 @@ from pathlib import Path
 from braceexpand import braceexpand
 
 from ._errors import CorruptFileError, MissingDependencyError, TruncatedFileError
+from ._fs import LOCAL, Storage, is_url, local_form
 
 logger = logging.getLogger("loaders")
 
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd", ".bz2")
 
 
-def expand_paths(spec: str | os.PathLike | Iterable, suffixes: tuple[str, ...] = ()) -> list[str]:
+def expand_paths(spec: str | os.PathLike | Iterable, suffixes: tuple[str, ...] = (),
+                 storage: Storage | None = None) -> list[str]:
     """Expand a path, glob, brace pattern, folder, or list of them into a sorted list of files.
+
+    URLs (``s3://bucket/train-*.jsonl.gz``) are listed through fsspec with ``storage`` (`Storage`)
+    and stay URLs; local paths become absolute.
 
     Sorting makes the shard index (and so every ``sample_id``) independent of the order
     the user listed the files in or the order the file system returns them.
@@ -37,6 +42,12 @@ def expand_paths(spec: str | os.PathLike | Iterable, suffixes: tuple[str, ...] =
     low_suffixes = tuple(x.lower() for x in suffixes)
     for item in items:
         for pattern in braceexpand(os.fspath(item)):
+            if is_url(pattern):
+                files, skipped_files, skipped_dirs = (storage or LOCAL).expand_url(pattern, low_suffixes)
+                found.update(files)
+                _report_skipped(pattern, skipped_files, skipped_dirs, low_suffixes)
+                continue
+            pattern = local_form(pattern)
             if any(ch in pattern for ch in "*?["):
                 matches = glob.glob(pattern, recursive=True)
                 if not matches:
@@ -60,7 +71,7 @@ def expand_paths(spec: str | os.PathLike | Iterable, suffixes: tuple[str, ...] =
                 raise FileNotFoundError(f"no such file: {pattern!r}")
     if not found:
         raise FileNotFoundError(f"no input files in {spec!r}")
-    return sorted(os.path.abspath(p) for p in found)
+    return sorted(p if is_url(p) else os.path.abspath(p) for p in found)
 
 
 def _report_skipped(folder: str, files: list[str], dirs: list[str], suffixes: tuple[str, ...]) -> None:
@@ -72,7 +83,7 @@ def _report_skipped(folder: str, files: list[str], dirs: list[str], suffixes: tu
         parts.append(f"{len(files)} file(s) of other types not read (e.g. {files[0]}; read here: {shown})")
     if dirs:
         parts.append(f"{len(dirs)} subfolder(s) not read (e.g. {dirs[0]}; pass a glob such as "
-                     f"'{os.path.join(folder, '**', '*')}{suffixes[0] if suffixes else ''}' to read them)")
+                     f"'{folder.rstrip('/')}/**/*{suffixes[0] if suffixes else ''}' to read them)")
     if parts:
         logger.warning("folder %s: %s", folder, "; ".join(parts))
 
@@ -130,11 +141,11 @@ class CheckedReader(io.RawIOBase):
     (64 KiB of input and at most about 1 MiB of gzip/bz2 output per step).
     """
 
-    def __init__(self, path: str, fmt: str, limit: int | None = None):
+    def __init__(self, path: str, fmt: str, limit: int | None = None, storage: Storage | None = None):
         super().__init__()
         self.path, self.fmt, self.limit = path, fmt, limit
-        self._f = open(path, "rb")
-        self.size = os.fstat(self._f.fileno()).st_size
+        self._f = (storage or LOCAL).open(path)
+        self.size = file_size(self._f)
         self.raw_read = 0          # compressed bytes read from the file
         self.data_offset = 0       # decompressed bytes produced
         self.verified_end = 0      # decompressed bytes in verified units
@@ -281,16 +292,31 @@ def _zstd_error() -> type[BaseException]:
         return zlib.error
 
 
-def open_binary(path: str, limit: int | None = None):
-    """Open ``path`` for binary reading, decompressing ``.gz``, ``.zst`` and ``.bz2`` with their
-    integrity checks (`CheckedReader`). ``limit``: read at most that many decompressed bytes
-    (the verified part found when the file was indexed)."""
+def file_size(f) -> int:
+    """Size in bytes of an open local or fsspec file."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        pass
+    size = getattr(getattr(f, "raw", f), "size", None)
+    if isinstance(size, int):
+        return size
+    here = f.tell()
+    size = f.seek(0, io.SEEK_END)
+    f.seek(here)
+    return size
+
+
+def open_binary(path: str, limit: int | None = None, storage: Storage | None = None):
+    """Open ``path`` (a local path or URL, see `Storage`) for binary reading, decompressing ``.gz``,
+    ``.zst`` and ``.bz2`` with their integrity checks (`CheckedReader`). ``limit``: read at most
+    that many decompressed bytes (the verified part found when the file was indexed)."""
     fmt = compression_of(path)
     if fmt is None:
-        return open(path, "rb")
+        return (storage or LOCAL).open(path)
     if fmt == "zst":
         _zstd_module(path)
-    return io.BufferedReader(CheckedReader(path, fmt, limit), buffer_size=_RAW_CHUNK)
+    return io.BufferedReader(CheckedReader(path, fmt, limit, storage), buffer_size=_RAW_CHUNK)
 
 
 def stream_error(path: str, exc: BaseException, where: str):

@@ -11,6 +11,7 @@ import os
 import re
 
 from ._errors import BadFieldError, BadImageError, MissingImageError
+from ._fs import LOCAL, Storage, is_url
 
 
 def image_ref(value, root: str, where: str, field: str) -> dict:
@@ -20,7 +21,11 @@ def image_ref(value, root: str, where: str, field: str) -> dict:
     if isinstance(value, str):
         if not value:
             raise BadFieldError("empty image path", where=where, field=field)
-        return {"path": value if os.path.isabs(value) else os.path.abspath(os.path.join(root, value))}
+        if is_url(value) or os.path.isabs(value):
+            return {"path": value}
+        if is_url(root):  # next to a remote data file: a URL too
+            return {"path": root.rstrip("/") + "/" + value}
+        return {"path": os.path.abspath(os.path.join(root, value))}
     if isinstance(value, dict):
         if value.get("bytes"):
             return {"bytes": bytes(value["bytes"])}
@@ -35,13 +40,18 @@ def image_refs(value, root: str, where: str, field: str) -> list[dict]:
     return [image_ref(v, root, where, field) for v in values if v is not None]
 
 
-def image_size(ref: dict, where: str) -> tuple[int, int]:
-    """(width, height) from the image header; raise if the file is missing or not an image."""
+def image_size(ref: dict, where: str, storage: Storage | None = None) -> tuple[int, int]:
+    """(width, height) from the image header; raise if the file is missing or not an image.
+    A URL path is opened through fsspec with ``storage`` (the data source's `Storage`)."""
     from PIL import Image, UnidentifiedImageError
 
-    if "path" in ref and not os.path.isfile(ref["path"]):
+    remote = "path" in ref and is_url(ref["path"])
+    if "path" in ref and not remote and not os.path.isfile(ref["path"]):
         raise MissingImageError(f"image file not found: {ref['path']}", where=where, field="image")
-    source = ref["path"] if "path" in ref else io.BytesIO(ref["bytes"])
+    try:
+        source = (storage or LOCAL).open(ref["path"]) if remote else ref.get("path") or io.BytesIO(ref["bytes"])
+    except FileNotFoundError:
+        raise MissingImageError(f"image file not found: {ref['path']}", where=where, field="image") from None
     try:
         with Image.open(source) as im:
             return im.size
@@ -49,3 +59,6 @@ def image_size(ref: dict, where: str) -> tuple[int, int]:
         name = ref.get("path", f"embedded image bytes ({len(ref.get('bytes') or b'')} bytes)")
         reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e)) or type(e).__name__
         raise BadImageError(f"cannot open image {name}: {reason}", where=where, field="image") from None
+    finally:
+        if remote:
+            source.close()

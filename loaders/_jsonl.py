@@ -11,6 +11,7 @@ import numpy as np
 from ._errors import CorruptFileError, InvalidJSONError, TruncatedFileError
 from ._files import (CheckedReader, DamagedStream, compression_of, decompression_errors, is_compressed, open_binary,
                      stream_error)
+from ._fs import LOCAL, Storage
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
 # A byte offset is kept for every CHECKPOINT-th line of a plain file, so a work unit
@@ -32,8 +33,10 @@ def parse_json_object(data: bytes | str, where: str) -> dict:
     return obj
 
 
-def count_lines(path: str) -> tuple[int, np.ndarray, BaseException | None, int | None]:
-    """Count the lines of ``path`` in one sequential pass (the only indexing cost of JSONL).
+def count_lines(path: str, storage: Storage | None = None
+                ) -> tuple[int, np.ndarray, BaseException | None, int | None]:
+    """Count the lines of ``path`` (a local path or URL, opened by ``storage``) in one sequential pass
+    (the only indexing cost of JSONL).
 
     Returns (lines, checkpoint byte offsets, error, readable bytes). Offsets are only meaningful
     for uncompressed files. Compressed files are checked unit by unit (gzip member, zstd frame,
@@ -49,10 +52,10 @@ def count_lines(path: str) -> tuple[int, np.ndarray, BaseException | None, int |
     line_end = 0  # decompressed offset just after the last newline
     verified = (0, 0)  # (newlines, line_end) within the units that passed their check
     fmt = compression_of(path)
-    reader = CheckedReader(path, fmt) if fmt else None
+    reader = CheckedReader(path, fmt, storage=storage) if fmt else None
     try:
         if reader is None:
-            f = open(path, "rb")
+            f = (storage or LOCAL).open(path)
             chunks = iter(lambda: f.read(_CHUNK), b"")
         else:
             f = reader
@@ -107,25 +110,26 @@ class JsonlReader(ShardReader):
 
     Blank lines are not samples but keep their line number. Construction counts the
     lines of every file once (one sequential read; for .gz/.zst one decompression).
+    ``storage`` opens local paths and URLs (`loaders.Storage`).
     """
 
     kind = "jsonl"
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], storage: Storage | None = None):
         super().__init__()
         self.paths = paths
+        self.storage = storage or LOCAL
         self._offsets: list[np.ndarray] = []
         self._readable: list[int | None] = []  # decompressed bytes to read of a damaged file; None: all
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
-            lines, offsets, err, readable = count_lines(path)
+            size, version = self.storage.stat(path)
+            lines, offsets, err, readable = count_lines(path, self.storage)
             if err is not None:
                 self.index_errors.append(damage_error(path, name, err, lines, readable))
             self._offsets.append(offsets)
             self._readable.append(readable)
-            self.shards.append(
-                ShardInfo(i, name, path, lines, seekable=not is_compressed(path),
-                          size_bytes=os.path.getsize(path))
-            )
+            self.shards.append(ShardInfo(i, name, path, lines, seekable=not is_compressed(path),
+                                         size_bytes=size, version=version))
 
     def readable_bytes(self, shard: int) -> int | None:
         """Decompressed bytes of ``shard`` that passed the integrity check (None: the whole file)."""
@@ -138,7 +142,7 @@ class JsonlReader(ShardReader):
         if start >= stop:
             return
         base_dir = os.path.dirname(info.path)
-        with open_binary(info.path, limit=self.readable_bytes(shard)) as f:
+        with open_binary(info.path, limit=self.readable_bytes(shard), storage=self.storage) as f:
             line_no = 0
             if info.seekable:
                 cp = min(start // CHECKPOINT, len(self._offsets[shard]) - 1)
@@ -178,18 +182,20 @@ class JsonArrayReader(ShardReader):
 
     kind = "json"
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], storage: Storage | None = None):
         super().__init__()
         self.paths = paths
+        self.storage = storage or LOCAL
         self._cache: dict[int, list] = {}
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
+            size, version = self.storage.stat(path)
             rows = self._load(i, path, name)
-            self.shards.append(ShardInfo(i, name, path, len(rows), size_bytes=os.path.getsize(path)))
+            self.shards.append(ShardInfo(i, name, path, len(rows), size_bytes=size, version=version))
 
     def _load(self, i: int, path: str, name: str) -> list:
         if i not in self._cache:
             try:
-                with open_binary(path) as f:
+                with open_binary(path, storage=self.storage) as f:
                     data = json.load(f)
                 if not isinstance(data, list):
                     raise ValueError(f"top level is {type(data).__name__}, expected an array")

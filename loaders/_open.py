@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from ._arrow import ArrowIPCReader, ParquetReader
 from ._files import COMPRESSED_SUFFIXES, expand_paths
+from ._fs import Storage, is_url, local_form
 from ._hf import HFDatasetReader, HFIterableReader
 from ._jsonl import JsonArrayReader, JsonlReader
 from ._source import Source
@@ -28,38 +30,51 @@ _HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 class JsonlSource(Source):
     """JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.jsonl.bz2``); ``paths`` is a path, glob,
-    ``{000..009}`` pattern, folder, or a list of them. Options: see ``Source``."""
+    ``{000..009}`` pattern, folder, URL (``s3://...``), or a list of them. ``storage_options``: the
+    fsspec file system's keywords for URLs; ``cache_dir``: keep local copies of remote files there
+    (see `loaders.Storage`). Other options: see ``Source``."""
 
-    def __init__(self, paths, **options):
-        super().__init__(JsonlReader(expand_paths(paths, JSONL_SUFFIXES)), **options)
+    def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
+        storage = Storage(storage_options, cache_dir)
+        super().__init__(JsonlReader(expand_paths(paths, JSONL_SUFFIXES, storage), storage), **options)
 
 
 class JsonSource(Source):
-    """``.json`` files holding one array of records (e.g. LLaVA), parsed whole into memory."""
+    """``.json`` files holding one array of records (e.g. LLaVA), parsed whole into memory;
+    ``storage_options``/``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, **options):
-        super().__init__(JsonArrayReader(expand_paths(paths, JSON_SUFFIXES)), **options)
+    def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
+        storage = Storage(storage_options, cache_dir)
+        super().__init__(JsonArrayReader(expand_paths(paths, JSON_SUFFIXES, storage), storage), **options)
 
 
 class ParquetSource(Source):
-    """Parquet files, read by row group; ``columns`` limits the columns read."""
+    """Parquet files, read by row group; ``columns`` limits the columns read; ``storage_options``/
+    ``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, columns: list[str] | None = None, **options):
-        super().__init__(ParquetReader(expand_paths(paths, PARQUET_SUFFIXES), columns), **options)
+    def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
+                 cache_dir: str | None = None, **options):
+        storage = Storage(storage_options, cache_dir)
+        super().__init__(ParquetReader(expand_paths(paths, PARQUET_SUFFIXES, storage), columns, storage), **options)
 
 
 class ArrowSource(Source):
-    """Arrow IPC files or streams (memory-mapped), read by record batch."""
+    """Arrow IPC files or streams (memory-mapped), read by record batch; ``storage_options``/
+    ``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, columns: list[str] | None = None, **options):
-        super().__init__(ArrowIPCReader(expand_paths(paths, ARROW_SUFFIXES), columns), **options)
+    def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
+                 cache_dir: str | None = None, **options):
+        storage = Storage(storage_options, cache_dir)
+        super().__init__(ArrowIPCReader(expand_paths(paths, ARROW_SUFFIXES, storage), columns, storage), **options)
 
 
 class WebDatasetSource(Source):
-    """webdataset tar shards, e.g. ``"data/shard-{000..009}.tar"``; see ``_webdataset``."""
+    """webdataset tar shards, e.g. ``"data/shard-{000..009}.tar"`` or ``"s3://b/shard-{000..009}.tar"``;
+    ``storage_options``/``cache_dir`` as for `JsonlSource`; see ``_webdataset``."""
 
-    def __init__(self, urls, **options):
-        super().__init__(WebDatasetReader(expand_paths(urls, TAR_SUFFIXES)), **options)
+    def __init__(self, urls, storage_options: dict | None = None, cache_dir: str | None = None, **options):
+        storage = Storage(storage_options, cache_dir)
+        super().__init__(WebDatasetReader(expand_paths(urls, TAR_SUFFIXES, storage), storage), **options)
 
 
 class HFSource(Source):
@@ -85,22 +100,34 @@ def _format_of(path: str) -> str | None:
     return next((kind for suffix, kind in _BY_SUFFIX.items() if low.endswith(suffix)), None)
 
 
-def open_source(data, split: str | None = None, **options) -> Source:
-    """Open files, a folder, a ``save_to_disk`` folder, or a HF dataset as a ``Source``.
+def open_source(data, split: str | None = None, *, storage_options: dict | None = None,
+                cache_dir: str | None = None, **options) -> Source:
+    """Open files, a folder, a ``save_to_disk`` folder, URLs, a HF dataset or a list of records as a ``Source``.
 
     The format comes from the object type or the file extension (``.jsonl[.gz|.zst]``,
-    ``.json``, ``.parquet``, ``.arrow``/``.feather``, ``.tar``/``.tar.gz``). ``split``
-    picks a split from a ``DatasetDict``. Other keywords go to the ``Source``.
+    ``.json``, ``.parquet``, ``.arrow``/``.feather``, ``.tar``/``.tar.gz``). Paths may be URLs
+    (``s3://``, ``gs://``, ``hf://``, ``https://`` ...) read through fsspec with ``storage_options``;
+    ``cache_dir`` keeps local copies of remote files (see `loaders.Storage`). A list of dicts
+    becomes an in-memory ``datasets.Dataset`` (map-style: random access, known row count).
+    ``split`` picks a split from a ``DatasetDict``. Other keywords go to the ``Source``.
     """
     import datasets
 
     if isinstance(data, Source):
         return data
-    if isinstance(data, (str, os.PathLike)) and os.path.isdir(data) and any(
-        os.path.exists(os.path.join(data, m)) for m in _HF_SAVED_MARKERS
-    ):
-        options.setdefault("name", os.path.basename(os.path.normpath(data)))
-        data = datasets.load_from_disk(os.fspath(data))
+    storage = Storage(storage_options, cache_dir)
+    wants_files = storage_options is not None or cache_dir is not None
+    saved = _saved_dataset_dir(data, storage)
+    if saved is not None:
+        options.setdefault("name", saved.rstrip("/").rsplit("/", 1)[-1])
+        kw = {"storage_options": storage.options} if is_url(saved) else {}
+        data, wants_files = datasets.load_from_disk(saved, **kw), False
+    elif _is_records(data):
+        data = _records_dataset(data)
+    if wants_files and isinstance(data, datasets.Dataset | datasets.IterableDataset | datasets.DatasetDict
+                            | datasets.IterableDatasetDict):
+        raise TypeError("storage_options= and cache_dir= apply to files and URLs, not to a datasets object "
+                        "or a list of records")
     if isinstance(data, datasets.DatasetDict | datasets.IterableDatasetDict):
         if split is None:
             raise ValueError(f"a DatasetDict needs split=..., one of {list(data)}")
@@ -109,11 +136,65 @@ def open_source(data, split: str | None = None, **options) -> Source:
         return HFSource(data, **options)
     if isinstance(data, datasets.IterableDataset):
         return HFIterableSource(data, **options)
-    files = expand_paths(data, tuple(_BY_SUFFIX))
+    files = expand_paths(_as_paths(data), tuple(_BY_SUFFIX), storage)
     formats = {_format_of(f) for f in files}
     if None in formats:
         bad = next(f for f in files if _format_of(f) is None)
         raise ValueError(f"cannot tell the format of {bad}; known suffixes: {sorted(_BY_SUFFIX)}")
     if len(formats) > 1:
         raise ValueError(f"files of several formats {sorted(formats)}; open them separately (e.g. in a Mixture)")
-    return _SOURCES[formats.pop()](files, **options)
+    return _SOURCES[formats.pop()](files, storage_options=storage_options, cache_dir=cache_dir, **options)
+
+
+def _saved_dataset_dir(data, storage: Storage) -> str | None:
+    """``data`` as a path or URL when it is a ``save_to_disk`` folder, else None."""
+    if not isinstance(data, (str, os.PathLike)):
+        return None
+    path = local_form(os.fspath(data))
+    if not is_url(path):
+        ok = os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS)
+        return os.path.normpath(path) if ok else None
+    if _format_of(path) is not None or any(ch in path for ch in "*?[{"):
+        return None  # a data file or a pattern: no folder to look into
+    return path if any(storage.exists(path.rstrip("/") + "/" + m) for m in _HF_SAVED_MARKERS) else None
+
+
+def _is_records(data) -> bool:
+    """A non-empty list/tuple of dicts (records, as for ``datasets.Dataset.from_list``)."""
+    return isinstance(data, (list, tuple)) and bool(data) and all(isinstance(x, Mapping) for x in data)
+
+
+def _records_dataset(records) -> datasets.Dataset:
+    """An in-memory ``datasets.Dataset`` of a list of dicts: one column per key found in any record
+    (in first-seen order; None where a record lacks it), unlike ``Dataset.from_list``, which keeps
+    only the first record's keys."""
+    import datasets
+    import pyarrow as pa
+
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"record keys must be strings, got {bad[0]!r}")
+    columns = {k: [r.get(k) for r in records] for k in keys}
+    try:
+        return datasets.Dataset.from_dict(columns)
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise ValueError(f"cannot make a table of these {len(records)} records ({e}); build the "
+                         "datasets.Dataset yourself (e.g. with features=) and pass it") from None
+
+
+def _as_paths(data):
+    """``data`` as a path/URL or a list of them; TypeError/ValueError for anything else."""
+    if isinstance(data, (str, os.PathLike)):
+        return data
+    if isinstance(data, Mapping) or not hasattr(data, "__iter__"):
+        raise TypeError(f"open_source cannot open {type(data).__name__!r} data: pass paths/URLs, a list of "
+                        "records (dicts), a datasets.Dataset/IterableDataset/DatasetDict, or a loaders.Source")
+    items = list(data)
+    if not items:
+        raise ValueError("open_source got an empty list: no paths and no records")
+    bad = next((x for x in items if not isinstance(x, (str, os.PathLike))), None)
+    if bad is not None:
+        raise TypeError(f"open_source got a list holding {type(bad).__name__!r} items ({bad!r:.60}); expected a "
+                        "list of dicts (records, as for datasets.Dataset.from_list) or a list of paths/URLs")
+    return items

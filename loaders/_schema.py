@@ -54,6 +54,12 @@ def _text(rec: dict, name: str, where: str, required: bool = True, label: str | 
     return value
 
 
+def _has(rec: dict, name: str) -> bool:
+    """Whether ``rec`` has field ``name`` with a value: a None counts as absent (a table built from
+    records with different fields holds None where a record had none)."""
+    return rec.get(name) is not None
+
+
 def _nonempty(value: str, name: str, where: str) -> str:
     if not value.strip():
         raise EmptyTextError(f"field {name!r} is empty", where=where, field=name)
@@ -79,6 +85,7 @@ class Schema:
         self.mapping = mapping
         self.image_root = image_root
         self.check_images = check_images
+        self.storage = None  # opens remote image URLs (set by the Source to its reader's storage)
 
     def __call__(self, raw: RawRecord) -> Mapped:
         rec, where = raw.record, raw.where or raw.key
@@ -95,7 +102,7 @@ class Schema:
             for f in image_fields:
                 if rec.get(f) is not None:
                     images += image_refs(rec[f], root, where, f)
-            conversational = "conversations" in rec or "messages" in rec
+            conversational = _has(rec, "conversations") or _has(rec, "messages")
             if self.mapping == "conversation" or (self.mapping == "auto" and conversational):
                 out, used = self._conversation(rec, where, images)
             else:
@@ -109,23 +116,23 @@ class Schema:
             out.image_sizes = _record_sizes(rec, len(images))
         out.meta.update(raw.extra)
         if self.check_images and out.images:
-            out.image_sizes = [image_size(ref, where) for ref in out.images]
+            out.image_sizes = [image_size(ref, where, self.storage) for ref in out.images]
         return out
 
     @staticmethod
     def _task(rec: dict, where: str) -> tuple[str, str | None]:
         for f in TASK_FIELDS:
-            if f in rec:
+            if _has(rec, f):
                 return _text(rec, f, where, required=False), f
         return "", None
 
     @staticmethod
     def _text2text(rec: dict, where: str, images: list) -> tuple[Mapped, set]:
         for src, targets in TEXT_PAIRS:
-            if src in rec or targets[0] in rec:
-                if src == "source" and "target" not in rec:
+            if _has(rec, src) or _has(rec, targets[0]):
+                if src == "source" and not _has(rec, "target"):
                     continue  # "source" alone is the dataset name in FLAN-style records
-                tgt = next((t for t in targets if t in rec), targets[0])
+                tgt = next((t for t in targets if _has(rec, t)), targets[0])
                 inputs = _text(rec, src, where)
                 used = {src, tgt}
                 if src == "instruction" and _text(rec, "input", where, required=False).strip():
@@ -135,18 +142,20 @@ class Schema:
                     _nonempty(inputs, src, where)
                 # Empty targets are legitimate (NIv2 has answers that are the empty list).
                 return Mapped(inputs, _text(rec, tgt, where)), used
-        if "caption" in rec:
+        if _has(rec, "caption"):
             return Mapped("", _nonempty(_text(rec, "caption", where), "caption", where)), {"caption"}
-        if "text" in rec:
+        if _has(rec, "text"):
             return Mapped(_nonempty(_text(rec, "text", where), "text", where), ""), {"text"}
+        if _has(rec, "input_ids"):  # pre-tokenized (datasets.map(tokenize)): the ids stay in meta for the formatter
+            return Mapped("", ""), set()
         raise MissingFieldError(
             "no text fields: expected inputs/targets, instruction/response, input/output, "
-            "prompt/completion, source/target, conversations, caption or text",
+            "prompt/completion, source/target, conversations, caption, text or input_ids",
             where=where, field="inputs")
 
     @staticmethod
     def _conversation(rec: dict, where: str, images: list) -> tuple[Mapped, set]:
-        name = "conversations" if "conversations" in rec else "messages"
+        name = "conversations" if _has(rec, "conversations") else "messages"
         turns = rec.get(name)
         if not isinstance(turns, list):
             if turns is None:

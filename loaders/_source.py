@@ -116,6 +116,7 @@ class Source(_Stateful):
         self._reader = reader
         self.name = name or reader.default_name
         self._schema = Schema(mapping, image_root, check_images)
+        self._schema.storage = getattr(reader, "storage", None)
         self.on_error = ErrorPolicy(on_error).on_error
         self.shuffle = bool(shuffle)
         self.shuffle_buffer = int(shuffle_buffer)
@@ -162,8 +163,8 @@ class Source(_Stateful):
         return isinstance(self._reader, (ParquetReader, ArrowIPCReader, HFDatasetReader))
 
     def fingerprint(self) -> str:
-        """Hash of the shard list (names, sizes, row counts): equal fingerprints mean the same data
-        for states and length indices."""
+        """Hash of the shard list (names, sizes, row counts; version tags of remote files): equal
+        fingerprints mean the same data for states and length indices."""
         return self._reader.fingerprint()
 
     @property

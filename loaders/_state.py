@@ -29,7 +29,7 @@ def check_state(state: dict, expected: dict, kinds: tuple[str, ...]) -> None:
     for key in keys:
         if state.get(key) != expected.get(key):
             what = {
-                "fingerprint": "a different file list or dataset "
+                "fingerprint": "a different file list or dataset, or files that changed since "
                 f"({state.get('num_shards')} shards / {state.get('num_rows')} rows saved, "
                 f"{expected.get('num_shards')} shards / {expected.get('num_rows')} rows here)",
             }.get(key, f"{key}={state.get(key)!r}, but this source has {key}={expected.get(key)!r}")

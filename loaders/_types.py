@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ._errors import LoaderError
+from ._fs import LOCAL, Storage, is_url
 
 # sample_id packs (shard << 32) | position, so positions must fit in 32 bits.
 MAX_ROWS_PER_SHARD = 1 << 32
@@ -22,7 +24,8 @@ class ShardInfo:
     ``num_rows`` counts positions (JSONL lines incl. blank ones, Parquet rows, tar samples);
     ``None`` when unknown (streaming HF datasets). ``boundaries`` are cheap split points
     (Parquet row-group starts). ``seekable`` is False when reading from position p costs
-    reading everything before p (gzip, zstd, streaming).
+    reading everything before p (gzip, zstd, streaming). ``path`` is a local path or a URL;
+    ``version`` is a remote file's version tag (ETag, checksum or modification time; "" locally).
     """
 
     index: int
@@ -32,6 +35,7 @@ class ShardInfo:
     boundaries: tuple[int, ...] = ()
     seekable: bool = True
     size_bytes: int = 0
+    version: str = ""
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ShardReader(ABC):
 
     kind = "base"
     random_access = True
+    storage: Storage = LOCAL  # opens the shard paths (local paths and URLs); file readers set their own
 
     def __init__(self) -> None:
         self.shards: list[ShardInfo] = []
@@ -80,14 +85,22 @@ class ShardReader(ABC):
         """Yield the records at positions ``start <= p < stop`` in increasing order."""
 
     def fingerprint(self) -> str:
-        """Hash of the shard list (names, sizes, row counts); state dicts must match it."""
-        desc = [self.kind] + [[s.name, s.num_rows, s.size_bytes] for s in self.shards]
+        """Hash of the shard list (names, sizes, row counts, remote version tags); state dicts must match it."""
+        desc = [self.kind] + [[s.name, s.num_rows, s.size_bytes, *([s.version] if s.version else [])]
+                              for s in self.shards]
         return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
 
 
 def shard_names(paths: list[str]) -> list[str]:
-    """Names relative to the files' common folder: the plain file name for one folder."""
-    if len(paths) <= 1:
-        return [os.path.basename(p) for p in paths]
-    root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return [os.path.relpath(p, root) for p in paths]
+    """Names relative to the files' common folder: the plain file name for one folder. URLs count
+    as ``/scheme/rest`` paths, so ``s3://b/x/a.jsonl`` and ``s3://b/y/c.jsonl`` are ``x/a.jsonl``, ``y/c.jsonl``."""
+    if not any(is_url(p) for p in paths):
+        if len(paths) <= 1:
+            return [os.path.basename(p) for p in paths]
+        root = os.path.commonpath([os.path.dirname(p) for p in paths])
+        return [os.path.relpath(p, root) for p in paths]
+    forms = [posixpath.normpath("/" + p.replace("://", "/", 1) if is_url(p) else os.path.abspath(p)) for p in paths]
+    if len(forms) <= 1:
+        return [posixpath.basename(f) for f in forms]
+    root = posixpath.commonpath([posixpath.dirname(f) for f in forms])
+    return [posixpath.relpath(f, root) for f in forms]

@@ -24,6 +24,7 @@ from webdataset.tariterators import base_plus_ext
 
 from ._errors import BadFieldError, CorruptFileError, MissingFieldError, TruncatedFileError
 from ._files import CheckedReader, DamagedStream, compression_of, decompression_errors, open_binary
+from ._fs import LOCAL, Storage
 from ._jsonl import parse_json_object
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
@@ -83,11 +84,10 @@ def _tar_stream_error(name: str, e: BaseException, where: str):
     return TruncatedFileError(f"compressed tar ends early ({e})", where=where)
 
 
-def _index_plain(path: str, name: str) -> tuple[list[_Sample], Exception | None]:
-    """Index an uncompressed tar; returns complete samples and the damage found, if any."""
-    size = os.path.getsize(path)
+def _index_plain(path: str, name: str, storage: Storage, size: int) -> tuple[list[_Sample], Exception | None]:
+    """Index an uncompressed tar of ``size`` bytes; returns complete samples and the damage found, if any."""
     entries, error, end = [], None, 0
-    with open(path, "rb") as f:
+    with storage.open(path) as f:
         try:
             with tarfile.open(fileobj=f, mode="r:") as tf:
                 for m in tf:
@@ -117,12 +117,12 @@ def _index_plain(path: str, name: str) -> tuple[list[_Sample], Exception | None]
     return samples, error, None
 
 
-def _index_stream(path: str, name: str) -> tuple[list[_Sample], Exception | None, int | None]:
+def _index_stream(path: str, name: str, storage: Storage) -> tuple[list[_Sample], Exception | None, int | None]:
     """Index a compressed tar in one pass; the whole compressed stream is checked (`CheckedReader`:
     gzip CRC/ISIZE per member, also after the tar's end blocks). Returns the samples whose data lies
     in the verified part, the damage found, and the decompressed bytes later reads may use (None:
     all)."""
-    raw = CheckedReader(path, compression_of(path) or "gz")
+    raw = CheckedReader(path, compression_of(path) or "gz", storage=storage)
     entries, error, tar_error = [], None, None
     try:
         with raw, io.BufferedReader(raw, buffer_size=1 << 16) as buf:
@@ -155,24 +155,30 @@ def _index_stream(path: str, name: str) -> tuple[list[_Sample], Exception | None
 
 
 class WebDatasetReader(ShardReader):
-    """webdataset ``.tar`` shards; position = sample index in the shard, key = ``__key__``."""
+    """webdataset ``.tar`` shards; position = sample index in the shard, key = ``__key__``.
+    ``storage`` opens local paths and URLs (`loaders.Storage`)."""
 
     kind = "webdataset"
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], storage: Storage | None = None):
         super().__init__()
         self.paths = paths
+        self.storage = storage or LOCAL
         self._samples: list[list[_Sample]] = []
         self._readable: list[int | None] = []  # decompressed bytes a read may use; None: all
         for i, (path, name) in enumerate(zip(paths, shard_names(paths))):
             plain = path.lower().endswith(".tar")
-            samples, error, readable = (_index_plain if plain else _index_stream)(path, name)
+            size, version = self.storage.stat(path)
+            if plain:
+                samples, error, readable = _index_plain(path, name, self.storage, size)
+            else:
+                samples, error, readable = _index_stream(path, name, self.storage)
             if error is not None:
                 self.index_errors.append(error)
             self._samples.append(samples)
             self._readable.append(readable)
             self.shards.append(ShardInfo(i, name, path, len(samples), seekable=plain,
-                                         size_bytes=os.path.getsize(path)))
+                                         size_bytes=size, version=version))
 
     def read(self, shard: int, start: int, stop: int) -> Iterator[RawRecord]:
         info = self.shards[shard]
@@ -181,7 +187,7 @@ class WebDatasetReader(ShardReader):
         if start >= stop:
             return
         if info.seekable:
-            with open(info.path, "rb") as f:
+            with self.storage.open(info.path) as f:
                 for pos in range(start, stop):
                     parts = []
                     for m in samples[pos].members:
@@ -200,7 +206,8 @@ class WebDatasetReader(ShardReader):
         limit = readable[shard] if readable else None
         pos, parts = 0, []
         try:
-            with open_binary(info.path, limit=limit) as f, tarfile.open(fileobj=f, mode="r|") as tf:
+            with (open_binary(info.path, limit=limit, storage=self.storage) as f,
+                  tarfile.open(fileobj=f, mode="r|") as tf):
                 for member in tf:
                     if _keep(member) is None:
                         continue

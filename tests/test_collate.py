@@ -36,6 +36,27 @@ def test_packed_hand_example():
     assert count_label_tokens(out) == 5
 
 
+def test_packed_carries_hugging_face_flash_attention_kwargs():
+    """The boundaries again under DataCollatorWithFlattening's names, kept by `model_inputs`."""
+    out = collate_packed([dec([10, 11, 12], [X, 11, 12]), dec([20, 21], [20, 21])])
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        assert out[k].dtype == torch.int32 and out[k].tolist() == out["cu_seqlens"].tolist() == [0, 3, 5]
+    assert out["max_length_q"] == out["max_length_k"] == out["max_seqlen"] == 3
+    assert type(out["max_length_q"]) is int
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and out["labels"].tolist() == [[X, 11, 12, X, 21]]
+    got = model_inputs({**out, "step": 0, "sample_ids": torch.tensor([0, 1]), "real_tokens": 5})
+    assert set(got) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                        "max_length_k", "use_cache"}
+    assert got["use_cache"] is False  # a KV cache turns off HF's packed-sequence mask (sdpa, eager)
+    ph = placeholder_batch("packed", length=8)
+    assert ph["cu_seq_lens_q"].tolist() == [0, 8] and ph["max_length_k"] == 8
+    # padded and encoder-decoder packed batches: no HF varlen names, no use_cache
+    assert set(model_inputs(collate_padded([dec([1, 2], [1, 2])]))) == {"input_ids", "attention_mask", "labels"}
+    ed = collate_packed([encdec([5, 6], [7, 2])], family="encoder_decoder")
+    assert "cu_seq_lens_q" not in ed and "use_cache" not in model_inputs(ed)
+    assert "cu_seq_lens_q" not in placeholder_batch("packed", family="encoder_decoder")
+
+
 def test_padded_hand_example_decoder():
     a = dec([10, 11, 12], [X, 11, 12])
     b = dec([20, 21, 22, 23, 24], [X, X, 22, 23, 24])
@@ -95,7 +116,7 @@ def test_placeholder_has_no_loss(collation, family):
     out = placeholder_batch(collation, family=family, pad_id=0, length=8)
     assert count_label_tokens(out) == 0
     assert out["input_ids"].shape[1] == 8
-    assert set(model_inputs({**out, "step": 3})) <= set(out)
+    assert set(model_inputs({**out, "step": 3})) - {"use_cache"} <= set(out)
 
 
 def test_empty_and_ragged_edge_cases():

@@ -140,7 +140,7 @@ def test_time_and_memory_monotone_in_rows_and_length(preset):
 
 def test_preset_names():
     assert set(MODEL_PRESETS) == {"gpt", "t5", "vlm"}
-    assert set(DEVICE_PRESETS) == {"a100-80gb", "h100", "h200", "cpu"}
+    assert set(DEVICE_PRESETS) == {"a100-80gb", "a100-40gb", "h100", "h200", "cpu"}
     for name in MODEL_PRESETS:
         assert model_preset(name).name == name
         for dev in DEVICE_PRESETS:

@@ -14,7 +14,7 @@ from dynabatch import (CostModel, DataLoader, LoaderStateError, PlanMismatchErro
                        plan_microbatches, plans_to_arrow, split_global_batches)
 from dynabatch.loader.collate import IGNORE_INDEX
 
-from test_dataloader_data import (PLAN, assert_exactly_once, ids_of, records, run_ranks, structure, uneven_jsonl,
+from test_dataloader_data import (PLAN, assert_exactly_once, flat, ids_of, records, run_ranks, structure, uneven_jsonl,
                                   write_jsonl, write_parquet)
 
 TOKENS = 2000
@@ -40,7 +40,7 @@ def all_ids(path) -> list[int]:
 
 def run_indexed(path, world, **kw):
     """Every rank's micro-batches of one epoch (ranks run one after another: no communication)."""
-    return [list(DataLoader(path, world_size=world, rank=r, **kw)) for r in range(world)]
+    return [list(DataLoader(path, world_size=world, rank=r, **kw).microbatches()) for r in range(world)]
 
 
 # -- indexed mode ---------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def test_indexed_four_ranks_with_workers_resume_on_two(data):
     delivered, states, seen = [], [], []
     for dl in first:
         got = []
-        for b in dl:
+        for b in dl.microbatches():
             got.append(b)
             if b["step"] == stop and b["microbatch"] == min(1, b["num_microbatches"] - 1):
                 break  # checkpoint in the middle of a step
@@ -67,7 +67,7 @@ def test_indexed_four_ranks_with_workers_resume_on_two(data):
     rest = []
     for dl in second:
         dl.load_state_dict(states)  # the list of every rank's state: re-plans the rest for 2 ranks
-        rest.append(list(dl))
+        rest.append(list(dl.microbatches()))
     assert structure(rest[0]) == structure(rest[1])
     assert rest[0][0]["step"] == stop  # the half-done step is finished first, without its consumed samples
     delivered += ids_of(rest[0]) + ids_of(rest[1])
@@ -81,14 +81,14 @@ def test_indexed_exact_resume_on_same_world(data):
     for r in range(2):
         dl = DataLoader(data["parquet"], world_size=2, rank=r, **kw)
         head = []
-        for b in dl:
+        for b in dl.microbatches():
             head.append((b["step"], b["sample_ids"].tolist()))
             if len(head) == 7:
                 break
         state = dl.state_dict()
         again = DataLoader(data["parquet"], world_size=2, rank=r, **kw)
         again.load_state_dict(state)
-        assert head + [(b["step"], b["sample_ids"].tolist()) for b in again] == whole[r]
+        assert head + [(b["step"], b["sample_ids"].tolist()) for b in again.microbatches()] == whole[r]
 
 
 @pytest.mark.parametrize("method", ["dp", "pad", "dp_varlen"])
@@ -120,7 +120,7 @@ def test_padded_shapes_equal_the_plan(data, model):
     dl = DataLoader(data["parquet"], world_size=2, rank=1, global_batch_tokens=TOKENS, cost_model=model, device="cpu",
                     num_stages=2, max_len=256, max_target_len=32)
     planner = dl.mode_object.planner
-    batches = list(dl)
+    batches = list(dl.microbatches())
     by_step: dict[int, list] = {}
     for b in batches:
         by_step.setdefault(b["step"], []).append(b)
@@ -173,9 +173,9 @@ def check_step_totals(ranks):
 
 def test_determinism_and_seed(data):
     kw = dict(world_size=2, rank=1, global_batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
-    a = list(DataLoader(data["parquet"], seed=11, **kw))
-    b = list(DataLoader(data["parquet"], seed=11, **kw))
-    c = list(DataLoader(data["parquet"], seed=12, **kw))
+    a = list(DataLoader(data["parquet"], seed=11, **kw).microbatches())
+    b = list(DataLoader(data["parquet"], seed=11, **kw).microbatches())
+    c = list(DataLoader(data["parquet"], seed=12, **kw).microbatches())
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
@@ -207,9 +207,9 @@ def test_hf_dataset_jsonl_index_and_epochs(data, tmp_path):
     dl = DataLoader(ds, global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)
     assert dl.mode == "indexed"
     other = DataLoader(ds, global_batch_tokens=TOKENS, world_size=2, rank=1, **PLAN)
-    e0 = ids_of(list(dl)) + ids_of(list(other))
+    e0 = ids_of(list(dl.microbatches())) + ids_of(list(other.microbatches()))
     assert_exactly_once(e0, range(90))
-    e1 = ids_of(list(dl)) + ids_of(list(other))  # the next epoch: another order, the same samples
+    e1 = ids_of(list(dl.microbatches())) + ids_of(list(other.microbatches()))  # the next epoch: another order, the same samples
     assert_exactly_once(e1, range(90)) and e0 != e1
     # JSONL read by line offsets, with a prebuilt index (exact label counts)
     path = write_jsonl(tmp_path / "x.jsonl", recs)
@@ -225,7 +225,7 @@ def test_scan_shapes_index_works_and_warns_on_lm_labels(data, caplog):
     dl = DataLoader(data["parquet"], index=table, global_batch_tokens=TOKENS, **PLAN)
     assert not dl.index.exact_labels
     with caplog.at_level("WARNING", logger="dynabatch"):
-        assert_exactly_once(ids_of(list(dl)), all_ids(data["parquet"]))
+        assert_exactly_once(ids_of(list(dl.microbatches())), all_ids(data["parquet"]))
     assert "label_tokens" in caplog.text  # plain-text samples make the derived counts inexact
 
 
@@ -259,7 +259,7 @@ def test_replay_yields_exactly_the_planned_ids(data, tmp_path):
         for epoch in range(2):
             dl.set_epoch(epoch)
             got[r] += [(b["step"], b["microbatch"], b["sample_ids"].tolist(), b["predicted_memory_bytes"])
-                       for b in dl]
+                       for b in dl.microbatches()]
     for r in range(2):
         want = []
         for p in plans:
@@ -323,7 +323,7 @@ def test_streaming_four_ranks_with_workers_resume_on_two(data):
         dl = streaming(data["uneven"], 4, r, coll, num_workers=2, chunk_size=4)
         assert dl.mode == "streaming"
         got = []
-        for b in dl:
+        for b in dl.microbatches():
             got.append(b)
             # late in a step: its consumed samples include some read while planning that step
             if b["step"] == 3 and b["microbatch"] == max(b["num_microbatches"] - 2, 0):
@@ -340,7 +340,7 @@ def test_streaming_four_ranks_with_workers_resume_on_two(data):
     def phase2(r, coll):
         dl = streaming(data["uneven"], 2, r, coll, num_workers=1, chunk_size=4)
         dl.load_state_dict(states)
-        return list(dl)
+        return list(dl.microbatches())
 
     second = run_ranks(2, phase2)
     assert structure(second[0]) == structure(second[1])
@@ -349,7 +349,7 @@ def test_streaming_four_ranks_with_workers_resume_on_two(data):
 
 
 def test_streaming_uneven_ranks_same_structure_and_totals(data):
-    out = run_ranks(3, lambda r, coll: list(streaming(data["uneven"], 3, r, coll)))
+    out = run_ranks(3, lambda r, coll: list(streaming(data["uneven"], 3, r, coll).microbatches()))
     assert structure(out[0]) == structure(out[1]) == structure(out[2])
     assert any(b["is_padding"] for r in out for b in r)  # a rank ran dry and padded
     for r in out:
@@ -362,12 +362,12 @@ def test_streaming_uneven_ranks_same_structure_and_totals(data):
 
 def test_streaming_deterministic_and_exact_resume_same_layout(data):
     def whole(r, coll):
-        return [(b["step"], b["microbatch"], b["sample_ids"].tolist()) for b in streaming(data["uneven"], 2, r, coll)]
+        return [(b["step"], b["microbatch"], b["sample_ids"].tolist()) for b in flat(streaming(data["uneven"], 2, r, coll))]
 
     def cut(r, coll):
         dl = streaming(data["uneven"], 2, r, coll)
         head = []
-        for b in dl:
+        for b in dl.microbatches():
             head.append((b["step"], b["microbatch"], b["sample_ids"].tolist()))
             if b["step"] == 2 and b["microbatch"] == 0:
                 break
@@ -380,7 +380,7 @@ def test_streaming_deterministic_and_exact_resume_same_layout(data):
     def rest(r, coll):
         dl = streaming(data["uneven"], 2, r, coll)
         dl.load_state_dict(b[r][1])
-        return [(x["step"], x["microbatch"], x["sample_ids"].tolist()) for x in dl]
+        return [(x["step"], x["microbatch"], x["sample_ids"].tolist()) for x in dl.microbatches()]
 
     c = run_ranks(2, rest)
     for r in range(2):
@@ -422,7 +422,7 @@ def test_vision_tiles_and_pixels(tmp_path):
     dl = DataLoader(datasets.Dataset.from_list(rows), global_batch_tokens=400, vision=tiling, load_pixels=True, **PLAN)
     want = {i: int(tiling.num_tiles(*sizes[i % 4])) for i in range(12)}
     seen = 0
-    for b in dl:
+    for b in dl.microbatches():
         tiles = b["image_tiles"].tolist()
         assert tiles == [want[i] for i in b["sample_ids"].tolist()]
         assert b["pixel_values"].shape == (sum(tiles), 3, 28, 28)
@@ -475,7 +475,7 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
         got = []
         for epoch in range(2):
             dl.set_epoch(epoch)
-            got += [b["sample_ids"].tolist() for b in dl if not b["is_padding"]]
+            got += [b["sample_ids"].tolist() for b in dl.microbatches() if not b["is_padding"]]
         assert got == [mb.sample_ids.tolist() for k in range(run.num_steps) for mb in run.step(k).microbatches(1)]
         dl.set_epoch(0)
         for k, step in enumerate(dl.steps()):  # each replayed step carries the file's plan of that step
@@ -486,7 +486,7 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
     # the online indexed mode plans exactly what `dynabatch plan` planned for the same settings
     online = DataLoader(data["parquet"], world_size=2, rank=1, global_batch_tokens=TOKENS, seed=4, drop_last=True,
                         max_len=256, **PLAN)
-    got = [b["sample_ids"].tolist() for b in online if not b["is_padding"]]
+    got = [b["sample_ids"].tolist() for b in online.microbatches() if not b["is_padding"]]
     steps0 = run.steps_per_epoch[0]
     assert got == [mb.sample_ids.tolist() for k in range(steps0) for mb in run.step(k).microbatches(1)]
 
@@ -500,7 +500,7 @@ def test_streaming_ranks_stopping_together_never_leave_a_planner_waiting(data):
         durations = []
         for _ in range(2):
             dl = streaming(data["uneven"], 3, r, coll, plan_ahead=4, global_batch_tokens=1000)
-            for b in dl:
+            for b in dl.microbatches():
                 if r:
                     time.sleep(0.01)  # rank 0 stops at once, the others are slower
                 if b["step"] == 1 and b["microbatch"] == 0:

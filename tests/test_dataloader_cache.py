@@ -44,20 +44,20 @@ def test_cached_and_uncached_batches_are_identical(path, case):
     kw = dict(global_batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
     ref = DataLoader(path, cache_tokens=False, plan_processes=0, **kw)
     assert ref.token_cache is None
-    want = list(ref)
+    want = list(ref.microbatches())
     cached = DataLoader(path, cache_tokens=True, **kw)  # its own scan keeps the ids
     assert cached.token_cache is not None
-    assert_same(want, list(cached))
+    assert_same(want, list(cached.microbatches()))
     family = "encoder_decoder" if case["cost_model"] == "t5" else "decoder"
     lens = dict(family=family, max_len=case.get("max_len"), max_target_len=case.get("max_target_len"))
     table = build_index(path, cache_tokens=True, **lens)
     assert all(c in table.column_names for c in TOKEN_COLUMNS)
-    assert_same(want, list(DataLoader(path, index=table, **kw)))
+    assert_same(want, list(DataLoader(path, index=table, **kw).microbatches()))
     plain = build_index(path, **lens)  # no ids in the index: the loader tokenizes once when built
     assert not any(c in plain.column_names for c in TOKEN_COLUMNS)
     dl = DataLoader(path, index=plain, **kw)
     assert dl.token_cache is not None
-    assert_same(want, list(dl))
+    assert_same(want, list(dl.microbatches()))
 
 
 def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_path):
@@ -69,7 +69,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
     monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", boom)
     for index in (table, tmp_path / "idx.parquet"):
         dl = DataLoader(path, index=index, global_batch_tokens=1500)
-        assert dl.token_cache is not None and len(list(dl)) > 0
+        assert dl.token_cache is not None and len(list(dl.microbatches())) > 0
     # other tokenization settings: the cached ids do not apply, so they are made again
     with pytest.raises(AssertionError, match="tokenized again"):
         DataLoader(path, index=table, global_batch_tokens=1500, max_len=30)
@@ -77,11 +77,11 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
 
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
-    first = list(DataLoader(path, index_cache=cache, global_batch_tokens=1500))
+    first = list(DataLoader(path, index_cache=cache, global_batch_tokens=1500).microbatches())
     monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     dl = DataLoader(path, index_cache=cache, global_batch_tokens=1500)
     assert dl.token_cache is not None
-    assert_same(first, list(dl))
+    assert_same(first, list(dl.microbatches()))
 
 
 def test_budget_turns_the_default_off(path, monkeypatch):
@@ -93,10 +93,10 @@ def test_budget_turns_the_default_off(path, monkeypatch):
 
 def test_planning_processes_workers_and_threads_agree(path):
     kw = dict(global_batch_tokens=1200, method="dp", seed=1)
-    ref = list(DataLoader(path, plan_processes=0, cache_tokens=False, **kw))
-    assert_same(ref, list(DataLoader(path, plan_processes=2, **kw)))
-    assert_same(ref, list(DataLoader(path, plan_processes=1, plan_ahead=1, **kw)))
-    assert_same(ref, list(DataLoader(path, num_workers=2, **kw)))
+    ref = list(DataLoader(path, plan_processes=0, cache_tokens=False, **kw).microbatches())
+    assert_same(ref, list(DataLoader(path, plan_processes=2, **kw).microbatches()))
+    assert_same(ref, list(DataLoader(path, plan_processes=1, plan_ahead=1, **kw).microbatches()))
+    assert_same(ref, list(DataLoader(path, num_workers=2, **kw).microbatches()))
     steps = list(DataLoader(path, num_workers=2, **kw).steps())
     assert sum(len(s) for s in steps) == len(ref)
     with pytest.raises(ValueError, match="plan_processes"):
@@ -105,15 +105,15 @@ def test_planning_processes_workers_and_threads_agree(path):
 
 def test_resume_with_planning_processes(path):
     kw = dict(global_batch_tokens=1200, seed=2, plan_processes=2)
-    full = list(DataLoader(path, **kw))
+    full = list(DataLoader(path, **kw).microbatches())
     dl = DataLoader(path, **kw)
-    it = iter(dl)
+    it = dl.microbatches()
     head = [next(it) for _ in range(5)]
     state = dl.state_dict()
     dl.close()
     again = DataLoader(path, **kw)
     again.load_state_dict(state)
-    assert_same(full, head + list(again))
+    assert_same(full, head + list(again.microbatches()))
 
 
 def test_packed_batches_round_trip():

@@ -78,13 +78,19 @@ def run_ranks(world_size: int, fn, timeout: float = 120.0):
     return out
 
 
+def flat(items) -> list[dict]:
+    """Micro-batch dicts of yielded items: steps (lists of micro-batches, what iterating a
+    DataLoader yields) are flattened; micro-batch dicts are kept."""
+    return [b for x in items for b in (x if isinstance(x, list) else [x])]
+
+
 def structure(batches) -> list[tuple[int, int, int]]:
     """(step, microbatch, num_microbatches) of each yielded micro-batch."""
-    return [(b["step"], b["microbatch"], b["num_microbatches"]) for b in batches]
+    return [(b["step"], b["microbatch"], b["num_microbatches"]) for b in flat(batches)]
 
 
 def ids_of(batches) -> list[int]:
-    return [i for b in batches for i in b["sample_ids"].tolist()]
+    return [i for b in flat(batches) for i in b["sample_ids"].tolist()]
 
 
 def assert_exactly_once(delivered: list[int], expected) -> None:

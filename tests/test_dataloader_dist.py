@@ -32,7 +32,7 @@ def _rank_main(rank, world, phase, tmp, pattern):
         if phase == 2:
             with open(os.path.join(tmp, "states.json")) as f:
                 dl.load_state_dict(json.load(f))
-        for b in dl:
+        for b in dl.microbatches():
             out["ids"] += b["sample_ids"].tolist()
             out["structure"].append([b["step"], b["microbatch"], b["num_microbatches"]])
             if phase == 1 and b["step"] == STOP_STEP and b["microbatch"] == min(1, b["num_microbatches"] - 1):

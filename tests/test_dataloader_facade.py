@@ -32,7 +32,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("old,new,value", [("batch_tokens", "global_batch_tokens", TOKENS),
-                                           ("batch_size", "global_batch_size", 12)])
+                                           ("tokens_per_batch", "global_batch_tokens", TOKENS)])
 def test_deprecated_keyword_warns_and_gives_the_same_batches(data, old, new, value):
     kw = dict(index_cache=data["index"], **PLAN)
     with pytest.warns(DeprecationWarning, match=f"{old}= is deprecated, use {new}="):

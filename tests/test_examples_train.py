@@ -41,3 +41,15 @@ def test_examples_and_pipeline_docs_use_public_names_only():
     for name in ("train_t5_pipeline.py", "pipeline.md"):
         assert "feedback=FeedbackLoop(" in texts[name].replace("feedback=feedback", "feedback=FeedbackLoop(") \
             and "loader.feedback(result)" in texts[name], name
+
+
+@pytest.mark.slow
+def test_hf_trainer_example_trains_one_epoch():
+    """The Hugging Face-style script: Trainer counts the loader's steps, one epoch, the loss falls."""
+    out = run_live([sys.executable, str(EXAMPLES / "hf_trainer.py"), "", "300"], idle_s=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"300 samples -> (\d+) steps", out.stdout)
+    g = re.search(r"global_step (\d+), epoch ([0-9.]+), loss ([0-9.]+) -> ([0-9.]+)", out.stdout)
+    assert m and g, out.stdout
+    assert int(g.group(1)) == int(m.group(1)) > 1 and float(g.group(2)) == 1.0
+    assert float(g.group(4)) < float(g.group(3))

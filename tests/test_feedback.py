@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel, Shapes, plan_microbatches
-from dynabatch.core.cost import device_preset
+from dynabatch.core.cost import DeviceProfile, device_preset
 from dynabatch.core.feedback import FeedbackLoop, robust_fit
 from dynabatch.core.fit import fit_relative
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
@@ -16,8 +16,13 @@ TRUE_A = np.array([3.0, 0.4, 1, 1, 1, 1, 1, 5.0, 1])
 TRUE_B = np.array([1.5, 1.5, 1, 1, 1, 1, 1, 1.5, 1])
 
 
+# A fixed device profile (the first, guessed cpu preset): the thresholds below were set for its prior,
+# and the refit math under test must not move when the measured cpu preset is re-measured.
+DEVICE = DeviceProfile("test-cpu", 1.0e11, 0.35, 2.0e10, 5e-4, 16 * 2**30, 5e9, 5e-5, 0.8)
+
+
 def model():
-    return CostModel(CFG, device_preset("cpu"))
+    return CostModel(CFG, DEVICE)
 
 
 def measure(rng, cm, truth, n=6, outliers=0.05, fast_outliers=False):

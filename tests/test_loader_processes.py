@@ -63,7 +63,7 @@ def _stress(data: str, index: str, world: int, steps: int) -> None:
         try:
             dl = DataLoader(data, index=index, world_size=world, rank=r, num_workers=2, global_batch_tokens=TOKENS,
                             seed=r, **PLAN)
-            for b in dl:
+            for b in dl.microbatches():
                 _say("batch", r, b["step"], b["microbatch"])
                 if b["step"] >= steps:
                     break

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 
 def test_readme_example_runs(capsys):
     text = (Path(__file__).parent.parent / "README.md").read_text()
@@ -20,3 +22,42 @@ def test_ci_runs_the_readme_test_command():
     ci = (root / ".ci" / "run").read_text()
     command = [line for line in ci.splitlines() if "pytest" in line][0].strip()
     assert command in readme
+
+
+def _readme_commands() -> list[str]:
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"## Command line\n\n```bash\n(.*?)```", text, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+# Long runs (minutes of training or timing): checked for their inputs, not run here.
+_LONG = ("dynabatch bench train", "dynabatch bench load", "dynabatch bench loader", "dynabatch profile")
+
+
+@pytest.mark.slow
+def test_readme_commands_run_in_a_fresh_directory(tmp_path):
+    """Every command of the README's command block runs in an empty directory in order (data made by
+    ``dynabatch datagen`` there), and the long ones read only files an earlier command made."""
+    import shlex
+    import sys
+
+    from liveness import run_live
+
+    commands = _readme_commands()
+    assert commands[0] == "dynabatch --help" and any(c.startswith("dynabatch datagen") for c in commands)
+    made: set[str] = set()
+    for cmd in commands:
+        args = shlex.split(cmd)
+        assert args[0] == "dynabatch", cmd
+        for i, a in enumerate(args[1:], 1):
+            path_like = "/" in a or a.endswith((".parquet", ".json", ".png", ".gz"))
+            is_output = args[i - 1] in ("--out", "--plot")
+            if path_like and not is_output:
+                assert a.split("/")[0] in made, f"{cmd!r} reads {a!r}, which no earlier README command makes"
+            if is_output:
+                made.add(a.split("/")[0])
+        if cmd.startswith(_LONG):
+            continue
+        out = run_live([sys.executable, "-m", "dynabatch.cli", *args[1:]], idle_s=120, cwd=str(tmp_path))
+        assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    assert (tmp_path / "plan.parquet").exists() and (tmp_path / "plan.png").exists()

@@ -2,8 +2,9 @@
 
 Standalone: this package never imports ``dynabatch`` or ``loaders``. It reads sample dicts
 (``sample_id``, ``key``, ``inputs``, ``targets``, ``task``, ``images``, optional
-``image_sizes`` and ``messages``) and writes the length table that ``dynabatch.Shapes``
-reads (`SHAPE_SCHEMA`). Nothing here ever downloads a tokenizer.
+``image_sizes`` and ``messages``; or pre-tokenized ``input_ids`` with optional ``labels``) and
+writes the length table that ``dynabatch.Shapes`` reads (`SHAPE_SCHEMA`). Tokenizers come from
+local files or from tokenizer objects (`load_tokenizer`); nothing here ever downloads one.
 """
 
 from ._adapters import (

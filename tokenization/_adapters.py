@@ -5,9 +5,12 @@ Every adapter loads from local files only: dynabatch never downloads a tokenizer
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -58,6 +61,14 @@ def _pick_special(
         if tid is not None:
             return int(tid)
     return None
+
+
+def _fingerprint(*parts: str) -> str:
+    """Short content hash naming a tokenizer object (so that two different objects never share a name)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _config_specials(directory: Path) -> dict[str, str]:
@@ -127,10 +138,14 @@ class HFTokenizer(_Adapter):
             declared = _config_specials(path.parent)
             tokenizer = tk.Tokenizer.from_file(str(path))
         else:
-            self.name = "tokenizers:<object>"
+            if not isinstance(tokenizer, tk.Tokenizer):
+                raise TypeError(f"HFTokenizer needs a tokenizer.json path or a tokenizers.Tokenizer, "
+                                f"got {type(tokenizer).__name__}")
+            raw = tokenizer.to_str()
+            self.name = f"tokenizers:<object {_fingerprint(raw)}>"
             declared = {}
             # Work on a copy: the truncation/padding switched off below must not leak to the caller.
-            tokenizer = tk.Tokenizer.from_str(tokenizer.to_str())
+            tokenizer = tk.Tokenizer.from_str(raw)
         # A tokenizer.json may carry truncation/padding settings; they would silently cap or
         # pad the counts, and dynabatch applies its own explicit max lengths instead.
         tokenizer.no_truncation()
@@ -147,6 +162,15 @@ class HFTokenizer(_Adapter):
         # encode_batch_fast (tokenizers >= 0.20) skips computing character offsets.
         self._encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
+    @classmethod
+    def from_object(cls, tokenizer: Any, **kwargs: Any) -> "HFTokenizer":
+        """Adapter of an in-memory ``tokenizers.Tokenizer`` (a copy: the caller's object is not changed).
+
+        Special tokens are found by the names given (``eos_token=``, ``pad_token=``,
+        ``bos_token=``), else among the common names; ``name`` carries a hash of the tokenizer.
+        """
+        return cls(tokenizer, **kwargs)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text, no special tokens added."""
         return as_id_arrays([e.ids for e in self._encode(list(texts), add_special_tokens=False)])
@@ -162,10 +186,11 @@ class HFTokenizer(_Adapter):
 
 
 class TransformersTokenizer(_Adapter):
-    """`transformers` ``AutoTokenizer`` adapter for a local directory (needs ``pip install transformers``).
+    """`transformers` tokenizer adapter (needs ``pip install transformers``).
 
-    Always loads with ``local_files_only=True``; a path that is not an existing directory
-    is refused before transformers is asked, so nothing is ever fetched from the hub.
+    Built from a local directory (``AutoTokenizer`` with ``local_files_only=True``; a path that
+    is not an existing directory is refused before transformers is asked, so nothing is ever
+    fetched from the hub) or, with `from_object`, from a tokenizer object already in memory.
     """
 
     def __init__(self, directory: str | os.PathLike, *, trust_remote_code: bool = False, **kwargs: Any) -> None:
@@ -174,12 +199,46 @@ class TransformersTokenizer(_Adapter):
             raise ValueError(f"{str(directory)!r} is not a directory (a transformers tokenizer is a folder)")
         tf = _require("transformers")
         kwargs["local_files_only"] = True
-        self._tok = tf.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
-        self.name = f"transformers:{path}"
-        self.vocab_size = int(len(self._tok))
-        self._set_specials(
-            self._tok.eos_token_id, self._tok.pad_token_id, self._tok.bos_token_id, why="eos_token is not set"
-        )
+        tok = tf.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
+        self._setup(tok, f"transformers:{path}")
+
+    @classmethod
+    def from_object(
+        cls,
+        tokenizer: Any,
+        *,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        bos_token: str | None = None,
+    ) -> "TransformersTokenizer":
+        """Adapter of an in-memory transformers tokenizer (any ``PreTrainedTokenizerBase``).
+
+        Works on a copy when the object can be copied. Special ids are the object's
+        ``eos_token_id``, ``pad_token_id`` and ``bos_token_id`` unless a token is named here;
+        ``name`` carries the object's ``name_or_path`` and a hash of its vocabulary.
+        """
+        self = cls.__new__(cls)
+        try:
+            tok = copy.deepcopy(tokenizer)
+        except Exception:  # an exotic tokenizer that cannot be copied is used as is
+            tok = tokenizer
+        where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        self._setup(tok, f"transformers:<object {where} {_transformers_fingerprint(tok)}>",
+                    eos_token=eos_token, pad_token=pad_token, bos_token=bos_token)
+        return self
+
+    def _setup(self, tok: Any, name: str, **named: str | None) -> None:
+        self._tok = tok
+        self.name = name
+        self.vocab_size = int(len(tok))
+        ids = {role: getattr(tok, f"{role}_token_id", None) for role in ("eos", "pad", "bos")}
+        vocab = tok.get_vocab() if any(named.values()) else {}
+        for key, token in named.items():
+            if token is not None:
+                if token not in vocab:
+                    raise ValueError(f"{key} {token!r} is not in the vocabulary of {name}")
+                ids[key[:3]] = vocab[token]
+        self._set_specials(ids["eos"], ids["pad"], ids["bos"], why="its eos_token is not set")
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text, no special tokens added."""
@@ -195,6 +254,16 @@ class TransformersTokenizer(_Adapter):
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids``, special tokens dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _transformers_fingerprint(tok: Any) -> str:
+    """Hash of a transformers tokenizer's vocabulary and special tokens ("unknown" if unreadable)."""
+    try:
+        backend = getattr(tok, "backend_tokenizer", None)
+        content = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+        return _fingerprint(content, repr((tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, len(tok))))
+    except Exception:
+        return "unknown"
 
 
 _TIKTOKEN_LOCK = threading.Lock()
@@ -245,6 +314,13 @@ class TiktokenTokenizer(_Adapter):
         eos = encoding.encode_single_token(eos_token) if eos_token in encoding.special_tokens_set else None
         self._set_specials(eos, None, None, why=f"{eos_token!r} is not one of its special tokens")
 
+    @classmethod
+    def from_object(cls, encoding: Any, **kwargs: Any) -> "TiktokenTokenizer":
+        """Adapter of an in-memory ``tiktoken.Encoding`` (``eos_token=``, ``num_threads=`` as above)."""
+        if not hasattr(encoding, "encode_ordinary_batch"):
+            raise TypeError(f"TiktokenTokenizer needs a tiktoken.Encoding, got {type(encoding).__name__}")
+        return cls(encoding, **kwargs)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text; special-token strings are encoded as text."""
         return as_id_arrays(self._enc.encode_ordinary_batch(list(texts), num_threads=self._threads))
@@ -287,20 +363,48 @@ class SentencePieceTokenizer(_Adapter):
         return self._sp.decode([int(i) for i in ids])
 
 
+def _object_adapter(obj: Any) -> Any:
+    """The adapter class for a tokenizer object of a supported library, else None.
+
+    Checked against the libraries already imported (an object of a library means the library is
+    loaded), so this never imports transformers, tokenizers or tiktoken itself.
+    """
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedTokenizerBase", None) if tf is not None else None
+    if isinstance(base, type) and isinstance(obj, base):
+        return TransformersTokenizer
+    for module, attr, adapter in (("tokenizers", "Tokenizer", HFTokenizer),
+                                  ("tiktoken", "Encoding", TiktokenTokenizer)):
+        cls = getattr(sys.modules.get(module), attr, None)
+        if isinstance(cls, type) and isinstance(obj, cls):
+            return adapter
+    return None
+
+
 def load_tokenizer(spec: Any, **kwargs: Any) -> Tokenizer:
     """Build a tokenizer from a spec, from local files only.
 
     ``spec`` is one of: ``"bytes"`` (`ByteTokenizer`); a path to a ``tokenizer.json``
     (`HFTokenizer`); a path to a sentencepiece ``.model`` (`SentencePieceTokenizer`); a local
     transformers tokenizer directory (`TransformersTokenizer`); ``"tiktoken:<encoding>"``
-    (`TiktokenTokenizer`, only if cached); or an object that already is a `Tokenizer`
-    (returned unchanged). ``kwargs`` go to the adapter (e.g. ``eos_token=``).
-    Strings are passed unchanged between processes, so give workers the spec, not the object.
+    (`TiktokenTokenizer`, only if cached); a tokenizer object: a ``tokenizers.Tokenizer``
+    (`HFTokenizer.from_object`), any transformers tokenizer, e.g. ``AutoTokenizer``'s
+    (`TransformersTokenizer.from_object`: special ids from its ``eos_token_id``,
+    ``pad_token_id``, ``bos_token_id``) or a ``tiktoken.Encoding``
+    (`TiktokenTokenizer.from_object`); or an object that already is a `Tokenizer` (returned
+    unchanged). ``kwargs`` go to the adapter (e.g. ``eos_token=``). Adapters pickle, so worker
+    processes may get the adapter or the spec string.
     """
     if not isinstance(spec, (str, os.PathLike)):
         if isinstance(spec, Tokenizer):
             return spec
-        raise TypeError(f"tokenizer spec must be a string, a path or a Tokenizer, got {type(spec).__name__}")
+        adapter = _object_adapter(spec)
+        if adapter is None:
+            raise TypeError(
+                "tokenizer spec must be a string, a path, a tokenizers.Tokenizer, a transformers tokenizer, "
+                f"a tiktoken.Encoding or a Tokenizer, got {type(spec).__name__}"
+            )
+        return adapter.from_object(spec, **kwargs)
     text = os.fspath(spec)
     if text == "bytes":
         return ByteTokenizer()

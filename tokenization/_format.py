@@ -5,9 +5,10 @@ Decoder-only: ``input_ids`` = [BOS] + prompt + response + EOS with ``labels`` eq
 on the response (+EOS) and ``IGNORE_INDEX`` (-100) on BOS and the prompt. Prompt and
 response are tokenized separately (the usual SFT practice: the mask boundary is exact).
 
-Every text of a batch goes to the tokenizer in one ``encode_batch`` call; truncation is
-plain numpy arithmetic on token counts, shared by the formatters and `scan_shapes` so the
-length table always equals what the formatter produces.
+Pre-tokenized rows (``input_ids``, optional ``labels``: see `tokenization._pretokenized`) are
+taken as they are. Every text of a batch goes to the tokenizer in one ``encode_batch`` call;
+truncation is plain numpy arithmetic on token counts, shared by the formatters and `scan_shapes`
+so the length table always equals what the formatter produces.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from ._adapters import load_tokenizer
+from ._pretokenized import ids_holder, label_runs, pretokenized_ids
 from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
 from ._vision import VisionPolicy, vision_tokens_batch
 
@@ -66,6 +68,12 @@ class FormatConfig:
     sequence: only ``max_total_tokens`` applies, cutting on ``truncation_side``; BOS is kept.
     ``add_bos`` prepends the tokenizer's BOS id to the input (it counts as input).
     ``None`` means no limit.
+
+    ``pretokenized``: rows carry token ids (``input_ids``, optional ``labels``) instead of text;
+    True: every row must, False: ids are ignored, None (default): a row without text that has
+    ``input_ids`` is pre-tokenized. Such rows get no BOS/EOS added; decoder-only ones are cut
+    like conversations (``max_total_tokens`` on ``truncation_side``), encoder-decoder ones like
+    text (input on ``truncation_side``, targets keep their start).
     """
 
     family: Family = "decoder"
@@ -75,12 +83,15 @@ class FormatConfig:
     truncation_side: Literal["right", "left"] = "right"
     add_bos: bool = False
     chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    pretokenized: bool | None = None
 
     def __post_init__(self) -> None:
         if self.family not in ("decoder", "encoder_decoder"):
             raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {self.family!r}")
         if self.truncation_side not in ("right", "left"):
             raise ValueError(f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}")
+        if self.pretokenized not in (None, True, False):
+            raise ValueError(f"pretokenized must be True, False or None (auto), got {self.pretokenized!r}")
         b = int(self.add_bos)
         for name, least in (("max_input_tokens", max(b, 0)), ("max_target_tokens", 1), ("max_total_tokens", b + 1)):
             val = getattr(self, name)
@@ -152,8 +163,8 @@ def _messages(sample: dict, template: ChatTemplate) -> list[tuple[str, str]] | N
 
 
 # Segment table of a batch: one row per piece of a sequence, in order. A piece is a text
-# (index into the batch's text list) or one special token. PART_* says which length-table
-# column it counts towards.
+# (index into the batch's text list), given ids (pre-tokenized rows, with their labels) or one
+# special token. PART_* says which length-table column it counts towards.
 PART_INPUT, PART_TARGET = 0, 1
 
 
@@ -165,12 +176,20 @@ class _Segments:
         self.special: list[int] = []
         self.part: list[int] = []
         self.trained: list[bool] = []
+        self.ids: list[np.ndarray | None] = []
+        self.labels: list[np.ndarray | None] = []
 
-    def add(self, sample: int, part: int, trained: bool, text: str | None = None, special: int = -1) -> None:
+    def lists(self) -> tuple[list, ...]:
+        return self.sample, self.text, self.special, self.part, self.trained, self.ids, self.labels
+
+    def add(self, sample: int, part: int, trained: bool, text: str | None = None, special: int = -1,
+            ids: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
         self.sample.append(sample)
         self.part.append(part)
         self.trained.append(trained)
         self.special.append(special)
+        self.ids.append(ids)
+        self.labels.append(labels)
         if text is None:
             self.text.append(-1)
         else:
@@ -182,8 +201,27 @@ def _render_history(msgs: list[tuple[str, str]], t: ChatTemplate) -> str:
     return "".join(t.prefix(role) + content + t.turn_suffix for role, content in msgs)
 
 
-def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> bool:
-    """Append sample ``i``'s segments; returns True for a decoder-only conversation."""
+def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> bool:
+    """Append a pre-tokenized sample's segments (no special tokens); True: cut it by position."""
+    ids, labels = pretokenized_ids(holder, sample, cfg.family, tok)
+    if cfg.family == "encoder_decoder":
+        seg.add(i, PART_INPUT, False, ids=ids)
+        seg.add(i, PART_TARGET, True, ids=labels)
+        return False
+    if labels is None:  # language-modelling rows: every token is trained
+        seg.add(i, PART_TARGET, True, ids=ids)
+        return True
+    for a, b, trained in label_runs(labels):
+        seg.add(i, PART_TARGET if trained else PART_INPUT, trained, ids=ids[a:b], labels=labels[a:b])
+    return True
+
+
+def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> tuple[bool, bool]:
+    """Append sample ``i``'s segments; returns (cut by position, pre-tokenized): the first is True
+    for a decoder-only conversation or pre-tokenized row."""
+    holder = ids_holder(sample, cfg.pretokenized)
+    if holder is not None:
+        return _add_ids(seg, i, holder, sample, cfg, tok), True
     t = cfg.chat_template
     msgs = _messages(sample, t)
     decoder = cfg.family == "decoder"
@@ -201,7 +239,7 @@ def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: To
             seg.add(i, PART_TARGET, True, special=tok.eos_id)
         if pending:
             seg.add(i, PART_INPUT, False, text=pending)
-        return True
+        return True, False
     if msgs is not None:
         last_is_reply = msgs[-1][0] == "assistant"
         prompt = _render_history(msgs[:-1] if last_is_reply else msgs, t)
@@ -216,29 +254,34 @@ def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: To
     seg.add(i, PART_INPUT, lm, text=prompt)
     seg.add(i, PART_TARGET, True, text=response)
     seg.add(i, PART_TARGET, True, special=tok.eos_id)
-    return False
+    return False, False
 
 
 def _keep_counts(
-    lengths: np.ndarray, sample: np.ndarray, part: np.ndarray, is_text: np.ndarray, conv: np.ndarray, cfg: FormatConfig
+    lengths: np.ndarray, sample: np.ndarray, part: np.ndarray, is_text: np.ndarray, conv: np.ndarray,
+    pre: np.ndarray, cfg: FormatConfig
 ) -> np.ndarray:
-    """Tokens kept per segment under the max lengths (vectorised over the batch)."""
+    """Tokens kept per segment under the max lengths (vectorised over the batch). ``is_text``:
+    the segments that may be cut (texts, given ids); ``pre``: the pre-tokenized samples (they
+    have no BOS/EOS of the formatter's)."""
     keep = lengths.copy()
     n = len(conv)
-    b = int(cfg.add_bos)
+    bos = np.where(pre, 0, int(cfg.add_bos))
+    eos = np.where(pre, 0, 1)
     seg_conv = conv[sample]
 
-    # Plain samples have exactly one input text and one target text; specials are always kept.
+    # Plain samples have exactly one input piece and one target piece; specials are always kept.
     plain = ~seg_conv & is_text
     p_seg = np.flatnonzero(plain & (part == PART_INPUT))
     r_seg = np.flatnonzero(plain & (part == PART_TARGET))
     p, r = lengths[p_seg], lengths[r_seg]
+    b, e = bos[sample[p_seg]], eos[sample[r_seg]]
     if cfg.max_input_tokens is not None:
         p = np.minimum(p, cfg.max_input_tokens - b)
     if cfg.max_target_tokens is not None:
-        r = np.minimum(r, cfg.max_target_tokens - 1)
+        r = np.minimum(r, cfg.max_target_tokens - e)
     if cfg.max_total_tokens is not None:
-        over = np.maximum(p + r - (cfg.max_total_tokens - b - 1), 0)
+        over = np.maximum(p + r - (cfg.max_total_tokens - b - e), 0)
         cut_p = np.minimum(over, p)
         p, r = p - cut_p, r - (over - cut_p)
     keep[p_seg], keep[r_seg] = p, r
@@ -252,7 +295,7 @@ def _keep_counts(
         first = np.concatenate([[0], np.cumsum(totals)[:-1]])[owner]
         end_in_sample = ends - first
         before = end_in_sample - lens if cfg.truncation_side == "right" else totals[owner] - end_in_sample
-        keep[body] = np.clip(cfg.max_total_tokens - b - before, 0, lens)
+        keep[body] = np.clip(cfg.max_total_tokens - bos[owner] - before, 0, lens)
     return keep
 
 
@@ -271,6 +314,7 @@ class _BatchPlan:
     seg_ids: list[np.ndarray]
     seg_trained: np.ndarray
     seg_part: np.ndarray
+    seg_labels: list[np.ndarray | None]  # given labels of pre-tokenized pieces (cut like seg_ids)
 
 
 def plan_batch(
@@ -290,17 +334,18 @@ def plan_batch(
     kept: list[int] = []
     sample_ids: list[int] = []
     conv: list[bool] = []
+    pre: list[bool] = []
     for i, s in enumerate(samples):
         if i in bad:
             continue
         mark, text_mark = len(seg.sample), len(seg.texts)
         try:
             sid = _sample_id(s)
-            c = _add_sample(seg, len(kept), s, cfg, tokenizer)
+            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer)
         except SampleError as exc:
             if on_error != "skip":
                 raise
-            for lst in (seg.sample, seg.text, seg.special, seg.part, seg.trained):
+            for lst in seg.lists():
                 del lst[mark:]
             del seg.texts[text_mark:]
             skipped.append((i, exc))
@@ -308,6 +353,7 @@ def plan_batch(
         kept.append(i)
         sample_ids.append(sid)
         conv.append(c)
+        pre.append(given)
     skipped.sort(key=lambda e: e[0])
 
     counter = getattr(tokenizer, "count_batch", None)
@@ -319,11 +365,14 @@ def plan_batch(
         counts = counter(seg.texts) if seg.texts else []
     text_idx = np.asarray(seg.text, dtype=np.int64)
     is_text = text_idx >= 0
+    is_ids = np.fromiter((a is not None for a in seg.ids), bool, count=len(seg.ids))
     lengths = np.ones(len(text_idx), dtype=np.int64)
     lengths[is_text] = counts  # texts were numbered in segment order
+    lengths[is_ids] = [len(a) for a in seg.ids if a is not None]
     sample = np.asarray(seg.sample, dtype=np.int64)
     part = np.asarray(seg.part, dtype=np.int64)
-    keep = _keep_counts(lengths, sample, part, is_text, np.asarray(conv, dtype=bool), cfg)
+    keep = _keep_counts(lengths, sample, part, is_text | is_ids, np.asarray(conv, dtype=bool),
+                        np.asarray(pre, dtype=bool), cfg)
 
     n = len(kept)
     inp = np.bincount(sample, weights=keep * (part == PART_INPUT), minlength=n).astype(np.int64)
@@ -331,14 +380,20 @@ def plan_batch(
     truncated = np.bincount(sample, weights=keep < lengths, minlength=n) > 0
 
     seg_ids: list[np.ndarray] = []
+    seg_labels: list[np.ndarray | None] = []
     if with_ids:
         # Which end a cut text keeps: inputs and conversations follow truncation_side,
         # plain targets always keep their beginning.
         from_end = (cfg.truncation_side == "left") & ((part == PART_INPUT) | np.asarray(conv, dtype=bool)[sample])
         for j in range(len(text_idx)):
-            piece = encoded[text_idx[j]] if is_text[j] else np.array([seg.special[j]], dtype=np.int32)
+            if is_text[j]:
+                piece = encoded[text_idx[j]]
+            else:
+                piece = seg.ids[j] if is_ids[j] else np.array([seg.special[j]], dtype=np.int32)
             k = int(keep[j])
-            seg_ids.append(piece[len(piece) - k:] if from_end[j] else piece[:k])
+            cut = slice(len(piece) - k, None) if from_end[j] else slice(0, k)
+            seg_ids.append(piece[cut])
+            seg_labels.append(None if seg.labels[j] is None else seg.labels[j][cut])
     return _BatchPlan(
         index=np.asarray(kept, dtype=np.int64),
         sample_id=np.asarray(sample_ids, dtype=np.int64),
@@ -351,11 +406,19 @@ def plan_batch(
         seg_ids=seg_ids,
         seg_trained=np.asarray(seg.trained, dtype=bool),
         seg_part=part,
+        seg_labels=seg_labels,
     )
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int32, copy=False) if parts else np.zeros(0, np.int32)
+
+
+def _labels(plan: _BatchPlan, j: int) -> np.ndarray:
+    """Decoder-only labels of segment ``j``: given ones, else its ids when trained, else -100."""
+    if plan.seg_labels[j] is not None:
+        return plan.seg_labels[j]
+    return plan.seg_ids[j] if plan.seg_trained[j] else np.full(len(plan.seg_ids[j]), IGNORE_INDEX, np.int32)
 
 
 class Formatter:
@@ -405,9 +468,7 @@ class Formatter:
             segs = range(bounds[k], bounds[k + 1])
             if decoder:
                 input_ids = _cat([plan.seg_ids[j] for j in segs])
-                labels = _cat(
-                    [plan.seg_ids[j] if plan.seg_trained[j] else np.full(len(plan.seg_ids[j]), IGNORE_INDEX) for j in segs]
-                )
+                labels = _cat([_labels(plan, j) for j in segs])
                 target_ids = None
             else:
                 input_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] == PART_INPUT])

@@ -130,6 +130,10 @@ def _plan_ids(plan, family: Family) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         values, lengths = flat(np.ones(len(seg_len), bool))
         labels = values.copy()
         labels[np.repeat(~plan.seg_trained, seg_len)] = IGNORE_INDEX
+        given = [j for j, lab in enumerate(plan.seg_labels) if lab is not None]
+        starts = np.cumsum(seg_len) - seg_len
+        for j in given:  # labels of pre-tokenized rows, as given
+            labels[starts[j]:starts[j] + seg_len[j]] = plan.seg_labels[j]
         return values, lengths, labels, lengths
     return (*flat(plan.seg_part == PART_INPUT), *flat(plan.seg_part == PART_TARGET))
 
@@ -187,9 +191,12 @@ def scan_shapes(
     truncation_side: Literal["right", "left"] = "right",
     add_bos: bool = False,
     chat_template: ChatTemplate | None = None,
+    pretokenized: bool | None = None,
     task_names: Sequence[str] | None = None,
     on_error: OnError = "raise",
-    progress: bool = False,
+    progress: bool | None = False,
+    progress_total: int | None = None,
+    progress_desc: str = "scan_shapes",
     label_config: FormatConfig | None = None,
     keep_ids: bool = False,
     ids_budget: int | None = None,
@@ -197,8 +204,9 @@ def scan_shapes(
     """Token counts of every sample as a length table (see `SHAPE_SCHEMA`).
 
     Samples are tokenized ``batch_size`` at a time with one batched tokenizer call each,
-    formatted exactly as `Formatter` does (same family, max lengths and truncation), so a
-    row equals the counts of the corresponding `EncodedSample`. Columns: ``input_tokens``
+    formatted exactly as `Formatter` does (same family, max lengths, truncation and
+    ``pretokenized`` rule, see `FormatConfig`), so a row equals the counts of the
+    corresponding `EncodedSample`. Columns: ``input_tokens``
     and ``target_tokens`` (text tokens after truncation; decoder-only keeps prompt and
     response separate, and the planner sums them), ``vision_tokens`` (sum over the
     sample's images under ``vision``; 0 without a policy) and ``task_id`` (index into
@@ -208,7 +216,9 @@ def scan_shapes(
     holds the task names and the `ScanStats` (read them with `task_names_of` /
     `scan_stats`). ``tokenizer`` may be a `load_tokenizer` spec (handy in process pools:
     one call per shard). ``on_error="skip"`` drops samples with bad fields or unreadable
-    images and counts them; ``progress=True`` shows a tqdm bar.
+    images and counts them; ``progress=True`` shows a tqdm bar (``None``: only when stderr is a
+    terminal) of
+    ``progress_total`` samples (default ``len(samples)`` when known) named ``progress_desc``.
 
     ``label_config`` (a `FormatConfig` of the same family: how the samples are formatted for
     training, e.g. with other max lengths) adds the `LABEL_COLUMN`: each sample's loss labels
@@ -227,6 +237,7 @@ def scan_shapes(
         truncation_side=truncation_side,
         add_bos=add_bos,
         chat_template=chat_template or ChatTemplate(),
+        pretokenized=pretokenized,
     )
     if add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=True but tokenizer {tok.name!r} has no BOS token")
@@ -244,10 +255,12 @@ def scan_shapes(
     num_skipped = 0
 
     bar = None
-    if progress:
+    if progress is not False:  # None: a bar only when stderr is a terminal (tqdm's disable=None)
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(samples) if hasattr(samples, "__len__") else None, unit="sample", desc="scan_shapes")
+        total = len(samples) if hasattr(samples, "__len__") else progress_total
+        bar = tqdm(total=total, unit="sample", desc=progress_desc, disable=None if progress is None else False,
+                   dynamic_ncols=True)
     try:
         for batch in _batches(samples, batch_size):
             plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None)

@@ -25,7 +25,7 @@ What is timed, symmetrically: setup is NOT timed for either side but is measured
 run once); dynabatch builds its length index with its token cache
 (`dynabatch.build_index(cache_tokens=True)`: the same single tokenization pass over the same
 files, keeping the token ids) and constructs its loader. The timed loop is one epoch of ``for
-batch in loader`` touching the tensors (``input_ids.numel()``, ``attention_mask.sum()``, the sample
+batch in loader.microbatches()`` (torch: ``loader``) touching the tensors (``input_ids.numel()``, ``attention_mask.sum()``, the sample
 ids). Within that loop dynabatch plans every step ("while planning": in its planning thread,
 inside each worker with ``num_workers > 0``) and collates the step's micro-batches from the cached
 token ids, as the baselines collate from their pre-tokenized lists.
@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.cost import CostModel
 from ..core.options import PlanOptions, default_method
 from ._format import fmt_rate
 from .load_common import (add_data_option, add_output_options, add_subcommand, failure_summary, per_s,
@@ -131,7 +132,9 @@ def _loop(loader, on_batch=None) -> dict:
     mbs = samples = real = elems = 0
     seen = []
     t0 = time.perf_counter()
-    for mb in loader:
+    # dynabatch yields steps; its micro-batches are what the torch loaders' batches compare with
+    batches = loader.microbatches() if hasattr(loader, "microbatches") else loader
+    for mb in batches:
         ids = mb["sample_ids"]
         x = mb["input_ids"]
         elems += x.numel()
@@ -190,12 +193,14 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             # as the baselines' pre-tokenization.
             index = dynabatch.build_index(jsonl_source(files), tokenizer=fmt.tokenizer, max_len=cfg.options.max_len,
                                           cache_tokens=True)
+            # the planning target (default a100-80gb, whatever this machine is): no device-mismatch warning
+            cost = CostModel.preset(cfg.cost_model, cfg.device, num_stages=cfg.options.num_stages)
             # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
             # their first call; a training job pays that once per process, not per epoch.
             for collate in ("padded", "packed"):
                 warm = dynabatch.DataLoader(jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
-                                            cost_model=cfg.cost_model, device=cfg.device,
-                                            options=cfg.loader_options(collate), rank=0, world_size=1)
+                                            cost_model=cost, options=cfg.loader_options(collate), rank=0,
+                                            world_size=1)
                 next(iter(warm.steps()))
                 del warm
             dyna_setup = time.perf_counter() - t0
@@ -213,8 +218,8 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
                                                    collate_fn=collate, generator=g), 0.0
             t0 = time.perf_counter()
             dl = dynabatch.DataLoader(
-                jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cfg.cost_model,
-                device=cfg.device, options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
+                jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cost,
+                options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
                 rank=0, world_size=1, num_workers=workers)
             return dl, time.perf_counter() - t0
 
@@ -300,7 +305,7 @@ BENCH_LOADER_DESCRIPTION = ("Time one epoch of micro-batches delivered to the tr
                             "(padded and packed, planning included) against torch.utils.data.DataLoader with a "
                             "padding and a packing collator, on the same files in the same run.")
 BENCH_LOADER_EPILOG = """\
-what is timed: one epoch of `for batch in loader`, touching input_ids / attention_mask / sample
+what is timed: one epoch of micro-batches (`loader.microbatches()`; torch: `loader`), touching input_ids / attention_mask / sample
 ids, per method and per --workers value, on one rank (world_size 1, no torch.distributed):
   torch_pad         pre-tokenized samples -> torch DataLoader(batch_size=B, shuffle=True,
                     num_workers=W) + a collate padding to the batch max (DataCollatorWithPadding)

@@ -41,9 +41,11 @@ import numpy as np
 from .kernels.cost import FEATURES, NUM_FEATURES, profiled_lookup
 from .presets import (  # noqa: F401
     DEVICE_PRESETS,
+    GPU_PRESETS,
     KIND_CODE,
     KINDS,
     MODEL_PRESETS,
+    TINY_MODEL_PRESETS,
     DeviceProfile,
     GiB,
     ModelConfig,
@@ -128,7 +130,12 @@ class CostModel:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def preset(cls, model: str = "gpt", device: str = "a100-80gb", *, num_stages: int = 4, **kw) -> "CostModel":
-        """Analytic cost model of a named model preset on a named device preset."""
+        """Analytic cost model of a named model preset on a named device preset.
+
+        The default device stays ``a100-80gb`` on every machine: the same arguments give the same
+        costs (and plans) wherever they run, as offline planning needs. This machine's device is
+        ``dynabatch.devices.resolve_device()`` (torch, so outside this core), which the
+        DataLoader's default ``device="auto"`` uses."""
         return cls(model_preset(model, num_stages), device_preset(device), **kw)
 
     @classmethod

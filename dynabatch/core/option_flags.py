@@ -26,6 +26,8 @@ steps and micro-batches):
   --memory-limit BYTES     activation bytes one micro-batch may use on one stage (17e9, 16GiB,
                            800MB; default: the cost model's limit for the world layout)
   --seed K                 epoch e shuffles with seed K + e
+  --no-shuffle             global batches in sample-id order (evaluation); the DataLoader's
+                           shuffle=False
   --drop-last              drop an epoch's last, smaller step (default: keep it, as the
                            DataLoader does; --keep-last is a deprecated no-op)
 """
@@ -108,6 +110,8 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
                    help="candidate caps on the largest micro-batch the dp search tries (default 48)")
     g.add_argument("--seed", type=int, default=0, metavar="K",
                    help="seed of the global batches: epoch e shuffles with K + e (default 0)")
+    g.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                   help="form global batches in sample-id order instead of a seeded permutation (evaluation)")
     g.add_argument("--drop-last", action="store_true",
                    help="drop each epoch's last global batch when it is smaller than the others (default: keep "
                         "it, as the DataLoader does)")
@@ -139,5 +143,6 @@ def plan_options_from_args(args, *, max_len: int | None = None, method: str | No
                        max_len=args.max_len if args.max_len is not None else max_len,
                        max_target_len=args.max_target_len, method=method, method_options=knobs,
                        num_stages=args.stages, num_ranks=args.ranks, schedule=args.schedule,
-                       memory_limit=args.memory_limit, seed=args.seed, drop_last=args.drop_last,
+                       memory_limit=args.memory_limit, seed=args.seed, shuffle=getattr(args, "shuffle", True),
+                       drop_last=args.drop_last,
                        max_caps=args.max_caps)

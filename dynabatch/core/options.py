@@ -18,6 +18,7 @@ every benchmark read the same record, so one name means one thing everywhere:
 ``schedule``             a name of `SCHEDULES`
 ``memory_limit``         activation bytes per micro-batch per stage (None: the cost model's)
 ``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
+``shuffle``              permute the samples each epoch (False: global batches in sample-id order)
 ``drop_last``            drop each epoch's final global batch when it is smaller than the others
 ``equal_microbatches``   every rank gets the same number of micro-batches (dp methods)
 ``max_caps``             candidate caps on the largest micro-batch the dp search tries
@@ -101,6 +102,19 @@ def _positive(name: str, value, *, optional: bool = True) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def check_int(name: str, value, *, minimum: int = 1, optional: bool = True, unit: str = "") -> int | None:
+    """``value`` as an int, or ValueError naming ``name`` unless it is an integer >= ``minimum``
+    (an integral float such as ``65536.0`` is accepted; None passes when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}{' (' + unit + ')' if unit else ''}, got {value!r}")
+    return int(value.__index__())
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """How steps are formed and planned (see the module docstring for every field; tokens, bytes).
@@ -121,6 +135,7 @@ class PlanOptions:
     schedule: str = "1f1b"
     memory_limit: float | None = None
     seed: int = 0
+    shuffle: bool = True
     drop_last: bool = False
     equal_microbatches: bool = True
     max_caps: int = 48
@@ -133,8 +148,11 @@ class PlanOptions:
         if self.global_batch_tokens is not None and self.global_batch_size is not None:
             raise ValueError("give the global batch either in tokens (global_batch_tokens=) or in samples "
                              "(global_batch_size=), not both")
-        for name in ("global_batch_tokens", "global_batch_size", "max_len", "max_target_len", "memory_limit"):
-            _positive(name, getattr(self, name))
+        units = {"global_batch_tokens": "tokens", "global_batch_size": "samples", "max_len": "tokens",
+                 "max_target_len": "tokens"}
+        for name, unit in units.items():
+            object.__setattr__(self, name, check_int(name, getattr(self, name), unit=unit))
+        _positive("memory_limit", self.memory_limit)
         for name in ("num_stages", "num_ranks"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -144,8 +162,13 @@ class PlanOptions:
         if not isinstance(self.method_options, Mapping):
             raise TypeError(f"method_options must be a mapping, got {type(self.method_options).__name__}")
         object.__setattr__(self, "method_options", MappingProxyType(dict(self.method_options)))
-        object.__setattr__(self, "seed", int(self.seed))
-        object.__setattr__(self, "drop_last", bool(self.drop_last))
+        for name in ("shuffle", "drop_last", "equal_microbatches"):
+            if not isinstance(getattr(self, name), (bool, int)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if isinstance(self.seed, bool) or not hasattr(self.seed, "__index__"):
+            raise TypeError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed.__index__()))
 
     # -- derived ---------------------------------------------------------------------------------
     @property

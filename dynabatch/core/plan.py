@@ -67,8 +67,9 @@ def greedy_cuts_reference(tokens, budget):
 
 
 def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None, *, seed: int = 0, tokens=None,
-                         drop_last: bool = False, **deprecated) -> list[np.ndarray]:
-    """Positions of each global batch: a seeded random permutation of the samples, cut each time a
+                         drop_last: bool = False, shuffle: bool = True, **deprecated) -> list[np.ndarray]:
+    """Positions of each global batch: a seeded random permutation of the samples (the samples in
+    order when not ``shuffle``), cut each time a
     batch's own token count reaches ``global_batch_tokens`` (so every batch but the last holds at
     least that many tokens). ``tokens`` overrides the per-sample token count (default
     ``shapes.total_tokens``; ones count samples). The last, smaller batch is kept unless
@@ -81,7 +82,7 @@ def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None,
     tok = shapes.total_tokens if tokens is None else np.asarray(tokens, np.int64)
     if len(tok) != len(shapes):
         raise ValueError(f"tokens has {len(tok)} entries for {len(shapes)} samples")
-    perm = np.random.default_rng(seed).permutation(len(shapes))
+    perm = np.random.default_rng(seed).permutation(len(shapes)) if shuffle else np.arange(len(shapes))
     if len(perm) == 0:
         return []
     ends = _greedy_cuts(tok[perm].astype(np.int64), int(global_batch_tokens))

@@ -67,7 +67,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Throughput of one accelerator: ``peak_flops`` (FLOP/s, bf16 dense), ``max_efficiency``
+    """Throughput of one accelerator: ``peak_flops`` (FLOP/s, bf16 dense; fp32 for ``cpu``), ``max_efficiency``
     (fraction of peak reached by large GEMMs), ``memory_bandwidth`` (bytes/s, for reading weights),
     ``overhead_s`` (fixed launch/sync time per micro-batch per stage, fwd+bwd), ``memory_bytes``,
     and the stage-to-stage link (``p2p_bandwidth`` bytes/s, ``p2p_latency_s``)."""
@@ -84,14 +84,32 @@ class DeviceProfile:
 
 
 MODEL_PRESETS = ("gpt", "t5", "vlm")
+#: CPU-sized models: the ``gpt-tiny`` / ``t5-tiny`` that `dynabatch.pipeline` trains and
+#: ``dynabatch profile`` measures (same `ModelConfig`), and the DataLoader's default on the ``cpu``.
+TINY_MODEL_PRESETS = ("gpt-tiny", "t5-tiny")
 
 DEVICE_PRESETS: dict[str, DeviceProfile] = {
+    "a100-40gb": DeviceProfile("a100-40gb", 312e12, 0.70, 1.555e12, 4e-4, 40 * GiB, 25e9, 2e-5),
     "a100-80gb": DeviceProfile("a100-80gb", 312e12, 0.70, 2.0e12, 4e-4, 80 * GiB, 25e9, 2e-5),
     "h100": DeviceProfile("h100", 989e12, 0.65, 3.35e12, 3e-4, 80 * GiB, 50e9, 2e-5),
     "h200": DeviceProfile("h200", 989e12, 0.65, 4.8e12, 3e-4, 141e9, 50e9, 2e-5),
-    # Two desktop cores in fp32 through PyTorch eager; issue #5's profiler/refit replaces this.
-    "cpu": DeviceProfile("cpu", 1.0e11, 0.35, 2.0e10, 5e-4, 16 * GiB, 5e9, 5e-5, 0.8),
+    # PyTorch eager fp32 on 2 cores (Xeon, AVX-512; torch 2.13 CPU, 2 threads), measured:
+    # * peak_flops: the fastest fp32 GEMMs, cache-resident [128..512 x 256] @ [256 x 1024]
+    #   (torch.mm, fastest of 7): 3.7-3.8e11 FLOP/s; large ones (2048^3, 4096^3) reach 1.8e11.
+    # * max_efficiency 0.60, overhead_s 4 ms: ``dynabatch profile --model gpt-tiny --device cpu
+    #   --rows 1 2 4 8 16 32 --lengths 16 32 64 128 256 512 --repeats 5`` fits 79.8 us/token and
+    #   7.1 ms per micro-batch (fwd+bwd; whole-model forward+backward timed directly: 83 us/token,
+    #   8.0 ms); 0.60 x 3.8e11 gives gpt-tiny 82.8 us/token, and 4 ms + reading its weights at
+    #   memory_bandwidth gives 7.8 ms per micro-batch. The analytic model then predicts that table
+    #   within 4% (mean abs error) and t5-tiny's (same command, --model t5-tiny --lengths 16 32 64
+    #   128 256 --target-lengths 8 32) within 9%.
+    # * memory_bandwidth: torch sum / copy of 256 MiB fp32: 0.9-1.1e10 B/s.
+    # * memory_bytes: a 16 GiB laptop, 80% usable (not this machine's RAM). p2p: loopback gloo,
+    #   not measured. Measure your own machine with ``dynabatch profile`` (see docs/cost_model.md).
+    "cpu": DeviceProfile("cpu", 3.8e11, 0.60, 1.0e10, 4e-3, 16 * GiB, 5e9, 5e-5, 0.8),
 }
+#: The device presets of GPUs (``dynabatch.devices`` maps a CUDA device name to one of them).
+GPU_PRESETS = ("a100-40gb", "a100-80gb", "h100", "h200")
 
 
 def model_preset(name: str, num_stages: int = 4) -> ModelConfig:
@@ -103,6 +121,10 @@ def model_preset(name: str, num_stages: int = 4) -> ModelConfig:
     tiles of 1024 patches + class token -> 256 LLM tokens) + InternLM2-20B (48 layers x 6144, GQA with
     8 KV heads, SwiGLU ffn 16384), both split evenly over ``num_stages`` with full activation
     recomputation as InternVL trains it.
+
+    ``gpt-tiny`` / ``t5-tiny`` (`TINY_MODEL_PRESETS`): the CPU-sized models of `dynabatch.pipeline`
+    (hidden 256, 4 heads, ffn 1024, fp32; 4 decoder layers, or 2 encoder + 2 decoder layers), the
+    whole model split evenly over ``num_stages``.
     """
     if name == "gpt":
         return ModelConfig("gpt", "decoder", hidden=4096, attn_dim=4096, kv_dim=4096, ffn=16384, layers=4)
@@ -118,12 +140,21 @@ def model_preset(name: str, num_stages: int = 4) -> ModelConfig:
             vision_ffn=12800, vision_layers=45 / num_stages, tile_patches=1025, tile_tokens=256,
             recompute=True,
         )
-    raise ValueError(f"unknown model preset {name!r}; choose one of {MODEL_PRESETS}")
+    if name in TINY_MODEL_PRESETS:  # dynabatch.pipeline.models.gpt_tiny / t5_tiny, fp32, split over the stages
+        enc_dec = name == "t5-tiny"
+        return ModelConfig(name, "encoder_decoder" if enc_dec else "decoder", hidden=256, attn_dim=256, kv_dim=256,
+                           ffn=1024, layers=(2 if enc_dec else 4) / num_stages,
+                           decoder_layers=2 / num_stages if enc_dec else 0.0, flash_attention=False, dtype_bytes=4)
+    raise ValueError(f"unknown model preset {name!r}; choose one of {MODEL_PRESETS + TINY_MODEL_PRESETS}")
 
 
 def device_preset(name: str) -> DeviceProfile:
-    """A `DeviceProfile` by name (``a100-80gb``, ``h100``, ``h200``, ``cpu``)."""
+    """A `DeviceProfile` by name (``a100-40gb``, ``a100-80gb``, ``h100``, ``h200``, ``cpu``).
+
+    ``"auto"`` (this machine's device) is resolved outside this torch-free core, by
+    `dynabatch.devices.resolve_device`, which the DataLoader calls."""
     try:
         return DEVICE_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown device preset {name!r}; choose one of {sorted(DEVICE_PRESETS)}") from None
+        hint = " ('auto' is resolved by dynabatch.devices.resolve_device())" if name == "auto" else ""
+        raise ValueError(f"unknown device preset {name!r}; choose one of {sorted(DEVICE_PRESETS)}{hint}") from None

@@ -2,7 +2,8 @@
 
 * `sample_tokens`: what one sample weighs when global batches are cut: main + decoder tokens after
   truncation to ``max_len``/``max_target_len`` (or 1 per sample when the batch is given in samples).
-* `global_batches`: epoch ``e`` is a seeded permutation of every sample (seed ``options.seed + e``)
+* `global_batches`: epoch ``e`` is a seeded permutation of every sample (seed ``options.seed + e``;
+  sample-id order when ``options.shuffle`` is False)
   cut each time a batch reaches ``global_batch_tokens`` (or ``global_batch_size`` samples).
 * `plan_step`: the `BatchPlan` of one global batch with every rank given the same number of
   micro-batches; a batch that cannot be cut so (typically an epoch's small last one) is planned
@@ -40,7 +41,8 @@ def global_batches(shapes: Shapes, cost: CostModel, options: PlanOptions, epoch:
     options.require_batch()
     size = options.global_batch_tokens if options.global_batch_size is None else options.global_batch_size
     return split_global_batches(shapes, int(size), seed=options.epoch_seed(epoch),
-                                tokens=sample_tokens(shapes, cost, options), drop_last=options.drop_last)
+                                tokens=sample_tokens(shapes, cost, options), drop_last=options.drop_last,
+                                shuffle=options.shuffle)
 
 
 def num_global_batches(num_samples: int, options: PlanOptions) -> int | None:

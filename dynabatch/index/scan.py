@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +34,9 @@ VISION_POLICIES = ("fixed", "tiling")
 TIKTOKEN_ENCODINGS = ("cl100k_base", "o200k_base", "p50k_base", "p50k_edit", "r50k_base")
 
 
-def tokenizer_spec(spec: str | None) -> str:
-    """Normalize a ``--tokenizer`` value for `tokenization.load_tokenizer`.
+def tokenizer_spec(spec):
+    """Normalize a ``--tokenizer`` value for `tokenization.load_tokenizer` (a tokenizer object is
+    returned unchanged).
 
     ``None`` or ``"bytes"``: the built-in byte-level tokenizer (one token per UTF-8 byte: an
     over-estimate of subword counts, about 4x for English). A bare tiktoken encoding name
@@ -45,6 +46,8 @@ def tokenizer_spec(spec: str | None) -> str:
     """
     if spec is None or spec == "bytes":
         return "bytes"
+    if not isinstance(spec, (str, Path)):
+        return spec
     if spec in TIKTOKEN_ENCODINGS:
         return f"tiktoken:{spec}"
     if spec.startswith("tiktoken:"):
@@ -58,8 +61,9 @@ class ScanConfig:
     """How samples become token counts (see `tokenization.scan_shapes`).
 
     ``tokenizer``: a `load_tokenizer` spec (``bytes``, a ``tokenizer.json``, a sentencepiece
-    ``.model``, ``tiktoken:<encoding>``). ``family``: ``decoder`` (prompt and response counted
-    separately, summed by the planner) or ``encoder_decoder``. ``max_len``: tokens kept per
+    ``.model``, ``tiktoken:<encoding>``, or a tokenizer object: the metadata records its name).
+    ``family``: ``decoder`` (prompt and response counted separately, summed by the planner) or
+    ``encoder_decoder``. ``max_len``: tokens kept per
     sample (decoder: input + target; encoder_decoder: input), ``max_target_len``: target tokens
     kept; None keeps full lengths (the planner truncates with its own max lengths anyway).
     ``vision``: ``fixed`` (336-px images, 576 tokens each) or ``tiling`` (InternVL's 448-px
@@ -67,7 +71,7 @@ class ScanConfig:
     sample, or ``skip`` and count bad samples.
     """
 
-    tokenizer: str = "bytes"
+    tokenizer: object = "bytes"
     family: str = "decoder"
     max_len: int | None = None
     max_target_len: int | None = None
@@ -231,7 +235,7 @@ class ScanResult:
 
 
 def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local", workers: int | None = None,
-                 parts: int | None = None, progress: bool = True) -> ScanResult:
+                 parts: int | None = None, progress: bool = True, storage_options: dict | None = None) -> ScanResult:
     """Tokenize every sample of ``data`` (paths, globs or folders `loaders.open_source` reads)
     and return the length index (see the module docstring; metadata ``dynabatch.scan`` records
     the data paths, the `ScanConfig` and the loader error counts).
@@ -239,7 +243,9 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     ``workers``: processes (local) or CPUs of a Ray instance started here (default: the CPU
     count). ``parts``: slots the rows are split into (default ``2 * workers``; 1 when
     ``workers`` is 1). Bad input raises the loaders'/tokenizer's error, whose message names the
-    file and line (or sample key), unless ``config.on_error == "skip"``.
+    file and line (or sample key), unless ``config.on_error == "skip"``. Remote data (``s3://``,
+    ``gs://``, ``memory://``...) is read through fsspec with ``storage_options`` (else the
+    backend's defaults: environment credentials, ``FSSPEC_S3_ENDPOINT_URL``...).
     """
     import loaders
     from tokenization import load_tokenizer
@@ -250,18 +256,23 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     if not paths:
         raise LengthIndexError("scan: no data paths given")
-    for p in paths:
-        if not Path(p).exists() and not any(ch in str(p) for ch in "*?{["):
+    for p in paths:  # URLs (s3://...) are checked by loaders.open_source, which names a missing one
+        if not loaders.is_url(p) and not Path(p).exists() and not any(ch in str(p) for ch in "*?{["):
             raise LengthIndexError(f"{p}: no such file or directory")
     t0 = time.perf_counter()
-    load_tokenizer(config.tokenizer)  # a bad spec or a missing package fails here, once, not in every worker
+    tok = load_tokenizer(config.tokenizer)  # a bad spec or a missing package fails here, once, not in every worker
+    # a string spec travels to the workers as is; an object as its adapter (adapters pickle)
+    spec = config.tokenizer if isinstance(config.tokenizer, str) else tok
     workers = workers or default_workers()
     num_parts = parts or (1 if workers == 1 else 2 * workers)
-    source = loaders.open_source([str(p) for p in paths], on_error=config.on_error)
-    table, errors = scan_parts(source, config.tokenizer, config.scan_kwargs(), engine=engine, workers=workers,
+    source = loaders.open_source([str(p) for p in paths], on_error=config.on_error,
+                                 **({"storage_options": storage_options} if storage_options else {}))
+    table, errors = scan_parts(source, spec, config.scan_kwargs(), engine=engine, workers=workers,
                                parts=num_parts, progress=progress)
-    data_paths = [str(Path(p).resolve()) if Path(p).exists() else str(p) for p in paths]
-    scan_meta = {"format": INDEX_FORMAT, "version": 1, "data": data_paths, **asdict(config), "loader_errors": errors}
+    data_paths = [str(Path(p).resolve()) if not loaders.is_url(p) and Path(p).exists() else str(p) for p in paths]
+    options = {f.name: getattr(config, f.name) for f in fields(config)}
+    options["tokenizer"] = spec if isinstance(spec, str) else tok.name
+    scan_meta = {"format": INDEX_FORMAT, "version": 1, "data": data_paths, **options, "loader_errors": errors}
     table = _finish(table, {SCAN_KEY: json.dumps(scan_meta, sort_keys=True).encode()})
     return ScanResult(table, time.perf_counter() - t0, engine, workers, num_parts)
 
@@ -270,10 +281,11 @@ def check_ids_in_data(index: LengthIndex, name: str) -> None:
     """Refuse an index naming samples that the data it was scanned from (``scan_options["data"]``)
     does not hold: a negative id, a file index past the data's files, or a row past its file's
     rows. Skipped when the data is not where the index says (it may be planned elsewhere)."""
-    data = index.scan_options.get("data") or []
-    if not data or not all(Path(p).exists() for p in data):
-        return
     import loaders
+
+    data = index.scan_options.get("data") or []
+    if not data or any(loaders.is_url(p) for p in data) or not all(Path(p).exists() for p in data):
+        return  # remote data is not read again just to check ids
 
     shards = loaders.open_source(list(data), on_error="skip").shards
     rows = np.array([s.num_rows if s.num_rows is not None else np.iinfo(np.int64).max for s in shards] or [0],
@@ -302,13 +314,15 @@ def index_settings(formatter, vision, source=None) -> dict:
         "max_total_tokens": cfg.max_total_tokens, "truncation_side": cfg.truncation_side, "add_bos": cfg.add_bos,
         "chat_template": repr(cfg.chat_template), "vision": repr(vision),
     }
+    if cfg.pretokenized is not None:  # set explicitly (None: detected per row)
+        out["pretokenized"] = cfg.pretokenized
     if source is not None:
         out["source_fingerprint"] = source.fingerprint()
     return out
 
 
 def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_error: str = "raise",
-                keep_tokens: bool = False, token_budget: int | None = None) -> pa.Table:
+                keep_tokens: bool = False, token_budget: int | None = None, progress: bool | None = None) -> pa.Table:
     """The length table of a whole `loaders.Source` for the DataLoader (`scan_parts`, in this process).
 
     The Shapes columns hold *full* token counts (as ``dynabatch scan`` writes them for the same
@@ -316,7 +330,8 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
     fingerprint); ``label_tokens`` counts the loss labels under ``formatter``'s max lengths. The
     metadata records the tokenization settings (`index_settings`). ``keep_tokens`` (text only)
     also keeps every sample's token ids under ``formatter`` in the `TOKEN_COLUMNS` (the token
-    cache), unless they pass ``token_budget`` bytes.
+    cache), unless they pass ``token_budget`` bytes. ``progress``: a tqdm bar of scanned samples
+    (None: only when stderr is a terminal).
     """
     if getattr(source, "max_samples_per_epoch", None) is not None:
         raise ValueError("the indexed mode plans every sample of the source; a source with max_samples_per_epoch "
@@ -325,8 +340,10 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
     full = replace(cfg, max_input_tokens=None, max_target_tokens=None, max_total_tokens=None)
     keep_tokens = keep_tokens and vision is None and formatter.vision is None
     kwargs = dict(family=cfg.family, vision=formatter.vision, batch_size=batch_size, truncation_side=full.truncation_side,
-                  add_bos=full.add_bos, chat_template=full.chat_template, on_error=on_error, label_config=cfg,
-                  keep_ids=keep_tokens, ids_budget=token_budget)
+                  add_bos=full.add_bos, chat_template=full.chat_template, pretokenized=full.pretokenized,
+                  on_error=on_error, label_config=cfg,
+                  keep_ids=keep_tokens, ids_budget=token_budget, progress=progress,
+                  progress_total=getattr(source, "num_rows", None), progress_desc="dynabatch: length index")
     table, _ = scan_parts(source, formatter.tokenizer, kwargs, workers=1)
     settings = json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode()
     meta = {SETTINGS_KEY: settings}

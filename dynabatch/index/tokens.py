@@ -122,19 +122,29 @@ def token_cache_bytes(shapes, family: str) -> int:
     return int(4 * (2 * (inp + tgt) if family == "decoder" else inp + tgt) + 16 * len(shapes))
 
 
-def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise") -> dict:
+def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise",
+               progress: bool | None = None) -> dict:
     """``{sample_id: EncodedSample}`` of a whole source under ``formatter`` (one tokenization pass,
-    natural order): the token cache of an index that came without one."""
+    natural order): the token cache of an index that came without one. ``progress``: a tqdm bar
+    of samples (None: only on a terminal)."""
+    from tqdm.auto import tqdm
+
     src = natural_order(source)
     out: dict = {}
     batch: list[dict] = []
-    for sample in src:
-        batch.append(sample)
-        if len(batch) >= batch_size:
+    with tqdm(total=getattr(source, "num_rows", None), desc="dynabatch: tokenize (token cache)", unit="sample",
+              disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
+        def flush():
             out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+            bar.update(len(batch))
             batch.clear()
-    if batch:
-        out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
+
+        for sample in src:
+            batch.append(sample)
+            if len(batch) >= batch_size:
+                flush()
+        if batch:
+            flush()
     return out
 
 

@@ -10,9 +10,11 @@ Two layouts, both built with numpy scatters over the concatenated ids of a micro
   a row (the ``pack`` baseline's fixed-length rows) and ``position_ids`` (``decoder_position_ids``
   too, encoder-decoder) restart at each sample.
 * `collate_packed`: all samples of the micro-batch in one row of ``T`` tokens, as
-  ``DataCollatorWithFlattening`` does: ``input_ids``/``labels``/``position_ids`` of shape [1, T],
-  ``position_ids`` restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]) and ``max_seqlen``
-  for variable-length attention kernels.
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` does: ``input_ids``/``labels``/
+  ``position_ids`` of shape [1, T], ``position_ids`` restarting at 0 per sample, ``cu_seqlens``
+  (int32, [n+1]) and ``max_seqlen`` (tokens) for variable-length attention kernels; decoder-only
+  batches repeat them under Hugging Face's names ``cu_seq_lens_q``/``cu_seq_lens_k`` and
+  ``max_length_q``/``max_length_k`` (see `model_inputs`).
 
 Labels are -100 (`IGNORE_INDEX`) on padding, on prompts (the `Formatter` masks them) and, for
 decoder-only models, on the first token of every sample. Hugging Face causal-LM models shift the
@@ -34,17 +36,37 @@ from ..core.kernels.rows import pad_rows
 
 IGNORE_INDEX = -100
 
+#: Hugging Face's names of the packed sample boundaries (``FlashAttentionKwargs``).
+FLASH_ATTN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
 #: Keys of a collated micro-batch that a Hugging Face model's ``forward`` accepts.
 MODEL_INPUT_KEYS = (
     "input_ids", "attention_mask", "labels", "position_ids", "decoder_input_ids",
-    "decoder_attention_mask", "pixel_values",
+    "decoder_attention_mask", "pixel_values", *FLASH_ATTN_KEYS,
 )
 
 
 def model_inputs(batch: Mapping, keys: Sequence[str] = MODEL_INPUT_KEYS) -> dict:
-    """The model-input tensors of a collated micro-batch (drops the metadata such as ``step``),
-    so that ``model(**model_inputs(batch))`` works."""
-    return {k: batch[k] for k in keys if k in batch}
+    """The model inputs of a collated micro-batch, so that ``model(**model_inputs(batch))`` works;
+    the metadata (``step``, ``sample_ids``, ``cu_seqlens``, ...) stays out.
+
+    Padded: ``input_ids``, ``attention_mask``, ``labels`` (+ ``position_ids`` for packed rows,
+    + the ``decoder_*`` tensors for encoder-decoder, + ``pixel_values``). Packed decoder-only:
+    ``input_ids``, ``labels``, ``position_ids`` [1, T], the flash-attention kwargs
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 [n+1]) and ``max_length_q``/``max_length_k``
+    (tokens), plus ``use_cache=False``. Hugging Face causal LMs take the four kwargs through
+    ``**kwargs``: ``flash_attention_2``/``_3`` run varlen attention on them, ``sdpa``/``eager``/
+    ``flex_attention`` ignore them and build the block-diagonal causal mask from the restarting
+    ``position_ids`` instead (``masking_utils.find_packed_sequence_indices``), which they only do
+    without an ``attention_mask`` and without a KV cache; hence ``use_cache=False`` (a cache is
+    built whenever ``config.use_cache`` is true, the default, and the samples would then attend
+    to each other). Packed encoder-decoder batches have no Hugging Face varlen path (T5, BART
+    attend across the row): use them with dynabatch's own models or padded collation.
+    """
+    out = {k: batch[k] for k in keys if k in batch}
+    if "cu_seq_lens_q" in out and "attention_mask" not in out:
+        out["use_cache"] = False
+    return out
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -246,6 +268,11 @@ def _within(lengths: np.ndarray, starts: np.ndarray, total: int) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
+def _flash_kwargs(cu: torch.Tensor, longest: int) -> dict:
+    """``cu_seqlens``/``max_seqlen`` under the names of Hugging Face's ``FlashAttentionKwargs``."""
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def collate_packed(
     samples: Sequence,
     *,
@@ -258,9 +285,14 @@ def collate_packed(
 
     Decoder-only: ``input_ids``, ``labels``, ``position_ids`` (int64, [1, T]) with positions
     restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]: each sample's start, then T) and
-    ``max_seqlen`` (int, the longest sample in tokens); the first label of every sample is -100.
-    Encoder-decoder: the same for the encoder side plus ``labels``, ``decoder_input_ids`` (shifted
-    right per sample), ``decoder_position_ids``, ``decoder_cu_seqlens`` and ``decoder_max_seqlen``.
+    ``max_seqlen`` (int, the longest sample in tokens), the same boundaries again under Hugging
+    Face's names ``cu_seq_lens_q``/``cu_seq_lens_k`` (the same tensor) and ``max_length_q``/
+    ``max_length_k``. The first label of every sample is -100 (the separator of
+    ``DataCollatorWithFlattening``): a causal LM's shifted loss then never predicts a sample's first
+    token from the previous sample (``mask_first_label=False`` keeps it, for models that do not
+    shift). Encoder-decoder: the same for the encoder side plus ``labels``, ``decoder_input_ids``
+    (shifted right per sample), ``decoder_position_ids``, ``decoder_cu_seqlens`` and
+    ``decoder_max_seqlen``; no Hugging Face names (no HF encoder-decoder model reads them).
     """
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
@@ -290,15 +322,17 @@ def collate_packed_flat(
     flat = np.asarray(flat, np.int64)
     lengths = np.asarray(lengths, np.int64)
     starts = np.cumsum(lengths) - lengths
+    cu, longest = torch.from_numpy(np.append(starts, len(flat)).astype(np.int32)), int(lengths.max(initial=0))
     out: dict = {
         "input_ids": torch.from_numpy(flat.reshape(1, -1)),
         "position_ids": torch.from_numpy(_within(lengths, starts, len(flat)).reshape(1, -1)),
-        "cu_seqlens": torch.from_numpy(np.append(starts, len(flat)).astype(np.int32)),
-        "max_seqlen": int(lengths.max(initial=0)),
+        "cu_seqlens": cu,
+        "max_seqlen": longest,
     }
     if family == "decoder":
         lab = _first_masked(second, lengths, starts) if mask_first_label else np.asarray(second, np.int64)
         out["labels"] = torch.from_numpy(lab.reshape(1, -1))
+        out.update(_flash_kwargs(cu, longest))
         return out
     start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
     tflat = np.asarray(second, np.int64)
@@ -326,9 +360,11 @@ def placeholder_batch(collation: str, *, family: str = "decoder", pad_id: int = 
     ignore = torch.full((1, length), IGNORE_INDEX, dtype=torch.int64)
     start = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
     if collation == "packed":
+        cu = torch.tensor([0, length], dtype=torch.int32)
         out = {"input_ids": ids, "position_ids": torch.arange(length).reshape(1, -1),
-               "cu_seqlens": torch.tensor([0, length], dtype=torch.int32), "max_seqlen": length,
-               "labels": ignore}
+               "cu_seqlens": cu, "max_seqlen": length, "labels": ignore}
+        if family == "decoder":
+            out.update(_flash_kwargs(cu, length))
         if family == "encoder_decoder":
             out.update(decoder_input_ids=torch.full((1, length), start, dtype=torch.int64),
                        decoder_position_ids=torch.arange(length).reshape(1, -1),

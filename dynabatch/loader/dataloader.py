@@ -1,13 +1,16 @@
 """`DataLoader`: a drop-in replacement for ``torch.utils.data.DataLoader`` that yields
-cost-balanced micro-batches.
+cost-balanced steps of micro-batches.
 
-Iterating yields this rank's micro-batches, step after step: dicts of tensors shaped like the
-Hugging Face collators' output (see `dynabatch.loader.collate`) plus metadata (``step``,
-``microbatch``, ``num_microbatches``, ``real_tokens``, ``step_real_tokens``,
-``step_target_tokens``, ``step_samples``, ``predicted_time_s``, ``predicted_memory_bytes``,
-``plan_time_s``, ``is_padding``, ``sample_ids``, ``epoch``). `DataLoader.steps` yields whole steps
-(`Step`: the list of micro-batches, with the step's plan) for gradient-accumulation loops. Every
-rank yields the same number of steps and the same number of micro-batches per step.
+Iterating yields one `Step` per optimizer step, as many as ``len(loader)`` says: the list of this
+rank's micro-batches of the step (gradient accumulation runs over them), with the step's plan and
+its real target-token count over all ranks (``step.target_tokens``, for loss normalization).
+Each micro-batch is a dict of tensors shaped like the Hugging Face collators' output (see
+`dynabatch.loader.collate`) plus metadata (``step``, ``microbatch``, ``num_microbatches``,
+``real_tokens``, ``step_real_tokens``, ``step_target_tokens``, ``step_samples``,
+``predicted_time_s``, ``predicted_memory_bytes``, ``plan_time_s``, ``is_padding``, ``sample_ids``,
+``epoch``); `DataLoader.microbatches` yields them one by one. Every rank yields the same number of
+steps and the same number of micro-batches per step. The constructor takes
+``torch.utils.data.DataLoader``'s arguments (`dynabatch.loader.torch_args`).
 
 The loader is a thin facade: it normalizes its keywords once (`dynabatch.loader.options`: one
 `PlanOptions` for every mode), opens the data and tokenizer, and delegates to one mode object
@@ -27,21 +30,25 @@ from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexe
 from .options import make_formatter, open_data, resolve
 from .step import Step
 from .records import CollateConfig
+from .torch_args import torch_keywords
 
 
 def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: int | None = None,
                 max_target_len: int | None = None, vision=None, add_bos: bool = False, truncation_side: str = "right",
                 format_config=None, path=None, on_error: str = "raise", source_options: dict | None = None,
-                split: str | None = None, cache_tokens: bool = False):
+                split: str | None = None, cache_tokens: bool = False, progress: bool | None = None,
+                pretokenized: bool | None = None):
     """Scan a dataset once into the length index the indexed mode plans with (a `pyarrow.Table`
     with the Shapes columns and ``label_tokens``, sorted by ``sample_id``; written to ``path`` as
     Parquet when given). Pass it as ``DataLoader(..., index=path)`` with the same tokenization
     arguments. ``cache_tokens=True`` (text only) also keeps every sample's token ids in two
-    ``large_list<int32>`` columns, from which a loader takes its token cache (about 8 bytes/token)."""
+    ``large_list<int32>`` columns, from which a loader takes its token cache (about 8 bytes/token).
+    ``progress``: a tqdm bar of scanned samples (None: only when stderr is a terminal)."""
     source = open_data(data, source_options, split)
     fmt = make_formatter(tokenizer, family, max_len=max_len, max_target_len=max_target_len, add_bos=add_bos,
-                         truncation_side=truncation_side, format_config=format_config, vision=vision)
-    table = scan_source(source, fmt, vision=vision, on_error=on_error, keep_tokens=cache_tokens)
+                         truncation_side=truncation_side, format_config=format_config, vision=vision,
+                         pretokenized=pretokenized)
+    table = scan_source(source, fmt, vision=vision, on_error=on_error, keep_tokens=cache_tokens, progress=progress)
     if path is not None:
         write_index_table(table, path)
     return table
@@ -56,6 +63,8 @@ class DataLoader:
         tokenizer: a ``tokenization.load_tokenizer`` spec or tokenizer object (default ``"bytes"``).
         family: ``"decoder"`` or ``"encoder_decoder"``; default from the cost model's kind.
         add_bos, truncation_side, format_config: formatting (`tokenization.FormatConfig`).
+        pretokenized: rows carry ``input_ids`` (and optional ``labels``) instead of text; default
+            None takes a row's ids as given when it has no text field, True whenever it has them.
         vision: a ``tokenization`` vision policy; default ``DynamicTiling()`` for a vision-language cost
             model. Micro-batches then carry ``image_tiles`` and, with ``load_pixels=True``, ``pixel_values``.
 
@@ -64,13 +73,18 @@ class DataLoader:
             (``batch_tokens=`` / ``batch_size=`` are deprecated names, warned about for one release).
         max_len / max_target_len: truncation in tokens, by the formatter and the planner alike.
         num_stages, method (default from ``collate``), method_options, schedule, memory_limit, seed,
-            drop_last: as in `PlanOptions`; ``num_ranks`` is the world size.
-        cost_model: a `CostModel` or a preset name on ``device`` (default ``"gpt"``, or a replayed
-            plan file's). collate: ``"padded"``, ``"packed"`` or ``"packed_rows"`` (default: the
+            shuffle, drop_last: as in `PlanOptions`; ``num_ranks`` is the world size.
+        batch_size (torch's): samples per step on this rank (``global_batch_size = batch_size *
+            world_size``); torch's other arguments: see `dynabatch.loader.torch_args`.
+        cost_model: a `CostModel` or a preset name on ``device`` (default: a replayed plan file's,
+            else ``"gpt"`` on a GPU and ``"gpt-tiny"`` / ``"t5-tiny"`` on a CPU).
+        device: a device preset, or ``"auto"`` (default: from the CUDA device name, else the
+            measured ``cpu`` profile; see `dynabatch.devices`). collate: ``"padded"``, ``"packed"`` or ``"packed_rows"`` (default: the
             method's). pad_to_multiple_of: default the cost model's ``pad_multiple``.
         mode: ``"auto"``, ``"indexed"`` or ``"streaming"``; index / index_cache: the indexed mode's
             length index (else the data is scanned once); cache_tokens: keep token ids in memory
-            (default: when they fit in 2 GiB); plan: a plan file to replay.
+            (default: when they fit in 2 GiB); plan: a plan file to replay. progress: tqdm bars
+            while the index and token cache are built (None: only when stderr is a terminal).
         plan_ahead: steps planned ahead; plan_processes: indexed mode without workers, plan in
             forked processes; buffer_tokens, chunk_size: streaming lookahead and tokenizer batch;
             collective: streaming only (default torch.distributed when initialized, else one rank).
@@ -92,10 +106,10 @@ class DataLoader:
     was when they started.
     """
 
-    def __init__(self, data, *, options=None, feedback=None, **kwargs):
+    def __init__(self, data, *args, options=None, feedback=None, **kwargs):
         from tokenization import DynamicTiling
 
-        r = resolve(kwargs, options)
+        r = resolve(torch_keywords(args, kwargs, options), options)
         s = self.settings = r.settings
         self.options, self.cost, self.family = r.options, r.cost, r.family
         self.rank, self.world_size = r.rank, r.world_size
@@ -107,7 +121,7 @@ class DataLoader:
         o = self.options
         self.formatter = make_formatter(s.tokenizer, self.family, max_len=o.max_len, max_target_len=o.max_target_len,
                                         add_bos=s.add_bos, truncation_side=s.truncation_side,
-                                        format_config=s.format_config, vision=vision)
+                                        format_config=s.format_config, vision=vision, pretokenized=s.pretokenized)
         self.tokenizer = self.formatter.tokenizer
         self.pad_to_multiple_of = int(self.cost.pad_multiple)
         collate = CollateConfig(
@@ -119,6 +133,10 @@ class DataLoader:
         if mode == "auto":
             indexed = r.plan_file is not None or s.index is not None or getattr(self.source, "map_style", False)
             mode = "indexed" if indexed else "streaming"
+        if mode == "streaming" and r.explicit.get("shuffle"):
+            raise ValueError("shuffle=True needs the indexed mode (a map-style dataset or index=); a streaming "
+                             "source is read in its own order: shuffle it at the source (e.g. "
+                             "datasets.IterableDataset.shuffle, or the loaders source's shuffle options)")
         if mode == "indexed" and not (getattr(self.source, "supports_random_access", False)
                                       and not hasattr(self.source, "shard_ranges") and self.source.num_rows is not None):
             raise ValueError(f"{type(self.source).__name__} cannot be read by sample id (a mixture, or a source "
@@ -161,7 +179,10 @@ class DataLoader:
 
     # -- torch.utils.data.DataLoader surface ---------------------------------------------------------
     def __len__(self) -> int:
-        """Steps of the current epoch (indexed and replay modes); streaming raises TypeError."""
+        """Steps of the current epoch on this rank (the same on every rank): what iterating the
+        loader yields, and what an LR scheduler or ``transformers.Trainer`` counts as optimizer
+        steps (indexed and replay modes; streaming raises TypeError, as torch does for an
+        iterable dataset without a length)."""
         if not isinstance(self._mode, IndexedMode):
             raise TypeError("len() is unknown in the streaming mode (the number of steps depends on the data "
                             "each rank reads); use the indexed mode for a known length")
@@ -171,7 +192,15 @@ class DataLoader:
         """Select the epoch the next iteration runs (a pending resume of another epoch is dropped)."""
         self._mode.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Step]:
+        """One `Step` per optimizer step, ``len(loader)`` of them: the same as `steps`."""
+        return self.steps()
+
+    def microbatches(self) -> Iterator[dict]:
+        """This rank's micro-batch dicts one by one, step after step (each carries ``step``,
+        ``microbatch``, ``num_microbatches`` and ``step_target_tokens``); a micro-batch counts as
+        consumed for `state_dict` once it is yielded. Their number is not known before the steps
+        are planned: loops that count (LR schedules, ``Trainer``) iterate the loader instead."""
         mode = self._mode
         for ready, skip in mode.run():
             for i in range(skip, len(ready.batches)):
@@ -179,9 +208,9 @@ class DataLoader:
                 yield self._pin(ready.batches[i])
 
     def steps(self) -> Iterator[Step]:
-        """Whole steps: `Step` s (lists of this rank's micro-batches, with the step's ``plan``,
-        ``shapes``, ``target_tokens`` and ``cost_version``). A step counts as consumed for
-        `state_dict` once it is yielded."""
+        """Whole steps, ``len(loader)`` of them: `Step` s (lists of this rank's micro-batches, with
+        the step's ``plan``, ``shapes``, ``target_tokens`` and ``cost_version``); iterating the
+        loader does the same. A step counts as consumed for `state_dict` once it is yielded."""
         mode = self._mode
         for ready, skip in mode.run():
             mode.advance(ready, len(ready.batches))

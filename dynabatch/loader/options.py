@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.cost import CostModel
-from ..core.options import DEPRECATED_NAMES, PlanOptions, default_method, method_collation, renamed
+from ..core.options import DEPRECATED_NAMES, PlanOptions, check_int, default_method, method_collation, renamed
 from .pixels import IMAGENET_MEAN, IMAGENET_STD
 
 MODES = ("auto", "indexed", "streaming")
@@ -29,7 +29,7 @@ class LoaderSettings:
 
     tokenizer: Any = "bytes"
     cost_model: Any = None
-    device: str = "a100-80gb"
+    device: str = "auto"  # a device preset, or "auto": this machine's (dynabatch.devices)
     rank: int | None = None
     world_size: int | None = None
     num_workers: int = 0
@@ -37,6 +37,8 @@ class LoaderSettings:
     prefetch_factor: int | None = None
     timeout: float = 0
     multiprocessing_context: Any = None
+    worker_init_fn: Any = None
+    persistent_workers: bool = False
     collate: str | None = None
     pad_to_multiple_of: int | None = None
     family: str | None = None
@@ -61,23 +63,30 @@ class LoaderSettings:
     split: str | None = None
     cache_tokens: bool | None = None
     plan_processes: int | None = None
+    progress: bool | None = None
+    pretokenized: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'auto', 'indexed' or 'streaming', got {self.mode!r}")
-        if self.num_workers < 0:
-            raise ValueError("num_workers must be >= 0")
-        if self.plan_processes is not None and int(self.plan_processes) < 0:
-            raise ValueError("plan_processes must be >= 0")
+        for name, minimum in (("num_workers", 0), ("plan_ahead", 0), ("plan_processes", 0), ("chunk_size", 1),
+                              ("buffer_tokens", 1), ("prefetch_factor", 1), ("pad_to_multiple_of", 1)):
+            setattr(self, name, check_int(name, getattr(self, name), minimum=minimum,
+                                          optional=name not in ("num_workers", "plan_ahead", "chunk_size")))
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
         if self.plan is not None and self.mode == "streaming":
             raise ValueError("plan= replays a plan by sample id, which needs the indexed mode")
 
     @property
     def loader_kwargs(self) -> dict:
         """Keywords for the ``torch.utils.data.DataLoader`` of the workers."""
-        kw = {"timeout": self.timeout, "multiprocessing_context": self.multiprocessing_context}
+        kw = {"timeout": self.timeout, "multiprocessing_context": self.multiprocessing_context,
+              "worker_init_fn": self.worker_init_fn}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kw["prefetch_factor"] = self.prefetch_factor
+        if self.num_workers > 0 and self.persistent_workers:
+            kw["persistent_workers"] = True
         return kw
 
 
@@ -100,6 +109,8 @@ def resolve_layout(rank, world_size) -> tuple[int, int]:
     """(rank, world size): explicit values, else torch.distributed's when initialized, else (0, 1)."""
     from loaders import Layout
 
+    check_int("world_size", world_size)
+    check_int("rank", rank, minimum=0)
     layout = Layout.resolve(rank=rank, world_size=world_size, worker_id=0, num_workers=1)
     return layout.rank, layout.world_size
 
@@ -125,7 +136,7 @@ def resolve(kwargs: dict, options: PlanOptions | None) -> Resolved:
         raise ValueError(f"options.num_ranks={options.num_ranks} but the loader's world size is {world_size}; the "
                          "loader plans for its world size (leave num_ranks at 1 or set it to the world size)")
     method, collate = planning.pop("method", None), s.collate
-    explicit = {"method": method, "collation": collate, "family": s.family,
+    explicit = {"method": method, "collation": collate, "family": s.family, "shuffle": planning.get("shuffle"),
                 **{k: planning.get(k) for k in ("global_batch_tokens", "global_batch_size", "max_len",
                                                  "max_target_len")}}
     plan_file, cost_model, family = None, s.cost_model, s.family
@@ -158,20 +169,20 @@ def resolve(kwargs: dict, options: PlanOptions | None) -> Resolved:
         except ValueError:
             raise ValueError("give the global batch size either in tokens (global_batch_tokens=) or in samples "
                              "(global_batch_size=), not both or neither") from None
-    cost = _cost_model(cost_model, s.device, opts.num_stages, s.pad_to_multiple_of)
+    cost = _cost_model(cost_model, s.device, opts.num_stages, s.pad_to_multiple_of, family)
     family = family or ("encoder_decoder" if cost.kind == "encoder_decoder" else "decoder")
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
     return Resolved(s, opts, cost, family, rank, world_size, plan_file, explicit)
 
 
-def _cost_model(cost_model, device: str, num_stages: int, pad_to_multiple_of) -> CostModel:
-    if cost_model is None:
-        cost_model = "gpt"
-    if isinstance(cost_model, str):
-        cost_model = CostModel.preset(cost_model, device, num_stages=num_stages)
-    elif not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a preset name or a CostModel, got {type(cost_model).__name__}")
+def _cost_model(cost_model, device: str, num_stages: int, pad_to_multiple_of, family: str | None = None) -> CostModel:
+    """A preset name (default: ``gpt`` on a GPU, ``gpt-tiny``/``t5-tiny`` by ``family`` on the cpu) on
+    ``device`` (``"auto"``: this machine's; an explicit GPU preset is checked against it), or a
+    `CostModel` as given; see `dynabatch.devices.loader_cost_model`."""
+    from ..devices import loader_cost_model
+
+    cost_model = loader_cost_model(cost_model, device, num_stages, family)
     if pad_to_multiple_of is not None and int(pad_to_multiple_of) != cost_model.pad_multiple:
         cost_model = copy.copy(cost_model)  # plan with the padding the batches will have
         cost_model.pad_multiple = int(pad_to_multiple_of)
@@ -179,21 +190,25 @@ def _cost_model(cost_model, device: str, num_stages: int, pad_to_multiple_of) ->
 
 
 def make_formatter(tokenizer, family: str, *, max_len=None, max_target_len=None, add_bos=False,
-                   truncation_side="right", format_config=None, vision=None):
+                   truncation_side="right", format_config=None, vision=None, pretokenized=None):
     """The `tokenization.Formatter` the loader tokenizes with: ``max_len`` caps the whole sequence
-    (decoder-only) or the input (encoder-decoder), ``max_target_len`` the target."""
+    (decoder-only) or the input (encoder-decoder), ``max_target_len`` the target; ``pretokenized``
+    as `tokenization.FormatConfig`'s (None: rows without text but with ``input_ids`` are taken as
+    given; True: every row's ``input_ids``, even beside a text column)."""
     from tokenization import FormatConfig, Formatter, load_tokenizer
 
     if format_config is None:
         if family == "decoder":
             format_config = FormatConfig(family="decoder", max_total_tokens=max_len, add_bos=add_bos,
-                                         truncation_side=truncation_side)
+                                         truncation_side=truncation_side, pretokenized=pretokenized)
         else:
             format_config = FormatConfig(family="encoder_decoder", max_input_tokens=max_len,
                                          max_target_tokens=max_target_len, add_bos=add_bos,
-                                         truncation_side=truncation_side)
+                                         truncation_side=truncation_side, pretokenized=pretokenized)
     elif format_config.family != family:
         raise ValueError(f"format_config.family={format_config.family!r} but the loader's family is {family!r}")
+    elif pretokenized is not None:
+        raise TypeError("give pretokenized= in format_config or as a keyword, not both")
     return Formatter(load_tokenizer(tokenizer), format_config, vision=vision)
 
 

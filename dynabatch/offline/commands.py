@@ -200,10 +200,13 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, metavar="PLAN.parquet", help="where to write the plan")
     g = p.add_argument_group("cost model")
     g.add_argument("--model", default="gpt", metavar="PRESET|COSTS.json",
-                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default gpt) or a saved cost model "
+                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default gpt; gpt-tiny / t5-tiny for a "
+                        "CPU) or a saved cost model "
                         "JSON (CostModel.save, e.g. from profiling)")
     g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
-                   help="device preset for a --model preset (default a100-80gb)")
+                   help="device preset for a --model preset (default a100-80gb, whatever this machine has: an "
+                        "offline plan is for the cluster that trains; the DataLoader's device='auto' is not used "
+                        "here)")
     g = p.add_argument_group("run length")
     g.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
     add_plan_options(p)
@@ -257,9 +260,9 @@ def _cmd_scan(args) -> int:
 
 
 def _cost_model(args):
-    from ..core.cost import MODEL_PRESETS, CostModel
+    from ..core.cost import MODEL_PRESETS, TINY_MODEL_PRESETS, CostModel
 
-    if args.model in MODEL_PRESETS:
+    if args.model in MODEL_PRESETS + TINY_MODEL_PRESETS:
         return CostModel.preset(args.model, args.device, num_stages=args.stages)
     if not Path(args.model).is_file():
         raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a cost "

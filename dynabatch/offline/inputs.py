@@ -85,12 +85,16 @@ def _files(path: Path) -> list[Path]:
 
 
 def is_index(paths) -> bool:
-    """True when every path holds token counts (see the module docstring), False when none does.
+    """True when every path holds token counts (see the module docstring), False when none does
+    (remote ``s3://``... paths count as raw data).
 
     Raises `OfflineError` for a missing path or a mix of index files and raw data.
     """
-    kinds = {}
-    for p in map(Path, [paths] if isinstance(paths, (str, os.PathLike)) else paths):
+    import loaders
+
+    listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    kinds = {str(q): False for q in listed if loaders.is_url(q)}  # remote paths are raw data
+    for p in map(Path, [q for q in listed if not loaders.is_url(q)]):
         if not p.exists() and not any(ch in str(p) for ch in "*?{["):
             raise OfflineError(f"{p}: no such file or directory")
         files = _files(p) if p.exists() else []

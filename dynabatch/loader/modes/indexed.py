@@ -85,7 +85,8 @@ def _token_cache(ctx: Context, index, table, settings) -> TokenCache | None:
         if tc is not None:
             return tc
     t0 = time.perf_counter()
-    tc = TokenCache.from_encoded(index, encode_all(ctx.source, ctx.formatter, on_error=ctx.settings.on_error),
+    tc = TokenCache.from_encoded(index, encode_all(ctx.source, ctx.formatter, on_error=ctx.settings.on_error,
+                                                        progress=ctx.settings.progress),
                                  ctx.family)
     if tc is None:
         logger.warning("token cache off: the data lacks samples of the length index (stale index?)")
@@ -104,7 +105,7 @@ def _scan_index(ctx: Context, index_cache, settings, keep_tokens: bool = False):
         logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)
     t0 = time.perf_counter()
     table = scan_source(ctx.source, ctx.formatter, vision=ctx.vision, on_error=ctx.settings.on_error,
-                        keep_tokens=keep_tokens,
+                        keep_tokens=keep_tokens, progress=ctx.settings.progress,
                         token_budget=TOKEN_CACHE_BUDGET if ctx.settings.cache_tokens is None else None)
     logger.info("built the length index of %d samples in %.1f s (one tokenization pass; pass index= or "
                 "index_cache= to reuse it)", table.num_rows, time.perf_counter() - t0)

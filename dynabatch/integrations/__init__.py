@@ -1,0 +1,25 @@
+"""Training-framework integrations: one dynabatch `Step` = one optimizer step.
+
+* `step_backward` (torch only; ``accelerate`` optional): forward/backward a step's micro-batches
+  with the loss normalized by the step's real target tokens, for hand-written and ``accelerate``
+  loops; `model_loss` is its default loss function.
+* `DynabatchTrainer` (``transformers``): a ``transformers.Trainer`` that trains from a
+  `dynabatch.DataLoader`, with exact resume from its checkpoints.
+
+Nothing here is imported by ``import dynabatch``; names load on first use, so `step_backward`
+does not import ``transformers``.
+"""
+
+_LAZY = {
+    "step_backward": "accumulation", "model_loss": "accumulation", "step_target_tokens": "accumulation",
+    "DynabatchTrainer": "hf", "LOADER_STATE_NAME": "hf", "steps_in_epoch": "hf", "training_schedule": "hf",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,144 @@
+"""One dynabatch `Step` = one optimizer step: forward and backward every micro-batch of the step
+with the loss normalized by the step's real target tokens.
+
+`step_backward` is the one place where dynabatch's per-step loss normalization lives; the
+`transformers.Trainer` subclass (`dynabatch.integrations.hf.DynabatchTrainer`) and hand-written
+``accelerate`` loops both call it. The rule: each micro-batch's loss is the SUM of its per-token
+losses divided by ``step.target_tokens`` (the loss labels of the whole step over all ranks and
+micro-batches), times the data-parallel world size because DDP/FSDP average gradients over ranks.
+Summing the backward passes of the step's micro-batches then gives the gradient of the mean loss
+per target token of the whole global batch, however the samples were grouped. A per-micro-batch
+mean (what ``model(...).loss`` returns without ``num_items_in_batch``) would weigh the tokens of
+small micro-batches more.
+
+Loss functions follow Hugging Face's convention: ``loss_fn(model, inputs, num_items_in_batch)``
+returns ``sum of per-token losses / num_items_in_batch``, which is what a Transformers model's
+``forward(..., num_items_in_batch=n).loss`` and ``Trainer``'s ``compute_loss_func`` return. A
+placeholder micro-batch (``is_padding``: every label -100, run so that every rank does the same
+number of forward/backward passes) then has a loss of exactly 0 and adds nothing to the gradient.
+
+Only torch is needed here (``accelerate`` is optional: pass an ``Accelerator`` to use its
+``backward`` and ``no_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..loader.collate import model_inputs
+
+
+def model_loss(model, inputs: Mapping, num_items_in_batch: int) -> torch.Tensor:
+    """The default ``loss_fn``: ``model(**inputs, num_items_in_batch=num_items_in_batch).loss``.
+
+    With a Hugging Face model (causal LM or seq2seq; its forward takes ``num_items_in_batch``
+    through ``**kwargs``) this is the micro-batch's summed cross-entropy in nats divided by
+    ``num_items_in_batch`` (a count of loss tokens): a float scalar tensor. Transformers' causal-LM
+    loss computes it in float32 even for a float64 model."""
+    return model(**inputs, num_items_in_batch=num_items_in_batch).loss
+
+
+def step_target_tokens(step: Sequence[Mapping]) -> int:
+    """Real target (loss) tokens of the whole step over all ranks: ``step.target_tokens`` of a
+    `dynabatch.Step`, else the first micro-batch's ``step_target_tokens`` (a plain list of
+    micro-batch dicts works too)."""
+    n = getattr(step, "target_tokens", None)
+    if n is None:
+        if not len(step):
+            return 0
+        n = step[0]["step_target_tokens"]
+    return int(n)
+
+
+def _data_parallel_size(accelerator) -> int:
+    if accelerator is not None:
+        return int(accelerator.num_processes)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_world_size())
+    return 1
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _to_device(inputs: Mapping, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, world_size: int | None = None,
+                  prepare: Callable[[dict], dict] | None = None) -> torch.Tensor:
+    """Forward and backward all micro-batches of one dynabatch step; call ``optimizer.step()``
+    after it (it neither steps nor zeroes the gradients).
+
+    Each micro-batch ``mb`` runs ``loss_fn(model, prepare(model_inputs(mb)), step.target_tokens)``
+    (default `model_loss`: ``model(**inputs, num_items_in_batch=...).loss``, the micro-batch's summed
+    per-token loss / the step's target tokens), multiplied by ``world_size``, and backward. All
+    micro-batches but the last run under ``accelerator.no_sync(model)`` (or ``model.no_sync()`` for
+    a bare DDP model), so gradients are all-reduced once per step. After the call the accumulated
+    gradient is that of the mean loss per target token over the whole global batch (all ranks).
+
+    Args:
+        model: the model, prepared by ``accelerator.prepare`` / wrapped in DDP when distributed.
+        step: a `dynabatch.Step` (this rank's micro-batch dicts with ``target_tokens``); a plain
+            list of micro-batch dicts works too (``step_target_tokens`` is read from them).
+        accelerator: an ``accelerate.Accelerator`` (backward, no_sync, device, world size); its
+            ``gradient_accumulation_steps`` must be 1 (the accumulation happens here, inside the
+            step: do not also wrap the call in ``accelerator.accumulate``). None: plain
+            ``loss.backward()`` and ``model.no_sync()`` when the model has it.
+        loss_fn: ``(model, inputs, num_items_in_batch) -> loss`` returning the micro-batch's summed
+            per-token loss divided by ``num_items_in_batch`` (Hugging Face's convention); it must
+            give exactly 0 for a placeholder micro-batch (all labels -100), which a summed loss does.
+        world_size: data-parallel ranks whose gradients are averaged (default: the
+            accelerator's ``num_processes``, else ``torch.distributed``'s world size, else 1).
+        prepare: maps the model inputs of a micro-batch to what ``loss_fn`` gets (default: move the
+            tensors to the accelerator's device, else to the model's).
+
+    Returns:
+        The detached sum of the backpropagated losses: this rank's share of the step's loss per
+        target token, times ``world_size`` (averaged over ranks it is the step's mean loss per
+        target token, in nats; on one rank it is that mean itself).
+    """
+    if accelerator is not None and int(getattr(accelerator, "gradient_accumulation_steps", 1)) != 1:
+        raise ValueError(
+            f"the accelerator has gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; it would "
+            "divide every loss by it, but a dynabatch step already accumulates over its micro-batches: create the "
+            "Accelerator with gradient_accumulation_steps=1 (the default)")
+    loss_fn = model_loss if loss_fn is None else loss_fn
+    if prepare is None:
+        device = accelerator.device if accelerator is not None else _model_device(model)
+        prepare = lambda inputs: _to_device(inputs, device)  # noqa: E731
+    scale = _data_parallel_size(accelerator) if world_size is None else int(world_size)
+    # a step without loss tokens (e.g. only prompts) gives 0 / 1 = 0, not 0 / 0
+    num_items = max(step_target_tokens(step), 1)
+    total = None
+    for i, mb in enumerate(step):
+        last = i == len(step) - 1
+        if last:
+            sync = contextlib.nullcontext()
+        elif accelerator is not None:
+            sync = accelerator.no_sync(model)
+        else:
+            sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+        with sync:
+            loss = loss_fn(model, prepare(model_inputs(mb)), num_items) * scale
+            if mb.get("is_padding") and loss.detach().abs().item() != 0:
+                raise ValueError("loss_fn gave a nonzero loss on a placeholder micro-batch (all labels -100): it must "
+                                 "return the summed per-token loss / num_items_in_batch, not a per-micro-batch mean")
+            if accelerator is not None:
+                accelerator.backward(loss)
+            else:
+                loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if total is None:
+        return torch.zeros((), device=accelerator.device if accelerator is not None else _model_device(model))
+    return total
+
+
+__all__ = ["model_loss", "step_backward", "step_target_tokens"]

@@ -1,0 +1,287 @@
+"""`DynabatchTrainer`: ``transformers.Trainer`` trained from a `dynabatch.DataLoader`, one dynabatch
+`Step` per optimizer step.
+
+The Trainer iterates the loader itself (``get_train_dataloader`` returns it as is: no
+``accelerator.prepare``, no sampler, no sharding, since dynabatch already gives each rank its own
+micro-batches) and takes each `Step` as one "batch" with ``gradient_accumulation_steps=1``.
+`DynabatchTrainer.training_step` accumulates over the step's micro-batches with
+`dynabatch.integrations.accumulation.step_backward`: each micro-batch's ``compute_loss`` gets
+``num_items_in_batch = step.target_tokens`` (the step's loss tokens over all ranks), the loss is
+multiplied by the world size under DDP, and all but the last micro-batch run under
+``accelerator.no_sync``. So ``global_step`` counts optimizer steps = dynabatch steps, ``len(loader)``
+of them per epoch (epochs may differ in length: token-budget batches are cut anew each epoch, and
+``max_steps`` is their sum), ``state.epoch`` reaches ``num_train_epochs``, ``set_epoch`` is called on
+the loader each epoch, and the logged ``loss`` is the mean loss per target token of the steps. A
+streaming-mode loader has no length: ``max_steps`` is required and ``state.epoch`` follows Trainer's
+convention for iterable data (``max_steps`` steps per "epoch").
+
+Checkpoints hold the loader's ``state_dict()`` (``dynabatch_loader_rank{r}.json`` per rank);
+``train(resume_from_checkpoint=...)`` loads it and continues exactly after the last trained step
+instead of Trainer's ``skip_first_batches`` (``ignore_data_skip`` is forced on). A checkpoint
+without that file is refused.
+
+Not supported (refused at construction): ``gradient_accumulation_steps != 1``, DeepSpeed, and
+``nn.DataParallel`` (several GPUs in one process; use DDP through ``torchrun``/``accelerate launch``).
+Requires a model whose forward takes ``num_items_in_batch`` (Transformers models do), or a
+``compute_loss_func``.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import inspect
+import json
+import math
+import os
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..loader.collate import model_inputs
+from ..loader.step import Step
+from .accumulation import step_backward
+
+#: File name of a rank's loader state inside a checkpoint folder.
+LOADER_STATE_NAME = "dynabatch_loader_rank{rank}.json"
+
+
+def steps_in_epoch(loader, epoch: int) -> int | None:
+    """Optimizer steps (dynabatch steps) of ``epoch``, or None when unknown (streaming mode)."""
+    mode = loader.mode_object
+    if not hasattr(mode, "num_steps"):
+        return None
+    return int(mode.num_steps(epoch))
+
+
+def training_schedule(loader, num_train_epochs: float, max_steps: int = -1) -> tuple[int, int]:
+    """(epochs to iterate, total optimizer steps) of a run over ``loader`` (indexed mode).
+
+    ``max_steps > 0`` wins (epochs: as many as hold that many steps); otherwise
+    ``num_train_epochs`` whole epochs plus ``ceil(fraction * steps of the next epoch)`` steps."""
+    if max_steps > 0:
+        epochs, total = 0, 0
+        while total < max_steps:
+            n = steps_in_epoch(loader, epochs)
+            if n <= 0:
+                raise ValueError(f"epoch {epochs} of the loader has no steps")
+            total, epochs = total + n, epochs + 1
+        return epochs, int(max_steps)
+    full = int(num_train_epochs)
+    total = sum(steps_in_epoch(loader, e) for e in range(full))
+    frac = num_train_epochs - full
+    if frac > 0:
+        total += math.ceil(frac * steps_in_epoch(loader, full))
+    return math.ceil(num_train_epochs), int(total)
+
+
+def _dynabatch_args(args: TrainingArguments | None) -> TrainingArguments:
+    """A copy of ``args`` with what a dynabatch step needs (the caller's object is left alone)."""
+    if args is None:
+        args = TrainingArguments(output_dir="tmp_trainer")
+    if args.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: with DynabatchTrainer one dynabatch step "
+            "is one optimizer step and the accumulation runs over its micro-batches; size the step with the loader's "
+            "global_batch_tokens / global_batch_size and leave gradient_accumulation_steps=1")
+    args = copy.copy(args)
+    # the loader resumes exactly from its own state: Trainer must not skip batches on resume
+    args.ignore_data_skip = True
+    # step.target_tokens already counts every rank's tokens; step_backward multiplies by the world size
+    args.average_tokens_across_devices = False
+    return args
+
+
+class _ResumedEpochCallback(TrainerCallback):
+    """Trainer sets ``state.epoch = epoch + (k + 1) / steps_in_epoch`` counting the steps it ran in
+    this epoch; a resumed epoch already had ``done`` steps: add ``done / steps_in_epoch``."""
+
+    def __init__(self, trainer: "DynabatchTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.epoch += self.trainer._epoch_shift
+        return control
+
+
+class DynabatchTrainer(Trainer):
+    """``transformers.Trainer`` whose training data is a `dynabatch.DataLoader`: one dynabatch
+    `Step` (this rank's micro-batches) per optimizer step, loss normalized by the step's real
+    target tokens over all ranks (see the module docstring).
+
+    Args:
+        train_loader: the `dynabatch.DataLoader` (keyword only) built with this process's
+            ``rank``/``world_size`` (the defaults, from ``torch.distributed``, do that). Indexed mode:
+            ``len(loader)`` steps per epoch, ``num_train_epochs`` or ``max_steps``; streaming mode:
+            ``max_steps`` is required.
+        *args, **kwargs: ``transformers.Trainer``'s (``model``, ``args``, ``eval_dataset``,
+            ``compute_loss_func``, ``callbacks``, ...), without ``train_dataset``/``data_collator``
+            for training. ``args.gradient_accumulation_steps`` must be 1; the Trainer works on a copy
+            of ``args`` with ``ignore_data_skip=True`` and ``average_tokens_across_devices=False``.
+    """
+
+    def __init__(self, *args, train_loader, **kwargs):
+        params = list(inspect.signature(Trainer.__init__).parameters)[1:]
+        bound = dict(zip(params, args))
+        bound.update(kwargs)
+        if bound.get("train_dataset") is not None:
+            raise ValueError("pass the training data as train_loader=dynabatch.DataLoader(...), not train_dataset=")
+        bound["args"] = _dynabatch_args(bound.get("args"))
+        super().__init__(**bound)
+        self.train_loader = train_loader
+        self._epoch_shift = 0.0
+        self._resume_point: tuple[int, int] | None = None
+        self.callback_handler.callbacks.insert(0, _ResumedEpochCallback(self))
+        self._check_setup()
+
+    def _check_setup(self) -> None:
+        a, loader = self.args, self.train_loader
+        if a.gradient_accumulation_steps != 1 or int(self.accelerator.gradient_accumulation_steps) != 1:
+            raise ValueError("DynabatchTrainer needs gradient_accumulation_steps=1 (also in accelerator_config)")
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError("DynabatchTrainer does not support DeepSpeed (its engine accumulates by itself)")
+        if a.n_gpu > 1:
+            raise NotImplementedError("DynabatchTrainer does not support nn.DataParallel (several GPUs in one process): "
+                                      "launch one process per GPU (torchrun / accelerate launch)")
+        if int(loader.world_size) != int(a.world_size):
+            raise ValueError(f"the loader was built for world_size={loader.world_size} but the Trainer runs "
+                             f"{a.world_size} processes: build it in each process with rank=/world_size= of the job")
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None or self.label_smoother is not None):
+            raise ValueError("the model's forward does not take num_items_in_batch, so its loss is a per-micro-batch "
+                             "mean; pass compute_loss_func=(outputs, labels, num_items_in_batch) returning the summed "
+                             "per-token loss / num_items_in_batch")
+        if steps_in_epoch(loader, 0) is None and a.max_steps <= 0:
+            raise ValueError("a streaming-mode loader has no length: set TrainingArguments(max_steps=...)")
+
+    # -- data ----------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        """The dynabatch loader itself: already sharded by rank, not prepared by accelerate."""
+        return self.train_loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The next ``num_batches`` (1) `Step` s; no ``num_items_in_batch``: each step carries its own."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        for b in batches:
+            if not isinstance(b, Step):
+                raise TypeError(f"DynabatchTrainer trains on dynabatch Steps (iterate the loader), got {type(b).__name__}")
+        return batches, None
+
+    def num_examples(self, dataloader) -> int:
+        """Samples of the data (the loader's length index), for Trainer's logs."""
+        if dataloader is self.train_loader and self.train_loader.index is not None:
+            return len(self.train_loader.index)
+        return super().num_examples(dataloader)
+
+    # -- schedule ------------------------------------------------------------------------------
+    def set_initial_training_values(self, args, dataloader):
+        """Trainer's values with ``max_steps``/epochs from every epoch's own step count."""
+        values = list(super().set_initial_training_values(args, dataloader))
+        if dataloader is self.train_loader and steps_in_epoch(self.train_loader, 0) is not None:
+            values[0], values[6] = training_schedule(self.train_loader, args.num_train_epochs, args.max_steps)
+        return tuple(values)
+
+    def _run_epoch(self, *args, **kwargs):
+        """Trainer's epoch with this epoch's step count (and the steps left of a resumed epoch)."""
+        a = inspect.signature(Trainer._run_epoch).bind(self, *args, **kwargs).arguments
+        a.pop("self")
+        n = steps_in_epoch(self.train_loader, a["epoch"])
+        self._epoch_shift = 0.0
+        if n is not None:
+            done = 0
+            if self._resume_point is not None and self._resume_point[0] == a["epoch"]:
+                done = self._resume_point[1]
+                self._epoch_shift = done / n
+            a["steps_in_epoch"], a["num_update_steps_per_epoch"] = n, n - done
+        self._resume_point = None
+        try:
+            return super()._run_epoch(**a)
+        finally:
+            self._epoch_shift = 0.0
+
+    # -- one step --------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Forward/backward of every micro-batch of the `Step` ``inputs`` (`step_backward` with this
+        Trainer's ``compute_loss``, ``_prepare_inputs`` and accelerator); returns the detached step
+        loss per target token (this rank's share times the world size)."""
+        if not isinstance(inputs, Step):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+
+        def loss_fn(model, mb_inputs, n):
+            with self.compute_loss_context_manager():
+                return self.compute_loss(model, mb_inputs, num_items_in_batch=n)
+
+        return step_backward(model, inputs, accelerator=self.accelerator, loss_fn=loss_fn,
+                             world_size=self.args.world_size, prepare=self._prepare_inputs)
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, Step):
+            return sum(super(DynabatchTrainer, self).floating_point_ops(model_inputs(mb)) for mb in inputs)
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs):
+        how = self.args.include_num_input_tokens_seen
+        if not isinstance(inputs, Step) or how == "no":
+            return super()._track_num_input_tokens(inputs)
+        n = sum(int(mb["attention_mask"].sum()) if how == "non_padding" and "attention_mask" in mb
+                else mb["input_ids"].numel() for mb in inputs if not mb.get("is_padding"))
+        n = torch.as_tensor(n, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(n).sum().item()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint plus this rank's loader state (``LOADER_STATE_NAME``)."""
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOADER_STATE_NAME.format(rank=self.train_loader.rank))
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.train_loader.state_dict(), f)
+        os.replace(path + ".tmp", path)
+        super()._save_checkpoint(model, trial)
+
+    def _load_loader_state(self, checkpoint: str) -> None:
+        loader = self.train_loader
+        own = os.path.join(checkpoint, LOADER_STATE_NAME.format(rank=loader.rank))
+        paths = sorted(glob.glob(os.path.join(checkpoint, LOADER_STATE_NAME.format(rank="*"))))
+        if not paths:
+            raise FileNotFoundError(
+                f"{checkpoint} holds no dynabatch loader state ({LOADER_STATE_NAME.format(rank=loader.rank)}): it was "
+                "not saved by DynabatchTrainer, and skipping batches would not resume a dynabatch loader exactly. "
+                "Start a new run, or load the loader's state_dict() yourself and train without resume_from_checkpoint")
+        states = []
+        for p in paths:
+            with open(p) as f:
+                states.append(json.load(f))
+        mine = [s for p, s in zip(paths, states) if p == own]
+        same_world = mine and mine[0][mine[0]["mode"]]["layout"]["world_size"] == loader.world_size
+        loader.load_state_dict(mine[0] if same_world else states)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):
+        """Trainer's state; on resume, the loader's state from the checkpoint gives the epoch and the
+        steps already trained in it (no batch skipping)."""
+        epochs, _ = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                 resume_from_checkpoint, trial)
+        self._resume_point = None
+        if resume_from_checkpoint is None:
+            return epochs, 0
+        self._load_loader_state(resume_from_checkpoint)
+        s = self.train_loader.state_dict()
+        pos = s[s["mode"]]
+        if int(pos["step"]) != int(self.state.global_step):
+            raise ValueError(f"the loader state in {resume_from_checkpoint} is at step {pos['step']} but the Trainer "
+                             f"state at global step {self.state.global_step}: not the same run")
+        epoch = int(pos["epoch"])
+        self._resume_point = (epoch, 0 if pos.get("fresh") else int(pos["step_in_epoch"]))
+        return epoch, 0
+
+
+__all__ = ["DynabatchTrainer", "LOADER_STATE_NAME", "steps_in_epoch", "training_schedule"]

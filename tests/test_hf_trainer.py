@@ -1,0 +1,381 @@
+"""dynabatch steps as optimizer steps in ``transformers.Trainer`` (`DynabatchTrainer`) and in
+``accelerate`` loops (`step_backward`): the gradient of a step equals that of one big padded batch
+of the step's samples with the loss averaged over all its target tokens (not per micro-batch);
+Trainer's step and epoch counters follow the loader's steps (epochs of different lengths
+included); a run resumed from a checkpoint continues exactly where the loader stopped."""
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (Hugging Face Trainer)")
+accelerate = pytest.importorskip("accelerate", reason="needs accelerate (Hugging Face Trainer)")
+
+import dynabatch
+from dynabatch.integrations import LOADER_STATE_NAME, DynabatchTrainer, step_backward
+
+GBT = 400  # global batch in tokens: the data below gives 4 steps in epoch 0 and 5 in epoch 1
+LR = 0.1
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(40):
+        body = "".join(rng.choice(list("abcdefgh "), int(rng.integers(3, 60))))
+        rows.append({"inputs": f"q{i} {body}", "targets": "" if i % 5 == 4 else "y" * int(rng.integers(1, 12))})
+    path = tmp_path_factory.mktemp("hf") / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def make_loader(path, collate="padded", **kw):
+    return dynabatch.DataLoader(path, tokenizer="bytes", global_batch_tokens=GBT, device="cpu", collate=collate,
+                                cost_model="gpt", num_stages=2, max_len=128, **kw)
+
+
+def tiny_llama(seed=0):
+    """Random 1-layer Llama (hidden 32, vocab 260 for the bytes tokenizer), float64."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).to(torch.float64)
+
+
+def f64_loss(model, inputs, num_items):
+    """Summed shifted cross-entropy in float64 / num_items (HF's loss upcasts to float32 only)."""
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+    labels = inputs["labels"]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                           reduction="sum") / num_items
+
+
+def sample_rows(mb):
+    """(input_ids, labels) of every sample of a padded or packed micro-batch, unpadded."""
+    if "cu_seqlens" in mb:
+        cu = mb["cu_seqlens"].tolist()
+        return [(mb["input_ids"][0, a:b], mb["labels"][0, a:b]) for a, b in zip(cu[:-1], cu[1:])]
+    n = mb["attention_mask"].sum(1).tolist()
+    return [(mb["input_ids"][r, :k], mb["labels"][r, :k]) for r, k in enumerate(n)]
+
+
+def big_batch(step):
+    """One padded batch holding every sample of the step."""
+    rows = [r for mb in step for r in sample_rows(mb)]
+    L = max(len(ids) for ids, _ in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = i, lab, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def reference_grad(model, step, loss_fn):
+    """Gradient of one big padded batch of the step's samples, loss = mean over all target tokens."""
+    model.zero_grad()
+    batch = big_batch(step)
+    assert int((batch["labels"][:, 1:] != -100).sum()) == step.target_tokens
+    loss_fn(model, batch, step.target_tokens).backward()
+    return grads(model)
+
+
+@pytest.mark.parametrize("collate", ["padded", "packed"])
+def test_step_gradient_equals_one_big_batch(data_path, collate):
+    step = next(iter(make_loader(data_path, collate)))
+    assert len(step) > 1 and len({int((mb["labels"] != -100).sum()) for mb in step}) > 1
+    model = tiny_llama()
+    ref = reference_grad(model, step, f64_loss)
+
+    model.zero_grad()
+    loss = step_backward(model, step, loss_fn=f64_loss)
+    assert rel(grads(model), ref) < 1e-10
+    with torch.no_grad():
+        assert abs(float(loss) - float(f64_loss(model, big_batch(step), step.target_tokens))) < 1e-10
+
+    # what the test guards against: each micro-batch normalized by its own tokens (the mean loss of
+    # each micro-batch, averaged over the step's micro-batches, as plain gradient accumulation does)
+    model.zero_grad()
+    for mb in step:
+        inputs = dynabatch.model_inputs(mb)
+        (f64_loss(model, inputs, int((mb["labels"][:, 1:] != -100).sum())) / len(step)).backward()
+    assert rel(grads(model), ref) > 1e-3
+
+    # the default loss: the model's own, model(**inputs, num_items_in_batch=...).loss (float32 softmax)
+    ref_hf = reference_grad(model, step, lambda m, b, n: m(**b, num_items_in_batch=n).loss)
+    model.zero_grad()
+    step_backward(model, step)
+    assert rel(grads(model), ref_hf) < 1e-5
+
+
+def test_placeholders_add_nothing_and_world_size_scales(data_path):
+    step = next(iter(make_loader(data_path)))
+    mb = step[0]
+    blank = {**mb, "labels": torch.full_like(mb["labels"], -100), "is_padding": True}
+    model = tiny_llama()
+    alone = dynabatch.Step([mb], step=0, epoch=0, rank=0, target_tokens=step.target_tokens)
+    padded = dynabatch.Step([blank, mb, blank], step=0, epoch=0, rank=0, target_tokens=step.target_tokens)
+    model.zero_grad()
+    step_backward(model, alone, loss_fn=f64_loss)
+    g1 = grads(model)
+    model.zero_grad()
+    loss = step_backward(model, padded, loss_fn=f64_loss, world_size=2)
+    assert rel(grads(model), 2 * g1) < 1e-12 and float(loss) > 0
+    # a per-micro-batch mean is 0/0 on a placeholder: refused rather than a NaN gradient
+    mean_loss = lambda m, b, n: m(**b).loss  # noqa: E731
+    with pytest.raises(ValueError, match="placeholder"):
+        step_backward(model, padded, loss_fn=mean_loss)
+
+
+class RecordingTrainer(DynabatchTrainer):
+    """Keeps the sample ids and step numbers of every step it trains."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append((inputs.step, [mb["sample_ids"].tolist() for mb in inputs]))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class Counter(transformers.TrainerCallback):
+    def __init__(self, capture_first_grad=False):
+        self.steps, self.epochs, self.first_grad = 0, 0, None
+        self.capture = capture_first_grad
+
+    def on_epoch_begin(self, args, state, control, **kw):
+        self.epochs += 1
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if self.capture and self.first_grad is None:
+            self.first_grad = grads(model).clone()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.steps += 1
+
+
+def train(data_path, out, model, *, callbacks=(), resume=None, **args):
+    opts = dict(output_dir=str(out), per_device_train_batch_size=1, num_train_epochs=2, report_to=[],
+                save_strategy="no", logging_steps=1, use_cpu=True, max_grad_norm=0.0, disable_tqdm=True,
+                lr_scheduler_type="constant", learning_rate=LR)
+    opts.update(args)
+    trainer = RecordingTrainer(model=model, args=transformers.TrainingArguments(**opts),
+                               train_loader=make_loader(data_path), callbacks=list(callbacks),
+                               optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))
+    trainer.seen = []
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def full_run(data_path, tmp_path_factory):
+    """An uninterrupted 2-epoch Trainer run (plain SGD, constant LR) and its initial model."""
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    counter = Counter(capture_first_grad=True)
+    trainer = train(data_path, tmp_path_factory.mktemp("full"), model, callbacks=[counter],
+                    include_num_input_tokens_seen="non_padding")
+    return trainer, counter, initial
+
+
+def test_trainer_counts_loader_steps(data_path, full_run):
+    trainer, counter, _ = full_run
+    loader = make_loader(data_path)
+    per_epoch, tokens = [], 0
+    for e in range(2):
+        loader.set_epoch(e)
+        n = len(loader)
+        steps = list(loader)
+        per_epoch.append((n, [[mb["sample_ids"].tolist() for mb in step] for step in steps]))
+        tokens += sum(int(mb["attention_mask"].sum()) for step in steps for mb in step)
+    assert [n for n, _ in per_epoch] == [4, 5]  # epochs differ in length: not 2 * len(loader)
+    total = sum(n for n, _ in per_epoch)
+    assert trainer.state.global_step == trainer.state.max_steps == counter.steps == total
+    assert trainer.state.epoch == 2.0 and counter.epochs == 2
+    assert [s for s, _ in trainer.seen] == list(range(total))
+    assert [ids for _, ids in trainer.seen] == [ids for _, steps in per_epoch for ids in steps]
+    for _, steps in per_epoch:  # every sample once per epoch
+        assert sorted(i for step in steps for mb in step for i in mb) == list(range(40))
+    assert trainer.state.num_input_tokens_seen == tokens and trainer.state.total_flos > 0
+    losses = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    assert len(losses) == total and losses[-1]["epoch"] == 2.0 and losses[3]["epoch"] == 1.0
+
+
+def test_trainer_gradient_and_logged_loss_are_the_big_batch_ones(data_path, full_run):
+    trainer, counter, initial = full_run
+    step = next(iter(make_loader(data_path)))
+    hf_loss = lambda m, b, n: m(**b, num_items_in_batch=n).loss  # noqa: E731
+    ref = reference_grad(initial, step, hf_loss)
+    assert rel(counter.first_grad, ref) < 1e-5
+    with torch.no_grad():
+        mean = float(hf_loss(initial, big_batch(step), step.target_tokens))
+    assert abs(trainer.state.log_history[0]["loss"] - mean) < 1e-5 * mean
+
+
+def test_accelerate_loop_matches_trainer(data_path, full_run):
+    trainer, _, initial = full_run
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = accelerator.prepare(model, opt)  # not the dynabatch loader: it is sharded already
+    loader = make_loader(data_path)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for step in loader:
+            step_backward(model, step, accelerator=accelerator)
+            opt.step()
+            opt.zero_grad()
+    assert rel(params(model), params(trainer.model)) < 1e-12
+    assert rel(params(model), params(initial)) > 1e-4  # it trained
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        step_backward(model, step, accelerator=accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2))
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def test_resume_continues_exactly(data_path, full_run, tmp_path):
+    full, _, initial = full_run
+    # 6 steps = all 4 of epoch 0 and 2 of the 5 of epoch 1; checkpoint there and stop
+    first = train(data_path, tmp_path, copy.deepcopy(initial), callbacks=[StopAt(6)], save_strategy="steps",
+                  save_steps=6)
+    ckpt = tmp_path / "checkpoint-6"
+    assert (ckpt / LOADER_STATE_NAME.format(rank=0)).exists() and first.state.global_step == 6
+    model = tiny_llama(seed=1)  # other weights: the checkpoint's are loaded
+    counter = Counter()
+    rest = train(data_path, tmp_path, model, callbacks=[counter], resume=str(ckpt), save_steps=6)
+    assert [s for s, _ in rest.seen] == [6, 7, 8] and counter.steps == 3
+    assert first.seen + rest.seen == full.seen  # nothing repeated, nothing skipped
+    assert rest.state.global_step == 9 and rest.state.epoch == 2.0
+    epochs = [h["epoch"] for h in rest.state.log_history if "loss" in h and "train_loss" not in h]
+    assert np.allclose(epochs, [0.25, 0.5, 0.75, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0])  # the checkpoint's history, then ours
+    assert rel(params(rest.model), params(full.model)) < 1e-12
+
+    os.remove(ckpt / LOADER_STATE_NAME.format(rank=0))  # a checkpoint without the loader's state
+    with pytest.raises(FileNotFoundError, match="no dynabatch loader state"):
+        train(data_path, tmp_path, tiny_llama(), resume=str(ckpt))
+
+
+def test_streaming_loader_needs_max_steps(data_path, tmp_path):
+    import pyarrow.parquet as pq
+
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(data_path).to_pylist()))
+    loader = make_loader(str(jsonl))
+    assert loader.mode == "streaming"
+    args = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, logging_strategy="no")
+    with pytest.raises(ValueError, match="max_steps"):
+        DynabatchTrainer(model=tiny_llama(), args=transformers.TrainingArguments(**args), train_loader=loader)
+    trainer = RecordingTrainer(model=tiny_llama(), args=transformers.TrainingArguments(max_steps=3, **args),
+                               train_loader=loader)
+    trainer.seen = []
+    trainer.train()
+    assert trainer.state.global_step == 3 and [s for s, _ in trainer.seen] == [0, 1, 2]
+
+
+def test_refuses_gradient_accumulation_and_train_dataset(data_path, tmp_path):
+    loader = make_loader(data_path)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, use_cpu=True,
+                                          report_to=[])
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        DynabatchTrainer(model=tiny_llama(), args=args, train_loader=loader)
+    with pytest.raises(ValueError, match="train_loader"):
+        DynabatchTrainer(model=tiny_llama(), args=args, train_loader=loader, train_dataset=[1])
+
+
+DDP_CHILD = r'''
+import os, sys, torch, transformers
+sys.path.insert(0, sys.argv[3])
+import test_hf_trainer as t
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+rank, calls = int(os.environ["RANK"]), []
+
+def f64_loss_func(outputs, labels, num_items_in_batch):
+    logits = outputs.logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                             ignore_index=-100, reduction="sum") / num_items_in_batch
+
+class Spy(transformers.TrainerCallback):
+    grad = None
+    def on_train_begin(self, args, state, control, **kw):
+        ddp = trainer.model_wrapped
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+        ddp.register_comm_hook(None, lambda s, bucket: (calls.append(1), allreduce_hook(None, bucket))[1])
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        self.grad = t.grads(model).clone()
+
+spy = Spy()
+args = transformers.TrainingArguments(output_dir=sys.argv[2], max_steps=1, use_cpu=True, report_to=[],
+                                      save_strategy="no", logging_steps=1, max_grad_norm=0.0, disable_tqdm=True)
+trainer = t.RecordingTrainer(model=t.tiny_llama(), args=args, callbacks=[spy], compute_loss_func=f64_loss_func,
+                             train_loader=t.make_loader(sys.argv[1], rank=rank, world_size=2))
+trainer.seen = []
+trainer.train()
+torch.save({"grad": spy.grad, "calls": len(calls), "seen": trainer.seen, "loss": trainer.state.log_history[0]["loss"]},
+           os.path.join(sys.argv[2], f"rank{rank}.pt"))
+'''
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
+def test_trainer_under_ddp_two_ranks(data_path, tmp_path):
+    """Two CPU processes (gloo DDP through the Trainer's accelerator): each rank trains its share of
+    the global step; the all-reduced gradient is the big batch's of the whole step (the world-size
+    factor), gradients are all-reduced once per step (no_sync on all but the last micro-batch)."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(DDP_CHILD)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script), data_path, str(tmp_path),
+                                       os.path.dirname(os.path.abspath(__file__))], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    step = next(iter(make_loader(data_path)))  # the same global step on one rank
+    mine = [sorted(i for mb in r["seen"][0][1] for i in mb) for r in res]
+    assert sorted(mine[0] + mine[1]) == sorted(i for mb in step for i in mb["sample_ids"].tolist())
+    assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
+    nmb = len(res[0]["seen"][0][1])
+    assert nmb == len(res[1]["seen"][0][1]) > 1 and res[0]["calls"] == res[1]["calls"] == 1
+    ref = reference_grad(tiny_llama(), step, f64_loss)
+    for r in res:
+        assert rel(r["grad"], ref) < 1e-10
+    with torch.no_grad():
+        mean = float(f64_loss(tiny_llama(), big_batch(step), step.target_tokens))
+    assert abs(res[0]["loss"] - mean) < 1e-6 * mean
