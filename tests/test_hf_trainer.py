@@ -307,6 +307,14 @@ def test_refuses_gradient_accumulation_and_train_dataset(data_path, tmp_path):
         DynabatchTrainer(model=tiny_llama(), args=args, train_loader=loader, train_dataset=[1])
 
 
+
+def test_a_transformers_without_the_overridden_hooks_is_refused(data_path, tmp_path, monkeypatch):
+    monkeypatch.delattr(transformers.Trainer, "_run_epoch")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ImportError, match="_run_epoch.*transformers>=5.0"):
+        DynabatchTrainer(model=tiny_llama(), args=args, train_loader=make_loader(data_path))
+
+
 DDP_CHILD = r'''
 import os, sys, torch, transformers
 sys.path.insert(0, sys.argv[3])

@@ -43,6 +43,11 @@ from ..loader.collate import model_inputs
 from ..loader.step import Step
 from .accumulation import step_backward
 
+#: Trainer internals this subclass overrides (present in transformers 5.x); checked at construction so
+#: that another version fails with a clear message instead of silently skipping an override.
+_TRAINER_HOOKS = ("_run_epoch", "_init_training_state", "_save_checkpoint", "_track_num_input_tokens",
+                  "set_initial_training_values", "get_batch_samples", "training_step")
+
 #: File name of a rank's loader state inside a checkpoint folder.
 LOADER_STATE_NAME = "dynabatch_loader_rank{rank}.json"
 
@@ -122,6 +127,13 @@ class DynabatchTrainer(Trainer):
     """
 
     def __init__(self, *args, train_loader, **kwargs):
+        missing = [h for h in _TRAINER_HOOKS if not hasattr(Trainer, h)]
+        if missing:
+            import transformers
+
+            raise ImportError(f"DynabatchTrainer overrides Trainer.{', '.join(missing)}, which transformers "
+                              f"{transformers.__version__} does not have: install transformers>=5.0 "
+                              "(pip install 'dynabatch[hf]'), or use dynabatch.step_backward in your own loop")
         params = list(inspect.signature(Trainer.__init__).parameters)[1:]
         bound = dict(zip(params, args))
         bound.update(kwargs)

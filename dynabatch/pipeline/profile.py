@@ -28,17 +28,17 @@ DEFAULT_TARGET_LENGTHS = (8, 16, 32)
 
 
 def _device_profile(device) -> DeviceProfile:
-    """The closest device preset: ``cpu``, or the GPU's name mapped to ``h200``/``h100``/``a100-80gb``."""
+    """The closest device preset: ``cpu``, or the GPU's name and memory mapped by
+    `dynabatch.devices.gpu_preset` (the one mapping of GPU names to presets)."""
     import torch
+
+    from ..devices import gpu_preset
 
     dev = torch.device(device)
     if dev.type != "cuda":
         return device_preset("cpu")
-    name = torch.cuda.get_device_name(dev).lower()
-    for key, preset in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb")):
-        if key in name:
-            return device_preset(preset)
-    return device_preset("a100-80gb")
+    props = torch.cuda.get_device_properties(dev)
+    return device_preset(gpu_preset(torch.cuda.get_device_name(dev), float(props.total_memory))[0])
 
 
 def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
