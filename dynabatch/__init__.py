@@ -7,7 +7,7 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 """
 
 from .core.batchplan import BatchPlan, MicroBatch
-from .core.bounds import iteration_lower_bound
+from .core.bounds import iteration_lower_bound, objective_lower_bound
 from .core.cost import (
     DEVICE_PRESETS,
     FEATURES,
@@ -33,7 +33,8 @@ __all__ = sorted([
     "FeedbackRow", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
     "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RunPlan",
     "SCHEDULES", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
-    "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "pipeline_schedule",
+    "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "objective_lower_bound",
+    "pipeline_schedule",
     "plan_microbatches", "plan_step", "plans_to_arrow", "read_shapes", "simulate_pipeline",
     "split_global_batches", "synthetic_shapes",
 ])

@@ -27,10 +27,13 @@ Start here:
 BENCH_PLAN_EPILOG = """\
 columns:
   iter ms        simulated 1F1B iteration time of the slowest rank (mean over global batches)
+  iter/LB        iter ms over a lower bound of the iteration time for any plan of the same batches
+                 (dynabatch.core.bounds.iteration_lower_bound)
   pad eff        real tokens / computed tokens (1.0 = no padding)
   vs pack        pack's iteration time / this method's
   obj/LB         the plan's objective (sum of micro-batch times + (stages-1) x largest, slowest
                  rank) over a lower bound of that objective for any plan of the same batch
+                 (objective_lower_bound; it bounds the objective, not the iteration time)
   max/mean rank  slowest rank's simulated time over the mean rank's
   plan ms        median wall time of planning one global batch (after numba compilation)
   tuned knob     baselines are swept over their knob; the best setting that fits in memory is shown

@@ -15,7 +15,7 @@ from dynabatch import (
     METHODS,
     CostModel,
     PlanOptions,
-    iteration_lower_bound,
+    objective_lower_bound,
     plan_microbatches,
     read_shapes,
     split_global_batches,
@@ -28,7 +28,7 @@ def main(path: str | None = None, model: str = "gpt", ranks: int = 8, stages: in
     cost = CostModel.preset(model, num_stages=stages)
     max_len = 8192 if model == "vlm" else 2048
     steps = [shapes.take(i) for i in split_global_batches(shapes, 65536, seed=0, drop_last=True)[:batches]]
-    bound = np.mean([iteration_lower_bound(s, cost, num_stages=stages, num_ranks=ranks, max_len=max_len,
+    bound = np.mean([objective_lower_bound(s, cost, num_stages=stages, num_ranks=ranks, max_len=max_len,
                                            max_target_len=512) for s in steps])
     options = PlanOptions(num_stages=stages, num_ranks=ranks, max_len=max_len, max_target_len=512)  # one record
     results = {}

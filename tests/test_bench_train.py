@@ -62,7 +62,7 @@ def test_batch_shapes_carry_the_plans_time_and_memory():
 
 @pytest.mark.slow
 def test_bench_train_runs_the_adaptive_schedule(tmp_path):
-    """--schedule adaptive: the planner simulates 1f1b, the runner uses the memory-bounded order."""
+    """--schedule adaptive: the planner orders and simulates the memory-bounded order the runner runs."""
     paths = write_text_shards(tmp_path / "data", 120, seed=1)
     out = run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",

@@ -439,7 +439,8 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
-                   help="pipeline schedule the runner follows (adaptive: planned as 1f1b, run memory-bounded)")
+                   help="pipeline schedule planned, simulated and run (adaptive: memory-bounded order; auto: per "
+                        "step the fastest that fits memory)")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one micro-batch may use on one stage (17e9, 16GiB, 800MB; default: the "
                         "cost model's)")

@@ -56,7 +56,9 @@ class BatchPlan:
 
     ``sample_row`` is the row of each sample inside its micro-batch (its own row for padded and
     packed collation, the packed row it shares for ``packed_rows``). ``rank_time_s`` is the
-    simulated pipeline makespan of each rank; ``iteration_time_s`` their maximum.
+    simulated pipeline makespan of each rank; ``iteration_time_s`` their maximum. ``schedule`` is the
+    concrete order those makespans were simulated with and the runner follows (``gpipe``, ``1f1b`` or
+    ``adaptive``; planning with ``schedule="auto"`` records the one it chose for this step).
     """
 
     method: str

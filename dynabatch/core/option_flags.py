@@ -102,7 +102,8 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
                    help=f"data-parallel ranks, the training run's world size (default {ranks})")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule the micro-batches are ordered and simulated for (default 1f1b; "
-                        "adaptive is planned as 1f1b)")
+                        "adaptive: memory-bounded list order; auto: per step the fastest order that fits memory, "
+                        "recorded in the plan)")
     g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one micro-batch may use on one stage: 17e9, 16GiB, 800MB "
                         "(default: the cost model's limit for --stages x --ranks)")

@@ -45,13 +45,16 @@ METHODS: tuple[str, ...] = ("dp", "dp_varlen") + BASELINES
 #: fixed-length rows holding several samples (packed_rows).
 COLLATIONS: tuple[str, ...] = ("padded", "packed", "packed_rows")
 
-#: Every pipeline schedule name. The runner runs all three; the simulator and the planner model the
-#: static orders (`SCHEDULE_CODES`); ``adaptive`` (memory-bounded list order decided at run time from
-#: the plan's predicted times) is planned and simulated as ``1f1b``, the order it falls back to.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "adaptive")
+#: Every pipeline schedule name: the static orders ``gpipe`` and ``1f1b``; ``adaptive``, the memory-aware
+#: order built from the micro-batches' per-stage times and activation bytes (`dynabatch.core.schedules`);
+#: ``auto``, which per step simulates the three and records in the plan the lowest makespan that fits
+#: the memory limit. The simulator, the planner and the runner all model all of them.
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "adaptive", "auto")
 
-#: Schedule name -> ``kind_code`` of the simulator's `schedule_kernel`.
-SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({"gpipe": 0, "1f1b": 1, "adaptive": 1})
+#: Schedule name -> code: 0 and 1 are the static orders of the simulator's `schedule_kernel`; 2
+#: (adaptive) and 3 (auto) depend on the micro-batches (`dynabatch.core.schedules`), and code-only
+#: callers of `schedule_kernel` (the stage-partition search) get 1F1B for them.
+SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({"gpipe": 0, "1f1b": 1, "adaptive": 2, "auto": 3})
 
 #: Old option name -> its one name now (accepted for one release with a DeprecationWarning).
 DEPRECATED_NAMES: Mapping[str, str] = MappingProxyType({
@@ -178,7 +181,7 @@ class PlanOptions:
 
     @property
     def schedule_code(self) -> int:
-        """The simulator's code of the schedule the planner orders micro-batches for."""
+        """`SCHEDULE_CODES` of the schedule the planner orders micro-batches for."""
         return SCHEDULE_CODES[self.schedule]
 
     def epoch_seed(self, epoch: int) -> int:

@@ -18,15 +18,15 @@ import warnings
 import numpy as np
 
 from . import baselines as _bl
-from .kernels.assign import assign_ranks, order_ranks
+from .kernels.assign import assign_ranks
 from numba import njit
 
 from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
 from .batchplan import BatchPlan
 from .cost import CostModel
-from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
+from .options import METHODS, PlanOptions, renamed
+from .schedules import order_step
 from .shapes import Shapes
-from .simulate import schedule_kernel
 
 
 
@@ -100,15 +100,6 @@ def _ordering(cost: CostModel, main, dec, tiles) -> np.ndarray:
         return np.argsort(main, kind="stable")
     own, _ = cost.padded(1, main, dec, tiles)
     return np.lexsort((dec, main, own))
-
-
-def _schedule_ops(stages: int, counts: np.ndarray, code: int) -> np.ndarray:
-    kmax = int(counts.max()) if len(counts) else 0
-    ops = np.zeros((kmax + 1, stages, 2 * max(kmax, 1)), np.int32)
-    for k in np.unique(counts):
-        if k > 0:
-            ops[k, :, : 2 * k] = schedule_kernel(stages, int(k), code)
-    return ops
 
 
 def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOptions | None = None, *, step: int = 0,
@@ -289,13 +280,14 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     else:
         rank_of = g.rank
     counts = np.bincount(rank_of, minlength=ranks)
-    ops = _schedule_ops(stages, counts, SCHEDULE_CODES[schedule])
     if not np.all(np.isfinite(time_s)):
         # Shapes outside a profiled table: the plan cannot run as measured.
         options = {**options, "over_memory_limit": True, "outside_profile": True}
-    perm, rank_time = order_ranks(time_s, p2p, rank_of.astype(np.int32), ranks, cost.forward_fraction, stages, ops,
-                                  rebalance)
-    rank_time = np.where(np.isnan(rank_time), np.inf, rank_time)
+    # schedule "auto" resolves to the concrete order it chose; adaptive keeps stages * limit in flight
+    perm, rank_time, schedule = order_step(schedule, time_s, p2p, mem, rank_of, ranks, cost.forward_fraction, stages,
+                                           stages * limit, rebalance)
+    if schedule == "adaptive":
+        options = {**options, "stage_memory_bytes": float(stages * limit)}
     # micro-batches in execution order, rank by rank
     mb_rank = rank_of[perm].astype(np.int32)
     mb_order = (np.arange(len(perm)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)

@@ -1,4 +1,4 @@
-"""Event-driven simulator of pipeline-parallel schedules (GPipe, 1F1B, explicit orders).
+"""Event-driven simulator of pipeline-parallel schedules (GPipe, 1F1B, adaptive, auto, explicit orders).
 
 Model: ``S`` stages each run a fixed list of ops strictly in order, one at a time. An op is
 the forward (``F_j``) or backward (``B_j``) of micro-batch ``j`` and may start once the
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import SCHEDULE_CODES, SCHEDULES
+from .schedules import AUTO_PREFERENCE, adaptive_order
 
 # The kernels live beside their plain-Python references in `kernels.simulate`; they are
 # re-exported here because numba callers (the planner, `dynabatch.pipeline`) use them by this name.
@@ -75,7 +76,9 @@ class SimResult:
     ``peak_inflight_bytes[s]`` is the same maximum over the sum of those micro-batches'
     ``mem_bytes`` (all zeros when ``mem_bytes`` was not given).
     ``start_s`` / ``end_s`` are ``[S, M, 2]``: index ``[s, j, 0]`` is the forward of
-    micro-batch ``j`` on stage ``s``, ``[s, j, 1]`` its backward.
+    micro-batch ``j`` on stage ``s``, ``[s, j, 1]`` its backward. ``schedule`` names the order that
+    was simulated (``auto`` resolved to the one it chose; empty for an explicit op array) and
+    ``ops`` holds it (int32 ``[S, 2M]``).
     """
 
     makespan_s: float
@@ -85,6 +88,8 @@ class SimResult:
     peak_inflight_bytes: np.ndarray
     start_s: np.ndarray
     end_s: np.ndarray
+    schedule: str = ""
+    ops: np.ndarray | None = None
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -94,12 +99,16 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, kind: str = "1f1b"
     """Per-stage op lists, int32 ``[num_stages, 2 * num_microbatches]`` (encoding in the module doc).
 
     ``kind`` is ``"gpipe"`` (all forwards, then all backwards in micro-batch order 0..M-1)
-    or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order); ``"adaptive"``
-    is simulated as ``"1f1b"`` (see `dynabatch.core.options.SCHEDULES`).
+    or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order). ``"adaptive"``
+    and ``"auto"`` depend on the micro-batches' times and memory: see `simulate_pipeline` and
+    `dynabatch.core.schedules.adaptive_order`.
     """
     code = SCHEDULE_KINDS.get(str(kind).lower())
     if code is None:
         raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {SCHEDULES}")
+    if code > 1:
+        raise ValueError(f"the {kind!r} order depends on the micro-batches' times and memory; use simulate_pipeline"
+                         f"(..., schedule={kind!r}, mem_bytes=..., memory_limit=...) or adaptive_order")
     S, M = int(num_stages), int(num_microbatches)
     if S < 1 or M < 1:
         raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {S} and {M}")
@@ -134,18 +143,25 @@ def simulate_pipeline(
     schedule="1f1b",
     p2p_s=0.0,
     mem_bytes=None,
+    memory_limit: float | None = None,
     num_stages: int | None = None,
 ) -> SimResult:
     """Simulate a pipeline schedule; times in seconds, ``mem_bytes`` in bytes.
 
     ``fwd_s``/``bwd_s``: ``[M]`` (the same on every stage; the stage count then comes from
     an explicit ``schedule`` array or ``num_stages``) or ``[S, M]`` per-stage times.
-    ``schedule``: ``"gpipe"``, ``"1f1b"`` or an explicit int ``[S, 2M]`` op array in which
-    every stage lists each ``F_j`` and ``B_j`` exactly once.
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"adaptive"`` (the memory-aware order of
+    `dynabatch.core.schedules.adaptive_order` on these times, ``mem_bytes`` and ``memory_limit``),
+    ``"auto"`` (simulate those three, return the lowest makespan whose peak in-flight bytes per stage
+    fit ``memory_limit``; ``SimResult.schedule`` names it) or an explicit int ``[S, 2M]`` op array in
+    which every stage lists each ``F_j`` and ``B_j`` exactly once.
     ``p2p_s``: scalar or ``[M]`` transfer time of micro-batch ``j`` between neighbouring
     stages (activation forward, gradient backward), modelled as an async send.
     ``mem_bytes``: optional ``[M]`` activation bytes a micro-batch holds on a stage between
-    its forward and backward.
+    its forward and backward. ``memory_limit``: in-flight activation bytes per stage for ``adaptive``
+    and ``auto`` (default ``S`` times the largest micro-batch, 1F1B's stage-0 depth; without
+    ``mem_bytes`` every micro-batch counts 1). ``adaptive`` raises ValueError when one micro-batch
+    alone exceeds it.
 
     ``lower_bound_s`` is valid for *any* order of these times (up to float rounding)::
 
@@ -158,10 +174,16 @@ def simulate_pipeline(
     Raises ``ValueError`` for malformed input and :class:`PipelineDeadlock` for an order
     that can never finish.
     """
-    fwd, bwd, ops = _stage_times_and_ops(fwd_s, bwd_s, schedule, num_stages)
+    name = schedule.lower() if isinstance(schedule, str) else ""
+    dynamic = name in ("adaptive", "auto")
+    fwd, bwd, ops = _stage_times_and_ops(fwd_s, bwd_s, "1f1b" if dynamic else schedule, num_stages)
     S, M = fwd.shape
     p2p = _per_microbatch("p2p_s", p2p_s, M)
     mem = np.zeros(M) if mem_bytes is None else _per_microbatch("mem_bytes", mem_bytes, M)
+    if name == "auto":
+        return _simulate_auto(fwd, bwd, p2p, mem_bytes, memory_limit)
+    if name == "adaptive":
+        ops = adaptive_order(fwd, bwd, mem_bytes if mem_bytes is None else mem, memory_limit, p2p_s=p2p)
 
     start = np.empty((S, M, 2))
     end = np.empty((S, M, 2))
@@ -183,7 +205,26 @@ def simulate_pipeline(
         peak_inflight_bytes=peak_b,
         start_s=start,
         end_s=end,
+        schedule=name,
+        ops=ops,
     )
+
+
+def _simulate_auto(fwd, bwd, p2p, mem_bytes, memory_limit) -> SimResult:
+    """``schedule="auto"`` of `simulate_pipeline`: the lowest makespan among gpipe, 1f1b and adaptive
+    whose peak in-flight bytes per stage fit the limit (ties in `AUTO_PREFERENCE` order)."""
+    S, M = fwd.shape
+    count = np.ones(M) if mem_bytes is None else _per_microbatch("mem_bytes", mem_bytes, M)
+    limit = float(S * count.max()) if memory_limit is None else float(memory_limit)
+    best = None
+    for name in AUTO_PREFERENCE:
+        sim = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
+        peak_n = np.empty(S, dtype=np.int64)
+        peak_b = np.empty(S)
+        inflight_kernel(sim.ops, count, peak_n, peak_b)
+        if peak_b.max() <= limit and (best is None or sim.makespan_s < best.makespan_s):
+            best = sim
+    return best  # adaptive always fits (it raised otherwise)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -6,7 +6,8 @@
 * `comm`: process groups (`init_pipeline` -> `DistContext`) and point-to-point transfers (`P2P`).
 * `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`.
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
-* `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `launch`: run N local ranks.
+* `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
+  fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
 * `microbatches`: a loader step's shapes for the runner (`batch_shapes`), the mix a split is profiled
   on (`representative`), the one-stage cost model of a split (`stage_cost_model`).
 
@@ -42,6 +43,7 @@ from .schedule import (
     stage_orders,
 )
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
+from .vlm import VisionLanguageModel, merged_length, vision_calls, vlm_batch_shapes, vlm_tiny
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -52,4 +54,5 @@ __all__ = [
     "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
     "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
     "batch_shapes", "representative", "stage_cost_model",
+    "VisionLanguageModel", "merged_length", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
 ]

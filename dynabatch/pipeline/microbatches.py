@@ -60,9 +60,11 @@ def representative(microbatches: Sequence[dict], k: int = 8) -> list[dict]:
 
 def stage_cost_model(model, num_stages: int, device: str | DeviceProfile = "cpu", **kw) -> CostModel:
     """The analytic `CostModel` of one pipeline stage of ``model`` (a `LayeredModel`, or a
-    `ModelConfig`): the whole model's layers (and decoder layers) divided by ``num_stages``, on a
-    device preset name or `DeviceProfile`; ``kw`` go to `CostModel`."""
+    `ModelConfig`): the whole model's layers (and decoder or vision layers) divided by ``num_stages``, on a
+    device preset name or `DeviceProfile`; ``kw`` go to `CostModel`. A micro-batch without image
+    tiles has no vision cost (the ``n_vis``/``q_vis``/``has_vis`` features are 0)."""
     cfg = getattr(model, "config", model)
-    one = replace(cfg, layers=cfg.layers / num_stages,
-                  **({"decoder_layers": cfg.decoder_layers / num_stages} if cfg.kind == "encoder_decoder" else {}))
+    extra = {"encoder_decoder": {"decoder_layers": cfg.decoder_layers / num_stages},
+             "vision_language": {"vision_layers": cfg.vision_layers / num_stages}}.get(cfg.kind, {})
+    one = replace(cfg, layers=cfg.layers / num_stages, **extra)
     return CostModel(one, device_preset(device) if isinstance(device, str) else device, **kw)

@@ -28,7 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..core.batchplan import BatchPlan, MicroBatch
 from .comm import CommEvent, DistContext, P2P
 from .partition import PipelineStage, StagePartition, split_model
-from .schedule import SCHEDULES, Message, Post, build_programs, quantize_times, stage_orders
+from .schedule import SCHEDULES, Message, Post, build_programs, plan_schedule, quantize_times, stage_orders
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
 
 
@@ -40,10 +40,11 @@ class PlanMismatch(ValueError):
 class RunnerConfig:
     """How the runner executes a step.
 
-    ``schedule``: ``gpipe``, ``1f1b`` or ``adaptive``. ``memory_limit_bytes``: in-flight activation
-    bytes per stage for ``adaptive`` (default ``num_stages`` x the step's largest micro-batch, i.e.
-    1F1B's depth). ``debug_shapes``: send a header before every message and check it against the
-    receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
+    ``schedule``: ``auto`` (default: the order each plan records, 1F1B for bare shapes), or ``gpipe``,
+    ``1f1b``, ``adaptive`` to override the plan (`schedule.plan_schedule`). ``memory_limit_bytes``:
+    in-flight activation bytes per stage for ``adaptive`` (default the plan's recorded budget, else
+    ``num_stages`` x the step's largest micro-batch). ``debug_shapes``: send a header before every
+    message and check it against the receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
     (what `dynabatch.core.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
     micro-batch dictionaries against the plan before running. ``check_plan``: before the step's first
     transfer, both ends of every link compare a small fingerprint of the messages and shapes they
@@ -51,7 +52,7 @@ class RunnerConfig:
     `ShapeMismatch` naming the micro-batch and both shapes instead of crashing in the transport.
     """
 
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     memory_limit_bytes: float | None = None
     debug_shapes: bool = False
     gather_timing: bool = False
@@ -151,6 +152,10 @@ def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
         need("position_ids", (1, shape.tokens))
         need("labels", (1, shape.tokens))
         need("cu_seqlens", (shape.rows + 1,))
+    elif shape.tiles:  # a vision-language model inserts the tiles' tokens itself: text is [rows, <= input_len]
+        if int(batch.get("image_tiles", torch.zeros(0)).sum()) != shape.tiles or len(batch["input_ids"]) != shape.rows:
+            raise PlanMismatch(f"{where}: image_tiles and input_ids are not the plan's {shape.tiles} tiles in "
+                               f"{shape.rows} rows")
     else:
         need("input_ids", (shape.rows, shape.input_len))
         need("attention_mask", (shape.rows, shape.input_len))
@@ -199,17 +204,17 @@ class PipelineRunner:
         return self.stage.parameters()
 
     # -- planning --------------------------------------------------------------------------------
-    def _program(self, shapes: Sequence[MicroBatchShape]) -> tuple[list, np.ndarray]:
-        cfg = self.config
+    def _program(self, shapes: Sequence[MicroBatchShape], plan=None) -> tuple[list, np.ndarray]:
+        schedule, budget = plan_schedule(self.config.schedule, plan)
+        limit = budget if self.config.memory_limit_bytes is None else self.config.memory_limit_bytes
         S, M = self.ctx.num_stages, len(shapes)
         times = np.array([sh.time_s for sh in shapes])
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
-        key = (cfg.schedule, S, M, units.tobytes(), mem.tobytes() if cfg.schedule == "adaptive" else b"")
+        key = (schedule, S, M, units.tobytes(), mem.tobytes() + repr(limit).encode() if schedule == "adaptive" else b"")
         hit = self._programs.get(key)
         if hit is None:
-            orders = stage_orders(cfg.schedule, S, M, time_s=times, memory_bytes=mem,
-                                  memory_limit=cfg.memory_limit_bytes)
+            orders = stage_orders(schedule, S, M, time_s=times, memory_bytes=mem, memory_limit=limit)
             hit = (build_programs(orders, units)[self.ctx.stage], orders)
             self._programs[key] = hit
             if len(self._programs) > 512:
@@ -218,7 +223,7 @@ class PipelineRunner:
 
     def orders(self, plan: BatchPlan | Sequence[MicroBatchShape]) -> np.ndarray:
         """The op orders [S, 2M] this runner would use for ``plan`` (this rank's replica)."""
-        return self._program(self._shapes(plan))[1]
+        return self._program(self._shapes(plan), plan)[1]
 
     def _shapes(self, plan, collation: str | None = None) -> list[MicroBatchShape]:
         if isinstance(plan, BatchPlan):
@@ -303,7 +308,7 @@ class PipelineRunner:
         if needs_data and self.config.check_inputs:
             for j, (b, sh) in enumerate(zip(batches, shapes)):
                 check_batch(b, sh, f"step {self.step_index} micro-batch {j}")
-        program, _ = self._program(shapes)
+        program, _ = self._program(shapes, plan)
         self.p2p.step = self.step_index
         spec_in = [tuple(self.boundary(sh, stage.first_layer - 1)) for sh in shapes] if not stage.is_first else None
         spec_out = [tuple(self.boundary(sh, stage.last_layer)) for sh in shapes] if not stage.is_last else None

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.options import SCHEDULES
-from ..core.simulate import PipelineDeadlock, pipeline_schedule, simulate_pipeline
+from ..core.schedules import adaptive_order
+from ..core.simulate import pipeline_schedule, simulate_pipeline
 
 #: Integer time units of the largest micro-batch's forward in the witness simulation.
 TIME_LEVELS = 16
@@ -86,15 +87,14 @@ def quantize_times(time_s, levels: int = TIME_LEVELS) -> np.ndarray:
 
 
 def adaptive_orders(num_stages: int, time_units, memory_bytes=None, memory_limit: float | None = None) -> np.ndarray:
-    """Memory-aware op orders (DynaPipe-style), int32 ``[S, 2M]``.
+    """Memory-aware op orders, int32 ``[S, 2M]``: `dynabatch.core.schedules.adaptive_order` (the order
+    the simulator and the planner use) on the witness times, forward ``u_j`` and backward ``2 u_j``
+    units on every stage, no transfer time.
 
-    List scheduling on the witness times (forward ``u_j``, backward ``2 u_j`` units): a free stage
-    runs a ready backward if it has one (the earliest-ready; backwards free memory), otherwise the
-    next forward in micro-batch order if its input is ready and the stage's in-flight activation
-    bytes (forwarded, not yet backwarded) stay within ``memory_limit`` after adding it — or the
-    stage holds nothing (a micro-batch larger than the limit still runs, alone). Without memory
-    figures every micro-batch counts 1 and the limit is ``S`` (1F1B's stage-0 depth).
-    The result never deadlocks (the last stage always drains) and is checked by the simulator.
+    ``memory_bytes`` [M] and ``memory_limit`` bytes in flight per stage (default ``S`` x the largest
+    micro-batch); without valid memory figures every micro-batch counts 1 and the limit is ``S``
+    (1F1B's stage-0 depth). A micro-batch larger than the limit still runs, alone. The result never
+    deadlocks (the last stage always drains) and is checked by the simulator.
     """
     u = np.asarray(time_units, np.int64)
     S, M = int(num_stages), len(u)
@@ -102,61 +102,30 @@ def adaptive_orders(num_stages: int, time_units, memory_bytes=None, memory_limit
         raise ValueError("adaptive_orders needs at least one stage and one micro-batch")
     mem = None if memory_bytes is None else np.asarray(memory_bytes, np.float64)
     if mem is None or mem.shape != (M,) or not np.all(np.isfinite(mem)) or mem.max() <= 0:
-        mem, limit = np.ones(M), float(S)
-    else:
-        limit = float(S * mem.max()) if memory_limit is None else float(memory_limit)
-    INF = np.iinfo(np.int64).max
-    fwd_end = np.full((S, M), INF, np.int64)
-    bwd_end = np.full((S, M), INF, np.int64)
-    free = np.zeros(S, np.int64)
-    next_f = np.zeros(S, np.int64)
-    held = np.zeros(S)
-    pending_b = [set() for _ in range(S)]  # forwarded, not yet backwarded
-    orders = [[] for _ in range(S)]
-    t = 0
-    done = 0
-    while done < 2 * S * M:
-        progressed = False
-        for s in range(S):
-            if free[s] > t:
-                continue
-            best_b, best_ready = -1, INF
-            for j in sorted(pending_b[s]):
-                ready = fwd_end[s, j] if s == S - 1 else bwd_end[s + 1, j]
-                if ready <= t and ready < best_ready:
-                    best_b, best_ready = j, ready
-            if best_b >= 0:
-                j = best_b
-                bwd_end[s, j] = t + 2 * u[j]
-                free[s] = bwd_end[s, j]
-                pending_b[s].discard(j)
-                held[s] -= mem[j]
-                orders[s].append(-(j + 1))
-                done += 1
-                progressed = True
-                continue
-            j = int(next_f[s])
-            if j < M and (s == 0 or fwd_end[s - 1, j] <= t) and (not pending_b[s] or held[s] + mem[j] <= limit):
-                fwd_end[s, j] = t + u[j]
-                free[s] = fwd_end[s, j]
-                next_f[s] += 1
-                pending_b[s].add(j)
-                held[s] += mem[j]
-                orders[s].append(j + 1)
-                done += 1
-                progressed = True
-        if done == 2 * S * M:
-            break
-        # advance to the next instant something can change
-        cands = [x for x in np.concatenate((free, fwd_end.ravel(), bwd_end.ravel())) if t < x < INF]
-        if not cands:
-            if progressed:
-                continue
-            raise PipelineDeadlock("adaptive order construction stalled (internal error)", 0, 0)
-        t = int(min(cands))
-    ops = np.array(orders, dtype=np.int32)
+        mem, memory_limit = np.ones(M), float(S)
+    fwd = np.broadcast_to(u.astype(np.float64), (S, M))
+    ops = adaptive_order(fwd, 2 * fwd, np.maximum(mem, 0.0), memory_limit, oversize="alone")
     simulate_pipeline(np.ones(M), np.ones(M), schedule=ops)  # raises PipelineDeadlock if invalid
     return ops
+
+
+def plan_schedule(configured: str, plan=None) -> tuple[str, float | None]:
+    """The concrete order (``gpipe``, ``1f1b``, ``adaptive``) a runner configured with ``configured``
+    runs for ``plan`` (a `BatchPlan`, or None for bare shapes), and the plan's in-flight activation
+    budget per stage in bytes (None when it records none).
+
+    ``auto`` follows the order the plan records (the one the planner simulated, chosen per step when
+    it planned with ``schedule="auto"``; 1F1B without a plan); a concrete name overrides the plan."""
+    if configured not in SCHEDULES:
+        raise ValueError(f"unknown schedule {configured!r}; choose one of {SCHEDULES}")
+    recorded = getattr(plan, "schedule", None)
+    options = getattr(plan, "options", None) or {}
+    budget = options.get("stage_memory_bytes") if recorded == "adaptive" else None
+    if configured != "auto":
+        return configured, (budget if configured == "adaptive" else None)
+    if recorded in ("gpipe", "1f1b", "adaptive"):
+        return recorded, budget
+    return "1f1b", None
 
 
 def stage_orders(schedule: str, num_stages: int, num_microbatches: int, *, time_s=None, memory_bytes=None,

@@ -55,7 +55,8 @@ class MicroBatchShape:
     ``collation`` is ``padded``/``packed_rows`` (``rows`` x ``input_len`` main tokens and ``rows`` x
     ``target_len`` decoder tokens) or ``packed`` (``rows`` sequences concatenated into one row of
     ``tokens`` tokens, the longest ``input_len``). ``time_s`` and ``memory_bytes`` are the plan's
-    predicted forward+backward seconds and activation bytes on one stage.
+    predicted forward+backward seconds and activation bytes on one stage. ``tiles`` is the number
+    of image tiles (vision-language models: the ViT's batch; 0 for a text-only micro-batch).
     """
 
     collation: str
@@ -65,11 +66,12 @@ class MicroBatchShape:
     tokens: int = 0
     time_s: float = 0.0
     memory_bytes: float = 0.0
+    tiles: int = 0
 
     def __post_init__(self) -> None:
         if self.collation not in RUNNER_COLLATIONS:
             raise ValueError(f"collation must be one of {RUNNER_COLLATIONS}, got {self.collation!r}")
-        if self.rows < 1 or self.input_len < 1 or self.target_len < 0:
+        if self.rows < 1 or self.input_len < 1 or self.target_len < 0 or self.tiles < 0:
             raise ValueError(f"a micro-batch needs rows >= 1 and input_len >= 1, got {self}")
         if self.packed and self.tokens < 1:
             raise ValueError("a packed micro-batch needs its total token count (tokens >= 1)")
@@ -83,7 +85,7 @@ class MicroBatchShape:
     def from_microbatch(cls, mb: MicroBatch, collation: str) -> "MicroBatchShape":
         """The shape of one `MicroBatch` of a plan with the given collation."""
         return cls(collation, int(mb.rows), int(mb.input_len), int(mb.target_len), int(mb.tokens),
-                   float(mb.time_s), float(mb.memory_bytes))
+                   float(mb.time_s), float(mb.memory_bytes), int(mb.vision_tiles))
 
 
 def plan_shapes(plan: BatchPlan, replica: int) -> list[MicroBatchShape]:

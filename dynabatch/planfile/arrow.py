@@ -56,6 +56,7 @@ def plan_to_arrow(plan: BatchPlan) -> pa.Table:
         fmt.NUM_RANKS_KEY: str(plan.num_ranks),
         fmt.NUM_STAGES_KEY: str(plan.num_stages),
         fmt.SCHEDULE_KEY: plan.schedule,
+        fmt.STEP_SCHEDULE_KEY: json.dumps({str(plan.step): plan.schedule}),
         fmt.RANK_TIME_KEY: json.dumps({str(plan.step): plan.rank_time_s.tolist()}),
         fmt.OPTIONS_KEY: json.dumps(plan.options, sort_keys=True, default=_json_value),
     }
@@ -95,17 +96,24 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
     rank_times = json.loads(meta.get(fmt.RANK_TIME_KEY, "{}")).get(str(step), [0.0] * num_ranks)
     return BatchPlan(
         method=meta[fmt.METHOD_KEY], collation=meta[fmt.COLLATION_KEY], num_ranks=num_ranks,
-        num_stages=int(meta[fmt.NUM_STAGES_KEY]), schedule=meta[fmt.SCHEDULE_KEY],
+        num_stages=int(meta[fmt.NUM_STAGES_KEY]), schedule=step_schedule(meta, step),
         sample_ids=col[fmt.SAMPLE_ID].astype(np.int64), sample_row=col[fmt.ROW].astype(np.int32),
         mb_offsets=offsets, rank_time_s=np.asarray(rank_times, np.float64), step=step,
         options=json.loads(meta.get(fmt.OPTIONS_KEY, "{}")), **mb,
     )
 
 
+def step_schedule(meta: dict[str, str], step: int) -> str:
+    """The concrete schedule of ``step`` recorded in decoded plan metadata (``dynabatch.step_schedule``;
+    files of older releases: ``dynabatch.schedule``)."""
+    return json.loads(meta.get(fmt.STEP_SCHEDULE_KEY, "{}")).get(str(int(step)), meta[fmt.SCHEDULE_KEY])
+
+
 def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = None) -> pa.Table:
     """One table holding several steps' plans (a whole run), readable step by step with
-    `plan_from_arrow(table, step=k)`. The plans must share method, collation, world layout and
-    schedule; each step's rank times are kept, and the integrity record
+    `plan_from_arrow(table, step=k)`. The plans must share method, collation and world layout;
+    each step's schedule (``dynabatch.schedule`` says ``auto`` when they differ) and rank times
+    are kept, and the integrity record
     (`dynabatch.planfile.format.integrity_metadata`) lets a reader notice rows edited afterwards.
     ``metadata`` adds run-level entries (dataset fingerprint, cost model, options...)."""
     if not plans:
@@ -115,15 +123,18 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
         raise ValueError("plans_to_arrow: two plans have the same step number")
     tables = [plan_to_arrow(p) for p in plans]
     first = _decode(tables[0].schema.metadata)
-    rank_times = {}
+    rank_times, schedules = {}, {}
     for p, t in zip(plans, tables):
         meta = _decode(t.schema.metadata)
         for key in fmt.SHARED_KEYS:
             if meta[key] != first[key]:
                 raise ValueError(f"step {p.step} differs in {key}: {meta[key]!r} vs {first[key]!r}")
         rank_times[str(p.step)] = p.rank_time_s.tolist()
+        schedules[str(p.step)] = p.schedule
     merged = dict(first)
     merged[fmt.RANK_TIME_KEY] = json.dumps(rank_times)
+    merged[fmt.SCHEDULE_KEY] = plans[0].schedule if len(set(schedules.values())) == 1 else "auto"
+    merged[fmt.STEP_SCHEDULE_KEY] = json.dumps(schedules)
     merged.update(metadata or {})
     table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID)}

@@ -29,7 +29,11 @@ Metadata keys (all strings; JSON where noted):
     dynabatch.plan_schema_version  the row format above (`PLAN_SCHEMA_VERSION`); required
     dynabatch.run_plan_version     the run-level layout (`RUN_PLAN_VERSION`); absent in bare
                                    `plans_to_arrow` tables and files of older releases
-    dynabatch.method / collation / schedule / num_ranks / num_stages
+    dynabatch.method / collation / schedule / num_ranks / num_stages  (schedule: the one order of
+                                   every step, or ``auto`` when steps differ)
+    dynabatch.step_schedule        JSON {step: the concrete order (gpipe, 1f1b, adaptive) the step was
+                                   simulated with and the runner follows}; files of older releases
+                                   lack it: every step then uses dynabatch.schedule
     dynabatch.dataset_fingerprint  `Shapes.fingerprint()` of the planned length index
     dynabatch.cost_model           JSON `CostModel.to_dict()` of the model that predicted the costs
     dynabatch.options              JSON `PlanOptions.to_dict()` (every planning option, plus the
@@ -79,6 +83,7 @@ RUN_PLAN_VERSION_KEY = "dynabatch.run_plan_version"
 METHOD_KEY = "dynabatch.method"
 COLLATION_KEY = "dynabatch.collation"
 SCHEDULE_KEY = "dynabatch.schedule"
+STEP_SCHEDULE_KEY = "dynabatch.step_schedule"
 NUM_RANKS_KEY = "dynabatch.num_ranks"
 NUM_STAGES_KEY = "dynabatch.num_stages"
 FINGERPRINT_KEY = "dynabatch.dataset_fingerprint"
@@ -94,8 +99,9 @@ INDEX_KEY = "dynabatch.index"
 CREATED_BY_KEY = "dynabatch.created_by"
 INTEGRITY_KEY = "dynabatch.integrity"
 
-#: Keys every step of a multi-step table shares (`plans_to_arrow` refuses plans that differ).
-SHARED_KEYS = (PLAN_SCHEMA_VERSION_KEY, METHOD_KEY, COLLATION_KEY, NUM_RANKS_KEY, NUM_STAGES_KEY, SCHEDULE_KEY)
+#: Keys every step of a multi-step table shares (`plans_to_arrow` refuses plans that differ; the
+#: schedule may differ per step, see ``dynabatch.step_schedule``).
+SHARED_KEYS = (PLAN_SCHEMA_VERSION_KEY, METHOD_KEY, COLLATION_KEY, NUM_RANKS_KEY, NUM_STAGES_KEY)
 
 #: Entries of ``dynabatch.options`` that are no `PlanOptions` field: how the run was tokenized and
 #: how many epochs it has.

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from ..core.batchplan import BatchPlan
 from ..core.options import DEPRECATED_NAMES, PlanOptions
 from . import format as fmt
-from .arrow import plan_from_arrow
+from .arrow import plan_from_arrow, step_schedule
 from .integrity import PlanMismatchError, verify_rows
 from .format import PLAN_SCHEMA_VERSION, RUN_PLAN_VERSION
 
@@ -233,8 +233,13 @@ class RunPlan:
 
     @property
     def schedule(self) -> str:
-        """The pipeline schedule the plan was simulated with."""
+        """The pipeline schedule the plan was simulated with (``auto`` when steps differ: see
+        `step_schedule`)."""
         return self.metadata.get(fmt.SCHEDULE_KEY) or self.options.schedule
+
+    def step_schedule(self, step: int) -> str:
+        """The concrete order (``gpipe``, ``1f1b``, ``adaptive``) step ``step`` was simulated with."""
+        return step_schedule(self.metadata, step) if fmt.SCHEDULE_KEY in self.metadata else self.options.schedule
 
     @property
     def dataset_fingerprint(self) -> str | None:

@@ -1,0 +1,261 @@
+"""Numba kernels of the memory-aware adaptive order and of per-rank ordering for any schedule, each
+beside its plain-Python reference.
+
+Op encoding as in `dynabatch.core.kernels.simulate` (``j + 1`` forward of micro-batch ``j``,
+``-(j + 1)`` its backward; int32 ``[S, 2M]``). Times are seconds, memory bytes.
+
+=========================  ==============================
+kernel                     reference
+=========================  ==============================
+`adaptive_kernel`          `adaptive_reference`
+`order_ranks_schedule`     `order_ranks_schedule_reference`
+=========================  ==============================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .assign import _candidate_orders, candidate_orders_reference
+from .simulate import (inflight_kernel, inflight_reference, makespan_kernel, makespan_reference, schedule_kernel,
+                       schedule_reference)
+
+#: Return codes of :func:`adaptive_kernel`.
+OK, STALL, OVERSIZE = 0, 1, 2
+#: Schedule codes of :func:`order_ranks_schedule` (those of `dynabatch.core.options.SCHEDULE_CODES`).
+GPIPE, ONE_F_ONE_B, ADAPTIVE = 0, 1, 2
+
+
+@njit(cache=True)
+def adaptive_kernel(fwd, bwd, p2p, mem, limit, alone, ops):
+    """Fill ``ops`` (int32 ``[S, 2M]``) with the memory-aware adaptive order; returns 0 (OK), 1 (stall,
+    an internal error) or 2 (a micro-batch's ``mem`` exceeds ``limit`` and ``alone`` is False).
+
+    List scheduling on ``fwd``/``bwd`` float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds,
+    ``mem`` float64 ``[M]`` activation bytes, ``limit`` bytes in flight per stage: whenever a stage is
+    free it runs the earliest-ready ready backward (ties: lowest micro-batch), otherwise the next forward
+    in micro-batch order if its input has arrived and the stage's in-flight bytes (forwarded, not yet
+    backwarded) stay within ``limit`` after adding it, or the stage holds nothing (with ``alone``, a
+    micro-batch larger than ``limit`` runs by itself). Deadlock-free: the last stage always drains.
+    """
+    S, M = fwd.shape
+    if not alone:
+        for j in range(M):
+            if mem[j] > limit:
+                return OVERSIZE
+    inf = np.inf
+    fwd_end = np.full((S, M), inf)
+    bwd_end = np.full((S, M), inf)
+    free = np.zeros(S)
+    held = np.zeros(S)
+    next_f = np.zeros(S, np.int64)
+    npend = np.zeros(S, np.int64)
+    pending = np.zeros((S, M), np.bool_)
+    pos = np.zeros(S, np.int64)
+    t = 0.0
+    done = 0
+    total = 2 * S * M
+    while done < total:
+        progressed = False
+        for s in range(S):
+            if free[s] > t:
+                continue
+            best_b = -1
+            best_ready = inf
+            for j in range(M):
+                if pending[s, j]:
+                    ready = fwd_end[s, j] if s == S - 1 else bwd_end[s + 1, j] + p2p[j]
+                    if ready <= t and ready < best_ready:
+                        best_b = j
+                        best_ready = ready
+            if best_b >= 0:
+                j = best_b
+                bwd_end[s, j] = t + bwd[s, j]
+                free[s] = bwd_end[s, j]
+                pending[s, j] = False
+                npend[s] -= 1
+                held[s] -= mem[j]
+                ops[s, pos[s]] = -(j + 1)
+                pos[s] += 1
+                done += 1
+                progressed = True
+                continue
+            j = next_f[s]
+            if j < M:
+                ready = 0.0 if s == 0 else fwd_end[s - 1, j] + p2p[j]
+                if ready <= t and (npend[s] == 0 or held[s] + mem[j] <= limit):
+                    fwd_end[s, j] = t + fwd[s, j]
+                    free[s] = fwd_end[s, j]
+                    next_f[s] += 1
+                    pending[s, j] = True
+                    npend[s] += 1
+                    held[s] += mem[j]
+                    ops[s, pos[s]] = j + 1
+                    pos[s] += 1
+                    done += 1
+                    progressed = True
+        if done == total:
+            break
+        nt = inf  # the next instant something can change: a stage frees up or an input arrives
+        for s in range(S):
+            if t < free[s] < nt:
+                nt = free[s]
+            for j in range(M):
+                if s > 0:
+                    a = fwd_end[s - 1, j] + p2p[j]
+                    if t < a < nt:
+                        nt = a
+                if s < S - 1:
+                    a = bwd_end[s + 1, j] + p2p[j]
+                    if t < a < nt:
+                        nt = a
+        if nt == inf:
+            if progressed:
+                continue  # zero-length ops finished at t: look again
+            return STALL
+        t = nt
+    return OK
+
+
+def adaptive_reference(fwd, bwd, p2p, mem, limit, alone):
+    """Plain-Python `adaptive_kernel`: the op lists (one list per stage), or raise ValueError for an
+    oversize micro-batch without ``alone`` / RuntimeError on a stall."""
+    S, M = len(fwd), len(fwd[0])
+    if not alone and any(float(m) > limit for m in mem):
+        raise ValueError("a micro-batch exceeds the memory limit")
+    fwd_end, bwd_end = {}, {}  # (stage, micro-batch) -> end time, once scheduled
+    free, held = [0.0] * S, [0.0] * S
+    next_f = [0] * S
+    pending = [[] for _ in range(S)]  # forwarded on the stage, not yet backwarded
+    orders = [[] for _ in range(S)]
+    t = 0.0
+    while sum(len(o) for o in orders) < 2 * S * M:
+        progressed = False
+        for s in range(S):
+            if free[s] > t:
+                continue
+            ready_b = [((fwd_end[(s, j)] if s == S - 1 else bwd_end.get((s + 1, j), np.inf) + p2p[j]), j)
+                       for j in sorted(pending[s])]
+            ready_b = [(r, j) for r, j in ready_b if r <= t]
+            if ready_b:
+                _, j = min(ready_b)  # earliest ready, then lowest micro-batch
+                bwd_end[(s, j)] = free[s] = t + float(bwd[s][j])
+                pending[s].remove(j)
+                held[s] -= float(mem[j])
+                orders[s].append(-(j + 1))
+                progressed = True
+                continue
+            j = next_f[s]
+            if j < M:
+                ready = 0.0 if s == 0 else fwd_end.get((s - 1, j), np.inf) + p2p[j]
+                if ready <= t and (not pending[s] or held[s] + float(mem[j]) <= limit):
+                    fwd_end[(s, j)] = free[s] = t + float(fwd[s][j])
+                    next_f[s] += 1
+                    pending[s].append(j)
+                    held[s] += float(mem[j])
+                    orders[s].append(j + 1)
+                    progressed = True
+        arrivals = [fwd_end[(s - 1, j)] + p2p[j] for s in range(1, S) for j in range(M) if (s - 1, j) in fwd_end]
+        arrivals += [bwd_end[(s + 1, j)] + p2p[j] for s in range(S - 1) for j in range(M) if (s + 1, j) in bwd_end]
+        later = [x for x in free + arrivals if x > t]
+        if later:
+            t = min(later)
+        elif not progressed and sum(len(o) for o in orders) < 2 * S * M:
+            raise RuntimeError("adaptive order construction stalled")
+    return orders
+
+
+# --------------------------------------------------------------------------- per-rank ordering
+
+
+@njit(cache=True)
+def _rank_ops(code, stages, t, mem, fwd_fraction, p2p, limit, alone):
+    """Op lists of one rank's micro-batches (``t`` seconds each, in this order) under ``code``, with
+    the per-stage times; returns (ops, fwd, bwd, status)."""
+    k = t.shape[0]
+    fwd = np.empty((stages, k))
+    bwd = np.empty((stages, k))
+    for s in range(stages):
+        for j in range(k):
+            fwd[s, j] = t[j] * fwd_fraction
+            bwd[s, j] = t[j] - fwd[s, j]
+    if code == ADAPTIVE:
+        ops = np.zeros((stages, 2 * k), np.int32)
+        status = adaptive_kernel(fwd, bwd, p2p, mem, limit, alone, ops)
+        return ops, fwd, bwd, status
+    return schedule_kernel(stages, k, code), fwd, bwd, OK
+
+
+@njit(cache=True, nogil=True)
+def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
+    """Execution order within each rank for schedule ``code`` (0 GPipe, 1 1F1B, 2 adaptive with
+    ``limit`` bytes in flight per stage; an oversize micro-batch runs alone).
+
+    Returns (perm, rank_time, peak): ``perm`` lists micro-batch indices rank by rank in execution
+    order; ``rank_time`` each rank's simulated makespan (seconds; the best of `_candidate_orders`
+    with ``optimize``, else the given order); ``peak`` each rank's largest in-flight activation bytes
+    on any stage. Every stage spends ``fwd_fraction`` of a micro-batch's ``times`` in its forward.
+    """
+    m = times.shape[0]
+    perm = np.empty(m, np.int64)
+    rank_time = np.zeros(ranks)
+    peak = np.zeros(ranks)
+    pn = np.empty(stages, np.int64)
+    pb = np.empty(stages)
+    pos = 0
+    for r in range(ranks):
+        idx = np.flatnonzero(rank_of == r)
+        k = idx.shape[0]
+        if k == 0:
+            continue
+        t, p, mm = times[idx], p2p[idx], mem[idx]
+        if optimize and k > 1:
+            cands = _candidate_orders(t)
+        else:
+            cands = np.arange(k).reshape(1, k)
+        best = np.inf
+        best_c = 0
+        for c in range(cands.shape[0]):
+            o = cands[c]
+            ops, fwd, bwd, status = _rank_ops(code, stages, t[o], mm[o], fwd_fraction, p[o], limit, True)
+            v = makespan_kernel(fwd, bwd, p[o], ops) if status == OK else np.inf  # stall: non-finite times
+            if c == 0 or v < best:  # the first of equals
+                best = v
+                best_c = c
+                inflight_kernel(ops, mm[o], pn, pb)
+                peak[r] = pb.max()
+        chosen = cands[best_c]
+        rank_time[r] = best
+        for q in range(k):
+            perm[pos + q] = idx[chosen[q]]
+        pos += k
+    return perm, rank_time, peak
+
+
+def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
+    """Plain-Python `order_ranks_schedule`: (perm, rank_time, peak) as lists."""
+    perm, rank_time, peak = [], [0.0] * ranks, [0.0] * ranks
+    for r in range(ranks):
+        mine = [q for q in range(len(times)) if rank_of[q] == r]
+        k = len(mine)
+        if k == 0:
+            continue
+        t, p, mm = ([float(a[q]) for q in mine] for a in (times, p2p, mem))
+
+        def run(order):
+            tt, pp, mo = [t[q] for q in order], [p[q] for q in order], [mm[q] for q in order]
+            fwd = [[x * fwd_fraction for x in tt]] * stages
+            bwd = [[x - x * fwd_fraction for x in tt]] * stages
+            if code == ADAPTIVE:
+                ops = adaptive_reference(fwd, bwd, pp, mo, limit, True)
+            else:
+                ops = schedule_reference(stages, k, code)
+            return makespan_reference(fwd, bwd, pp, np.array(ops)), max(inflight_reference(ops, mo)[1])
+
+        cands = candidate_orders_reference(t) if optimize and k > 1 else [list(range(k))]
+        runs = [run(o) for o in cands]
+        best = min(range(len(cands)), key=lambda c: runs[c][0])  # the first of equals
+        rank_time[r], peak[r] = runs[best]
+        perm += [mine[q] for q in cands[best]]
+    return perm, rank_time, peak
