@@ -73,6 +73,14 @@ def _add_bench_plan(sub) -> None:
                    help="device preset planned for (default a100-80gb, whatever this machine has: offline "
                         "planning plans for the cluster; the DataLoader's default is this machine's)")
     p.add_argument("--batches", type=int, default=64, help="global batches to plan, 0 = all (default 64)")
+    p.add_argument("--layout", choices=("uniform", "contiguous"), default="uniform",
+                   help="where the layers sit: uniform (every stage a slice of every layer kind, the default) "
+                        "or contiguous (vision first; stage-aware planning, plus the dp methods planned "
+                        "stage-blind and priced under the contiguous costs)")
+    p.add_argument("--mix-text", nargs="+", metavar="PATH",
+                   help="add text-only samples drawn from these files (e.g. text_mix_small.jsonl)")
+    p.add_argument("--mix-fraction", type=float, default=0.5,
+                   help="share of the samples --mix-text makes up (default 0.5)")
     add_plan_options(p, methods=False)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                    help="methods to compare (default: all); each baseline's knob is swept, so there is no "
@@ -101,8 +109,14 @@ def _cmd_bench_plan(args) -> int:
     else:
         shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
         data = f"synthetic ({args.samples} samples)"
-    cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data)
-    cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages)
+    if args.mix_text:
+        from .bench.plan import mix_text
+
+        shapes = mix_text(shapes, read_shapes(args.mix_text)[0], args.mix_fraction, seed=args.seed)
+        data += f" + {args.mix_fraction:.0%} text from " + " ".join(Path(d).name for d in args.mix_text)
+    cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data,
+                          layout=args.layout)
+    cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages, layout=args.layout)
     result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=not args.no_progress and not args.json,
                                    reference=args.reference)
     if args.plot:

@@ -16,6 +16,8 @@ from dynabatch.core.kernels.assign import (
     _candidate_orders,
     assign_ranks,
     assign_ranks_reference,
+    balance_simulated,
+    balance_simulated_reference,
     candidate_orders_reference,
     order_ranks,
     order_ranks_reference,
@@ -133,6 +135,22 @@ def test_order_ranks_matches_reference(times, ranks, stages, kind, optimize, see
     ref_perm, ref_time = order_ranks_reference(t, p2p, rank_of, ranks, 1.0 / 3.0, stages, ops, optimize)
     assert (perm.tolist(), rank_time.tolist()) == (ref_perm, ref_time)
     assert sorted(ref_perm) == list(range(m))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tied_times_st, st.integers(1, 4), st.integers(1, 4), st.sampled_from([0, 1]), st.integers(1, 6), seeds)
+def test_balance_simulated_matches_reference(times, ranks, stages, kind, top, seed):
+    rng = np.random.default_rng(seed)
+    m = len(times)
+    t = np.array(times, np.float64)
+    p2p = rng.choice([0.0, 0.05, 0.2], m)
+    rank_of = rng.integers(0, ranks, m).astype(np.int32)  # some ranks may get nothing
+    counts = np.bincount(rank_of, minlength=ranks)
+    ops = schedules_by_count(stages, int(counts.max(initial=0)), kind)
+    got = balance_simulated(t, p2p, rank_of, ranks, 1.0 / 3.0, stages, ops, 8, top)
+    ref = balance_simulated_reference(t, p2p, rank_of, ranks, 1.0 / 3.0, stages, ops, 8, top)
+    assert got.tolist() == ref
+    assert np.array_equal(np.bincount(got, minlength=ranks), counts)  # swaps only: counts kept
 
 
 # ----------------------------------------------------------------------------- simulate

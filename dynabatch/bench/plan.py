@@ -21,6 +21,7 @@ from ..core.cost import CostModel
 from ..core.options import METHODS, PlanOptions
 from ..core.plan import _ordering
 from ..core.shapes import Shapes
+from ..core.stage_plan import evaluate_plan
 from ..core.steps import global_batches, plan_step
 
 #: The planning options `dynabatch bench plan` uses unless told otherwise (8 ranks x 4 stages,
@@ -41,6 +42,7 @@ class PlanBenchConfig:
     device: str = "a100-80gb"
     num_batches: int = 64
     data: str = "synthetic"
+    layout: str = "uniform"
 
     def to_dict(self) -> dict:
         """Flat JSON form: the bench fields and every `PlanOptions` field (``collation`` left out:
@@ -48,7 +50,7 @@ class PlanBenchConfig:
         opts = self.options.to_dict()
         opts.pop("collation")
         return {"model": self.model, "device": self.device, "num_batches": self.num_batches, "data": self.data,
-                **opts}
+                **({"layout": self.layout} if self.layout != "uniform" else {}), **opts}
 
 
 def _summarize(plans, obj_lbs, iter_lbs, plan_ms) -> dict:
@@ -139,6 +141,15 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
         opts, plans, ms = min(feasible, key=lambda r: np.mean([p.iteration_time_s for p in r[1]]))
         out_methods[m] = {**_summarize(plans, obj_lbs, iter_lbs, ms), "options": opts}
         chosen[m] = plans
+    if cost.stage_aware:  # the planner's methods planned stage-blind (uniform layout), priced under ``cost``
+        blind = cost.with_layout("uniform")
+        for m in [m for m in methods if m in ("dp", "dp_varlen")]:
+            plans, ms = _run_method(shapes, batches_idx, blind, _method_options(options, m, {}))
+            plans = [evaluate_plan(p, cost, shapes) for p in plans]
+            out_methods[f"{m} (stage-blind)"] = {**_summarize(plans, obj_lbs, iter_lbs, ms), "options": {}}
+            chosen[f"{m} (stage-blind)"] = plans
+            aware = out_methods[m]
+            aware["vs_stage_blind"] = aware["iteration_time_s"] / out_methods[f"{m} (stage-blind)"]["iteration_time_s"]
     if "pack" in out_methods:
         base = out_methods["pack"]["iteration_time_s"]
         for v in out_methods.values():
@@ -187,6 +198,7 @@ _COLUMNS = (
     ("ratio_to_iteration_bound", "{:.3f}", "iter/LB"),
     ("padding_efficiency", "{:.3f}", "pad eff"),
     ("speedup_vs_pack", "{:.2f}x", "vs pack"),
+    ("vs_stage_blind", "{:.3f}", "/stage-blind"),
     ("ratio_to_objective_bound", "{:.3f}", "obj/LB"),
     ("rank_imbalance", "{:.3f}", "max/mean rank"),
     ("num_microbatches", "{:.1f}", "micro-batches"),
@@ -198,9 +210,11 @@ _COLUMNS = (
 def format_table(result: dict) -> str:
     """The benchmark result as an aligned text table (times in ms)."""
     rows = []
+    columns = [c for c in _COLUMNS if c[0] != "vs_stage_blind"
+               or any(c[0] in v for v in result["methods"].values())]
     for m, v in result["methods"].items():
         row = []
-        for key, fmt, _ in _COLUMNS:
+        for key, fmt, _ in columns:
             if key == "method":
                 row.append(m + (" (OOM)" if v.get("over_memory_limit") else ""))
             elif key == "iteration_time_s":
@@ -210,7 +224,7 @@ def format_table(result: dict) -> str:
             else:
                 row.append(fmt.format(v[key]) if key in v else "-")
         rows.append(row)
-    head = [c[2] for c in _COLUMNS]
+    head = [c[2] for c in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     cfg = result["config"]
@@ -218,12 +232,26 @@ def format_table(result: dict) -> str:
             else f"{cfg['global_batch_size']}-sample")
     title = (f"{cfg['model']} on {cfg['device']}: {cfg['num_ranks']} ranks x {cfg['num_stages']} stages "
              f"({cfg['schedule']}), {size} global batches, max len {cfg['max_len']}, "
-             f"{cfg['num_batches']} batches from {cfg['data']}")
+             f"{cfg['num_batches']} batches from {cfg['data']}"
+             + (f", {cfg['layout']} layer layout" if cfg.get("layout") else ""))
     lbs = [f"iteration lower bound (iter/LB): {result['iteration_lower_bound_s'] * 1e3:.1f} ms per step, any plan "
            f"and schedule",
            f"objective lower bound (obj/LB):  {result['objective_lower_bound_s'] * 1e3:.1f} ms of sum/R + (S-1) x max, "
            f"not a bound on iteration time"]
     return "\n".join([title, *lbs, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def mix_text(shapes: Shapes, text: Shapes, fraction: float = 0.5, seed: int = 0) -> Shapes:
+    """``shapes`` plus text-only samples drawn (seeded, with replacement) from ``text`` so that they make
+    ``fraction`` of the result; the drawn samples get fresh sample ids above ``shapes``'."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"the text fraction must lie in (0, 1), got {fraction}")
+    n = int(round(len(shapes) * fraction / (1 - fraction)))
+    pick = np.random.default_rng(seed).integers(0, len(text), n)
+    drawn = text.take(pick)
+    ids = int(shapes.sample_id.max(initial=-1)) + 1 + np.arange(n, dtype=np.int64)
+    return Shapes.concat([shapes, Shapes(ids, drawn.input_tokens, drawn.target_tokens,
+                                         np.zeros(n, np.int32), drawn.task_id)])
 
 
 def plot(result: dict, plans: dict, path: str) -> None:

@@ -26,8 +26,10 @@ MB_FIELDS = {
     "mb_vision_tiles": (np.int64, "image tiles the vision encoder processes"),
     "mb_tokens": (np.int64, "tokens computed: rows x (input_len + target_len), or the packed total"),
     "mb_real_tokens": (np.int64, "tokens of the micro-batch's samples"),
-    "mb_time_s": (np.float64, "predicted forward+backward seconds of the micro-batch on one stage"),
-    "mb_memory_bytes": (np.float64, "predicted peak activation bytes of the micro-batch on one stage"),
+    "mb_time_s": (np.float64, "predicted forward+backward seconds of the micro-batch on one stage (per-stage "
+                              "plans: on its slowest stage)"),
+    "mb_memory_bytes": (np.float64, "predicted peak activation bytes of the micro-batch on one stage (per-stage "
+                                    "plans: on its largest stage)"),
 }
 
 
@@ -82,6 +84,11 @@ class BatchPlan:
     rank_time_s: np.ndarray
     step: int = 0
     options: dict = field(default_factory=dict)
+    #: Per-stage predictions ``[num_stages, M]`` (seconds, bytes), micro-batches in plan order: set by the
+    #: planner's per-stage path (a cost model with a non-uniform `StageLayout`) and `evaluate_plan`;
+    #: None when every stage costs ``mb_time_s`` / ``mb_memory_bytes``.
+    stage_time_s: np.ndarray | None = None
+    stage_memory_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.collation not in COLLATIONS:
@@ -94,6 +101,13 @@ class BatchPlan:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {m} micro-batches")
         if len(self.rank_time_s) != self.num_ranks:
             raise ValueError("rank_time_s needs one entry per rank")
+        for name in ("stage_time_s", "stage_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None:
+                v = np.asarray(v, np.float64)
+                if v.shape != (self.num_stages, m):
+                    raise ValueError(f"{name} must be [num_stages, M] = [{self.num_stages}, {m}], got {v.shape}")
+                object.__setattr__(self, name, v)
 
     # -- summaries --------------------------------------------------------------------------
     @property
@@ -154,5 +168,7 @@ class BatchPlan:
         for arr in (self.sample_ids, self.sample_row, self.mb_offsets, self.mb_rank, self.mb_order, self.mb_rows,
                     self.mb_input_len, self.mb_target_len, self.mb_vision_tiles, self.mb_time_s):
             h.update(np.ascontiguousarray(arr).tobytes())
+        if self.stage_time_s is not None:  # only per-stage plans: the fingerprints of others stay as they were
+            h.update(np.ascontiguousarray(self.stage_time_s).tobytes())
         h.update(f"{self.method}|{self.collation}|{self.num_ranks}|{self.num_stages}|{self.step}".encode())
         return h.hexdigest()[:16]

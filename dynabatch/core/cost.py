@@ -39,22 +39,12 @@ import numpy as np
 # references), the model/device descriptions and their presets in `presets`; their names are
 # re-exported so ``from dynabatch.core.cost import X`` keeps working for every X it offered.
 from .kernels.cost import FEATURES, NUM_FEATURES, profiled_lookup
-from .presets import (  # noqa: F401
-    DEVICE_PRESETS,
-    GPU_PRESETS,
-    KIND_CODE,
-    KINDS,
-    MODEL_PRESETS,
-    TINY_MODEL_PRESETS,
-    DeviceProfile,
-    GiB,
-    ModelConfig,
-    device_preset,
-    model_preset,
-)
+from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESETS, TINY_MODEL_PRESETS,  # noqa: F401
+                      DeviceProfile, GiB, ModelConfig, device_preset, model_preset)
 from .analytic import analytic_coefficients
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from .shapes import Shapes
+from .stages import LAYOUTS, StageCosts, StageLayout  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -101,7 +91,7 @@ class ProfiledTable:
         return t, m
 
 
-class CostModel:
+class CostModel(StageCosts):
     """Time (seconds) and activation memory (bytes) of one micro-batch on one pipeline stage.
 
     Build one with `CostModel.preset` (``"gpt"``, ``"t5"``, ``"vlm"`` on a device preset), with
@@ -129,14 +119,17 @@ class CostModel:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def preset(cls, model: str = "gpt", device: str = "a100-80gb", *, num_stages: int = 4, **kw) -> "CostModel":
+    def preset(cls, model: str = "gpt", device: str = "a100-80gb", *, num_stages: int = 4, layout="uniform",
+               **kw) -> "CostModel":
         """Analytic cost model of a named model preset on a named device preset.
 
         The default device stays ``a100-80gb`` on every machine: the same arguments give the same
         costs (and plans) wherever they run, as offline planning needs. This machine's device is
         ``dynabatch.devices.resolve_device()`` (torch, so outside this core), which the
-        DataLoader's default ``device="auto"`` uses."""
-        return cls(model_preset(model, num_stages), device_preset(device), **kw)
+        DataLoader's default ``device="auto"`` uses. ``layout``: where layers sit (`dynabatch.core.stages`)."""
+        cm = cls(model_preset(model, num_stages), device_preset(device), **kw)
+        cm._num_stages = int(num_stages)
+        return cm.set_layout(layout)
 
     @classmethod
     def analytic(cls, model: ModelConfig, device: DeviceProfile, **kw) -> "CostModel":
@@ -442,6 +435,7 @@ class CostModel:
             "time_coef": self.time_coef.tolist(), "mem_coef": self.mem_coef.tolist(),
             "pad_multiple": self.pad_multiple, "forgetting": self.forgetting,
             "prior_strength": self.prior_strength, "table": None,
+            **({"layout": self.layout.to_dict()} if self.layout is not None else {}),
         }
         if self.table is not None:
             d["table"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self.table).items()}
@@ -455,7 +449,8 @@ class CostModel:
         table = ProfiledTable(**d["table"]) if d.get("table") else None
         return cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=d["time_coef"],
                    mem_coef=d["mem_coef"], table=table, pad_multiple=d["pad_multiple"],
-                   forgetting=d["forgetting"], prior_strength=d["prior_strength"])
+                   forgetting=d["forgetting"], prior_strength=d["prior_strength"]).set_layout(
+                       StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
 
     def save(self, path) -> None:
         """Write the cost model as JSON to ``path``."""

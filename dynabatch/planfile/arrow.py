@@ -14,6 +14,8 @@ import pyarrow as pa
 from ..core.batchplan import MB_FIELDS, BatchPlan
 from . import format as fmt
 
+#: Per-stage `BatchPlan` fields, written (as fixed-size lists of ``num_stages`` float64) only when set.
+STAGE_FIELDS = ("stage_time_s", "stage_memory_bytes")
 #: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
 _ARROW_NAME = {"mb_order": fmt.MICROBATCH}
 
@@ -49,6 +51,11 @@ def plan_to_arrow(plan: BatchPlan) -> pa.Table:
         fmt.SAMPLE_ID: plan.sample_ids.astype(np.int64),
     }
     cols.update(per_sample)
+    for name in STAGE_FIELDS:  # per-stage predictions (per-stage plans only): a list of S values per row
+        v = getattr(plan, name)
+        if v is not None:
+            flat = np.ascontiguousarray(np.repeat(v.T, sizes, axis=0)).ravel()
+            cols[name] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float64()), plan.num_stages)
     meta = {
         fmt.PLAN_SCHEMA_VERSION_KEY: str(fmt.PLAN_SCHEMA_VERSION),
         fmt.METHOD_KEY: plan.method,
@@ -86,12 +93,17 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
     sel = np.flatnonzero(steps == step)
     if len(sel) == 0:
         raise ValueError(f"step {step} is not in the plan")
-    col = {name: table.column(name).to_numpy()[sel] for name in table.column_names}
+    col = {name: table.column(name).to_numpy()[sel] for name in table.column_names if name not in STAGE_FIELDS}
     rank, order = col[fmt.RANK].astype(np.int32), col[fmt.MICROBATCH].astype(np.int32)
     change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
     starts = np.concatenate(([0], change))
     offsets = np.concatenate((starts, [len(sel)])).astype(np.int64)
     mb = {name: col[_column(name)][starts].astype(dtype) for name, (dtype, _) in MB_FIELDS.items()}
+    for name in STAGE_FIELDS:
+        if name in table.column_names:
+            rows = table.column(name).combine_chunks().take(pa.array(sel[starts]))
+            mb[name] = np.asarray(rows.flatten().to_numpy(zero_copy_only=False), np.float64).reshape(
+                len(starts), -1).T
     num_ranks = int(meta[fmt.NUM_RANKS_KEY])
     rank_times = json.loads(meta.get(fmt.RANK_TIME_KEY, "{}")).get(str(step), [0.0] * num_ranks)
     return BatchPlan(

@@ -23,6 +23,10 @@ Columns (`COLUMNS`; the first five are required, the others optional):
     epoch          int32    epoch of the step (files of older releases may lack it)
     task_id        int32    the sample's task (index into dynabatch.task_names), -1 unknown
     sample_tokens  int32    the sample's own tokens after truncation (they sum to real_tokens)
+    stage_time_s   list<float64>[S]  per-stage plans only (a cost model with a non-uniform layer
+                   layout, `dynabatch.core.stages`): the micro-batch's seconds on each stage
+    stage_memory_bytes  list<float64>[S]  the same, activation bytes; absent columns mean every stage
+                   costs time_s / memory_bytes (older files never have them; no version change)
 
 Metadata keys (all strings; JSON where noted):
 

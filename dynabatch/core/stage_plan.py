@@ -1,0 +1,233 @@
+"""The planner's per-stage path: rank assignment, ordering and evaluation on ``[S, M]`` stage times.
+
+`plan_microbatches` takes this path when its cost model has a non-uniform `StageLayout`
+(`dynabatch.core.stages`); with the uniform layout it keeps its scalar path, unchanged.
+
+* `assign_ranks_stages`: longest (bottleneck stage time) first, each micro-batch to the rank whose
+  estimated time ``max_s load[r, s] + (S - 1) * max_j mean_s t[s, j]`` grows least (with the uniform
+  layout this is `assign_ranks`' ``sum + (S-1) * max``), then pairwise swaps (and moves, without equal
+  counts) out of the slowest rank while they lower the largest estimate.
+* `order_step_stages`: each rank's candidate orders (`assign`'s four on the bottleneck time, plus
+  Johnson's two-machine rule on the front and back halves of the stages and an alternation of
+  front-heavy and back-heavy micro-batches) simulated with their ``[S, k]`` stage times; the best
+  wins. ``auto`` picks the schedule as `dynabatch.core.schedules.order_step` does.
+* `evaluate_plan`: a plan's micro-batches re-priced and re-simulated (same ranks, order and
+  schedule) under another cost model, e.g. a stage-blind plan under the real layout.
+
+Times are seconds, memory bytes, forward share per stage ``cost.forward_fraction``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .kernels.assign import _candidate_orders
+from .kernels.simulate import inflight_kernel, makespan_kernel, schedule_kernel
+from .options import SCHEDULE_CODES
+from .schedules import AUTO_PREFERENCE, adaptive_order
+
+
+def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:
+    """Rank (int32 ``[M]``) of each micro-batch of stage times ``st`` ``[S, M]`` (see the module doc)."""
+    st = np.ascontiguousarray(st, np.float64)
+    S, M = st.shape
+    w = S - 1
+    own = st.mean(axis=0)
+    cap = M // ranks if equal_counts else M
+    rank_of = np.zeros(M, np.int32)
+    load = np.zeros((ranks, S))
+    mx = np.zeros(ranks)
+    cnt = np.zeros(ranks, np.int64)
+    for j in np.argsort(-st.max(axis=0), kind="mergesort"):
+        v = (load + st[:, j]).max(axis=1) + w * np.maximum(mx, own[j])
+        v[cnt >= cap] = np.inf
+        r = int(np.argmin(v))
+        rank_of[j] = r
+        load[r] += st[:, j]
+        mx[r] = max(mx[r], own[j])
+        cnt[r] += 1
+
+    for _ in range(max_rounds):
+        load = np.zeros((ranks, S))
+        np.add.at(load, rank_of, st.T)
+        m1, m2 = np.zeros(ranks), np.zeros(ranks)  # largest and second largest own time per rank
+        for j in range(M):
+            r, t = rank_of[j], own[j]
+            if t > m1[r]:
+                m1[r], m2[r] = t, m1[r]
+            elif t > m2[r]:
+                m2[r] = t
+        mx = m1
+        obj = load.max(axis=1) + w * mx
+        rmax = int(np.argmax(obj))
+        cur = obj[rmax]
+        best_gain, move = 1e-12 * cur, None
+        mine = np.flatnonzero(rank_of == rmax)
+        others = np.flatnonzero(rank_of != rmax)
+        for a in mine:
+            rest_a = m2[rmax] if own[a] == m1[rmax] else m1[rmax]
+            if len(others):
+                rb = rank_of[others]
+                new_hi = (load[rmax][None, :] - st[:, a][None, :] + st[:, others].T).max(axis=1) \
+                    + w * np.maximum(rest_a, own[others])
+                new_lo_load = (load[rb] - st[:, others].T + st[:, a][None, :]).max(axis=1)
+                # the other rank's largest own time without b, with a
+                mx_wo = np.where(own[others] == m1[rb], m2[rb], m1[rb])
+                new_lo = new_lo_load + w * np.maximum(mx_wo, own[a])
+                gain = cur - np.maximum(new_hi, new_lo)
+                q = int(np.argmax(gain))
+                if gain[q] > best_gain:
+                    best_gain, move = float(gain[q]), (int(a), int(others[q]))
+            if not equal_counts:
+                for r in range(ranks):
+                    if r == rmax:
+                        continue
+                    o1 = (load[rmax] - st[:, a]).max() + w * rest_a
+                    o2 = (load[r] + st[:, a]).max() + w * max(mx[r], own[a])
+                    gain = cur - max(o1, o2)
+                    if gain > best_gain:
+                        best_gain, move = gain, (int(a), -1 - r)
+        if move is None:
+            break
+        a, b = move
+        if b >= 0:
+            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
+        else:
+            rank_of[a] = -1 - b
+    return rank_of
+
+
+def candidate_orders_stages(st: np.ndarray) -> list[np.ndarray]:
+    """Candidate execution orders (positions) of one rank's micro-batches with stage times ``[S, k]``:
+    `_candidate_orders` of the bottleneck time, Johnson's rule on (front half, back half) of the
+    stages, and front-heavy / back-heavy alternation."""
+    S, k = st.shape
+    cands = [np.asarray(c, np.int64) for key in (st.max(axis=0), st.mean(axis=0))
+             for c in _candidate_orders(np.ascontiguousarray(key))]
+    h = max(S // 2, 1)
+    front, back = st[:h].sum(axis=0), st[h:].sum(axis=0) if S > 1 else np.zeros(k)
+    first = np.flatnonzero(front < back)
+    last = np.flatnonzero(front >= back)
+    cands.append(np.concatenate([first[np.argsort(front[first], kind="mergesort")],
+                                 last[np.argsort(-back[last], kind="mergesort")]]).astype(np.int64))
+    by = np.argsort(front - back, kind="mergesort")
+    alt = np.empty(k, np.int64)
+    alt[0::2] = by[: (k + 1) // 2]
+    alt[1::2] = by[::-1][: k // 2]
+    cands.append(alt)
+    return cands
+
+
+def _simulate(st, p2p, mem, fwd_fraction, code, limit):
+    """(makespan, peak in-flight bytes on any stage) of one rank running ``st`` ``[S, k]`` in order."""
+    fwd = np.ascontiguousarray(st * fwd_fraction)
+    bwd = np.ascontiguousarray(st - fwd)
+    S, k = st.shape
+    if code == SCHEDULE_CODES["adaptive"]:
+        ops = adaptive_order(fwd, bwd, mem, limit, p2p_s=p2p, oversize="alone")
+    else:
+        ops = schedule_kernel(S, k, code)
+    pn, pb = np.empty(S, np.int64), np.empty(S)
+    inflight_kernel(ops, np.ascontiguousarray(mem, np.float64), pn, pb)
+    return float(makespan_kernel(fwd, bwd, np.ascontiguousarray(p2p, np.float64), ops)), float(pb.max())
+
+
+def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
+    M = st.shape[1]
+    perm = np.empty(M, np.int64)
+    rank_time, peak = np.zeros(ranks), np.zeros(ranks)
+    pos = 0
+    for r in range(ranks):
+        idx = np.flatnonzero(rank_of == r)
+        k = len(idx)
+        if k == 0:
+            continue
+        cands = candidate_orders_stages(st[:, idx]) if optimize and k > 1 else [np.arange(k)]
+        best = None
+        for o in cands:
+            sel = idx[o]
+            v, pk = _simulate(st[:, sel], p2p[sel], mem[sel], fwd_fraction, code, limit)
+            if best is None or v < best[0]:
+                best = (v, pk, sel)
+        rank_time[r], peak[r] = best[0], best[1]
+        perm[pos:pos + k] = best[2]
+        pos += k
+    return perm, rank_time, peak
+
+
+def order_step_stages(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
+                      optimize: bool):
+    """`dynabatch.core.schedules.order_step` on stage times ``st`` ``[S, M]`` (``mem``: ``[M]`` bytes a
+    micro-batch holds on its largest stage). Returns ``(perm, rank_time_s, schedule)``."""
+    st = np.ascontiguousarray(st, np.float64)
+    p2p = np.ascontiguousarray(p2p, np.float64)
+    mem = np.ascontiguousarray(mem, np.float64)
+    rank_of = np.asarray(rank_of, np.int32)
+    names = AUTO_PREFERENCE if schedule == "auto" else (schedule,)
+    results = {n: _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, SCHEDULE_CODES[n], float(stage_limit),
+                               optimize) for n in names}
+    if schedule != "auto":
+        return results[schedule][0], results[schedule][1], schedule
+    fits = [n for n in names if results[n][2].max(initial=0.0) <= stage_limit]
+    if fits:
+        best = min(fits, key=lambda n: (float(results[n][1].max(initial=0.0)), names.index(n)))
+    else:
+        best = min(names, key=lambda n: (float(results[n][2].max(initial=0.0)), names.index(n)))
+    return results[best][0], results[best][1], best
+
+
+def assign_and_order_stages(schedule: str, st, p2p, mem, candidates, ranks: int, fwd_fraction: float,
+                            stage_limit: float, optimize: bool):
+    """The best (simulated) of the candidate rank assignments ``candidates`` (int32 ``[M]`` arrays),
+    each ordered by `order_step_stages` on stage times ``st`` ``[S, M]``; ties: the first.
+    Returns ``(rank_of, perm, rank_time_s, schedule)``."""
+    best = None
+    for r in candidates:
+        r = np.asarray(r, np.int32)
+        res = order_step_stages(schedule, st, p2p, mem, r, ranks, fwd_fraction, stage_limit, optimize)
+        if best is None or res[1].max(initial=0.0) < best[2].max(initial=0.0):
+            best = (r, *res)
+    return best
+
+
+def microbatch_features(plan, cost, shapes=None) -> np.ndarray:
+    """Features ``[M, NUM_FEATURES]`` of a plan's micro-batches under ``cost``: from the plan's shape
+    columns for padded collations; packed plans need the samples' ``shapes`` (any `Shapes` holding
+    their sample ids), truncated with the plan's recorded ``max_len``/``max_target_len``."""
+    sizes = np.diff(plan.mb_offsets)
+    if plan.collation != "packed":
+        return cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len, plan.mb_vision_tiles)
+    if shapes is None:
+        raise ValueError("evaluating a packed plan needs the samples' shapes=")
+    order = np.argsort(shapes.sample_id, kind="stable")
+    where = order[np.searchsorted(shapes.sample_id, plan.sample_ids, sorter=order)]
+    if not np.array_equal(shapes.sample_id[where], plan.sample_ids):
+        raise ValueError("shapes= does not hold every sample of the plan")
+    main, dec, tiles = cost.sample_dims(shapes.take(where), plan.options.get("max_len"),
+                                        plan.options.get("max_target_len"))
+    return cost.packed_features(main, dec, tiles, np.repeat(np.arange(len(sizes)), sizes))
+
+
+def evaluate_plan(plan, cost, shapes=None):
+    """``plan`` re-priced under ``cost`` (any layout): per-stage times and memory, bottleneck
+    ``mb_time_s``, largest-stage ``mb_memory_bytes`` and ``rank_time_s`` re-simulated with the plan's
+    ranks, order and schedule (adaptive: the recorded ``stage_memory_bytes`` limit). Returns a new
+    `BatchPlan`; ``shapes`` as `microbatch_features` needs them."""
+    S = plan.num_stages
+    phi = microbatch_features(plan, cost, shapes)
+    st = cost.stage_times(phi, S)
+    sm = cost.stage_memory(phi, S)
+    mem = sm.max(axis=0)
+    p2p = cost.p2p_time(phi)
+    code = SCHEDULE_CODES[plan.schedule]
+    limit = float(plan.options.get("stage_memory_bytes", S * mem.max(initial=1.0)))
+    rank_time = np.zeros(plan.num_ranks)
+    for r in range(plan.num_ranks):
+        idx = np.flatnonzero(plan.mb_rank == r)
+        idx = idx[np.argsort(plan.mb_order[idx], kind="stable")]
+        if len(idx):
+            rank_time[r] = _simulate(st[:, idx], p2p[idx], mem[idx], cost.forward_fraction, code, limit)[0]
+    return dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=mem, rank_time_s=rank_time,
+                               stage_time_s=st, stage_memory_bytes=sm)
