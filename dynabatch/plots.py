@@ -6,24 +6,71 @@ import numpy as np
 
 from .core.simulate import simulate_pipeline
 
+_KIND = ("F", "B")
+
 
 def draw_pipeline_timeline(ax, times_s: np.ndarray, forward_fraction: float, num_stages: int, schedule: str) -> None:
-    """Gantt chart of one rank's simulated schedule: a row per stage, a colour per micro-batch,
-    plain boxes for forwards and hatched ones for backwards (times in ms)."""
+    """Gantt chart of one rank's simulated schedule: ``times_s`` is ``[M]`` seconds per micro-batch
+    (every stage the same) or ``[S, M]`` per-stage seconds; ``schedule`` a schedule name or an int op
+    array (see `simulate_pipeline`). Drawn by `draw_simulated_timeline`."""
+    times_s = np.asarray(times_s, np.float64)
+    if times_s.shape[-1]:
+        sim = simulate_pipeline(times_s * forward_fraction, times_s * (1 - forward_fraction),
+                                num_stages=None if times_s.ndim == 2 else num_stages, schedule=schedule)
+        draw_simulated_timeline(ax, sim.start_s, sim.end_s)
+    else:
+        draw_simulated_timeline(ax, np.zeros((num_stages, 0, 2)), np.zeros((num_stages, 0, 2)))
+
+
+def draw_simulated_timeline(ax, start_s: np.ndarray, end_s: np.ndarray, microbatch_ids=None) -> list:
+    """Gantt chart of simulated op times ``start_s`` / ``end_s`` (``[S, M, 2]`` seconds, as
+    `SimResult` holds them): a row per stage, a colour per micro-batch, plain boxes for forwards and
+    hatched ones for backwards, in ms. Each box's ``gid`` is ``"s{stage}:F{j}"`` / ``"s{stage}:B{j}"``
+    (``j`` the micro-batch's position in ``start_s``); returns the boxes (matplotlib Rectangles).
+    ``microbatch_ids`` (``[M]``) picks the colours (default ``0..M-1``)."""
     import matplotlib.pyplot as plt
 
-    times_s = np.asarray(times_s, np.float64)
-    if len(times_s):
-        sim = simulate_pipeline(times_s * forward_fraction, times_s * (1 - forward_fraction),
-                                num_stages=num_stages, schedule=schedule)
-        cmap = plt.get_cmap("tab20")
-        for s in range(num_stages):
-            for j in range(len(times_s)):
-                for kind in (0, 1):
-                    a, b = sim.start_s[s, j, kind] * 1e3, sim.end_s[s, j, kind] * 1e3
-                    ax.barh(s, b - a, left=a, color=cmap(j % 20), hatch=None if kind == 0 else "//",
-                            edgecolor="k", lw=0.3)
-    ax.set_yticks(range(num_stages))
-    ax.invert_yaxis()
+    start_s = np.asarray(start_s, np.float64)
+    end_s = np.asarray(end_s, np.float64)
+    S, M = start_s.shape[:2]
+    ids = np.arange(M) if microbatch_ids is None else np.asarray(microbatch_ids)
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(int(i) % 20) for i in ids]
+    boxes = []
+    for s in range(S):
+        for kind in (0, 1):
+            if not M:
+                continue
+            a, b = start_s[s, :, kind] * 1e3, end_s[s, :, kind] * 1e3
+            bars = ax.barh(np.full(M, s), b - a, left=a, color=colors, hatch=None if kind == 0 else "//",
+                           edgecolor="k", lw=0.3)
+            for j, patch in enumerate(bars.patches):
+                patch.set_gid(f"s{s}:{_KIND[kind]}{j}")
+                boxes.append(patch)
+    ax.set_yticks(range(S))
+    ax.set_ylim(S - 0.5, -0.5)
     ax.set_ylabel("pipeline stage")
     ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward")
+    return boxes
+
+
+def draw_stage_busy(ax, busy_s, idle_s, utilization, run_utilization=None) -> None:
+    """Per-stage busy time (sum of the stage's forwards and backwards) stacked under its idle time
+    (makespan - busy), in ms, each bar labelled with the stage's utilisation (busy / makespan) and,
+    when given, ``run_utilization`` (the same over the whole run)."""
+    busy = np.asarray(busy_s, np.float64) * 1e3
+    idle = np.asarray(idle_s, np.float64) * 1e3
+    x = np.arange(len(busy))
+    ax.bar(x, busy, 0.6, color="tab:green", label="busy (forward + backward)")
+    ax.bar(x, idle, 0.6, bottom=busy, color="lightgray", edgecolor="gray", lw=0.5, label="idle (bubble)")
+    for s in x:
+        lab = f"{100 * utilization[s]:.0f}%"
+        if run_utilization is not None:
+            lab += f"\n(run {100 * run_utilization[s]:.0f}%)"
+        ax.text(s, busy[s] + idle[s], lab, ha="center", va="bottom", fontsize=8)
+    top = float((busy + idle).max(initial=0.0))
+    ax.set_ylim(0, top * 1.4 if top > 0 else 1.0)
+    ax.set_xticks(x)
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8, loc="upper center", ncol=2)

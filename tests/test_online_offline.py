@@ -163,3 +163,33 @@ def test_a_plan_made_differently_is_caught(datasets, kind, tmp_path):
     assert _mismatches(_cli_plan(ds, "dp", tmp_path / "same.parquet"), per_rank) == []
     other = _cli_plan(ds, "dp", tmp_path / "other_seed.parquet", seed=SEED + 1)
     assert _mismatches(other, per_rank)
+
+
+def test_a_last_step_smaller_than_the_world_is_written_and_replayed(datasets, tmp_path):
+    """160 samples in steps of 53: the last step holds 1 sample for 2 ranks. `dynabatch plan` writes it
+    (planned on one rank; the other holds none) and each rank replays the file as the loader plans it
+    online: the same micro-batches, the same step count on both ranks, every sample once."""
+    ds = datasets["text"]
+    out = tmp_path / "last.parquet"
+    argv = ["plan", str(ds["index"]), "--out", str(out), "--model", ds["model"], "--device", ds["device"],
+            "--ranks", str(WORLD), "--stages", str(STAGES), "--global-batch-size", "53", "--max-len",
+            str(ds["max_len"]), "--seed", str(SEED), "--tokenizer", "bytes", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    run = load_run_plan(out)
+    last = run.step(int(run.steps[-1]))
+    assert len(last.sample_ids) == 1 and run.num_ranks == WORLD
+    kw = dict(index=ds["table"], tokenizer="bytes", cost_model=ds["model"], device=ds["device"], num_stages=STAGES,
+              max_len=ds["max_len"], seed=SEED, world_size=WORLD)
+    seen, counts = [], []
+    for r in range(WORLD):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            replay = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
+                      for step in DataLoader(ds["data"], plan=str(out), rank=r, **kw)]
+            online = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
+                      for step in DataLoader(ds["data"], global_batch_size=53, rank=r, **kw)]
+        assert replay == online
+        counts.append([len(s) for s in replay])
+        seen += [i for s in replay for _, ids, pad in s if not pad for i in ids]
+    assert counts[0] == counts[1] and len(counts[0]) == run.num_steps
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == ds["samples"]

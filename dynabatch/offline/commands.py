@@ -207,6 +207,10 @@ def add_commands(sub) -> None:
                    help="device preset for a --model preset (default a100-80gb, whatever this machine has: an "
                         "offline plan is for the cluster that trains; the DataLoader's device='auto' is not used "
                         "here)")
+    g.add_argument("--layout", choices=("uniform", "contiguous"), default="uniform",
+                   help="where a --model preset's layers sit: uniform (every stage the same, default) or "
+                        "contiguous (whole layers in order, the vision tower on the first stages): the plan then "
+                        "holds per-stage predictions that dynabatch inspect draws")
     g = p.add_argument_group("run length")
     g.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
     add_plan_options(p)
@@ -224,7 +228,9 @@ def add_commands(sub) -> None:
                                    "micro-batch shapes, token share per task) and optionally plot it.",
                        epilog=INSPECT_EPILOG, formatter_class=fmt)
     p.add_argument("plan", metavar="PLAN.parquet", help="a file written by dynabatch plan")
-    p.add_argument("--plot", metavar="OUT.png", help="write the four-panel PNG here")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write the five-panel PNG here (micro-batch shapes, step times, rank balance, per-stage "
+                        "busy time, the step's timeline)")
     p.add_argument("--step", type=int, default=None, help="step to detail and draw (default: the slowest)")
     p.add_argument("--top-tasks", type=int, default=10, help="tasks listed in the token share (default 10)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -263,7 +269,9 @@ def _cost_model(args):
     from ..core.cost import MODEL_PRESETS, TINY_MODEL_PRESETS, CostModel
 
     if args.model in MODEL_PRESETS + TINY_MODEL_PRESETS:
-        return CostModel.preset(args.model, args.device, num_stages=args.stages)
+        return CostModel.preset(args.model, args.device, num_stages=args.stages, layout=args.layout)
+    if args.layout != "uniform":
+        raise ValueError("--layout applies to a --model preset; a saved cost model keeps its own layout")
     if not Path(args.model).is_file():
         raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a cost "
                          "model JSON file")

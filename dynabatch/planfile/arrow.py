@@ -134,14 +134,19 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
     if len(set(steps)) != len(steps):
         raise ValueError("plans_to_arrow: two plans have the same step number")
     tables = [plan_to_arrow(p) for p in plans]
+    # a step of fewer samples than ranks is planned on fewer ranks (`dynabatch.core.steps.plan_step`):
+    # the run's world size is the largest, and such a step's other ranks hold no micro-batch
+    world = max(p.num_ranks for p in plans)
     first = _decode(tables[0].schema.metadata)
+    first[fmt.NUM_RANKS_KEY] = str(world)
     rank_times, schedules = {}, {}
     for p, t in zip(plans, tables):
         meta = _decode(t.schema.metadata)
+        meta[fmt.NUM_RANKS_KEY] = str(world)
         for key in fmt.SHARED_KEYS:
             if meta[key] != first[key]:
                 raise ValueError(f"step {p.step} differs in {key}: {meta[key]!r} vs {first[key]!r}")
-        rank_times[str(p.step)] = p.rank_time_s.tolist()
+        rank_times[str(p.step)] = p.rank_time_s.tolist() + [0.0] * (world - p.num_ranks)
         schedules[str(p.step)] = p.schedule
     merged = dict(first)
     merged[fmt.RANK_TIME_KEY] = json.dumps(rank_times)
@@ -150,5 +155,5 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
     merged.update(metadata or {})
     table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID)}
-    merged.update(fmt.integrity_metadata(cols, plans[0].num_ranks))
+    merged.update(fmt.integrity_metadata(cols, world))
     return table.replace_schema_metadata(merged)

@@ -1,16 +1,26 @@
 """`dynabatch inspect`: what a run plan file predicts, as a text table and a PNG.
 
 `summarize_plan(run)` computes the figures (JSON-able dict), `format_summary` prints them,
-`plot_plan` draws four panels. Everything is read from the plan file itself: micro-batch shapes
-and predicted costs from its rows, per-rank simulated times from ``dynabatch.rank_time_s``, the
-task of each placement from its ``task_id`` column and ``dynabatch.task_names``. Times are
-seconds in the dict and milliseconds in the table; memory is bytes in the dict, GiB in the table.
+`plot_plan` draws five panels. Everything is read from the plan file itself: micro-batch shapes
+and predicted costs from its rows (per-stage seconds from its ``stage_time_s`` column when the plan
+has per-stage predictions, else every stage costs ``time_s``), per-rank simulated times from
+``dynabatch.rank_time_s``, each step's concrete schedule from ``dynabatch.step_schedule``, the task
+of each placement from its ``task_id`` column and ``dynabatch.task_names``. `step_timeline`
+re-simulates one rank of one step (op start/end per stage) as the planner did; `stage_busy` gives
+each stage's busy and idle time. Times are seconds in the dict and milliseconds in the table;
+memory is bytes in the dict, GiB in the table.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..core.batchplan import BatchPlan
+from ..core.kernels.cost import NUM_FEATURES
+from ..core.schedules import adaptive_order
+from ..core.simulate import simulate_pipeline
+from ..core.stage_plan import microbatch_features
+from .arrow import STAGE_FIELDS
 from .reader import RunPlan
 
 GiB = float(1 << 30)
@@ -106,6 +116,113 @@ def step_detail(run: RunPlan, step: int) -> dict:
             "microbatches": plan.num_microbatches, "samples": int(len(plan.sample_ids)), "ranks": ranks}
 
 
+def plan_stage_times(plan: BatchPlan) -> np.ndarray:
+    """Seconds of forward+backward of each micro-batch on each stage, ``[S, M]`` in plan order: the
+    plan's ``stage_time_s``, or ``mb_time_s`` on every stage for a plan without per-stage predictions."""
+    if plan.stage_time_s is not None:
+        return np.asarray(plan.stage_time_s, np.float64)
+    return np.repeat(np.asarray(plan.mb_time_s, np.float64)[None, :], plan.num_stages, axis=0)
+
+
+def _p2p_s(plan: BatchPlan, cost) -> np.ndarray:
+    """Per-micro-batch transfer seconds between stages as the planner priced them (``cost.p2p_time`` of
+    the micro-batch's features; packed plans: of its token count, all the transfer depends on)."""
+    if cost is None:
+        return np.zeros(plan.num_microbatches)
+    if plan.collation != "packed":
+        phi = microbatch_features(plan, cost)
+    else:
+        phi = np.zeros((plan.num_microbatches, NUM_FEATURES))
+        phi[:, 0] = plan.mb_tokens
+    return np.asarray(cost.p2p_time(phi), np.float64)
+
+
+def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
+    """One rank of one step re-simulated the way the planner simulated it: its micro-batches in
+    execution order with their per-stage seconds (`plan_stage_times`), split forward / backward by
+    the cost model's ``forward_fraction``, the step's concrete schedule (adaptive: the planner's order
+    under the recorded ``stage_memory_bytes``), and the cost model's transfer times. ``rank`` defaults
+    to the slowest. Returns ``start_s`` / ``end_s`` ``[S, k, 2]`` (index ``[s, j, 0]`` the forward of
+    the rank's ``j``-th micro-batch on stage ``s``, ``1`` its backward), ``ops``, ``makespan_s``
+    (equal to the plan's ``rank_time_s[rank]`` up to rounding), ``microbatches`` (their indices in the
+    plan), ``stage_time_s`` ``[S, k]``, and per stage ``busy_s``, ``idle_s`` (makespan - busy) and
+    ``utilization``."""
+    plan = run.step(step)
+    cost = run.cost_model()
+    S = plan.num_stages
+    if rank is None:
+        rank = int(np.argmax(plan.rank_time_s)) if len(plan.rank_time_s) else 0
+    if not 0 <= rank < plan.num_ranks:
+        raise ValueError(f"rank {rank} is not in the plan ({plan.num_ranks} ranks)")
+    idx = np.flatnonzero(plan.mb_rank == rank)
+    idx = idx[np.argsort(plan.mb_order[idx], kind="stable")]
+    st = plan_stage_times(plan)[:, idx]
+    ff = cost.forward_fraction if cost is not None else 1 / 3
+    fwd = st * ff
+    bwd = st - fwd
+    out = {"step": int(step), "rank": int(rank), "schedule": plan.schedule, "per_stage": plan.stage_time_s is not None,
+           "microbatches": idx, "stage_time_s": st, "recorded_s": float(plan.rank_time_s[rank])}
+    if len(idx) == 0:
+        z = np.zeros((S, 0, 2))
+        return {**out, "start_s": z, "end_s": z.copy(), "ops": np.zeros((S, 0), np.int32), "makespan_s": 0.0,
+                "busy_s": np.zeros(S), "idle_s": np.zeros(S), "utilization": np.zeros(S)}
+    p2p = _p2p_s(plan, cost)[idx]
+    mem = np.asarray(plan.mb_memory_bytes, np.float64)[idx]
+    limit = float(plan.options.get("stage_memory_bytes", S * mem.max(initial=1.0)))
+    schedule = plan.schedule
+    if schedule == "adaptive":  # the planner's adaptive order: an oversize micro-batch runs alone
+        schedule = adaptive_order(fwd, bwd, mem, limit, p2p_s=p2p, oversize="alone")
+    sim = simulate_pipeline(fwd, bwd, schedule=schedule, p2p_s=p2p, mem_bytes=mem, memory_limit=limit)
+    busy = st.sum(axis=1)
+    span = sim.makespan_s
+    return {**out, "schedule": sim.schedule or plan.schedule, "start_s": sim.start_s, "end_s": sim.end_s,
+            "ops": sim.ops, "makespan_s": span, "busy_s": busy, "idle_s": np.maximum(span - busy, 0.0),
+            "utilization": busy / span if span > 0 else np.ones(S)}
+
+
+def _run_stage_times(run: RunPlan, mb: dict) -> np.ndarray:
+    """``[S, N]`` seconds of every micro-batch of the run (file order) on every stage."""
+    t = run.table
+    if STAGE_FIELDS[0] not in t.column_names or not len(mb["time_s"]):
+        return np.repeat(np.asarray(mb["time_s"], np.float64)[None, :], run.num_stages, axis=0)
+    step, rank, m = (t.column(c).to_numpy() for c in ("step", "rank", "microbatch"))
+    new = np.ones(len(step), bool)
+    new[1:] = (np.diff(step) != 0) | (np.diff(rank) != 0) | (np.diff(m) != 0)
+    col = t.column(STAGE_FIELDS[0]).combine_chunks()
+    flat = np.asarray(col.flatten().to_numpy(zero_copy_only=False), np.float64).reshape(len(step), -1)
+    return flat[new].T
+
+
+def stage_busy(run: RunPlan, step: int, mb: dict | None = None) -> dict:
+    """Per-stage busy time: for every rank of ``step``, each stage's busy seconds (the sum of its
+    micro-batches' per-stage forward+backward), idle seconds (the rank's simulated time - busy) and
+    utilisation (busy / simulated time); ``run``: the same per stage over the whole run, for the mean
+    rank (busy summed over steps / ranks; idle = predicted run time - busy, so it includes waiting for
+    the slowest rank). ``per_stage_predictions`` is False for plans whose stages all cost the same."""
+    plan = run.step(step)
+    st = plan_stage_times(plan)
+    ranks = []
+    for r in range(plan.num_ranks):
+        busy = st[:, plan.mb_rank == r].sum(axis=1)
+        span = float(plan.rank_time_s[r])
+        ranks.append({"rank": r, "time_s": span, "busy_s": busy.tolist(),
+                      "idle_s": np.maximum(span - busy, 0.0).tolist(),
+                      "utilization": (busy / span if span > 0 else np.ones_like(busy)).tolist()})
+    mb = microbatch_columns(run) if mb is None else mb
+    run_busy = _run_stage_times(run, mb).sum(axis=1) / max(run.num_ranks, 1)
+    run_time = float(run.iteration_times_s().sum())
+    cost = run.cost_model()
+    layout = getattr(cost, "layout", None) if cost is not None else None
+    return {
+        "per_stage_predictions": plan.stage_time_s is not None,
+        "layout": layout.to_dict() if layout is not None else "uniform",
+        "step": int(step), "schedule": plan.schedule, "ranks": ranks,
+        "run": {"time_s": run_time, "busy_s": run_busy.tolist(),
+                "idle_s": np.maximum(run_time - run_busy, 0.0).tolist(),
+                "utilization": (run_busy / run_time if run_time > 0 else np.ones_like(run_busy)).tolist()},
+    }
+
+
 def summarize_plan(run: RunPlan, step: int | None = None, top_tasks: int = 10) -> dict:
     """The figures of `dynabatch inspect` (see its ``--help``); ``step`` picks the step detailed
     (default: the slowest step)."""
@@ -153,6 +270,7 @@ def summarize_plan(run: RunPlan, step: int | None = None, top_tasks: int = 10) -
         "shape_histogram": shape_histogram(mb["rows"], mb["length"]),
         "task_share": task_share(run, top_tasks),
         "step_detail": step_detail(run, step) if run.num_steps else None,
+        "stage_busy": stage_busy(run, step, mb) if run.num_steps else None,
     }
 
 
@@ -239,39 +357,81 @@ def format_summary(s: dict) -> str:
             lines.append(f"{r['rank']:>4}  {r['microbatches']:>13}  {r['samples']:>7}  "
                          f"{r['rows'][0]:>3}-{r['rows'][1]:<4} {r['length'][0]:>5}-{r['length'][1]:<6}  "
                          f"{r['compute_s'] * 1e3:>10.1f}  {r['simulated_s'] * 1e3:>12.1f}")
+    if s.get("stage_busy"):
+        lines += [""] + _stage_busy_text(s["stage_busy"])
     return "\n".join(lines)
 
 
-def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int = 20000) -> None:
-    """Four panels: micro-batch shapes (rows vs padded length, coloured by predicted time);
-    predicted iteration time of every step; per-rank simulated time (run mean and the chosen
-    step); the chosen step's pipeline timeline on its slowest rank (default step: the slowest)."""
+def _layout_text(layout) -> str:
+    if not isinstance(layout, dict):
+        return str(layout)
+    parts = [f"{name} {'/'.join(f'{x:g}' for x in layout[key])}" for name, key in
+             (("vision", "vision_layers"), ("main", "main_layers"), ("decoder", "decoder_layers"))
+             if any(layout.get(key, ()))]
+    return f"{layout.get('name', 'custom')} layout, layers per stage: " + ", ".join(parts)
+
+
+def _stage_busy_text(b: dict) -> list[str]:
+    """Per-stage busy / idle ms (and utilisation) of every rank of the detailed step, and over the run."""
+    S = len(b["run"]["busy_s"])
+    if b["per_stage_predictions"]:
+        cols = list(range(S))
+        head = (f"per-stage busy time, step {b['step']} ({b['schedule']}; per-stage predictions, "
+                f"{_layout_text(b['layout'])}): busy / idle ms of each rank's simulated time, utilisation")
+    else:
+        cols = [0]
+        head = (f"per-stage busy time, step {b['step']} ({b['schedule']}): no per-stage predictions (uniform layout), "
+                f"all {S} stages are equal: busy / idle ms of each rank's simulated time, utilisation")
+    cell = lambda busy, idle, u, k: f"{busy * k:.1f} / {idle * k:.1f} {100 * u:3.0f}%"  # noqa: E731
+    rows = [[f"{r['rank']}"] + [cell(r["busy_s"][c], r["idle_s"][c], r["utilization"][c], 1e3) for c in cols]
+            for r in b["ranks"]]
+    run = b["run"]
+    rows.append(["run (s)"] + [cell(run["busy_s"][c], run["idle_s"][c], run["utilization"][c], 1.0) for c in cols])
+    labels = ["rank"] + ([f"stage {c}" for c in cols] if b["per_stage_predictions"] else ["every stage"])
+    w = [max(len(labels[i]), *(len(r[i]) for r in rows)) for i in range(len(labels))]
+    lines = [head, "  ".join(lab.rjust(w[i]) for i, lab in enumerate(labels))]
+    lines += ["  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows]
+    lines.append("(run: busy seconds of the mean rank over all steps / the rest of the predicted run time)")
+    return lines
+
+
+def plot_plan(run: RunPlan, path: str | None, step: int | None = None, max_points: int = 20000,
+              rank: int | None = None):
+    """Five panels: micro-batch shapes (rows vs padded length, coloured by predicted time);
+    predicted iteration time of every step; per-rank simulated time (run mean and the chosen step);
+    per-stage busy / idle time of the drawn rank (`stage_busy`); and the chosen step's pipeline
+    timeline on ``rank`` (default: its slowest), drawn from `step_timeline`'s simulated op times
+    (per-stage seconds, the step's concrete schedule). Default step: the slowest. Writes the PNG to
+    ``path`` (None: no file) and returns the (closed) matplotlib Figure; its axes ``timeline`` and
+    ``stage_busy`` are found by ``gid``, the timeline's boxes as `draw_simulated_timeline` names them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
-    from ..plots import draw_pipeline_timeline
+    from ..plots import draw_simulated_timeline, draw_stage_busy
 
     mb = microbatch_columns(run)
     it = run.iteration_times_s()
     rt = run.rank_times_s()
     if step is None:
         step = int(run.steps[int(np.argmax(it))])
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
-    ax = axes[0, 0]
+    fig = plt.figure(figsize=(15, 13.5))
+    grid = fig.add_gridspec(3, 2, height_ratios=(1, 1, 1.1))
+    ax = fig.add_subplot(grid[0, 0])
     n = len(mb["rows"])
     pick = np.random.default_rng(0).choice(n, max_points, replace=False) if n > max_points else np.arange(n)
     t_ms = np.maximum(mb["time_s"][pick] * 1e3, 1e-3)
     sc = ax.scatter(mb["length"][pick], mb["rows"][pick], c=t_ms, s=8, cmap="viridis", norm=LogNorm(), alpha=0.7)
-    fig.colorbar(sc, ax=ax, label="predicted fwd+bwd ms per stage")
+    fig.colorbar(sc, ax=ax, label="predicted fwd+bwd ms per stage" + (" (slowest)" if "stage_time_s" in
+                                                                       run.table.column_names else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("padded length (tokens)")
     ax.set_ylabel("rows (sequences)")
     ax.set_title(f"micro-batch shapes ({n} micro-batches{', sampled' if n > max_points else ''})")
-    ax = axes[0, 1]
+    ax = fig.add_subplot(grid[0, 1])
     ax.plot(run.steps, it * 1e3, lw=0.8, color="tab:blue", label="predicted iteration time")
     for end in np.cumsum(run.steps_per_epoch)[:-1]:
         ax.axvline(end - 0.5, color="gray", ls=":", lw=1)
@@ -280,7 +440,7 @@ def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int 
     ax.set_ylabel("ms")
     ax.set_title("predicted iteration time per step (slowest rank)")
     ax.legend(fontsize=8)
-    ax = axes[1, 0]
+    ax = fig.add_subplot(grid[1, 0])
     plan = run.step(step)
     x = np.arange(run.num_ranks)
     ax.bar(x - 0.2, rt.mean(axis=0) * 1e3 if rt.size else np.zeros(run.num_ranks), 0.4, label="mean over the run")
@@ -289,13 +449,22 @@ def plot_plan(run: RunPlan, path: str, step: int | None = None, max_points: int 
     ax.set_ylabel("simulated pipeline time (ms)")
     ax.set_title("per-rank cost")
     ax.legend(fontsize=8)
-    ax = axes[1, 1]
-    r = int(np.argmax(plan.rank_time_s))
-    t = plan.mb_time_s[plan.mb_rank == r]
-    draw_pipeline_timeline(ax, t, run.cost_model().forward_fraction, plan.num_stages, plan.schedule)
-    ax.set_title(f"step {step}: rank {r} timeline ({plan.schedule}, {len(t)} micro-batches)")
+    tl = step_timeline(run, step, rank)
+    r = tl["rank"]
+    busy = stage_busy(run, step, mb)
+    ax = fig.add_subplot(grid[1, 1], gid="stage_busy")
+    draw_stage_busy(ax, tl["busy_s"], tl["idle_s"], tl["utilization"], busy["run"]["utilization"])
+    kind = "per-stage predictions" if tl["per_stage"] else "uniform layout: all stages equal"
+    ax.set_title(f"step {step}: rank {r} busy vs idle per stage ({kind}); % = utilisation")
+    ax = fig.add_subplot(grid[2, :], gid="timeline")
+    draw_simulated_timeline(ax, tl["start_s"], tl["end_s"], tl["microbatches"])
+    ax.set_title(f"step {step}: rank {r} timeline ({tl['schedule']}, {len(tl['microbatches'])} micro-batches, "
+                 f"{'per-stage' if tl['per_stage'] else 'equal'} stage costs, simulated "
+                 f"{tl['makespan_s'] * 1e3:.1f} ms)")
     fig.suptitle(f"{run.path or 'run plan'}: {run.method} ({run.collation}), {run.num_ranks} ranks x "
                  f"{run.num_stages} stages, {run.num_steps} steps", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    if path is not None:
+        fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
