@@ -320,3 +320,24 @@ def test_pad_rows_matches_reference(lengths, extra, with_mask, seed):
     assert out.tolist() == rows
     if with_mask:
         assert mask.tolist() == ref_mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 30), st.integers(1, 4), st.booleans(), seeds)
+def test_assign_stages_matches_reference(stages, m, ranks, equal, seed):
+    from dynabatch.core.kernels.stage_assign import assign_stages, assign_stages_reference
+
+    rng = np.random.default_rng(seed)
+    times = rng.choice([0.5, 1.0, 1.5, 2.0, 3.25], size=(stages, m))  # ties on purpose
+    own = times.mean(axis=0)
+    order = np.argsort(-times.max(axis=0), kind="mergesort").astype(np.int64) if m else np.zeros(0, np.int64)
+    cap = m // ranks if equal else m
+    if equal and m % ranks:
+        m2 = m - m % ranks
+        times, own, order = times[:, :m2], own[:m2], np.argsort(-times[:, :m2].max(axis=0), kind="mergesort")
+        cap = m2 // ranks
+    got = assign_stages(np.ascontiguousarray(times), own, order.astype(np.int64), ranks, cap, equal, 50)
+    want = assign_stages_reference(times, own, order, ranks, cap, equal, 50)
+    assert np.array_equal(got, want)
+    if equal and len(got):
+        assert np.all(np.bincount(got, minlength=ranks) == cap)

@@ -44,7 +44,11 @@ from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESE
 from .analytic import analytic_coefficients
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from .shapes import Shapes
-from .stages import LAYOUTS, StageCosts, StageLayout  # noqa: F401
+from .stages import LAYOUTS, StageCosts, StageLayout, stage_words  # noqa: F401
+
+# the coefficient buffer: time_coef, the version sequence counter, the per-stage block (`stages.stage_words`)
+_COEF_WORDS = NUM_FEATURES + 1 + stage_words(NUM_FEATURES)
+_BUFFER_VIEWS = ("_coef_raw", "_coef", "_coef_seq", "_stage_n", "_stage_buf")  # rebuilt by `_coef_store`
 
 
 @dataclass(frozen=True)
@@ -263,16 +267,18 @@ class CostModel(StageCosts):
         return free / max(num_stages, 1)
 
     # -- coefficients: version counter, shared memory ----------------------------------------------
-    def _coef_store(self, coef, version: int, raw=None) -> None:
-        """Back ``time_coef`` and the version counter by ``raw`` (a shared `multiprocessing.RawArray`)
-        or by a private buffer, and write ``coef`` and ``version`` into it unless ``coef`` is None.
+    def _coef_store(self, coef, version: int, raw=None, stage=None) -> None:
+        """Back ``time_coef``, the version counter and the per-stage coefficients by ``raw`` (a shared
+        `multiprocessing.RawArray`) or by a private buffer, and write ``coef``, ``version`` and the
+        per-stage rows ``stage`` (or none) into it unless ``coef`` is None.
 
-        Layout: NUM_FEATURES float64 coefficients, then one int64 sequence counter (even when no
-        write is in progress; ``version = counter // 2``)."""
-        base = np.frombuffer(raw, np.float64) if raw is not None else np.zeros(NUM_FEATURES + 1)
+        Layout: NUM_FEATURES float64 coefficients, one int64 sequence counter (even when no write is
+        in progress; ``version = counter // 2``), the per-stage block (`stages.stage_words`)."""
+        base = np.frombuffer(raw, np.float64) if raw is not None else np.zeros(_COEF_WORDS)
         self._coef_raw = raw
         self._coef = base[:NUM_FEATURES]
-        self._coef_seq = base[NUM_FEATURES:].view(np.int64)
+        self._coef_seq = base[NUM_FEATURES:NUM_FEATURES + 1].view(np.int64)
+        self._stage_store(base[NUM_FEATURES + 1:], False if coef is None else stage)
         if coef is not None:
             self._coef[:] = coef
             self._coef_seq[0] = 2 * int(version)
@@ -293,6 +299,7 @@ class CostModel(StageCosts):
         seq = self._coef_seq
         seq[0] += 1  # odd: a write is in progress (`read_time_coef` waits it out)
         self._coef[:] = value
+        self._stage_write(None)  # a scalar refit: stages are priced by time_coef (and the layout) again
         seq[0] += 1
 
     @property
@@ -317,21 +324,13 @@ class CostModel(StageCosts):
         if self._coef_raw is None:
             import multiprocessing
 
-            coef, version = self.read_time_coef()
-            self._coef_store(coef, version, multiprocessing.RawArray("b", 8 * (NUM_FEATURES + 1)))
+            coef, version, rows = self._read_coefs()
+            self._coef_store(coef, version, multiprocessing.RawArray("b", 8 * _COEF_WORDS), rows)
         return self
 
     def read_time_coef(self) -> tuple[np.ndarray, int]:
         """(a copy of ``time_coef``, its ``version``), consistent even while another process refits."""
-        import time as _time
-
-        seq = self._coef_seq
-        while True:
-            before = int(seq[0])
-            coef = self._coef.copy()
-            if before % 2 == 0 and int(seq[0]) == before:
-                return coef, before // 2
-            _time.sleep(0)
+        return self._read_coefs()[:2]  # (`StageCosts._read_coefs`: with the per-stage rows)
 
     def snapshot(self) -> "CostModel":
         """A private copy frozen at the current coefficients and version (plan one step with one model
@@ -345,8 +344,8 @@ class CostModel(StageCosts):
         new.__dict__.update(self.__dict__)
         new._legacy_loop = None
         if self._coef_raw is None:  # a copy shares coefficients only when shared memory was asked for
-            coef, version = self.read_time_coef()
-            new._coef_store(coef, version)
+            coef, version, rows = self._read_coefs()
+            new._coef_store(coef, version, stage=rows)
         return new
 
     def __deepcopy__(self, memo) -> "CostModel":
@@ -354,26 +353,26 @@ class CostModel(StageCosts):
 
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_coef_raw", "_coef", "_coef_seq")}
+        state = {k: v for k, v in self.__dict__.items() if k not in _BUFFER_VIEWS}
         new.__dict__.update(copy.deepcopy(state, memo))
-        coef, version = self.read_time_coef()
-        new._coef_store(coef, version)
+        coef, version, rows = self._read_coefs()
+        new._coef_store(coef, version, stage=rows)
         return new
 
     def __getstate__(self) -> dict:
         from multiprocessing import context
 
-        d = {k: v for k, v in self.__dict__.items() if k not in ("_coef_raw", "_coef", "_coef_seq")}
-        coef, version = self.read_time_coef()
+        d = {k: v for k, v in self.__dict__.items() if k not in _BUFFER_VIEWS}
+        coef, version, rows = self._read_coefs()
         # a process being started with this model shares the shared buffer; any other pickle is a snapshot
         share = self._coef_raw is not None and context.get_spawning_popen() is not None
-        d["_coef_state"] = (self._coef_raw if share else None, coef, version)
+        d["_coef_state"] = (self._coef_raw if share else None, coef, version, rows)
         return d
 
     def __setstate__(self, d: dict) -> None:
-        raw, coef, version = d.pop("_coef_state")
+        raw, coef, version, *rows = d.pop("_coef_state")
         self.__dict__.update(d)
-        self._coef_store(None if raw is not None else coef, version, raw)
+        self._coef_store(None if raw is not None else coef, version, raw, rows[0] if rows else None)
 
     # -- deprecated: the one refit path is dynabatch.core.feedback.FeedbackLoop -------------------
     def _legacy(self):
@@ -436,6 +435,7 @@ class CostModel(StageCosts):
             "pad_multiple": self.pad_multiple, "forgetting": self.forgetting,
             "prior_strength": self.prior_strength, "table": None,
             **({"layout": self.layout.to_dict()} if self.layout is not None else {}),
+            **({"stage_time_coef": self.stage_time_coef.tolist()} if self.stage_time_coef is not None else {}),
         }
         if self.table is not None:
             d["table"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self.table).items()}
@@ -447,10 +447,13 @@ class CostModel(StageCosts):
         if d.get("format") != "dynabatch.cost_model":
             raise ValueError("not a dynabatch cost model (missing format: dynabatch.cost_model)")
         table = ProfiledTable(**d["table"]) if d.get("table") else None
-        return cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=d["time_coef"],
+        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=d["time_coef"],
                    mem_coef=d["mem_coef"], table=table, pad_multiple=d["pad_multiple"],
                    forgetting=d["forgetting"], prior_strength=d["prior_strength"]).set_layout(
                        StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
+        if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
+            cm._stage_write(d["stage_time_coef"])
+        return cm
 
     def save(self, path) -> None:
         """Write the cost model as JSON to ``path``."""

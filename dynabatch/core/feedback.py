@@ -35,6 +35,14 @@ stage, while a pipelined step measures it on every stage. ``stage_reduce="max"``
 the slowest stage's forward+backward — the stage that paces the pipeline, and what the planner's
 simulation of equal stages must get right; ``"mean"`` averages the stages (total work / stages);
 an integer observes one stage only. With a single `StepTiming` (one rank's view) its own stage is used.
+``stage_reduce="per_stage"`` keeps every stage: each micro-batch gives one observation per stage
+(its features, that stage's measured forward+backward), the planner's prediction being the plan's
+``stage_time_s`` (its ``mb_time_s`` on every stage for a stage-blind plan); each stage's row of
+``CostModel.stage_time_coef`` is refit by the same robust fit on that stage's observations, its prior
+that stage's row when the loop first saw the stages (`CostModel.stage_time_rows`), and written with
+`CostModel.set_stage_time_coef` (``time_coef`` becomes the rows' mean; ``version`` + 1 per refit).
+Fitted rows that differ make even a uniform-layout model stage-aware, so the planner prices every
+stage (`dynabatch.core.stages`). `FeedbackRow` and `StepError` then also report per-stage MAPE.
 Every rank must feed the loop the same data (``RunnerConfig(gather_timing=True)``) so that all ranks
 refit identically and keep planning the same plan.
 """
@@ -58,7 +66,10 @@ class FeedbackRow:
     fraction, 0.1 = 10%) of the predictions the planner used for those new observations (out of
     sample); ``mape_after_refit`` that of the refit coefficients on the same observations.
     ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.FEATURES`),
-    ``version`` the cost model's `CostModel.version` after writing them."""
+    ``version`` the cost model's `CostModel.version` after writing them. With
+    ``stage_reduce="per_stage"`` an observation is one (micro-batch, stage) pair, ``time_coef`` the
+    mean of the new per-stage rows ``stage_time_coef``, and ``stage_mape_before``/``stage_mape_after``
+    the two errors on each stage's observations (nan for a stage without any in the window)."""
 
     step: int
     observations: int
@@ -67,6 +78,9 @@ class FeedbackRow:
     mape_after_refit: float
     time_coef: tuple[float, ...]
     version: int = 0
+    stage_mape_before: tuple[float, ...] | None = None
+    stage_mape_after: tuple[float, ...] | None = None
+    stage_time_coef: tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +88,9 @@ class StepError:
     """Prediction error of one recorded step: MAPE (fraction) of the planner's predictions against the
     measured micro-batch times, before anything was learned from them; ``predicted_s`` and
     ``measured_s`` are their sums over the step's recorded micro-batches (seconds, one stage each);
-    ``global_step`` the loader's step number when recorded with `FeedbackLoop.record_step`."""
+    ``global_step`` the loader's step number when recorded with `FeedbackLoop.record_step`. With
+    ``stage_reduce="per_stage"`` the observations are (micro-batch, stage) pairs (``microbatches``
+    counts them, the sums are over every stage) and ``stage_mape`` is the MAPE of each stage."""
 
     step: int
     mape: float
@@ -82,16 +98,19 @@ class StepError:
     predicted_s: float = 0.0
     measured_s: float = 0.0
     global_step: int | None = None
+    stage_mape: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
 class StepObservations:
     """What one recorded step contributed: feature rows ``phi`` [n, NUM_FEATURES], ``measured_s`` [n]
-    and the planner's ``predicted_s`` [n] (seconds), in plan order."""
+    and the planner's ``predicted_s`` [n] (seconds), in plan order; ``stage`` [n]: the stage of each
+    observation with ``stage_reduce="per_stage"`` (stage by stage), else None."""
 
     phi: np.ndarray
     measured_s: np.ndarray
     predicted_s: np.ndarray
+    stage: np.ndarray | None = None
 
 
 def plan_features(cost: CostModel, plan: BatchPlan, shapes: Shapes | None = None,
@@ -129,7 +148,10 @@ class FeedbackLoop:
     weight decay of old observations (1.0 = never forget). ``huber_k``: Huber threshold in robust
     standard deviations. ``prior``: coefficients the fit is pulled towards (default: the model's
     ``time_coef`` when the loop is built); ``prior_strength``: the pull (relative to each feature's
-    energy). ``min_weight``: observations whose weight decayed below it are dropped;
+    energy). ``stage_reduce``: which stage's time a micro-batch is observed with (``"max"``,
+    ``"mean"``, a stage index) or ``"per_stage"`` (every stage's, refitting each stage's coefficients;
+    ``prior`` then ``[S, NUM_FEATURES]``, default the model's `CostModel.stage_time_rows` when the loop
+    first sees ``S`` stages). ``min_weight``: observations whose weight decayed below it are dropped;
     ``max_observations``: at most this many are kept (the oldest go first).
     A `ProfiledTable` attached to the model is dropped at the first refit: the linear fit to the
     table is the starting point and measurements take over from there.
@@ -143,8 +165,8 @@ class FeedbackLoop:
             raise ValueError("refit_every must be >= 1")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError("forgetting must be in (0, 1]")
-        if not (stage_reduce in ("max", "mean") or isinstance(stage_reduce, int)):
-            raise ValueError("stage_reduce must be 'max', 'mean' or a stage index")
+        if not (stage_reduce in ("max", "mean", "per_stage") or isinstance(stage_reduce, int)):
+            raise ValueError("stage_reduce must be 'max', 'mean', 'per_stage' or a stage index")
         if max_observations < 1:
             raise ValueError("max_observations must be >= 1")
         self._cost = cost_model
@@ -156,9 +178,15 @@ class FeedbackLoop:
         self.stage_reduce = stage_reduce
         self.min_weight = float(min_weight)
         self.max_observations = int(max_observations)
-        self.prior = np.array(cost_model.time_coef if prior is None else prior, np.float64)
-        if self.prior.shape != (NUM_FEATURES,):
-            raise ValueError(f"prior must have {NUM_FEATURES} coefficients")
+        self.per_stage = stage_reduce == "per_stage"
+        if self.per_stage:  # [S, NUM_FEATURES]; None until the loop sees how many stages there are
+            self.prior = None if prior is None else np.array(prior, np.float64)
+            if self.prior is not None and (self.prior.ndim != 2 or self.prior.shape[1] != NUM_FEATURES):
+                raise ValueError(f"a per-stage prior must have shape [S, {NUM_FEATURES}]")
+        else:
+            self.prior = np.array(cost_model.time_coef if prior is None else prior, np.float64)
+            if self.prior.shape != (NUM_FEATURES,):
+                raise ValueError(f"prior must have {NUM_FEATURES} coefficients")
         self.history: list[FeedbackRow] = []
         self.step_errors: list[StepError] = []
         self.last: StepObservations | None = None  # the last recorded step's observations
@@ -167,6 +195,7 @@ class FeedbackLoop:
         self._w = np.zeros(0)  # base weight of each observation (before forgetting)
         self._step = np.zeros(0, np.int64)
         self._pred = np.zeros(0)  # prediction at record time (the planner's), for the window score
+        self._sid = np.zeros(0, np.int64)  # stage of each observation (per_stage), else -1
         self._steps_recorded = 0
         self._since_refit = 0
         self._window_start = 0  # index into the buffers of the first observation since the last refit
@@ -198,15 +227,18 @@ class FeedbackLoop:
         """`plan_features` under this loop's cost model."""
         return plan_features(self._cost, plan, shapes, rank)
 
-    def _measured(self, plan: BatchPlan, timings, placeholders: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(micro-batch indices into the plan, measured seconds) from one or all ranks' StepTimings.
+    def _measured(self, plan: BatchPlan, timings, placeholders: bool = False):
+        """(micro-batch indices into the plan, measured seconds, stage of each or -1) from one or all
+        ranks' StepTimings (``per_stage``: one observation per micro-batch and timed stage).
 
         ``placeholders``: a rank may have timed more micro-batches than the plan gives it (the
         loader's trailing zero-token placeholders, or a rank the plan has none for); those are skipped."""
         by_replica: dict[int, list] = {}
         for t in _timings_of(timings):
             by_replica.setdefault(int(t.replica), []).append(t)
-        idx, y = [], []
+        if self.per_stage:
+            self._stages_seen(plan.num_stages)
+        idx, y, sid = [], [], []
         for d, ts in sorted(by_replica.items()):
             mbs = np.flatnonzero(plan.mb_rank == d)
             per_stage = {}
@@ -217,6 +249,10 @@ class FeedbackLoop:
                                      f"the plan has {len(mbs)}")
                 per_stage[int(t.stage)] = v[:len(mbs)]
             if not len(mbs):
+                continue
+            if self.per_stage:
+                for k in sorted(per_stage):
+                    idx.append(mbs), y.append(per_stage[k]), sid.append(np.full(len(mbs), k, np.int64))
                 continue
             stack = np.array([per_stage[k] for k in sorted(per_stage)])
             if len(per_stage) == 1:
@@ -229,11 +265,24 @@ class FeedbackLoop:
                 if self.stage_reduce not in per_stage:
                     raise ValueError(f"stage_reduce={self.stage_reduce} but no timing of that stage was given")
                 vals = per_stage[self.stage_reduce]
-            idx.append(mbs)
-            y.append(vals)
+            idx.append(mbs), y.append(vals), sid.append(np.full(len(mbs), -1, np.int64))
         if not idx:
-            return np.zeros(0, np.int64), np.zeros(0)
-        return np.concatenate(idx), np.concatenate(y)
+            return np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+        return np.concatenate(idx), np.concatenate(y), np.concatenate(sid)
+
+    def _planned(self, plan: BatchPlan, idx, sid) -> np.ndarray:
+        """The plan's own prediction of each observation: its stage's ``stage_time_s`` when the plan has
+        them (and the observation a stage), else ``mb_time_s``."""
+        if self.per_stage and plan.stage_time_s is not None:
+            return np.asarray(plan.stage_time_s, np.float64)[sid, idx]
+        return np.asarray(plan.mb_time_s, np.float64)[idx]
+
+    def _stages_seen(self, S: int) -> None:
+        """Fix the per-stage prior (the model's rows) the first time ``S`` stages are seen."""
+        if self.prior is None:
+            self.prior = np.array(self._cost.stage_time_rows(S), np.float64)
+        if len(self.prior) != S:
+            raise ValueError(f"the per-stage prior has {len(self.prior)} stages; {S} were timed")
 
     # -- recording ---------------------------------------------------------------------------------
     def record_step(self, step, result) -> float:
@@ -258,11 +307,11 @@ class FeedbackLoop:
             # a rank's own plan (the streaming loader): only this replica's timings belong to it
             mine = int(getattr(step, "rank", 0) or 0)
             timings = [replace(t, replica=0) for t in timings if int(t.replica) == mine]
-        idx, y = self._measured(plan, timings, placeholders=True)
+        idx, y, sid = self._measured(plan, timings, placeholders=True)
         phi = self.features(plan, shapes)[idx]
-        pred = np.asarray(plan.mb_time_s, np.float64)[idx]
+        pred = self._planned(plan, idx, sid)
         gstep = getattr(step, "step", None)
-        return self._add(phi, y, pred, 1.0, None if gstep is None else int(gstep))
+        return self._add(phi, y, pred, 1.0, None if gstep is None else int(gstep), sid)
 
     def record(self, what, timings, *, shapes: Shapes | None = None, predicted_s=None, weight: float = 1.0) -> float:
         """Record one executed step and return the MAPE (fraction) of the planner's predictions on it.
@@ -271,25 +320,41 @@ class FeedbackLoop:
         sequence of them, e.g. ``StepResult.all_timings``; predictions are the plan's ``mb_time_s``) or
         feature rows ``phi`` [n, NUM_FEATURES] (then ``timings`` are n measured seconds or a `StepTiming`
         whose ``compute_s`` has n entries; predictions are ``predicted_s`` or the current model's).
-        ``weight`` scales the step's observations in the fit.
+        ``weight`` scales the step's observations in the fit. With ``stage_reduce="per_stage"`` feature
+        rows take ``timings`` as ``[S, n]`` seconds (every stage's time of each micro-batch) and
+        ``predicted_s`` likewise (default: the current model's `CostModel.stage_times`).
         """
         if isinstance(what, BatchPlan):
-            idx, y = self._measured(what, timings)
+            idx, y, sid = self._measured(what, timings)
             phi = self.features(what, shapes)[idx]
-            pred = np.asarray(what.mb_time_s, np.float64)[idx] if predicted_s is None else np.asarray(predicted_s)
+            pred = self._planned(what, idx, sid) if predicted_s is None else np.asarray(predicted_s)
+        elif self.per_stage:
+            phi = np.atleast_2d(np.asarray(what, np.float64))
+            Y = np.asarray(timings, np.float64)
+            if Y.ndim != 2 or Y.shape[1] != len(phi):
+                raise ValueError(f"per-stage timings of {len(phi)} micro-batches must have shape [S, {len(phi)}]")
+            self._stages_seen(len(Y))
+            P = self._cost.stage_times(phi, len(Y)) if predicted_s is None else np.asarray(predicted_s, np.float64)
+            sid = np.repeat(np.arange(len(Y)), len(phi))
+            phi, y, pred = np.tile(phi, (len(Y), 1)), Y.ravel(), np.reshape(P, Y.shape).ravel()
         else:
             phi = np.atleast_2d(np.asarray(what, np.float64))
             y = np.asarray(timings.compute_s if hasattr(timings, "compute_s") else timings, np.float64).ravel()
             pred = self._cost.time(phi) if predicted_s is None else np.asarray(predicted_s, np.float64)
-        return self._add(phi, y, pred, weight, None)
+            sid = None
+        return self._add(phi, y, pred, weight, None, sid)
 
-    def _add(self, phi, y, pred, weight: float, global_step: int | None) -> float:
+    def _add(self, phi, y, pred, weight: float, global_step: int | None, sid=None) -> float:
         pred = np.asarray(pred, np.float64).ravel()
         if phi.shape != (len(y), NUM_FEATURES) or len(pred) != len(y):
             raise ValueError(f"{len(y)} measured times for feature rows of shape {phi.shape} "
                              f"and {len(pred)} predictions")
+        sid = np.full(len(y), -1, np.int64) if sid is None else np.asarray(sid, np.int64)
+        if self.per_stage and (sid < 0).any():
+            raise ValueError("stage_reduce='per_stage' needs the stage of every observation")
         keep = np.isfinite(y) & (y > 0)
-        phi, y, pred = phi[keep], y[keep], pred[keep]
+        phi, y, pred, sid = phi[keep], y[keep], pred[keep], sid[keep]
+        self._sid = np.concatenate([self._sid, sid])
         step = self._steps_recorded
         self._phi = np.vstack([self._phi, phi])
         self._y = np.concatenate([self._y, y])
@@ -300,9 +365,15 @@ class FeedbackLoop:
         self._since_refit += 1
         self._trim(self._steps_recorded - 1)
         err = _mape(pred, y)
-        self.last = StepObservations(phi, y, pred)
-        self.step_errors.append(StepError(step, err, len(y), float(pred.sum()), float(y.sum()), global_step))
+        self.last = StepObservations(phi, y, pred, sid if self.per_stage else None)
+        self.step_errors.append(StepError(step, err, len(y), float(pred.sum()), float(y.sum()), global_step,
+                                          self._per_stage_mape(pred, y, sid)))
         return err
+
+    def _per_stage_mape(self, pred, y, sid) -> tuple[float, ...] | None:
+        if not self.per_stage:
+            return None
+        return tuple(_mape(pred[sid == s], y[sid == s]) for s in range(len(self.prior)))
 
     def _trim(self, now: int) -> np.ndarray:
         """Drop observations whose weight decayed below ``min_weight`` (and the oldest beyond
@@ -312,8 +383,8 @@ class FeedbackLoop:
         cut = int(np.argmax(live)) if live.any() else len(live)
         cut = max(cut, len(self._y) - self.max_observations)
         if cut > 0:
-            self._phi, self._y, self._w, self._step, self._pred, w0 = (
-                a[cut:] for a in (self._phi, self._y, self._w, self._step, self._pred, w0))
+            self._phi, self._y, self._w, self._step, self._pred, self._sid, w0 = (
+                a[cut:] for a in (self._phi, self._y, self._w, self._step, self._pred, self._sid, w0))
             self._window_start = max(self._window_start - cut, 0)
         return w0
 
@@ -331,15 +402,35 @@ class FeedbackLoop:
             raise ValueError("refit() needs recorded observations")
         now = self._steps_recorded - 1
         w0 = self._trim(now)
-        coef = robust_fit(self._phi, self._y, w0, self.prior, self._cost.time_coef, huber_k=self.huber_k,
-                          iters=self.irls_iters, prior_strength=self.prior_strength)
+        # one fit per group of observations: all of them, or (per_stage) each stage's own, with its prior
+        if self.per_stage:
+            rows = self._cost.stage_time_rows(len(self.prior))
+            groups = [(self._sid == s, self.prior[s], rows[s]) for s in range(len(rows))]
+        else:
+            rows = self._cost.time_coef.copy()[None, :]
+            groups = [(np.ones(len(self._y), bool), self.prior, rows[0])]
+        fitted = np.zeros(len(self._y))
+        for s, (sel, prior, start) in enumerate(groups):
+            if (w0[sel] > 0).any():
+                rows[s] = robust_fit(self._phi[sel], self._y[sel], w0[sel], prior, start, huber_k=self.huber_k,
+                                     iters=self.irls_iters, prior_strength=self.prior_strength)
+            fitted[sel] = self._phi[sel] @ rows[s]
         win = slice(self._window_start, None)
         before = _mape(self._pred[win], self._y[win])
-        after = _mape(self._phi[win] @ coef, self._y[win])
-        self._cost.time_coef = coef  # in place: shared memory and every holder of the model see it
+        after = _mape(fitted[win], self._y[win])
+        if self.per_stage:  # in place: shared memory and every holder of the model see it
+            self._cost.set_stage_time_coef(rows)
+        else:
+            self._cost.time_coef = rows[0]
         self._cost.table = None  # measurements supersede a profiled table from here on
+        stage = {}
+        if self.per_stage:
+            sid = self._sid[win]
+            stage = dict(stage_mape_before=self._per_stage_mape(self._pred[win], self._y[win], sid),
+                         stage_mape_after=self._per_stage_mape(fitted[win], self._y[win], sid),
+                         stage_time_coef=tuple(tuple(float(c) for c in r) for r in rows))
         row = FeedbackRow(now, int((w0 > 0).sum()), len(self._y) - self._window_start, before, after,
-                          tuple(float(c) for c in coef), self._cost.version)
+                          tuple(float(c) for c in self._cost.time_coef), self._cost.version, **stage)
         self.history.append(row)
         self._window_start = len(self._y)
         self._since_refit = 0

@@ -24,79 +24,20 @@ import dataclasses
 import numpy as np
 
 from .kernels.assign import _candidate_orders
+from .kernels.stage_assign import assign_stages
 from .kernels.simulate import inflight_kernel, makespan_kernel, schedule_kernel
 from .options import SCHEDULE_CODES
 from .schedules import AUTO_PREFERENCE, adaptive_order
 
 
 def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:
-    """Rank (int32 ``[M]``) of each micro-batch of stage times ``st`` ``[S, M]`` (see the module doc)."""
+    """Rank (int32 ``[M]``) of each micro-batch of stage times ``st`` ``[S, M]`` (see the module doc;
+    the numba kernel `dynabatch.core.kernels.stage_assign.assign_stages`)."""
     st = np.ascontiguousarray(st, np.float64)
-    S, M = st.shape
-    w = S - 1
-    own = st.mean(axis=0)
-    cap = M // ranks if equal_counts else M
-    rank_of = np.zeros(M, np.int32)
-    load = np.zeros((ranks, S))
-    mx = np.zeros(ranks)
-    cnt = np.zeros(ranks, np.int64)
-    for j in np.argsort(-st.max(axis=0), kind="mergesort"):
-        v = (load + st[:, j]).max(axis=1) + w * np.maximum(mx, own[j])
-        v[cnt >= cap] = np.inf
-        r = int(np.argmin(v))
-        rank_of[j] = r
-        load[r] += st[:, j]
-        mx[r] = max(mx[r], own[j])
-        cnt[r] += 1
-
-    for _ in range(max_rounds):
-        load = np.zeros((ranks, S))
-        np.add.at(load, rank_of, st.T)
-        m1, m2 = np.zeros(ranks), np.zeros(ranks)  # largest and second largest own time per rank
-        for j in range(M):
-            r, t = rank_of[j], own[j]
-            if t > m1[r]:
-                m1[r], m2[r] = t, m1[r]
-            elif t > m2[r]:
-                m2[r] = t
-        mx = m1
-        obj = load.max(axis=1) + w * mx
-        rmax = int(np.argmax(obj))
-        cur = obj[rmax]
-        best_gain, move = 1e-12 * cur, None
-        mine = np.flatnonzero(rank_of == rmax)
-        others = np.flatnonzero(rank_of != rmax)
-        for a in mine:
-            rest_a = m2[rmax] if own[a] == m1[rmax] else m1[rmax]
-            if len(others):
-                rb = rank_of[others]
-                new_hi = (load[rmax][None, :] - st[:, a][None, :] + st[:, others].T).max(axis=1) \
-                    + w * np.maximum(rest_a, own[others])
-                new_lo_load = (load[rb] - st[:, others].T + st[:, a][None, :]).max(axis=1)
-                # the other rank's largest own time without b, with a
-                mx_wo = np.where(own[others] == m1[rb], m2[rb], m1[rb])
-                new_lo = new_lo_load + w * np.maximum(mx_wo, own[a])
-                gain = cur - np.maximum(new_hi, new_lo)
-                q = int(np.argmax(gain))
-                if gain[q] > best_gain:
-                    best_gain, move = float(gain[q]), (int(a), int(others[q]))
-            if not equal_counts:
-                for r in range(ranks):
-                    if r == rmax:
-                        continue
-                    o1 = (load[rmax] - st[:, a]).max() + w * rest_a
-                    o2 = (load[r] + st[:, a]).max() + w * max(mx[r], own[a])
-                    gain = cur - max(o1, o2)
-                    if gain > best_gain:
-                        best_gain, move = gain, (int(a), -1 - r)
-        if move is None:
-            break
-        a, b = move
-        if b >= 0:
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-        else:
-            rank_of[a] = -1 - b
-    return rank_of
+    M = st.shape[1]
+    order = np.argsort(-st.max(axis=0), kind="mergesort").astype(np.int64)
+    return assign_stages(st, st.mean(axis=0), order, int(ranks), M // ranks if equal_counts else M,
+                         bool(equal_counts), int(max_rounds))
 
 
 def candidate_orders_stages(st: np.ndarray) -> list[np.ndarray]:

@@ -17,6 +17,16 @@ per-micro-batch overhead on every stage. Summed over the stages the time multipl
 the same total work as the uniform layout, redistributed. A refit or profiled coefficient is
 scaled by the same analytic ratios. The uniform layout's multipliers are exactly 1.
 
+Per-stage coefficients: a `FeedbackLoop(stage_reduce="per_stage")` refit fits every stage's own row of
+time coefficients, ``stage_time_coef`` ``[S, NUM_FEATURES]`` (seconds per feature unit on stage ``s``);
+once set, `stage_times` uses them instead of ``time_coef * scale[s]`` and ``time_coef`` is their mean
+over the stages (the average stage: with the layout multipliers, which sum to ``S``, exactly the
+``time_coef`` they would scale). They live in the same buffer as ``time_coef`` (one version counter,
+shared memory after `CostModel.share_memory`, at most `MAX_STAGE_ROWS` stages). A uniform-layout
+model whose fitted rows differ becomes stage-aware (its `layout` reads as the uniform `StageLayout`),
+so the planner takes its per-stage path; a model never refit per stage plans exactly as before.
+Assigning ``time_coef`` (a scalar refit) or changing the layout drops the rows.
+
 The planner's per-stage path (`plan_microbatches` when ``cost.layout`` is not uniform) uses the
 helpers here: `assign_ranks_stages` balances each rank's per-stage load vector and
 `order_step_stages` orders each rank by simulating ``[S, k]`` stage times; `evaluate_plan`
@@ -36,6 +46,8 @@ from .presets import ModelConfig
 
 #: The layouts `CostModel.preset` / ``dynabatch bench plan --layout`` name.
 LAYOUTS = ("uniform", "contiguous")
+#: Most stages per-stage coefficients can be kept for (the shared coefficient buffer is fixed-size).
+MAX_STAGE_ROWS = 128
 # feature columns (see `dynabatch.core.kernels.cost.FEATURES`) of each layer kind
 _MAIN, _DEC, _VIS = (0, 1), (2, 3, 4), (5, 6, 8)
 
@@ -200,20 +212,105 @@ def stage_scale(config: ModelConfig, layout: StageLayout, device=None) -> tuple[
 
 
 # -- the CostModel side (a base class of `CostModel`) --------------------------------------------------
+def stage_words(num_features: int) -> int:
+    """float64 words of the per-stage block of a cost model's coefficient buffer: the row count, then
+    `MAX_STAGE_ROWS` rows of ``num_features`` coefficients."""
+    return 1 + MAX_STAGE_ROWS * num_features
+
+
 class StageCosts:
-    """Per-stage costs of a `CostModel`: its `layout` (default uniform) and the ``[S, M]`` matrices."""
+    """Per-stage costs of a `CostModel`: its `layout` (default uniform), its optional per-stage time
+    coefficients (`stage_time_coef`) and the ``[S, M]`` matrices."""
 
     _layout = None
 
+    # -- per-stage time coefficients (a block of the CostModel's coefficient buffer) -----------------
+    def _stage_store(self, block: np.ndarray, rows=None) -> None:
+        """View ``block`` (`stage_words` float64 words) as the row count and the rows; write ``rows``
+        (``[S, F]``; None: no rows; False: leave the block as it is)."""
+        F = len(self._coef)
+        self._stage_n = block[:1].view(np.int64)
+        self._stage_buf = block[1:].reshape(MAX_STAGE_ROWS, F)
+        if rows is not False:
+            self._stage_write(rows)
+
+    def _stage_write(self, rows) -> None:
+        """Write per-stage rows (or none) into the buffer; callers bracket it with the version counter."""
+        if rows is None:
+            self._stage_n[0] = 0
+            return
+        rows = np.asarray(rows, np.float64)
+        self._stage_buf[:len(rows)] = rows
+        self._stage_n[0] = len(rows)
+
+    def _read_coefs(self):
+        """(``time_coef``, ``version``, per-stage rows or None), copies, consistent under a concurrent write."""
+        import time as _time
+
+        seq = self._coef_seq
+        while True:
+            before = int(seq[0])
+            coef = self._coef.copy()
+            rows = self._stage_rows()
+            rows = None if rows is None else rows.copy()
+            if before % 2 == 0 and int(seq[0]) == before:
+                return coef, before // 2, rows
+            _time.sleep(0)
+
+    def _stage_rows(self) -> np.ndarray | None:
+        """The per-stage rows ``[S, F]`` (a live view) or None."""
+        n = int(self._stage_n[0])
+        return self._stage_buf[:n] if n else None
+
+    @property
+    def stage_time_coef(self) -> np.ndarray | None:
+        """Per-stage time coefficients ``[S, NUM_FEATURES]`` fitted by a per-stage `FeedbackLoop` refit
+        (a live view, shared after `share_memory`), or None when the model has none (then stage ``s``
+        costs ``time_coef * stage_scale_rows()[s]``)."""
+        return self._stage_rows()
+
+    def stage_time_rows(self, num_stages: int | None = None) -> np.ndarray:
+        """The time coefficients each stage is priced with, ``[S, NUM_FEATURES]`` (a copy): the fitted
+        `stage_time_coef` when set, else ``time_coef`` times the layout's multipliers."""
+        rows = self._stage_rows()
+        S = self._stages(num_stages)
+        if rows is not None:
+            return rows.copy()
+        scale = np.ones((S, len(self._coef))) if self._layout is None else self._stage_scale[0]
+        return self._coef[None, :] * scale
+
+    def set_stage_time_coef(self, rows) -> None:
+        """Write per-stage time coefficients ``[S, NUM_FEATURES]`` (non-negative) in place, and their mean
+        over the stages as ``time_coef``; `version` + 1 (one write: readers see both or neither)."""
+        rows = np.asarray(rows, np.float64)
+        S = self._stages(len(rows)) if self._layout is not None else len(rows)
+        if rows.shape != (S, len(self._coef)) or not 1 <= S <= MAX_STAGE_ROWS:
+            raise ValueError(f"per-stage coefficients must have shape [S <= {MAX_STAGE_ROWS}, {len(self._coef)}]")
+        if not np.all(np.isfinite(rows)) or rows.min() < 0:
+            raise ValueError("per-stage coefficients must be finite and non-negative")
+        seq = self._coef_seq
+        seq[0] += 1  # odd: a write is in progress
+        self._coef[:] = rows.mean(axis=0)
+        self._stage_write(rows)
+        seq[0] += 1
+
     @property
     def layout(self) -> StageLayout | None:
-        """The `StageLayout` costs are split by; None: uniform (every stage costs `time`)."""
+        """The `StageLayout` costs are split by; None: uniform (every stage costs `time`). A uniform
+        model with differing fitted `stage_time_coef` reads as the uniform layout of its stages."""
+        if self._layout is None and self._rows_differ():
+            return StageLayout.uniform(self.model, len(self._stage_rows()))
         return self._layout
+
+    def _rows_differ(self) -> bool:
+        rows = self._stage_rows()
+        return rows is not None and bool(np.any(rows != rows[:1]))
 
     @property
     def stage_aware(self) -> bool:
-        """Whether the layout is not uniform, so the planner takes its per-stage path."""
-        return self._layout is not None
+        """Whether the planner takes its per-stage path: the layout is not uniform, or fitted per-stage
+        coefficients differ between the stages."""
+        return self._layout is not None or self._rows_differ()
 
     def set_layout(self, layout) -> "StageCosts":
         """Use ``layout`` (a `StageLayout`, ``"uniform"``, ``"contiguous"`` or None) in place; returns self.
@@ -230,6 +327,17 @@ class StageCosts:
                 layout = StageLayout.contiguous(self.model, S, device=self.device)
         if layout is not None and layout.is_uniform_for(self.model):
             layout = None
+        if getattr(self, "_stage_n", None) is not None and self._stage_rows() is not None \
+                and layout != self._layout:
+            # fitted rows belong to the layout they were fitted under; never drop them from a shared
+            # buffer another holder (a copy, a forked process) still plans with
+            if self._coef_raw is not None:
+                coef, version, rows = self._read_coefs()
+                self._coef_store(coef, version, stage=rows)
+            seq = self._coef_seq
+            seq[0] += 1
+            self._stage_write(None)
+            seq[0] += 1
         self._layout = layout
         self._stage_scale = None if layout is None else stage_scale(self.model, layout, self.device)
         return self
@@ -239,6 +347,11 @@ class StageCosts:
         return copy.copy(self).set_layout(layout)
 
     def _stages(self, num_stages) -> int:
+        rows = self._stage_rows() if getattr(self, "_stage_n", None) is not None else None
+        if rows is not None and self._layout is None:
+            if num_stages is not None and int(num_stages) != len(rows):
+                raise ValueError(f"the cost model's per-stage coefficients have {len(rows)} stages, not {num_stages}")
+            return len(rows)
         if self._layout is not None:
             if num_stages is not None and int(num_stages) != self._layout.num_stages:
                 raise ValueError(f"the cost model's layout has {self._layout.num_stages} stages, not {num_stages}")
@@ -253,6 +366,9 @@ class StageCosts:
         layout: `time` on every stage; ``num_stages`` defaults to the layout's or the preset's)."""
         phi = np.atleast_2d(phi)
         S = self._stages(num_stages)
+        rows = self._stage_rows()
+        if rows is not None:
+            return (phi @ rows.T).T
         if self._layout is None:
             return np.repeat(self.time(phi)[None, :], S, axis=0)
         return (phi @ (self.time_coef[None, :] * self._stage_scale[0]).T).T
@@ -266,7 +382,13 @@ class StageCosts:
         return (phi @ (self.mem_coef[None, :] * self._stage_scale[1]).T).T
 
     def stage_scale_rows(self) -> np.ndarray:
-        """The time multipliers ``[S, NUM_FEATURES]`` of the layout (`stage_scale`; uniform: ones)."""
+        """The time multipliers ``[S, NUM_FEATURES]`` of the layout (`stage_scale`; uniform: ones); with
+        fitted `stage_time_coef`, their ratio to ``time_coef`` (1 where ``time_coef`` is 0: every row is
+        0 there), so ``time_coef * stage_scale_rows()`` is each stage's row either way."""
+        rows = self._stage_rows()
+        if rows is not None:
+            c = self._coef[None, :]
+            return np.where(c > 0, rows / np.where(c > 0, c, 1.0), 1.0)
         if self._layout is None:
             return np.ones((self._stages(None), len(self.time_coef)))
         return self._stage_scale[0]

@@ -18,6 +18,8 @@ module                kernel                          reference
                       `simulate_rank`                 `simulate_rank_reference`
                       `_candidate_orders`             `candidate_orders_reference`
                       `_rank_stats`, `_max_without`   helpers of `assign_ranks`
+                      `balance_simulated`             `balance_simulated_reference`
+                      `_rank_span`                    helper of `balance_simulated`
 `.simulate`           `schedule_kernel`               `schedule_reference`
                       `simulate_kernel`               `simulate_reference`
                       `makespan_kernel`               `makespan_reference`
@@ -26,6 +28,11 @@ module                kernel                          reference
                       `profiled_lookup`               `profiled_lookup_reference`
                       `round_up`, `dot`,              helpers of the DP and of
                       `_interp_axis`                  `profiled_lookup`
+`.schedules`          `adaptive_kernel`               `adaptive_reference`
+                      `order_ranks_schedule`          `order_ranks_schedule_reference`
+                      `_rank_ops`                     helper of `order_ranks_schedule`
+`.stage_assign`       `assign_stages`                 `assign_stages_reference`
+                      `_stats`                        helper of `assign_stages`
 `.packing`            `budget_cuts`                   `budget_cuts_reference`
                       `pack_rows`                     `pack_rows_reference`
 `.rows`               `pad_rows`                      `pad_rows_reference`
