@@ -197,3 +197,65 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
     assert res["steps_done"] == {"dp": 3, "pack": 0} and res["methods"]["dp"]["steps"] == 3
     assert json.loads(out.read_text()) == res
     assert train.format_table({**res, "methods": {}}).startswith("PARTIAL RESULT (liveness timeout")
+
+
+# -- vlm-tiny: image+text and text-only records, stage-aware dp vs stage-blind dp vs pack/token_budget -------
+
+@pytest.mark.slow
+def test_bench_train_vlm_tiny_json(tmp_path):
+    """A tiny vlm-tiny run on generated image+text and text records (no shared data): every method, the
+    per-stage MAPE fields, the modality split, the same samples per method step by step."""
+    from dynabatch.bench.train_vlm import VLM_METHODS, build_vlm_data
+
+    (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
+    rows = [json.loads(line) for line in open(data)]
+    assert sum(bool(r.get("image")) for r in rows) == 24 and len(rows) == 48
+    out = run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
+         "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
+         "--data", data, "--timeout", "90", "--json"], idle_s=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert res["status"] == "complete" and res["config"]["partition"] == "modality"
+    assert set(res["methods"]) == set(VLM_METHODS) == {"dp", "dp-blind", "pack", "token_budget"}
+    for name, m in res["methods"].items():
+        assert m["steps"] == 3 and m["tokens_per_s"] > 0, name
+        assert m["bounds"] == [0, 6, 10]  # patch embedding, 4 ViT blocks, projector | merge, 2 GPT blocks, head
+        for key in ("stage_mape_start", "stage_mape_end", "stage_mape_all"):
+            assert len(m[key]) == 2 and all(v >= 0 for v in m[key]), (name, key)
+    dp, blind = res["methods"]["dp"], res["methods"]["dp-blind"]
+    assert dp["stage_aware"] and not blind["stage_aware"] and dp["refits"] >= 1
+    assert dp["feedback_mode"] in ("per_stage", "max") and blind["feedback_mode"] == "max"
+    assert res["methods"]["pack"]["knobs"]["collation"] == "packed_rows"
+    # every method saw the same samples, step by step
+    seen = {name: [r["sample_ids"] for r in m["per_step"]] for name, m in res["methods"].items()}
+    assert all(v == seen["dp"] for v in seen.values()) and all(seen["dp"])
+    assert {"dp_vs_dp_blind", "dp_vs_pack", "dp_vs_token_budget"} <= set(res["ratios"])
+
+
+def test_vlm_stage_layout_follows_the_runners_split():
+    """modality_bounds puts the vision layers on stage 0; layout_of reads the ViT and GPT blocks per stage."""
+    from dynabatch.bench.train_vlm import VLM_SIZES, layout_of, modality_bounds
+
+    model = make_model("vlm-tiny", **{**VLM_SIZES, "hidden": 32, "vision_hidden": 16})
+    assert modality_bounds(model, 2) == [0, 6, 10] and modality_bounds(model, 3) == [0, 6, 8, 10]
+    lay = layout_of(model, [0, 6, 10])
+    assert lay.vision_layers == (4.0, 0.0) and lay.main_layers == (0.0, 2.0)
+    cost = stage_cost_model(model, 2, "cpu").set_layout(lay)
+    phi = cost.padded_features([4, 4], [64, 64], [0, 0], [0, 3])
+    st = cost.stage_times(phi)
+    assert st[0, 1] > st[0, 0] and st[1, 0] > st[0, 0]  # tiles cost on stage 0 only; text on stage 1
+
+
+def test_packed_rows_become_one_sequence_per_row():
+    """pack's rows reach vlm-tiny as one sequence per row: the row's tiles summed, position_ids dropped."""
+    import torch
+
+    from dynabatch.bench.train_vlm import rows_as_sequences
+
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
+    mb = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long),
+          "position_ids": pos, "image_tiles": torch.tensor([2, 0, 1, 3])}
+    (out,) = rows_as_sequences([mb])
+    assert "position_ids" not in out and out["image_tiles"].tolist() == [2, 4]
+    assert rows_as_sequences([{"input_ids": 1}]) == [{"input_ids": 1}]

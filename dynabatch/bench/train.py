@@ -26,14 +26,15 @@ What is measured (seconds, tokens):
   are not refit: their MAPE is the prior's, for reference. ``mape_noise`` estimates the timing
   noise floor: the median relative spread of repeated identical shapes within the run.
 
-Stopping, timeouts and partial results: see `dynabatch.bench.train_report`.
+``--model vlm-tiny`` (image+text and text-only records over a vision | language split; stage-aware
+``dp`` with per-stage feedback vs stage-blind ``dp-blind``, ``pack``, ``token_budget``; per-stage MAPE):
+see `dynabatch.bench.train_vlm`. Stopping, timeouts and partial results, the command line: see
+`dynabatch.bench.train_report`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -42,16 +43,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.option_flags import parse_bytes
-from ..core.options import SCHEDULES, PlanOptions
-from .train_report import (BENCH_TRAIN_EPILOG, TrainBenchStopped, _read_json, _result_config,  # noqa: F401
-                           _Stop, _stop_on_signals, _write_json, assemble_result, format_table)
+from ..core.options import PlanOptions
+from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
+                           _write_json, add_bench_train_command, assemble_result, format_table)
+from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
 
-TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")
+TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")  # text models; vlm-tiny: VLM_METHODS
 PARTIAL_EVERY_S = 1.0  # rank 0 rewrites the partial result after a round at most this often
 SHARED_FLAN = ("../shared/data/text/niv2_sample.jsonl.gz", "../shared/data/text/flan_cot_sample.jsonl.gz")
 MODEL_SIZES = {"gpt-tiny": dict(vocab=512, hidden=256, layers=4, heads=4),
-               "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4)}
+               "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4), VLM_MODEL: VLM_SIZES}
 
 
 def default_train_options() -> "PlanOptions":
@@ -85,6 +86,7 @@ class TrainBenchConfig:
     max_wall_s: float | None = None  # optional whole-run cap (a last resort)
     model_sizes: dict = field(default_factory=dict)
     index: str | None = None  # length index Parquet (built by run_train_bench)
+    text_fraction: float = 0.5  # vlm-tiny's generated mix: share of FLAN text-only records
 
     def resolved_sizes(self) -> dict:
         return {**MODEL_SIZES[self.model], **self.model_sizes}
@@ -152,23 +154,33 @@ class MethodRun:
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
+        self.vlm = None  # vlm-tiny: train_vlm.setup (stage layout, bounds, vision loader, feedback mode)
+        if cfg.model == VLM_MODEL:
+            from . import train_vlm
+
+            self.vlm = train_vlm.setup(model, self.cost, ctx.num_stages, cfg, method)
+            self.model, self.stage_preds, self.stage_meas = model, [], []
+        vlm = self.vlm or {}
         self.prior = self.cost.time_coef.copy()
-        # dp: the loader's feedback loop refits its cost model; baselines: a loop that only scores
-        self.feedback = (FeedbackLoop(self.cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting)
-                         if method == "dp" else None)
+        # dp (and dp-blind): the loader's feedback loop refits its cost model; baselines: a loop that only scores
+        self.feedback = (FeedbackLoop(self.cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting,
+                                      **vlm.get("feedback", {})) if method in ("dp", "dp-blind") else None)
         self.scorer = self.feedback or FeedbackLoop(self.cost)
         enc_dec = model.kind == "encoder_decoder"
         # plan_ahead=0: step k+1 is planned after step k's refit, identically on every rank
-        opts = cfg.options.replace(method=method, num_stages=ctx.num_stages, num_ranks=ctx.num_replicas,
+        opts = cfg.options.replace(method=vlm.get("plan_method", "dp" if method == "dp-blind" else method),
+                                   num_stages=ctx.num_stages, num_ranks=ctx.num_replicas,
                                    max_target_len=cfg.options.max_target_len if enc_dec else None)
         self.loader = dynabatch.DataLoader(
             list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=self.cost, feedback=self.feedback,
-            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0)
+            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, **vlm.get("loader", {}))
         self._it = iter(self.loader.steps())
         t0 = time.perf_counter()
         self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
         self._first_data_s = time.perf_counter() - t0
-        if cfg.partition == "searched" and self._first:
+        if self.vlm is not None:
+            self.partition, bounds = None, self.vlm["bounds"]
+        elif cfg.partition == "searched" and self._first:
             model.to(ctx.device)
             self.partition = search_partition(model.layers, representative(self._first), ctx.num_stages,
                                               schedule=cfg.options.schedule, device=ctx.device)
@@ -198,7 +210,16 @@ class MethodRun:
             return None
         from ..pipeline import batch_shapes
 
-        res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer)
+        if self.vlm is not None:
+            from .train_vlm import rows_as_sequences, stage_observation
+
+            run = rows_as_sequences(mbs)
+            res = self.runner.step(self.model.batch_shapes(run), run, optimizer=self.optimizer)
+            vlm_obs = stage_observation(self.cost, mbs, res)  # before the refit in loader.feedback
+            self.stage_preds.append(vlm_obs[1])
+            self.stage_meas.append(vlm_obs[2])
+        else:
+            res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer)
         wall = max(t.step_s for t in res.all_timings)
         if self.feedback is not None:
             self.loader.feedback(res)  # record_step against the plan (slowest stage), refit every refit_every
@@ -207,13 +228,17 @@ class MethodRun:
         err = self.scorer.step_errors[-1].mape
         seen = self.scorer.last  # features, measured (slowest stage) and planned seconds per micro-batch
         phi, measured, pred = seen.phi, seen.measured_s, seen.predicted_s
+        if self.vlm is not None:  # every method alike: planned vs measured seconds of the slowest stage
+            phi, pred, measured = vlm_obs[0], vlm_obs[1].max(axis=0), vlm_obs[2].max(axis=0)
+            err = _mape(pred, measured)
         self.phis.append(phi)
         self.ys.append(measured)
         self.preds.append(pred)
         row = {"step": k, "loss": float(res.loss), "real_tokens": int(sum(int(b["real_tokens"]) for b in mbs)),
                "target_tokens": int(res.num_tokens), "microbatches": len(mbs), "step_s": float(wall),
                "data_s": float(t_data), "predicted_s": float(pred.sum()), "measured_s": float(measured.sum()),
-               "mape": float(err)}
+               "mape": float(err),
+               "sample_ids": sorted(int(i) for b in mbs for i in b.get("sample_ids", ()))}  # this rank's samples
         self.rows.append(row)
         return row
 
@@ -262,6 +287,14 @@ class MethodRun:
         }
         if feedback is not None and feedback.history:
             out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
+        if self.vlm is not None:  # per-stage MAPE: each stage's planned vs measured seconds
+            from .train_vlm import stage_mape
+
+            sp, sm = self.stage_preds, self.stage_meas
+            out.update(stage_mape_start=stage_mape(sp[:first], sm[:first]), stage_mape_end=stage_mape(sp[-last:], sm[-last:]),
+                       stage_mape_all=stage_mape(sp, sm), feedback_mode=self.vlm["feedback_mode"],
+                       stage_aware=bool(self.cost.stage_aware), plan_method=self.vlm["plan_method"],
+                       stage_measured_s=[float(x) for x in np.concatenate(sm, axis=1).sum(axis=1)])
         return out
 
 
@@ -340,6 +373,14 @@ def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -
     import dynabatch
     from ..datagen import write_text_shards
 
+    if cfg.model == VLM_MODEL:
+        from .train_vlm import build_vlm_data, vision_policy
+
+        data = tuple(cfg.data) or build_vlm_data(tmp, generated_samples, cfg.text_fraction, cfg.options.seed)
+        index = os.path.join(tmp, "index.parquet")
+        dynabatch.build_index(list(data), family="decoder", max_len=cfg.options.max_len, vision=vision_policy(),
+                              path=index)
+        return replace(cfg, data=data, index=index)
     data = tuple(cfg.data) or default_data()
     if not data:
         data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", generated_samples, seed=cfg.options.seed))
@@ -360,9 +401,13 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     `TrainBenchStopped` with the partial result of the steps done so far."""
     from ..pipeline import count_parameters, launch_local, make_model
 
-    unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"group_by_length", "kk", "rebalance"}
+    unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"dp-blind", "group_by_length", "kk", "rebalance"}
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}")
+    if cfg.model == VLM_MODEL:  # a fixed split: vision | language ("searched", the text models' default, maps here)
+        cfg = replace(cfg, partition="modality" if cfg.partition == "searched" else cfg.partition)
+        if cfg.partition not in ("modality", "uniform"):
+            raise ValueError("vlm-tiny runs a fixed split: --partition modality (vision | language) or uniform")
     out = os.path.abspath(out) if out else None
     if out and os.path.exists(out):
         os.remove(out)  # a stale file must not pass for this run's partial result
@@ -410,86 +455,3 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     done = ", ".join(f"{m} {n}" for m, n in result["steps_done"].items()) if result else "none"
     raise TrainBenchStopped(f"bench train {why}; steps done: {done} of {cfg.steps}"
                             + (f"\n{detail}" if detail else ""), result, code)
-
-
-def add_bench_train_command(bench_sub) -> None:
-    """Register ``dynabatch bench train`` on the ``bench`` subparsers."""
-    import argparse
-
-    p = bench_sub.add_parser(
-        "train", help="real training tokens/s of a pipelined tiny model: dp + feedback vs pack/pad/token_budget",
-        description="Train the same tiny model on the same global batches with each method, over local "
-                    "pipeline stages, and report real tokens/s and the cost model's MAPE.",
-        epilog=BENCH_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=tuple(MODEL_SIZES), default="t5-tiny")
-    p.add_argument("--data", nargs="+", metavar="PATH",
-                   help="JSONL files with inputs/targets; default the shared FLAN sample when present, else "
-                        "generated FLAN-like data")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
-    p.add_argument("--methods", nargs="+", default=list(TRAIN_METHODS))
-    p.add_argument("--global-batch-tokens", type=int, default=32768,
-                   help="tokens (inputs + targets) per global batch (default 32768)")
-    p.add_argument("--max-len", type=int, default=2048,
-                   help="truncate inputs to this many tokens (default 2048: with byte tokens, FLAN inputs run "
-                        "to ~1.9k at the 95th percentile and half exceed 512, so a shorter cap would clip the "
-                        "very length spread the methods differ on)")
-    p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
-    p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
-                   help="pipeline schedule planned, simulated and run (adaptive: memory-bounded order; auto: per "
-                        "step the fastest that fits memory)")
-    p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
-                   help="activation bytes one micro-batch may use on one stage (17e9, 16GiB, 800MB; default: the "
-                        "cost model's)")
-    p.add_argument("--partition", choices=("searched", "uniform"), default="searched",
-                   help="stage split: searched per method (profile the layers on the method's first global "
-                        "batch, simulate every split, keep the fastest) or uniform block counts")
-    p.add_argument("--refit-every", type=int, default=2)
-    p.add_argument("--save-cost-model", metavar="PATH",
-                   help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
-                        "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
-    p.add_argument("--generated-samples", type=int, default=2000, help="generated samples when no data is found")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                   help="liveness timeout: stop when no rank made progress (a step) for this long (default 900); "
-                        "a slow or loaded machine only makes the run slower")
-    p.add_argument("--max-wall", type=float, default=None, metavar="SECONDS",
-                   help="optional cap on the whole run's wall time (default none)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--out", metavar="PATH",
-                   help="also write the JSON document here, updated as the steps go (at most once a second; marked "
-                        "\"partial\": true until the run completes); a run stopped early (SIGINT/SIGTERM, a "
-                        "timeout) leaves its partial result here and on stdout")
-    p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
-    p.set_defaults(func=_cmd_bench_train)
-
-
-def _cmd_bench_train(args) -> int:
-    sizes = {"hidden": args.hidden} if args.hidden else {}
-    options = default_train_options().replace(
-        num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
-        max_target_len=args.max_target_len, schedule=args.schedule, seed=args.seed, memory_limit=args.memory_limit)
-    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), options=options, steps=args.steps,
-                           warmup=args.warmup, methods=tuple(args.methods), device_preset=args.device_preset,
-                           backend=args.backend, refit_every=args.refit_every, partition=args.partition,
-                           timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
-                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
-    try:
-        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out)
-    except TrainBenchStopped as e:
-        if e.result is not None:
-            print(json.dumps(e.result, default=float) if args.json else format_table(e.result), flush=True)
-        print(f"dynabatch {e}", file=sys.stderr)  # "dynabatch bench train stopped by SIGTERM; steps done: ..."
-        return e.exit_code
-    except (ValueError, RuntimeError) as e:
-        print(f"dynabatch bench train: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result, default=float))
-    else:
-        print(format_table(result))
-    return 0

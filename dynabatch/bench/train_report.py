@@ -1,4 +1,4 @@
-"""``dynabatch bench train``: the result document, its table, and how a run stops.
+"""``dynabatch bench train``: its command line, the result document, its table, and how a run stops.
 
 Stopping: ``timeout_s`` (``--timeout``) is a liveness timeout, not a wall clock: the ranks are
 killed only when none of them made progress (a step, a print) for that long
@@ -17,15 +17,32 @@ import json
 import os
 import signal
 
+import numpy as np
+
 
 def _ratios(methods: dict) -> dict:
-    ref = methods.get("pack", {}).get("tokens_per_s")
-    best_other = max((v["tokens_per_s"] for k, v in methods.items() if k != "dp"), default=None)
-    ratios = {}
-    if "dp" in methods and ref:
-        ratios["dp_vs_pack"] = methods["dp"]["tokens_per_s"] / ref
-    if "dp" in methods and best_other:
-        ratios["dp_vs_best_baseline"] = methods["dp"]["tokens_per_s"] / best_other
+    """dp's tokens/s over every other method's (``dp_vs_<method>``) and over the best of them; with the
+    spread of the paired per-step ratios (``paired``: the methods train the same global batches
+    interleaved, so each timed step's time ratio is one paired sample of the timer and load noise)."""
+    if "dp" not in methods:
+        return {}
+    dp = methods["dp"]
+    others = {k: v for k, v in methods.items() if k != "dp"}
+    ratios = {f"dp_vs_{k.replace('-', '_')}": dp["tokens_per_s"] / v["tokens_per_s"]
+              for k, v in others.items() if v.get("tokens_per_s")}
+    best_other = max((v["tokens_per_s"] for v in others.values()), default=None)
+    if best_other:
+        ratios["dp_vs_best_baseline"] = dp["tokens_per_s"] / best_other
+    paired = {}
+    for k, v in others.items():
+        a, b = dp.get("per_step", []), v.get("per_step", [])
+        n, w = min(len(a), len(b)), dp.get("warmup_steps", 0)
+        r = [b[i]["step_s"] / a[i]["step_s"] for i in range(w, n) if a[i]["step_s"] > 0]
+        if r:
+            q = [float(x) for x in np.quantile(r, [0.25, 0.5, 0.75])]
+            paired[k] = {"p25": q[0], "median": q[1], "p75": q[2], "steps": len(r)}
+    if paired:
+        ratios["paired"] = paired
     return ratios
 
 
@@ -111,6 +128,12 @@ def _result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> di
                   mape_basis="per micro-batch: planned forward+backward seconds on one stage vs measured on the "
                              "slowest stage; mape_start = steps before the first refit, mape_end = last "
                              "max(3, steps//4) steps, predictions made before the step ran")
+    if cfg.model == "vlm-tiny":
+        from .train_vlm import data_description
+
+        config.update(records=data_description(cfg.data),
+                      stage_mape_basis="per micro-batch and stage: cost.stage_times (planned before the step's refit) "
+                                       "vs that stage's measured forward+backward seconds; start/end windows as MAPE")
     return config
 
 
@@ -119,10 +142,15 @@ def _pct(x: float) -> str:
     return "-" if x != x else f"{x:.1%}"
 
 
+def _stages(v) -> str:
+    return "/".join(_pct(x) for x in v) if v else "-"
+
+
 def format_table(result: dict) -> str:
     """The human-readable table of a `run_train_bench` result."""
     cfg = result["config"]
     o = cfg["options"]
+    staged = any("stage_mape_start" in m for m in result["methods"].values())
     lines = [] if not result.get("partial") else [
         f"PARTIAL RESULT ({result.get('stopped_by') or result.get('status')}): steps done "
         + ", ".join(f"{m} {n}" for m, n in result.get("steps_done", {}).items()) + f" of {cfg['steps']}", ""]
@@ -133,7 +161,8 @@ def format_table(result: dict) -> str:
              f"data: {' '.join(os.path.basename(d) for d in cfg['data'])}",
              "",
              f"{'method':<13}{'tok/s':>9}{'e2e tok/s':>11}{'vs pack':>9}{'mbs/step':>10}{'loss start->end':>18}"
-             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}  stage bounds"]
+             f"{'MAPE start':>12}{'MAPE end':>10}{'noise':>8}{'step MAPE':>17}  stage bounds"
+             + ("  per-stage MAPE start -> end  refit" if staged else "")]
     pack = result["methods"].get("pack", {}).get("tokens_per_s")
     for name, m in result["methods"].items():
         vs = f"{m['tokens_per_s'] / pack:.2f}x" if pack else "-"
@@ -141,16 +170,122 @@ def format_table(result: dict) -> str:
                      f"{m['microbatches_per_step']:>10.1f}{m['loss_start']:>9.3f}->{m['loss_end']:<7.3f}"
                      f"{m['mape_start']:>12.1%}{m['mape_end']:>10.1%}{_pct(m['mape_noise']):>8}"
                      f"{m.get('mape_start_step', float('nan')):>9.1%}->{m.get('mape_end_step', float('nan')):<6.1%}"
-                     f"  {m.get('bounds', '-')}")
+                     f"  {m.get('bounds', '-')}"
+                     + (f"  {_stages(m.get('stage_mape_start'))} -> {_stages(m.get('stage_mape_end'))}"
+                        f"  {m.get('feedback_mode') or '-'}" if staged else ""))
     r = result.get("ratios", {})
     if r:
         lines.append("")
-        lines.append("dp vs pack: " + (f"{r['dp_vs_pack']:.2f}x" if "dp_vs_pack" in r else "-")
-                     + "; dp vs best other baseline: "
-                     + (f"{r['dp_vs_best_baseline']:.2f}x" if "dp_vs_best_baseline" in r else "-"))
+        lines.append("dp vs " + "; ".join(f"{m}: {r['dp_vs_' + m.replace('-', '_')]:.2f}x"
+                                          + (f" (per-step {p['median']:.2f}x, IQR {p['p25']:.2f}-{p['p75']:.2f})"
+                                             if (p := r.get("paired", {}).get(m)) else "")
+                                          for m in result["methods"] if m != "dp" and f"dp_vs_{m.replace('-', '_')}" in r)
+                     + "; best other: " + (f"{r['dp_vs_best_baseline']:.2f}x" if "dp_vs_best_baseline" in r else "-"))
     lines.append("dp: feedback refits its cost model every %d steps; baselines: planner default knobs, no refit "
                  "(their MAPE is the analytic prior's)" % cfg["refit_every"])
     return "\n".join(lines)
+
+
+def add_bench_train_command(bench_sub) -> None:
+    """Register ``dynabatch bench train`` on the ``bench`` subparsers."""
+    import argparse
+
+    from ..core.option_flags import parse_bytes
+    from ..core.options import SCHEDULES
+    from .train import MODEL_SIZES, TRAIN_METHODS
+
+    p = bench_sub.add_parser(
+        "train", help="real training tokens/s of a pipelined tiny model: dp + feedback vs pack/pad/token_budget",
+        description="Train the same tiny model on the same global batches with each method, over local "
+                    "pipeline stages, and report real tokens/s and the cost model's MAPE.",
+        epilog=BENCH_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(MODEL_SIZES), default="t5-tiny",
+                   help="vlm-tiny: ViT -> projector -> GPT on image+text and text-only records (methods dp, "
+                        "dp-blind, pack, token_budget by default)")
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="JSONL files with inputs/targets; default the shared FLAN sample when present, else "
+                        "generated FLAN-like data (vlm-tiny: image+text records; default the shared COCO/LLaVA "
+                        "captions and instructions mixed with FLAN text, else generated ones)")
+    p.add_argument("--text-fraction", type=float, default=0.5,
+                   help="vlm-tiny: share of text-only (FLAN) records in the default data (default 0.5)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help=f"default {' '.join(TRAIN_METHODS)} (vlm-tiny: dp dp-blind pack token_budget)")
+    p.add_argument("--global-batch-tokens", type=int, default=32768,
+                   help="tokens (inputs + targets) per global batch (default 32768)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="truncate inputs to this many tokens (default 2048: with byte tokens, FLAN inputs run "
+                        "to ~1.9k at the 95th percentile and half exceed 512, so a shorter cap would clip the "
+                        "very length spread the methods differ on)")
+    p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
+    p.add_argument("--device-preset", default="cpu", help="analytic cost model preset to start from (default cpu)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule planned, simulated and run (adaptive: memory-bounded order; auto: per "
+                        "step the fastest that fits memory)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+                   help="activation bytes one micro-batch may use on one stage (17e9, 16GiB, 800MB; default: the "
+                        "cost model's)")
+    p.add_argument("--partition", choices=("searched", "uniform", "modality"), default=None,
+                   help="stage split: searched per method (profile the layers on the method's first global "
+                        "batch, simulate every split, keep the fastest; the text models' default) or uniform "
+                        "block counts; vlm-tiny: modality (vision on stage 0, language after; its default) or uniform")
+    p.add_argument("--refit-every", type=int, default=2)
+    p.add_argument("--save-cost-model", metavar="PATH",
+                   help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
+                        "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
+    p.add_argument("--generated-samples", type=int, default=2000,
+                   help="generated samples when no data is found (vlm-tiny: records in its default mix)")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="liveness timeout: stop when no rank made progress (a step) for this long (default 900); "
+                        "a slow or loaded machine only makes the run slower")
+    p.add_argument("--max-wall", type=float, default=None, metavar="SECONDS",
+                   help="optional cap on the whole run's wall time (default none)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--out", metavar="PATH",
+                   help="also write the JSON document here, updated as the steps go (at most once a second; marked "
+                        "\"partial\": true until the run completes); a run stopped early (SIGINT/SIGTERM, a "
+                        "timeout) leaves its partial result here and on stdout")
+    p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
+    p.set_defaults(func=_cmd_bench_train)
+
+
+def _cmd_bench_train(args) -> int:
+    import sys
+
+    from .train import (TRAIN_METHODS, VLM_METHODS, VLM_MODEL, TrainBenchConfig, default_train_options,
+                        run_train_bench)
+
+    vlm = args.model == VLM_MODEL
+    sizes = {"hidden": args.hidden} if args.hidden else {}
+    options = default_train_options().replace(
+        num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
+        max_target_len=args.max_target_len, schedule=args.schedule, seed=args.seed, memory_limit=args.memory_limit)
+    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), options=options, steps=args.steps,
+                           warmup=args.warmup, methods=tuple(args.methods or (VLM_METHODS if vlm else TRAIN_METHODS)), device_preset=args.device_preset,
+                           backend=args.backend, refit_every=args.refit_every,
+                           partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
+                           timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
+                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
+    try:
+        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out)
+    except TrainBenchStopped as e:
+        if e.result is not None:
+            print(json.dumps(e.result, default=float) if args.json else format_table(e.result), flush=True)
+        print(f"dynabatch {e}", file=sys.stderr)  # "dynabatch bench train stopped by SIGTERM; steps done: ..."
+        return e.exit_code
+    except (ValueError, RuntimeError) as e:
+        print(f"dynabatch bench train: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        print(format_table(result))
+    return 0
 
 
 BENCH_TRAIN_EPILOG = """\
@@ -165,8 +300,13 @@ columns:
                shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
   step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
                time the planner balances sees, with the per-micro-batch timer noise averaged out
+  per-stage MAPE  (vlm-tiny) each stage's planned vs measured seconds per micro-batch, stage 0/1/...;
+               refit: dp's feedback (per_stage: one coefficient row per stage; max: the slowest stage)
+  dp vs X      tok/s ratio; per-step: median and IQR of the paired per-step time ratios (same global
+               batches, interleaved): the timer and load noise of the comparison
 
 examples:
   dynabatch bench train --model t5-tiny --stages 2 --steps 20
   dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
+  dynabatch bench train --model vlm-tiny --stages 2 --steps 40 --global-batch-tokens 16384
 """

@@ -40,7 +40,7 @@ from torch import nn
 from ..core.cost import ModelConfig
 from .spec import MicroBatchShape, TensorSpec
 
-MODELS = ("gpt-tiny", "t5-tiny")
+MODELS = ("gpt-tiny", "t5-tiny", "vlm-tiny")  # vlm-tiny: dynabatch.pipeline.vlm
 IGNORE_INDEX = -100
 
 
@@ -443,11 +443,15 @@ def t5_tiny(*, vocab: int = 512, hidden: int = 256, encoder_layers: int = 2, dec
 
 
 def make_model(name: str, **overrides) -> LayeredModel:
-    """A tiny model by name (``gpt-tiny`` or ``t5-tiny``); keyword arguments override its sizes."""
+    """A tiny model by name (``gpt-tiny``, ``t5-tiny`` or ``vlm-tiny``); keyword arguments override its sizes."""
     if name == "gpt-tiny":
         return gpt_tiny(**overrides)
     if name == "t5-tiny":
         return t5_tiny(**overrides)
+    if name == "vlm-tiny":
+        from .vlm import vlm_tiny  # vlm imports this module
+
+        return vlm_tiny(**overrides)
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
 
 

@@ -1,0 +1,260 @@
+"""``dynabatch bench train --model vlm-tiny``: what the vision-language run adds to `dynabatch.bench.train`.
+
+* Data (`build_vlm_data`): one shuffled JSONL of image+text records and FLAN text-only records
+  (``text_fraction`` of them text-only, 0.5 by default). With the shared data present
+  (``../shared/data``, see its README): the 50 real COCO photos of ``images/`` with their captions,
+  then the LLaVA GPT-4 instruction/answer pairs and the COCO val2017 captions, whose photos are not
+  in the collection, each on a generated image (`dynabatch.datagen`) of the photo's real size
+  (LLaVA's COCO 2014 sizes are unknown: a COCO val2017 size each), and FLAN text rows from the NIv2
+  and CoT samples. Without it, `dynabatch.datagen` image+text and text records. Byte tokens, 56 px
+  tiles of 14 px patches (`VISION`, 4 language tokens per tile), pixels loaded by the `DataLoader`.
+* Stages (`modality_bounds`): the patch embedding, ViT blocks and projector on stage 0, the merge
+  embedding, GPT blocks and head on the others (``--partition modality``, the default; ``uniform``
+  cuts by layer count). `layout_of` reads the `StageLayout` of the bounds the runner runs.
+* Methods (`VLM_METHODS`): ``dp`` plans with that layout (stage-aware) and is refit per stage
+  (``FeedbackLoop(stage_reduce="per_stage")`` when the feedback loop has it, else the scalar
+  ``"max"`` refit; the result's ``feedback_mode`` says which); ``dp-blind`` is the same DP on the
+  uniform layout of the same model (every stage priced as the average stage), refit from the slowest
+  stage (``"max"``); ``pack`` and ``token_budget`` are the baselines with their default knobs.
+  vlm-tiny takes one sample per row, so ``pack``'s packed rows are handed to it as one sequence per
+  row (`rows_as_sequences`: the row's images first, its text tokens after, no block-diagonal mask):
+  the same tensor shapes and compute, the attention between packed samples not masked.
+* Per-stage MAPE (`stage_observation`): each micro-batch's planned forward+backward seconds on each
+  stage (``cost.stage_times`` before the step's refit) against the measured seconds of that stage.
+
+Times are seconds, lengths tokens, sizes pixels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+VLM_MODEL = "vlm-tiny"
+VLM_METHODS = ("dp", "dp-blind", "pack", "token_budget")
+VLM_SIZES = dict(vocab=512, hidden=128, layers=2, heads=4, vision_hidden=64, vision_layers=4, vision_heads=2,
+                 max_positions=4096)
+TILE = dict(tile_size=56, patch_size=14)
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+PROMPTS = ("Describe the image.", "What is in this picture?", "Write a caption for the image.")
+
+
+def vision_policy():
+    """The tiling the loader plans and decodes pixels with (vlm-tiny reads its tile size from it)."""
+    import tokenization
+
+    return tokenization.DynamicTiling(**TILE)
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+def _jsonl(path):
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _shared_image_records(n: int, tmp: Path, seed: int) -> list[dict]:
+    from ..datagen import _image_bytes
+
+    rng, pick = np.random.default_rng([seed, 13]), random.Random(seed)
+    out = []
+    for r in _jsonl(SHARED / "images" / "manifest.jsonl"):  # real photos, real captions
+        out += [{"image": str((SHARED / "images" / r["file"]).resolve()), "inputs": pick.choice(PROMPTS),
+                 "targets": c, "source": "coco-photo"} for c in r["captions"]]
+    coco = list(_jsonl(SHARED / "multimodal" / "coco_val2017_images.jsonl"))
+    made: dict = {}
+
+    def generated(w: int, h: int) -> str:  # one generated image per size: the tiling depends on the size only
+        if (w, h) not in made:
+            p = tmp / f"gen-{w}x{h}.jpg"
+            p.write_bytes(_image_bytes(rng, w, h, "jpg"))
+            made[w, h] = str(p)
+        return made[w, h]
+
+    for r in _jsonl(SHARED / "multimodal" / "llava_coco2014_val_gpt4_qa_30x3.jsonl"):
+        c = coco[pick.randrange(len(coco))]
+        out.append({"image": generated(c["width"], c["height"]), "inputs": r["instruction"], "targets": r["output"],
+                    "source": "llava-instruct"})
+    k = 0
+    while len(out) < n and k < 5 * len(coco):
+        c = coco[k % len(coco)]
+        out.append({"image": generated(c["width"], c["height"]), "inputs": pick.choice(PROMPTS),
+                    "targets": c["captions"][k // len(coco) % len(c["captions"])], "source": "coco-caption"})
+        k += 1
+    pick.shuffle(out)
+    return out[:n]
+
+
+def _shared_text_records(n: int, seed: int) -> list[dict]:
+    rows = [r for name in ("niv2_sample.jsonl.gz", "flan_cot_sample.jsonl.gz")
+            for r in _jsonl(SHARED / "text" / name)]
+    return [{"inputs": r["inputs"], "targets": r["targets"], "source": "flan"}
+            for r in random.Random(seed).sample(rows, min(n, len(rows)))]
+
+
+def _generated_records(n_img: int, n_text: int, tmp: Path, seed: int) -> list[dict]:
+    from ..datagen import image_text_samples, text_records
+
+    out = []
+    for key, ext, data, rec in image_text_samples(n_img, seed=seed):
+        p = tmp / f"{key}.{ext}"
+        p.write_bytes(data)
+        out.append({"image": str(p), "conversations": rec["conversations"], "source": "generated"})
+    return out + [{"inputs": r["inputs"], "targets": r["targets"], "source": "generated"}
+                  for r in text_records(n_text, seed=seed)]
+
+
+def shared_present() -> bool:
+    need = ("images/manifest.jsonl", "multimodal/coco_val2017_images.jsonl",
+            "multimodal/llava_coco2014_val_gpt4_qa_30x3.jsonl", "text/niv2_sample.jsonl.gz",
+            "text/flan_cot_sample.jsonl.gz")
+    return all((SHARED / p).exists() for p in need)
+
+
+def build_vlm_data(tmp: str, samples: int, text_fraction: float = 0.5, seed: int = 0,
+                   use_shared: bool | None = None) -> tuple[str, ...]:
+    """Write ``samples`` records (``text_fraction`` of them FLAN text-only, the rest image+text) as one
+    shuffled JSONL in ``tmp``; returns its path as the data tuple."""
+    if not 0.0 <= text_fraction <= 1.0:
+        raise ValueError("text_fraction must be in [0, 1]")
+    d = Path(tmp) / "vlm-data"
+    d.mkdir(parents=True, exist_ok=True)
+    n_text = int(round(samples * text_fraction))
+    n_img = samples - n_text
+    shared = shared_present() if use_shared is None else use_shared
+    if shared:
+        rows = _shared_image_records(n_img, d, seed) + _shared_text_records(n_text, seed)
+    else:
+        rows = _generated_records(n_img, n_text, d, seed)
+    random.Random(seed + 1).shuffle(rows)
+    path = d / "mix.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return (str(path),)
+
+
+# -- stages, cost models, feedback ------------------------------------------------------------------
+
+def modality_bounds(model, stages: int) -> list[int]:
+    """Vision layers (patch embedding, ViT, projector) on stage 0, the language layers spread over the
+    rest by block count (merge embedding on the first of them, head on the last)."""
+    n, nv = len(model.layers), model.vision_layers
+    if stages == 1:
+        return [0, n]
+    blocks = n - nv - 2
+    if stages - 1 > blocks:
+        raise ValueError(f"vlm-tiny has {blocks} GPT blocks: at most {blocks + 1} stages")
+    return [0, nv, *(nv + 1 + round(blocks * k / (stages - 1)) for k in range(1, stages - 1)), n]
+
+
+def layout_of(model, bounds) -> "object":
+    """The `StageLayout` (ViT blocks and GPT blocks per stage) of the runner's split ``bounds``."""
+    from ..core.stages import StageLayout
+    from ..pipeline.models import GPTBlock
+    from ..pipeline.vlm import ViTBlock
+
+    S = len(bounds) - 1
+    main = [sum(isinstance(m, GPTBlock) for m in model.layers[bounds[s]:bounds[s + 1]]) for s in range(S)]
+    vis = [sum(isinstance(m, ViTBlock) for m in model.layers[bounds[s]:bounds[s + 1]]) for s in range(S)]
+    return StageLayout(tuple(main), (0,) * S, tuple(vis), name="runner")
+
+
+def feedback_kwargs(method: str) -> tuple[dict, str]:
+    """(`FeedbackLoop` keywords, feedback mode) of a method: per-stage refits for ``dp`` when the loop
+    supports ``stage_reduce="per_stage"``, the slowest stage otherwise."""
+    if method == "dp":
+        from ..core.cost import CostModel
+        from ..core.feedback import FeedbackLoop
+
+        try:
+            FeedbackLoop(CostModel.preset("gpt-tiny", "cpu", num_stages=2), stage_reduce="per_stage")
+            return {"stage_reduce": "per_stage"}, "per_stage"
+        except (ValueError, TypeError):
+            pass
+    return {"stage_reduce": "max"}, "max"
+
+
+def setup(model, cost, num_stages: int, cfg, method: str) -> dict:
+    """What a vlm-tiny method run needs: its planning method, stage bounds, loader and feedback keywords
+    (``dp``: ``cost`` gets the runner's layout in place)."""
+    bounds = uniform_vlm_bounds(model, num_stages) if cfg.partition == "uniform" else modality_bounds(model, num_stages)
+    if method == "dp":
+        cost.set_layout(layout_of(model, bounds))
+    fb, mode = feedback_kwargs(method)
+    return {"plan_method": "dp" if method == "dp-blind" else method, "bounds": bounds, "feedback": fb,
+            "feedback_mode": mode if method in ("dp", "dp-blind") else None,
+            "loader": {"vision": vision_policy(), "load_pixels": True}}
+
+
+def uniform_vlm_bounds(model, stages: int) -> list[int]:
+    """About equal layer counts per stage (vision and language layers alike)."""
+    n = len(model.layers)
+    return [0, *(round(n * k / stages) for k in range(1, stages)), n]
+
+
+# -- micro-batches and per-stage observations ------------------------------------------------------
+
+def rows_as_sequences(mbs) -> list[dict]:
+    """``pack``'s packed-row micro-batches as vlm-tiny takes them: one sequence per row (see the module
+    docstring); ``image_tiles`` summed over each row's samples (in sample order, as ``pixel_values``)."""
+    import torch
+
+    out = []
+    for b in mbs:
+        if "position_ids" not in b:
+            out.append(b)
+            continue
+        pos, mask = b["position_ids"], b["attention_mask"].bool()
+        starts = ((pos == 0) & mask).sum(1)  # samples per row
+        tiles = b["image_tiles"].reshape(-1)
+        row_of = torch.repeat_interleave(torch.arange(len(starts)), starts)
+        per_row = torch.zeros(len(starts), dtype=tiles.dtype).index_add_(0, row_of[:len(tiles)], tiles[:len(row_of)])
+        out.append({**{k: v for k, v in b.items() if k != "position_ids"}, "image_tiles": per_row})
+    return out
+
+
+def stage_observation(cost, step, result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features ``[m, F]``, predicted, measured forward+backward seconds ``[S, m]``) of this replica's
+    micro-batches on every stage, in plan order; predicted by ``cost`` as it is now (call before the
+    step's refit)."""
+    from ..core.feedback import plan_features
+
+    plan = step.plan
+    replica = int(getattr(step, "rank", 0) or 0) if plan.num_ranks > 1 else 0
+    sel = np.flatnonzero(plan.mb_rank == replica)
+    phi = plan_features(cost, plan, step.shapes)[sel]
+    timings = [t for t in result.all_timings if int(t.replica) == int(result.timing.replica)]
+    meas = np.array([np.asarray(t.compute_s, np.float64)[:len(sel)] for t in sorted(timings, key=lambda t: t.stage)])
+    return phi, cost.stage_times(phi, len(meas)), meas
+
+
+def stage_mape(preds: list, meas: list) -> list[float]:
+    """Per-stage MAPE (fractions) pooled over the given steps' ``[S, m]`` arrays."""
+    from ..core.fit import mape
+
+    if not preds:
+        return []
+    p, y = np.concatenate(preds, axis=1), np.concatenate(meas, axis=1)
+    return [float(mape(p[s], y[s])) for s in range(len(p))]
+
+
+def data_description(paths) -> dict:
+    """Counts of the data's records by source and kind (image+text or text-only)."""
+    counts: dict = {}
+    for p in paths:
+        for r in _jsonl(p):
+            key = f"{r.get('source', 'given')}:{'image' if r.get('image') else 'text'}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+__all__ = ["VLM_METHODS", "VLM_SIZES", "build_vlm_data", "modality_bounds", "layout_of", "setup",
+           "rows_as_sequences", "stage_observation", "stage_mape"]
