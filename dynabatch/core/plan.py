@@ -168,12 +168,13 @@ def _plan_stage_candidates(shapes, cost, options, main, dec, tiles, limit, step,
     those of the stage the samples load most (the bottleneck's own total, which the makespan is at
     least); both are assembled with per-stage assignment and ordering and the faster plan is kept."""
     ranks, stages, collation = options.num_ranks, options.num_stages, options.collation
-    own = cost.stage_times(cost.packed_features(main, dec, tiles, np.arange(len(main)))).sum(axis=1)
-    candidates = [None, cost.time_coef * cost.stage_scale_rows()[int(np.argmax(own))]]
+    phi = cost.packed_features(main, dec, tiles, np.arange(len(main)))  # each sample alone
+    own = cost.stage_times(phi).sum(axis=1)
+    candidates = [None, cost.stage_time_rows(stages)[int(np.argmax(own))]]
     # memory: the per-feature largest stage coefficients bound every stage's memory; where a sample
     # does not fit alone under that bound, the stage-mean coefficients (as the stage-blind DP uses)
     mcoef = cost.planning_mem_coef()
-    if (cost.packed_features(main, dec, tiles, np.arange(len(main))) @ mcoef).max(initial=0.0) > limit:
+    if (phi @ mcoef).max(initial=0.0) > limit:
         mcoef = cost.mem_coef
     best = None
     for tcoef in candidates:
