@@ -20,9 +20,10 @@ from .core.cost import (
     model_preset,
 )
 from .core.feedback import FeedbackLoop, FeedbackRow, StepError
-from .core.options import COLLATIONS, METHODS, SCHEDULES, PlanOptions
+from .core.options import COLLATIONS, METHODS, RECOMPUTE, SCHEDULES, PlanOptions
 from .core.plan import PlanningError, plan_microbatches, split_global_batches
 from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
+from .core.recompute import StageMemory, apply_recompute, recompute_costs
 from .core.shapes import SHAPES_SCHEMA, Shapes
 from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
 from .core.steps import global_batches, plan_step
@@ -31,8 +32,8 @@ from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, RunPlan, load_run_
 __all__ = sorted([
     "BatchPlan", "COLLATIONS", "CostModel", "DEVICE_PRESETS", "DeviceProfile", "FEATURES", "FeedbackLoop",
     "FeedbackRow", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
-    "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RunPlan",
-    "SCHEDULES", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
+    "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RECOMPUTE",
+    "RunPlan", "SCHEDULES", "StageMemory", "apply_recompute", "recompute_costs", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
     "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "objective_lower_bound",
     "pipeline_schedule",
     "plan_microbatches", "plan_step", "plans_to_arrow", "read_shapes", "simulate_pipeline",

@@ -32,8 +32,9 @@ columns:
   pad eff        real tokens / computed tokens (1.0 = no padding)
   vs pack        pack's iteration time / this method's
   obj/LB         the plan's objective (sum of micro-batch times + (stages-1) x largest, slowest
-                 rank) over a lower bound of that objective for any plan of the same batch
-                 (objective_lower_bound; it bounds the objective, not the iteration time)
+                 rank) over a lower bound of that objective (objective_lower_bound; it bounds the
+                 objective, not the iteration time): the padded bound for padded methods, the
+                 varlen bound (valid for any plan) otherwise; the bound column says which
   max/mean rank  slowest rank's simulated time over the mean rank's
   plan ms        median wall time of planning one global batch (after numba compilation)
   tuned knob     baselines are swept over their knob; the best setting that fits in memory is shown

@@ -31,7 +31,13 @@ from dynabatch.core.kernels.cost import (
     profiled_lookup,
     profiled_lookup_reference,
 )
-from dynabatch.core.kernels.dp import _pick_caps, pick_caps_reference
+from dynabatch.core.kernels.dp import (
+    _pick_caps,
+    _pick_caps_between,
+    capped_partition_cost,
+    capped_partition_cost_reference,
+    pick_caps_reference,
+)
 from dynabatch.core.kernels.packing import budget_cuts, budget_cuts_reference, pack_rows, pack_rows_reference
 from dynabatch.core.kernels.rows import pad_rows, pad_rows_reference
 from dynabatch.core.kernels.simulate import (
@@ -265,6 +271,29 @@ def test_pick_caps_matches_reference(values, lo, count):
     v = np.unique(np.array(values))
     lo = min(lo, len(v) - 1)
     assert _pick_caps(v, lo, count).tolist() == pick_caps_reference(v, lo, count)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(time_st, min_size=1, max_size=300), st.integers(0, 400), st.integers(0, 400), st.integers(2, 64))
+def test_pick_caps_between_matches_pick_caps_of_the_sorted_times(times, a, b, count):
+    """The DP's caps without sorting its segment times: the same picks as `_pick_caps` (and so as
+    its reference) over the sorted distinct times between two of them, repeats included."""
+    t = np.array(times)
+    v = np.unique(t)
+    lo, hi = sorted((v[a % len(v)], v[b % len(v)]))
+    window = v[(v >= lo) & (v <= hi)]
+    got = _pick_caps_between(t, lo, hi, count).tolist()
+    assert got == _pick_caps(window, 0, count).tolist() == pick_caps_reference(window, 0, count)
+    lo_index = int(np.searchsorted(v, lo))
+    assert _pick_caps_between(t, lo, v[-1], count).tolist() == pick_caps_reference(v, lo_index, count)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.5]) | st.floats(0.0, 5.0), max_size=30),
+       st.sampled_from([0.0, 0.75, 2.0]), st.sampled_from([np.inf, 3.0, 6.0]) | st.floats(0.5, 40.0))
+def test_capped_partition_cost_matches_reference(w, fixed, cap):
+    w = np.sort(np.array(w, np.float64))
+    assert capped_partition_cost(w, fixed, cap) == capped_partition_cost_reference(w, fixed, cap)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -47,7 +47,8 @@ def plan_stats(model, data, method):
         batch = shapes.take(pos)
         plan = plan_microbatches(batch, cost, opts)
         lb = objective_lower_bound(batch, cost, num_stages=opts.num_stages, num_ranks=opts.num_ranks,
-                                   max_len=opts.max_len, max_target_len=opts.max_target_len)
+                                   max_len=opts.max_len, max_target_len=opts.max_target_len,
+                                   collation=plan.collation)  # the padded bound for padded plans
         assert plan.objective_s >= lb * (1 - 1e-9)
         assert len(set(plan.microbatches_per_rank().tolist())) == 1  # equal counts kept by the swaps
         ratios.append(plan.objective_s / lb)
@@ -57,16 +58,19 @@ def plan_stats(model, data, method):
 
 @pytest.mark.parametrize("data", ["readme", "synthetic"])
 def test_t5_dp_objective_close_to_bound(data):
-    # sorted by own cost alone: 1.0695 (readme) and 1.0789 (synthetic); decoder classes: 1.061, 1.060
+    # against the varlen bound (which cannot see 2-D padding): sorted by own cost alone 1.0695 (readme)
+    # and 1.0789 (synthetic), decoder classes 1.061, 1.060; against the padded bound: 1.029, 1.031
     ratio, _, _ = plan_stats("t5", data, "dp")
-    assert ratio <= 1.065
+    assert ratio <= 1.04
 
 
 @pytest.mark.parametrize("data", ["readme", "synthetic"])
 def test_t5_dp_varlen_objective_unchanged(data):
-    # packed micro-batches keep the plain order (1.0072 and 1.0046)
+    # packed micro-batches keep the plain order (1.0072 and 1.0046 against the varlen bound when it
+    # wrongly required a multiple of the ranks as the micro-batch count; 1.0146 and 1.0119 against the
+    # valid one, which minimizes over every count)
     ratio, _, _ = plan_stats("t5", data, "dp_varlen")
-    assert ratio <= 1.01
+    assert ratio <= 1.02
 
 
 @pytest.mark.parametrize("model", ["t5", "gpt", "vlm"])

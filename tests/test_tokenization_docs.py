@@ -30,6 +30,9 @@ def test_doc_examples_run(tmp_path, monkeypatch, capsys):
         "[-100, -100, -100, -100, 55, 2]",
         "efxyz True",
         "[1, 3, 4]",
-        "'input_tokens': [9, 18, 27, 33, 33, 33]",
+        "'input_tokens': [9, 18, 27, 36, 45, 25]",  # vision tokens count towards max_total_tokens
+        "[9, 18, 27, 33, 33] 1",  # an image that alone passes it is skipped
+        "12 'a c' True",
+        "[259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 100, 35, 102, 2]",
     ):
         assert quoted in out

@@ -40,6 +40,11 @@ CHAT = [
 ]
 
 
+# Few vision tokens per image (2 per tile, at most 3 tiles): they count towards the max lengths, so
+# the limits below hold every image sample with room for text (InternVL's 256 per tile would not).
+SMALL_TILES = DynamicTiling(max_num=2, tokens_per_tile=2)
+
+
 def png(w, h):
     buf = io.BytesIO()
     Image.new("RGB", (w, h)).save(buf, format="PNG")
@@ -95,14 +100,18 @@ def test_empty_scan_has_the_schema():
 def test_values_equal_per_sample_encoding(family, limits):
     samples = mixed_samples()
     kw = dict(family=family, truncation_side="left", add_bos=True, **limits)
-    table = scan_shapes(samples, "bytes", vision=DynamicTiling(), batch_size=7, **kw)
-    f = Formatter(ByteTokenizer(), vision=DynamicTiling(), **kw)
+    table = scan_shapes(samples, "bytes", vision=SMALL_TILES, batch_size=7, **kw)
+    f = Formatter(ByteTokenizer(), vision=SMALL_TILES, **kw)
     enc = [f.encode(s) for s in samples]
     assert table.column("input_tokens").to_pylist() == [e.input_tokens for e in enc]
     assert table.column("target_tokens").to_pylist() == [e.target_tokens for e in enc]
     assert table.column("vision_tokens").to_pylist() == [e.vision_tokens for e in enc]
     if family == "decoder":
         assert [len(e.input_ids) for e in enc] == [e.input_tokens + e.target_tokens for e in enc]
+    # the vision tokens (the model inserts them) count towards the limits, as the planner's max_len
+    cap = limits.get("max_total_tokens" if family == "decoder" else "max_input_tokens")
+    if cap is not None:
+        assert max(e.input_tokens + e.vision_tokens + (family == "decoder") * e.target_tokens for e in enc) <= cap
     assert any(e.vision_tokens for e in enc) and any(e.target_tokens for e in enc)
     assert scan_stats(table).num_truncated == sum(e.truncated for e in enc)
     assert (scan_stats(table).num_truncated > 0) == bool(limits)
@@ -124,10 +133,10 @@ def test_label_counts_and_ids_equal_the_training_formatter(family, train):
     samples = mixed_samples()
     common = dict(family=family, truncation_side="left", add_bos=True)
     label_config = FormatConfig(**common, **train)
-    table = scan_shapes(samples, "bytes", vision=DynamicTiling(), batch_size=7, label_config=label_config,
+    table = scan_shapes(samples, "bytes", vision=SMALL_TILES, batch_size=7, label_config=label_config,
                         keep_ids=True, **common)
-    full = [Formatter(ByteTokenizer(), vision=DynamicTiling(), **common).encode(s) for s in samples]
-    trained = [Formatter(ByteTokenizer(), label_config).encode(s) for s in samples]
+    full = [Formatter(ByteTokenizer(), vision=SMALL_TILES, **common).encode(s) for s in samples]
+    trained = [Formatter(ByteTokenizer(), label_config, vision=SMALL_TILES).encode(s) for s in samples]
     assert table.column("input_tokens").to_pylist() == [e.input_tokens for e in full]
     assert table.column(LABEL_COLUMN).to_pylist() == [_labels(e, family) for e in trained]
     second = [e.target_ids if family == "encoder_decoder" else e.labels for e in trained]
@@ -139,9 +148,9 @@ def test_label_counts_and_ids_equal_the_training_formatter(family, train):
     small = scan_shapes(samples, "bytes", label_config=label_config, keep_ids=True, ids_budget=100, **common)
     assert LABEL_COLUMN in small.column_names and not set(ID_COLUMNS) & set(small.column_names)
     # shards merge with their extra columns
-    merged = concat_length_tables([scan_shapes(samples[:13], "bytes", vision=DynamicTiling(), label_config=label_config,
+    merged = concat_length_tables([scan_shapes(samples[:13], "bytes", vision=SMALL_TILES, label_config=label_config,
                                                keep_ids=True, **common),
-                                   scan_shapes(samples[13:], "bytes", vision=DynamicTiling(), label_config=label_config,
+                                   scan_shapes(samples[13:], "bytes", vision=SMALL_TILES, label_config=label_config,
                                                keep_ids=True, **common)])
     for col in (LABEL_COLUMN, *ID_COLUMNS):
         assert merged.column(col).to_pylist() == table.column(col).to_pylist(), col
@@ -155,7 +164,7 @@ def test_label_counts_and_ids_equal_the_training_formatter(family, train):
 def test_batch_size_independence():
     samples = mixed_samples(25)
     tables = [
-        scan_shapes(iter(samples), "bytes", vision=DynamicTiling(), max_total_tokens=60, batch_size=bs)
+        scan_shapes(iter(samples), "bytes", vision=SMALL_TILES, max_total_tokens=60, batch_size=bs)
         for bs in (1, 4, 1024)
     ]
     for t in tables[1:]:

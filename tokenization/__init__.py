@@ -14,7 +14,7 @@ from ._adapters import (
     TransformersTokenizer,
     load_tokenizer,
 )
-from ._format import ChatTemplate, EncodedSample, FormatConfig, Formatter
+from ._format import IMAGE_MARKER, ChatTemplate, EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
     ID_COLUMNS,
@@ -49,6 +49,7 @@ __all__ = [
     "Formatter",
     "HFTokenizer",
     "ID_COLUMNS",
+    "IMAGE_MARKER",
     "IGNORE_INDEX",
     "ImageError",
     "LABEL_COLUMN",

@@ -8,7 +8,16 @@ response are tokenized separately (the usual SFT practice: the mask boundary is 
 Pre-tokenized rows (``input_ids``, optional ``labels``: see `tokenization._pretokenized`) are
 taken as they are. Every text of a batch goes to the tokenizer in one ``encode_batch`` call;
 truncation is plain numpy arithmetic on token counts, shared by the formatters and `scan_shapes`
-so the length table always equals what the formatter produces.
+so the length table always equals what the formatter produces. A sample's vision tokens count
+towards the max lengths and are never cut (the text is cut to the limit less them), as the
+planner's ``max_len`` counts text + vision tokens.
+
+Image placeholders (opt-in, LLaVA-style: ``FormatConfig.image_token_id``): each image of a sample
+becomes a run of ``image_token_id`` copies in ``input_ids``, one per vision token of that image
+under the vision policy, at the image's `IMAGE_MARKER` (``"<image>"``) in the prompt, or (no
+marker) all runs right after BOS, before the text; labels are -100 on them. The length table keeps
+counting text only in ``input_tokens``/``target_tokens``, the runs in ``vision_tokens``, so the
+planner (main length = input + target + vision tokens) counts every vision token once.
 """
 
 from __future__ import annotations
@@ -21,10 +30,14 @@ import numpy as np
 from ._adapters import load_tokenizer
 from ._pretokenized import ids_holder, label_runs, pretokenized_ids
 from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
-from ._vision import VisionPolicy, vision_tokens_batch
+from ._vision import VisionPolicy, image_tokens_batch
 
 Family = Literal["decoder", "encoder_decoder"]
 OnError = Literal["raise", "skip"]
+
+#: Marker of an image's position in a prompt (equal to ``loaders.IMAGE_PLACEHOLDER``; this package
+#: does not import ``loaders``). Only read with ``FormatConfig.image_token_id`` set.
+IMAGE_MARKER = "<image>"
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,11 @@ class FormatConfig:
 
     ``max_input_tokens`` caps the input part (BOS included), ``max_target_tokens`` the target
     part (EOS included; the EOS is always kept, the response is cut before it),
-    ``max_total_tokens`` their sum (vision tokens are not counted: images are never cut).
+    ``max_total_tokens`` their sum. With a vision policy the sample's vision tokens count towards
+    ``max_input_tokens`` and ``max_total_tokens`` (as the planner's ``max_len`` counts them:
+    ``dynabatch.CostModel.sample_dims``) but are never cut: the text is cut to the limit less the
+    vision tokens, and a sample whose vision tokens and BOS/EOS alone pass a limit is refused
+    (`SampleError` naming it; skipped and counted with ``on_error="skip"``).
     When the sum is over, the input is shortened first, then the target. Inputs are cut on
     ``truncation_side`` ("right" keeps the start, "left" keeps the end, nearest the
     response); targets always keep their start. Conversations (decoder-only) are one
@@ -74,6 +91,20 @@ class FormatConfig:
     ``input_ids`` is pre-tokenized. Such rows get no BOS/EOS added; decoder-only ones are cut
     like conversations (``max_total_tokens`` on ``truncation_side``), encoder-decoder ones like
     text (input on ``truncation_side``, targets keep their start).
+
+    ``image_token_id`` (None: off) inserts image placeholder tokens (needs a vision policy in the
+    `Formatter`): each image's run of ``image_token_id`` copies, as many as the image's vision
+    tokens, replaces that image's ``"<image>"`` marker (`IMAGE_MARKER`) in the prompt (``inputs``,
+    user/system turns; the k-th marker is the k-th image), or, when the sample has no marker, all
+    runs go right after BOS, before the text. A sample needs one marker per image or none
+    (`SampleError` otherwise, or for a marker in a response/assistant turn, or a marker without an
+    image); a pre-tokenized row marks an image with one ``image_token_id`` in its ``input_ids``,
+    which is expanded the same way. Labels are -100 on the runs. The runs are the vision tokens,
+    so they count towards ``max_input_tokens`` and ``max_total_tokens`` as above and are never
+    cut: the text around them is cut to make room, and a sample whose runs (plus BOS/EOS) alone
+    pass a limit is refused. The id must be one the tokenizer never produces for
+    text (e.g. ``tokenizer.vocab_size``, an id added for the model); a text that encodes to it is a
+    `SampleError`.
     """
 
     family: Family = "decoder"
@@ -84,6 +115,7 @@ class FormatConfig:
     add_bos: bool = False
     chat_template: ChatTemplate = field(default_factory=ChatTemplate)
     pretokenized: bool | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in ("decoder", "encoder_decoder"):
@@ -92,6 +124,9 @@ class FormatConfig:
             raise ValueError(f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}")
         if self.pretokenized not in (None, True, False):
             raise ValueError(f"pretokenized must be True, False or None (auto), got {self.pretokenized!r}")
+        tid = self.image_token_id
+        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or tid < 0):
+            raise ValueError(f"image_token_id must be a token id (int >= 0) or None, got {tid!r}")
         b = int(self.add_bos)
         for name, least in (("max_input_tokens", max(b, 0)), ("max_target_tokens", 1), ("max_total_tokens", b + 1)):
             val = getattr(self, name)
@@ -106,10 +141,14 @@ class EncodedSample:
     ``input_ids`` are the encoder input (encoder-decoder) or the whole sequence
     (decoder-only); ``target_ids`` are the decoder targets (encoder-decoder only, else
     None); ``labels`` align with ``input_ids`` with -100 on masked positions (decoder-only,
-    else None). ``input_tokens``/``target_tokens`` are the counts written to the length
-    table (decoder-only: prompt/masked part and response part, which sum to
-    ``len(input_ids)``). ``vision_tokens`` is the sample's image token count and
-    ``truncated`` says whether any text token was cut. Ids are int32 arrays.
+    else None). ``input_tokens``/``target_tokens`` are the text token counts written to the
+    length table (decoder-only: prompt/masked part and response part). ``vision_tokens`` is the
+    sample's image token count and ``truncated`` says whether any text token was cut. Ids are
+    int32 arrays. Decoder-only, ``len(input_ids)`` is ``input_tokens + target_tokens``, plus
+    ``vision_tokens`` with image placeholders (`FormatConfig.image_token_id`: the runs are in
+    ``input_ids`` but in neither text count); encoder-decoder, ``len(input_ids)`` is
+    ``input_tokens`` (+ ``vision_tokens`` with placeholders), ``len(target_ids)`` is
+    ``target_tokens``.
     """
 
     sample_id: int
@@ -163,9 +202,10 @@ def _messages(sample: dict, template: ChatTemplate) -> list[tuple[str, str]] | N
 
 
 # Segment table of a batch: one row per piece of a sequence, in order. A piece is a text
-# (index into the batch's text list), given ids (pre-tokenized rows, with their labels) or one
-# special token. PART_* says which length-table column it counts towards.
-PART_INPUT, PART_TARGET = 0, 1
+# (index into the batch's text list), given ids (pre-tokenized rows, with their labels), one
+# special token or an image's placeholder run. PART_* says which length-table column it counts
+# towards (PART_VISION: vision_tokens; the run sits in the input ids and is never cut).
+PART_INPUT, PART_TARGET, PART_VISION = 0, 1, 2
 
 
 class _Segments:
@@ -201,44 +241,120 @@ def _render_history(msgs: list[tuple[str, str]], t: ChatTemplate) -> str:
     return "".join(t.prefix(role) + content + t.turn_suffix for role, content in msgs)
 
 
-def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> bool:
-    """Append a pre-tokenized sample's segments (no special tokens); True: cut it by position."""
-    ids, labels = pretokenized_ids(holder, sample, cfg.family, tok)
-    if cfg.family == "encoder_decoder":
-        seg.add(i, PART_INPUT, False, ids=ids)
+class _Images:
+    """One sample's image placeholder runs (`FormatConfig.image_token_id`), handed out in image order:
+    one at each `IMAGE_MARKER` of the prompt texts (``in_place``), else all before the text. Inert
+    (``on`` False) without ``image_token_id``."""
+
+    def __init__(self, sample: dict, tokens: np.ndarray, token_id: int | None) -> None:
+        self.key, self.tokens, self.id = sample_key(sample), tokens, token_id
+        self.next, self.in_place = 0, False
+
+    @property
+    def on(self) -> bool:
+        return self.id is not None
+
+    def check_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> None:
+        """Count the markers of the prompt-side and the trained texts; decide where the runs go."""
+        if not self.on:
+            return
+        if any(IMAGE_MARKER in r for r in responses):
+            raise SampleError(self.key, f"has an {IMAGE_MARKER} marker in a response/assistant turn: image "
+                                        "placeholders go in the prompt")
+        self.decide(sum(p.count(IMAGE_MARKER) for p in prompts))
+
+    def decide(self, markers: int) -> None:
+        """``markers`` image marks in the sample: one per image (runs in place) or none (runs first)."""
+        n = len(self.tokens)
+        if markers and not n:
+            raise SampleError(self.key, f"has {markers} {IMAGE_MARKER} marker(s) but no image")
+        if markers not in (0, n):
+            raise SampleError(self.key, f"has {n} image(s) but {markers} {IMAGE_MARKER} marker(s): give one marker "
+                                        "per image (in image order) or none (the images then go before the text)")
+        self.in_place = markers > 0
+
+    def add_run(self, seg: _Segments, i: int) -> None:
+        """Append the next image's run: its vision tokens' count of ``image_token_id``."""
+        n = int(self.tokens[self.next])
+        self.next += 1
+        seg.add(i, PART_VISION, False, ids=np.full(n, self.id, np.int32))
+
+    def add_leading(self, seg: _Segments, i: int) -> None:
+        """Every run, for a sample without markers (called where its text starts, after BOS)."""
+        if self.on and not self.in_place:
+            while self.next < len(self.tokens):
+                self.add_run(seg, i)
+
+    def add_text(self, seg: _Segments, i: int, part: int, trained: bool, text: str) -> None:
+        """Append a prompt-side text, with the next image's run in place of each marker."""
+        if not self.in_place:
+            seg.add(i, part, trained, text=text)
+            return
+        for k, piece in enumerate(text.split(IMAGE_MARKER)):
+            if k:
+                self.add_run(seg, i)
+            seg.add(i, part, trained, text=piece)
+
+
+def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConfig, tok: Tokenizer,
+             images: _Images) -> bool:
+    """Append a pre-tokenized sample's segments (no special tokens); True: cut it by position. With
+    placeholders each ``image_token_id`` in the ids marks an image and becomes that image's run."""
+    ids, labels = pretokenized_ids(holder, sample, cfg.family, tok, image_token_id=cfg.image_token_id)
+    decoder = cfg.family == "decoder"
+    marks = np.zeros(0, np.int64)
+    if images.on:
+        marks = np.flatnonzero(ids == images.id)
+        images.decide(len(marks))
+        if not decoder and np.any(labels == images.id):
+            raise SampleError(images.key, f"target ids hold image_token_id {images.id}: images go in the input")
+    images.add_leading(seg, i)
+    cuts = [-1, *marks.tolist(), len(ids)]
+    for k in range(len(cuts) - 1):
+        if k:
+            images.add_run(seg, i)
+        a, b = cuts[k] + 1, cuts[k + 1]
+        if a == b:
+            continue
+        if not decoder:
+            seg.add(i, PART_INPUT, False, ids=ids[a:b])
+        elif labels is None:  # language-modelling rows: every token is trained
+            seg.add(i, PART_TARGET, True, ids=ids[a:b])
+        else:
+            for c, d, trained in label_runs(labels[a:b]):
+                seg.add(i, PART_TARGET if trained else PART_INPUT, trained, ids=ids[a + c:a + d],
+                        labels=labels[a + c:a + d])
+    if not decoder:
         seg.add(i, PART_TARGET, True, ids=labels)
-        return False
-    if labels is None:  # language-modelling rows: every token is trained
-        seg.add(i, PART_TARGET, True, ids=ids)
-        return True
-    for a, b, trained in label_runs(labels):
-        seg.add(i, PART_TARGET if trained else PART_INPUT, trained, ids=ids[a:b], labels=labels[a:b])
-    return True
+    return decoder
 
 
-def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer) -> tuple[bool, bool]:
+def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer,
+                images: _Images) -> tuple[bool, bool]:
     """Append sample ``i``'s segments; returns (cut by position, pre-tokenized): the first is True
     for a decoder-only conversation or pre-tokenized row."""
     holder = ids_holder(sample, cfg.pretokenized)
     if holder is not None:
-        return _add_ids(seg, i, holder, sample, cfg, tok), True
+        return _add_ids(seg, i, holder, sample, cfg, tok, images), True
     t = cfg.chat_template
     msgs = _messages(sample, t)
     decoder = cfg.family == "decoder"
     if msgs is not None and decoder:
+        images.check_texts([c for r, c in msgs if r != "assistant"], [c for r, c in msgs if r == "assistant"])
         if cfg.add_bos:
             seg.add(i, PART_INPUT, False, special=tok.bos_id)
+        images.add_leading(seg, i)
         pending = ""  # consecutive masked text is encoded as one piece
         for role, content in msgs:
             if role != "assistant":
                 pending += t.prefix(role) + content + t.turn_suffix
                 continue
-            seg.add(i, PART_INPUT, False, text=pending + t.assistant_prefix)
+            images.add_text(seg, i, PART_INPUT, False, pending + t.assistant_prefix)
             pending = ""
             seg.add(i, PART_TARGET, True, text=content)
             seg.add(i, PART_TARGET, True, special=tok.eos_id)
         if pending:
-            seg.add(i, PART_INPUT, False, text=pending)
+            images.add_text(seg, i, PART_INPUT, False, pending)
         return True, False
     if msgs is not None:
         last_is_reply = msgs[-1][0] == "assistant"
@@ -247,56 +363,73 @@ def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: To
     else:
         prompt = _text_field(sample, "inputs", required=True)
         response = _text_field(sample, "targets", required=False)
+    images.check_texts([prompt], [response])
     # Decoder-only text without a response is language-modelling data: train on all of it.
     lm = decoder and not response
     if cfg.add_bos:
         seg.add(i, PART_INPUT, False, special=tok.bos_id)
-    seg.add(i, PART_INPUT, lm, text=prompt)
+    images.add_leading(seg, i)
+    images.add_text(seg, i, PART_INPUT, lm, prompt)
     seg.add(i, PART_TARGET, True, text=response)
     seg.add(i, PART_TARGET, True, special=tok.eos_id)
     return False, False
 
 
+def _position_keep(lens: np.ndarray, owner: np.ndarray, budget: np.ndarray, n: int, from_end: bool) -> np.ndarray:
+    """Tokens kept of each piece (``lens``, grouped by ``owner`` in sequence order) when sample ``s``
+    keeps ``budget[s]`` tokens of its pieces, from their start, or from their end with ``from_end``."""
+    ends = np.cumsum(lens)
+    totals = np.bincount(owner, weights=lens, minlength=n).astype(np.int64)
+    end_in_sample = ends - (np.cumsum(totals) - totals)[owner]
+    before = totals[owner] - end_in_sample if from_end else end_in_sample - lens
+    return np.clip(budget[owner] - before, 0, lens)
+
+
 def _keep_counts(
     lengths: np.ndarray, sample: np.ndarray, part: np.ndarray, is_text: np.ndarray, conv: np.ndarray,
-    pre: np.ndarray, cfg: FormatConfig
-) -> np.ndarray:
-    """Tokens kept per segment under the max lengths (vectorised over the batch). ``is_text``:
-    the segments that may be cut (texts, given ids); ``pre``: the pre-tokenized samples (they
-    have no BOS/EOS of the formatter's)."""
+    pre: np.ndarray, vis: np.ndarray, cfg: FormatConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens kept per segment, refused samples) under the max lengths (vectorised over the batch).
+    ``is_text``: the segments that may be cut (texts, given ids); ``pre``: the pre-tokenized samples
+    (they have no BOS/EOS of the formatter's); ``vis``: each sample's vision tokens. Vision tokens
+    (image placeholder runs, `PART_VISION`, or the ones the model inserts) are kept whole and take
+    their room first; a sample whose vision and special tokens alone pass a limit is refused."""
     keep = lengths.copy()
     n = len(conv)
     bos = np.where(pre, 0, int(cfg.add_bos))
     eos = np.where(pre, 0, 1)
     seg_conv = conv[sample]
+    refused = np.zeros(n, bool)
+    left = cfg.truncation_side == "left"
 
-    # Plain samples have exactly one input piece and one target piece; specials are always kept.
+    # Plain samples: the input pieces are cut first (on truncation_side), then the target pieces
+    # (keeping their start); specials and vision tokens (image runs or not) are always kept.
     plain = ~seg_conv & is_text
-    p_seg = np.flatnonzero(plain & (part == PART_INPUT))
-    r_seg = np.flatnonzero(plain & (part == PART_TARGET))
-    p, r = lengths[p_seg], lengths[r_seg]
-    b, e = bos[sample[p_seg]], eos[sample[r_seg]]
+    p_sel, r_sel = plain & (part == PART_INPUT), plain & (part == PART_TARGET)
+    p = np.bincount(sample[p_sel], weights=lengths[p_sel], minlength=n).astype(np.int64)
+    r = np.bincount(sample[r_sel], weights=lengths[r_sel], minlength=n).astype(np.int64)
     if cfg.max_input_tokens is not None:
-        p = np.minimum(p, cfg.max_input_tokens - b)
+        room = cfg.max_input_tokens - bos - vis
+        refused |= ~conv & (room < 0)
+        p = np.minimum(p, np.maximum(room, 0))
     if cfg.max_target_tokens is not None:
-        r = np.minimum(r, cfg.max_target_tokens - e)
+        r = np.minimum(r, cfg.max_target_tokens - eos)
     if cfg.max_total_tokens is not None:
-        over = np.maximum(p + r - (cfg.max_total_tokens - b - e), 0)
+        room = cfg.max_total_tokens - bos - eos - vis
+        refused |= ~conv & (room < 0)
+        over = np.maximum(p + r - np.maximum(room, 0), 0)
         cut_p = np.minimum(over, p)
         p, r = p - cut_p, r - (over - cut_p)
-    keep[p_seg], keep[r_seg] = p, r
+    keep[p_sel] = _position_keep(lengths[p_sel], sample[p_sel], p, n, left)
+    keep[r_sel] = _position_keep(lengths[r_sel], sample[r_sel], r, n, False)
 
-    # Conversations: cut by position, BOS excluded, from the end ("right") or start ("left").
+    # Conversations: cut by position, BOS and image runs excluded, from the end ("right") or start ("left").
     if cfg.max_total_tokens is not None and seg_conv.any():
-        body = np.flatnonzero(seg_conv & ~((part == PART_INPUT) & ~is_text))
-        lens, owner = lengths[body], sample[body]
-        ends = np.cumsum(lens)
-        totals = np.bincount(owner, weights=lens, minlength=n).astype(np.int64)
-        first = np.concatenate([[0], np.cumsum(totals)[:-1]])[owner]
-        end_in_sample = ends - first
-        before = end_in_sample - lens if cfg.truncation_side == "right" else totals[owner] - end_in_sample
-        keep[body] = np.clip(cfg.max_total_tokens - bos[owner] - before, 0, lens)
-    return keep
+        body = seg_conv & (part != PART_VISION) & ~((part == PART_INPUT) & ~is_text)
+        room = cfg.max_total_tokens - bos - vis
+        refused |= conv & (room < 0)
+        keep[body] = _position_keep(lengths[body], sample[body], np.maximum(room, 0), n, left)
+    return keep, refused
 
 
 @dataclass
@@ -328,7 +461,10 @@ def plan_batch(
     """Tokenize and truncate a batch; the shared core of `Formatter` and `scan_shapes`."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    vis, skipped = vision_tokens_batch(samples, vision, on_error=on_error)
+    if cfg.image_token_id is not None and vision is None:
+        raise ValueError("image_token_id needs a vision policy (it sets each image's placeholder count)")
+    per_image, skipped = image_tokens_batch(samples, vision, on_error=on_error)
+    vis = np.fromiter((int(a.sum()) for a in per_image), np.int64, count=len(per_image))
     bad = {i for i, _ in skipped}
     seg = _Segments()
     kept: list[int] = []
@@ -341,7 +477,7 @@ def plan_batch(
         mark, text_mark = len(seg.sample), len(seg.texts)
         try:
             sid = _sample_id(s)
-            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer)
+            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer, _Images(s, per_image[i], cfg.image_token_id))
         except SampleError as exc:
             if on_error != "skip":
                 raise
@@ -357,7 +493,7 @@ def plan_batch(
     skipped.sort(key=lambda e: e[0])
 
     counter = getattr(tokenizer, "count_batch", None)
-    if with_ids or counter is None:
+    if with_ids or counter is None or cfg.image_token_id is not None:  # placeholders: the ids are checked
         encoded = tokenizer.encode_batch(seg.texts) if seg.texts else []
         counts = [len(a) for a in encoded]
     else:  # a length scan needs counts only: skip building id arrays
@@ -371,8 +507,20 @@ def plan_batch(
     lengths[is_ids] = [len(a) for a in seg.ids if a is not None]
     sample = np.asarray(seg.sample, dtype=np.int64)
     part = np.asarray(seg.part, dtype=np.int64)
-    keep = _keep_counts(lengths, sample, part, is_text | is_ids, np.asarray(conv, dtype=bool),
-                        np.asarray(pre, dtype=bool), cfg)
+    kept_vis = vis[kept] if kept else np.zeros(0, np.int64)
+    keep, refused = _keep_counts(lengths, sample, part, is_text | is_ids, np.asarray(conv, dtype=bool),
+                                 np.asarray(pre, dtype=bool), kept_vis, cfg)
+    errors = _refusals(samples, kept, encoded, sample[is_text], kept_vis, refused, tokenizer, cfg)
+    if errors:
+        if on_error != "skip":
+            raise errors[0][1]
+        # Rare: plan the batch again without them (their positions join the skipped ones).
+        drop = {i for i, _ in errors}
+        rest = [i for i in range(len(samples)) if i not in drop]
+        sub = plan_batch([samples[i] for i in rest], tokenizer, cfg, vision, on_error, with_ids)
+        sub.index = np.asarray(rest, np.int64)[sub.index]
+        sub.skipped = sorted([(rest[i], e) for i, e in sub.skipped] + errors, key=lambda e: e[0])
+        return sub
 
     n = len(kept)
     inp = np.bincount(sample, weights=keep * (part == PART_INPUT), minlength=n).astype(np.int64)
@@ -399,7 +547,7 @@ def plan_batch(
         sample_id=np.asarray(sample_ids, dtype=np.int64),
         input_tokens=inp,
         target_tokens=tgt,
-        vision_tokens=vis[kept] if n else np.zeros(0, np.int64),
+        vision_tokens=kept_vis,
         truncated=truncated,
         skipped=skipped,
         seg_sample=sample,
@@ -408,6 +556,33 @@ def plan_batch(
         seg_part=part,
         seg_labels=seg_labels,
     )
+
+
+def _refusals(samples: Sequence[dict], kept: list[int], encoded: list[np.ndarray], text_sample: np.ndarray,
+              vis: np.ndarray, refused: np.ndarray, tok: Tokenizer, cfg: FormatConfig) -> list[tuple[int, SampleError]]:
+    """``(batch position, error)`` of the kept samples the max lengths or image placeholders rule out,
+    in order: vision tokens (``vis``) that leave no room under the max lengths (``refused``), or, with
+    ``image_token_id``, a text that encodes to it."""
+    tid = cfg.image_token_id
+    hit = np.zeros(len(kept), bool)
+    if tid is not None and encoded:
+        flat = np.concatenate(encoded)
+        owner = np.repeat(text_sample, [len(a) for a in encoded])  # texts are numbered in segment order
+        hit[owner[flat == tid]] = True
+    out = []
+    for k in np.flatnonzero(hit | refused):
+        s = samples[kept[k]]
+        if hit[k]:
+            msg = (f"its text encodes to image_token_id {tid}, the image placeholder: use an id tokenizer "
+                   f"{tok.name!r} never produces for text (e.g. its vocab_size {tok.vocab_size})")
+        else:
+            what, never = (("placeholder", "an image's placeholder run is never cut") if tid is not None else
+                           ("vision", "vision tokens count towards the max lengths and an image is never cut"))
+            msg = (f"its images need {int(vis[k])} {what} tokens, more than the max lengths leave room for "
+                   f"(max_input_tokens={cfg.max_input_tokens}, max_total_tokens={cfg.max_total_tokens} tokens, "
+                   f"BOS/EOS included): {never}")
+        out.append((kept[k], SampleError(sample_key(s), msg)))
+    return out
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
@@ -424,10 +599,13 @@ def _labels(plan: _BatchPlan, j: int) -> np.ndarray:
 class Formatter:
     """Turns samples into `EncodedSample` s for one tokenizer, family and set of max lengths.
 
-    ``vision`` (a `FixedResolution` or `DynamicTiling`) fills ``vision_tokens``; image
-    placeholder tokens are not inserted into the ids (they are model specific), the count
-    is reported separately. Keyword arguments build the `FormatConfig` when ``config`` is
-    not given; ``tokenizer`` may be a `load_tokenizer` spec.
+    ``vision`` (a `FixedResolution` or `DynamicTiling`) fills ``vision_tokens``. By default image
+    placeholder tokens are not inserted into the ids (they are model specific: the model inserts
+    its vision tokens itself), the count is reported separately (and counts towards the max
+    lengths: see `FormatConfig`); with
+    ``FormatConfig.image_token_id`` each image's run of placeholders is inserted LLaVA-style (see
+    `FormatConfig`). Keyword arguments build the `FormatConfig` when ``config`` is not given;
+    ``tokenizer`` may be a `load_tokenizer` spec.
     """
 
     def __init__(
@@ -444,6 +622,9 @@ class Formatter:
         tokenizer = load_tokenizer(tokenizer)
         if self.config.add_bos and tokenizer.bos_id is None:
             raise ValueError(f"add_bos=True but tokenizer {tokenizer.name!r} has no BOS token")
+        if self.config.image_token_id is not None and vision is None:
+            raise ValueError("image_token_id needs a vision policy (vision=DynamicTiling() or FixedResolution()): "
+                             "it sets how many placeholder tokens each image gets")
         self.tokenizer = tokenizer
         self.vision = vision
 
@@ -471,7 +652,7 @@ class Formatter:
                 labels = _cat([_labels(plan, j) for j in segs])
                 target_ids = None
             else:
-                input_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] == PART_INPUT])
+                input_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] != PART_TARGET])
                 target_ids = _cat([plan.seg_ids[j] for j in segs if plan.seg_part[j] == PART_TARGET])
                 labels = None
             out[pos] = EncodedSample(

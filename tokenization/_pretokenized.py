@@ -48,8 +48,10 @@ def ids_holder(sample: dict, mode: bool | None) -> dict | None:
     return holder
 
 
-def _id_array(value: object, field: str, key: object, tok: Tokenizer, ignore_ok: bool) -> np.ndarray:
-    """``value`` as an int32 array of token ids (`SampleError` naming the sample otherwise)."""
+def _id_array(value: object, field: str, key: object, tok: Tokenizer, ignore_ok: bool,
+              extra: np.ndarray | None = None) -> np.ndarray:
+    """``value`` as an int32 array of token ids (`SampleError` naming the sample otherwise); ``extra``
+    (a bool mask of positions, e.g. image placeholders) is exempt from the vocabulary check."""
     arr = None
     if isinstance(value, np.ndarray):
         arr = value
@@ -70,6 +72,8 @@ def _id_array(value: object, field: str, key: object, tok: Tokenizer, ignore_ok:
     outside = (arr < 0) | (arr >= tok.vocab_size)
     if ignore_ok:
         outside &= arr != IGNORE_INDEX
+    if extra is not None and len(extra) == len(arr):
+        outside &= ~extra
     if outside.any():
         v = int(arr[np.argmax(outside)])
         if v == IGNORE_INDEX:
@@ -81,17 +85,30 @@ def _id_array(value: object, field: str, key: object, tok: Tokenizer, ignore_ok:
     return arr.astype(np.int32)
 
 
-def pretokenized_ids(holder: dict, sample: dict, family: str, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
-    """(input ids, labels or target ids or None) of a pre-tokenized sample, checked (`SampleError`)."""
+def pretokenized_ids(holder: dict, sample: dict, family: str, tok: Tokenizer,
+                     image_token_id: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(input ids, labels or target ids or None) of a pre-tokenized sample, checked (`SampleError`).
+    ``image_token_id`` (image placeholders on) may be outside the tokenizer's vocabulary: it is
+    accepted in ``input_ids`` and, for decoder-only rows, in ``labels`` where the ids hold it."""
     key = _key(sample)
-    ids = _id_array(holder[ID_FIELD], ID_FIELD, key, tok, ignore_ok=False)
+    raw_ids = holder[ID_FIELD]
+    marks = None
+    if image_token_id is not None:
+        try:
+            marks = np.asarray(raw_ids) == image_token_id
+        except (ValueError, TypeError):  # ragged: _id_array names the problem
+            marks = None
+        if marks is not None and marks.ndim != 1:
+            marks = None
+    ids = _id_array(raw_ids, ID_FIELD, key, tok, ignore_ok=False, extra=marks)
     raw = holder.get(LABEL_FIELD)
     if raw is None:
         if family == "encoder_decoder":
             raise SampleError(key, f"has {ID_FIELD!r} but no {LABEL_FIELD!r}: encoder-decoder pre-tokenized rows "
                                    "need the target ids as labels")
         return ids, None
-    labels = _id_array(raw, LABEL_FIELD, key, tok, ignore_ok=family == "decoder")
+    labels = _id_array(raw, LABEL_FIELD, key, tok, ignore_ok=family == "decoder",
+                       extra=marks if family == "decoder" else None)
     if family == "decoder" and len(labels) != len(ids):
         raise SampleError(key, f"{LABEL_FIELD!r} has {len(labels)} entries but {ID_FIELD!r} has {len(ids)}; "
                                f"decoder-only labels align with the input ids ({IGNORE_INDEX} where not trained)")

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._adapters import load_tokenizer
-from ._format import PART_INPUT, PART_TARGET, ChatTemplate, Family, FormatConfig, OnError, plan_batch, sample_key
+from ._format import PART_TARGET, ChatTemplate, Family, FormatConfig, OnError, plan_batch, sample_key
 from ._protocol import IGNORE_INDEX, Tokenizer
 from ._vision import VisionPolicy
 
@@ -135,34 +135,48 @@ def _plan_ids(plan, family: Family) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         for j in given:  # labels of pre-tokenized rows, as given
             labels[starts[j]:starts[j] + seg_len[j]] = plan.seg_labels[j]
         return values, lengths, labels, lengths
-    return (*flat(plan.seg_part == PART_INPUT), *flat(plan.seg_part == PART_TARGET))
+    # encoder-decoder: image placeholder runs (PART_VISION) are in the input ids
+    return (*flat(plan.seg_part != PART_TARGET), *flat(plan.seg_part == PART_TARGET))
 
 
-def _would_cut(cfg: FormatConfig, inp: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-    """Samples whose text ``cfg``'s max lengths may cut (a superset; vision tokens never count)."""
+def _would_cut(cfg: FormatConfig, inp: np.ndarray, tgt: np.ndarray, vis: np.ndarray) -> np.ndarray:
+    """Samples whose text ``cfg``'s max lengths may cut or whose images they may refuse (a superset;
+    vision tokens count towards the max lengths, as in `FormatConfig`)."""
     cut = np.zeros(len(inp), bool)
-    for limit, n in ((cfg.max_input_tokens, inp), (cfg.max_target_tokens, tgt), (cfg.max_total_tokens, inp + tgt)):
+    for limit, n in ((cfg.max_input_tokens, inp + vis), (cfg.max_target_tokens, tgt),
+                     (cfg.max_total_tokens, inp + tgt + vis)):
         if limit is not None:
             cut |= n > limit
     return cut
 
 
-def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, label_cfg: FormatConfig):
-    """`_plan_ids` of a batch as formatted with ``label_cfg``: ids of samples that ``cfg`` kept whole
-    and ``label_cfg`` does not cut are reused, the others are formatted again."""
+def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, label_cfg: FormatConfig,
+                 vision: VisionPolicy | None, on_error: OnError):
+    """(`_plan_ids` of a batch as formatted with ``label_cfg``, mask of ``plan``'s rows that ``label_cfg``
+    refuses, their ``(batch position, SampleError)``): ids of samples that ``cfg`` kept whole and
+    ``label_cfg`` does not cut are reused, the others are formatted again. A refused sample (image
+    placeholders that ``label_cfg``'s max lengths leave no room for) raises, or with ``on_error="skip"``
+    is left out of the ids (the caller drops its row)."""
     flat = _plan_ids(plan, cfg.family)
-    redo = np.flatnonzero(plan.truncated | _would_cut(label_cfg, plan.input_tokens, plan.target_tokens))
+    refused = np.zeros(len(plan.index), bool)
+    redo = np.flatnonzero(plan.truncated | _would_cut(label_cfg, plan.input_tokens, plan.target_tokens,
+                                                      plan.vision_tokens))
     if label_cfg == cfg or not len(redo):
-        return flat
-    again = _plan_ids(plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg), cfg.family)
+        return flat, refused, []
+    again_plan = plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg, vision, on_error)
+    errors = [(int(plan.index[redo[j]]), exc) for j, exc in again_plan.skipped]
+    refused[redo[[j for j, _ in again_plan.skipped]]] = True
+    redo = redo[again_plan.index]
+    again = _plan_ids(again_plan, cfg.family)
     out: list[np.ndarray] = []
+    ok = ~refused
     for j in (0, 2):
         lengths = flat[j + 1].copy()
         starts = np.cumsum(lengths) - lengths
         starts[redo] = len(flat[j]) + np.cumsum(again[j + 1]) - again[j + 1]
         lengths[redo] = again[j + 1]
-        out += [ragged_take(np.concatenate([flat[j], again[j]]), starts, lengths), lengths]
-    return tuple(out)
+        out += [ragged_take(np.concatenate([flat[j], again[j]]), starts[ok], lengths[ok]), lengths[ok]]
+    return tuple(out), refused, errors
 
 
 def _id_column(values: list[np.ndarray], lengths: list[np.ndarray]) -> pa.Array:
@@ -200,6 +214,7 @@ def scan_shapes(
     label_config: FormatConfig | None = None,
     keep_ids: bool = False,
     ids_budget: int | None = None,
+    image_token_id: int | None = None,
 ) -> pa.Table:
     """Token counts of every sample as a length table (see `SHAPE_SCHEMA`).
 
@@ -224,11 +239,28 @@ def scan_shapes(
     training, e.g. with other max lengths) adds the `LABEL_COLUMN`: each sample's loss labels
     under it (see `count_labels`); with ``keep_ids`` also its token ids under it (`ID_COLUMNS`),
     unless they pass ``ids_budget`` bytes (the table then has no id columns). The samples are
-    tokenized once; only those that ``label_config`` cuts are formatted a second time.
+    tokenized once; only those that ``label_config`` cuts are formatted a second time. Vision
+    tokens count towards the max lengths (`FormatConfig`): a sample whose vision tokens the max
+    lengths (the scan's, or ``label_config``'s) leave no room for is refused: it raises, or with
+    ``on_error="skip"`` has no row and counts as skipped.
+
+    ``image_token_id``: image placeholders in the ids (`FormatConfig.image_token_id`; needs
+    ``vision``), default ``label_config``'s (placeholders change the text that is tokenized, so
+    the scan and ``label_config`` must agree). ``input_tokens``/``target_tokens`` still count text
+    only and ``vision_tokens`` the placeholders.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tok = load_tokenizer(tokenizer)
+    if label_config is not None and label_config.image_token_id is not None:
+        if image_token_id is None:
+            image_token_id = label_config.image_token_id
+        elif image_token_id != label_config.image_token_id:
+            raise ValueError(f"image_token_id={image_token_id} but label_config.image_token_id="
+                             f"{label_config.image_token_id}: the scan and label_config must insert the same "
+                             "placeholders")
+    if image_token_id is not None and vision is None:
+        raise ValueError("image_token_id needs a vision policy (vision=DynamicTiling() or FixedResolution())")
     cfg = FormatConfig(
         family=family,
         max_input_tokens=max_input_tokens,
@@ -238,6 +270,7 @@ def scan_shapes(
         add_bos=add_bos,
         chat_template=chat_template or ChatTemplate(),
         pretokenized=pretokenized,
+        image_token_id=image_token_id,
     )
     if add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=True but tokenizer {tok.name!r} has no BOS token")
@@ -264,8 +297,13 @@ def scan_shapes(
     try:
         for batch in _batches(samples, batch_size):
             plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None)
+            refused, errors = np.zeros(len(plan.index), bool), []
+            if label_config is not None:
+                ids, refused, errors = _trained_ids(batch, plan, tok, cfg, label_config, vision, on_error)
             task_ids = np.empty(len(plan.index), dtype=np.int32)
             for k, pos in enumerate(plan.index):
+                if refused[k]:
+                    continue
                 task = batch[pos].get("task")
                 if task and task not in task_index and not fixed_tasks:
                     task_index[task] = len(names)
@@ -279,19 +317,19 @@ def scan_shapes(
                 ("task_id", task_ids),
                 ("_truncated", plan.truncated),
             ):
-                parts[col].append(values)
+                parts[col].append(values[~refused])
             if label_config is not None:
-                ids = _trained_ids(batch, plan, tok, cfg, label_config)
                 parts[LABEL_COLUMN].append(count_labels(ids[2], ids[3], family))
                 if keep_ids:
                     kept.append(ids)
-                    kept_bytes += ids[0].nbytes + ids[2].nbytes + 16 * len(plan.index)
+                    kept_bytes += ids[0].nbytes + ids[2].nbytes + 16 * len(ids[1])
                     keep_ids = ids_budget is None or kept_bytes <= ids_budget
                     if not keep_ids:
                         kept.clear()
-            num_skipped += len(plan.skipped)
+            lost = sorted(plan.skipped + errors, key=lambda e: e[0])
+            num_skipped += len(lost)
             room = _MAX_SKIPPED_LISTED - len(skipped)
-            skipped.extend((str(sample_key(batch[i])), str(exc)) for i, exc in plan.skipped[:room])
+            skipped.extend((str(sample_key(batch[i])), str(exc)) for i, exc in lost[:room])
             if bar is not None:
                 bar.update(len(batch))
     finally:

@@ -219,21 +219,21 @@ def sample_image_sizes(sample: dict) -> np.ndarray:
     return np.asarray(_sizes(sample), dtype=np.int64).reshape(-1, 2)
 
 
-def vision_tokens_batch(
+def image_tokens_batch(
     samples: Sequence[dict], policy: VisionPolicy | None, *, on_error: Literal["raise", "skip"] = "raise"
-) -> tuple[np.ndarray, list[tuple[int, ImageError]]]:
-    """Vision tokens per sample (sum over its images) and the ``(index, error)`` of skipped samples.
+) -> tuple[list[np.ndarray], list[tuple[int, ImageError]]]:
+    """Vision tokens of each image of each sample (one int64 array per sample, in image order) and the
+    ``(index, error)`` of skipped samples (their array is empty).
 
-    With ``policy=None`` every sample has 0 vision tokens and no image is opened. Sizes are
-    read per image (I/O), the tile/token arithmetic runs vectorised over the whole batch.
-    A skipped sample gets 0 tokens; the caller drops it.
+    With ``policy=None`` every array is empty and no image is opened. Sizes are read per image
+    (I/O), the tile/token arithmetic runs vectorised over the whole batch.
     """
-    counts = np.zeros(len(samples), dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
     if policy is None:
-        return counts, []
+        return [empty] * len(samples), []
     skipped: list[tuple[int, ImageError]] = []
     sizes: list[tuple[int, int]] = []
-    owner: list[int] = []
+    counts = np.zeros(len(samples), dtype=np.int64)
     for i, s in enumerate(samples):
         try:
             wh = _sizes(s)
@@ -243,8 +243,23 @@ def vision_tokens_batch(
             skipped.append((i, exc))
             continue
         sizes.extend(wh)
-        owner.extend([i] * len(wh))
-    if sizes:
-        wh = np.asarray(sizes, dtype=np.int64)
-        np.add.at(counts, np.asarray(owner, dtype=np.int64), policy.tokens(wh[:, 0], wh[:, 1]))
+        counts[i] = len(wh)
+    if not sizes:
+        return [empty] * len(samples), skipped
+    wh = np.asarray(sizes, dtype=np.int64)
+    tokens = np.asarray(policy.tokens(wh[:, 0], wh[:, 1]), dtype=np.int64).reshape(-1)
+    return np.split(tokens, np.cumsum(counts)[:-1]), skipped
+
+
+def vision_tokens_batch(
+    samples: Sequence[dict], policy: VisionPolicy | None, *, on_error: Literal["raise", "skip"] = "raise"
+) -> tuple[np.ndarray, list[tuple[int, ImageError]]]:
+    """Vision tokens per sample (sum over its images) and the ``(index, error)`` of skipped samples.
+
+    With ``policy=None`` every sample has 0 vision tokens and no image is opened. Sizes are read per
+    image (I/O), the tile/token arithmetic runs vectorised over the whole batch (`image_tokens_batch`).
+    A skipped sample gets 0 tokens; the caller drops it.
+    """
+    per_image, skipped = image_tokens_batch(samples, policy, on_error=on_error)
+    counts = np.fromiter((int(a.sum()) for a in per_image), dtype=np.int64, count=len(per_image))
     return counts, skipped

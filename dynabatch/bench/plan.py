@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from ..core import baselines as _bl
 from ..core.kernels.dp import dp_kernel, dp_reference
-from ..core.bounds import iteration_lower_bound, objective_lower_bound
+from ..core.bounds import iteration_lower_bound, objective_bound_kind, objective_lower_bound
 from ..core.cost import CostModel
-from ..core.options import METHODS, PlanOptions
+from ..core.options import METHODS, PlanOptions, method_collation
 from ..core.plan import _ordering
 from ..core.shapes import Shapes
 from ..core.stage_plan import evaluate_plan
@@ -53,7 +53,7 @@ class PlanBenchConfig:
                 **({"layout": self.layout} if self.layout != "uniform" else {}), **opts}
 
 
-def _summarize(plans, obj_lbs, iter_lbs, plan_ms) -> dict:
+def _summarize(plans, obj_lbs, iter_lbs, plan_ms, bound="varlen") -> dict:
     it = np.array([p.iteration_time_s for p in plans])
     obj = np.array([p.objective_s for p in plans])
     real = sum(int(p.mb_real_tokens.sum()) for p in plans)
@@ -64,6 +64,8 @@ def _summarize(plans, obj_lbs, iter_lbs, plan_ms) -> dict:
         "padding_efficiency": real / computed if computed else 1.0,
         "ratio_to_iteration_bound": float(it.mean() / np.mean(iter_lbs)),
         "ratio_to_objective_bound": float(obj.mean() / np.mean(obj_lbs)),
+        "objective_bound": bound,  # which objective bound: "padded" (padded plans) or "varlen" (any plan)
+        "objective_lower_bound_s": float(np.mean(obj_lbs)),
         # the name of earlier releases for ratio_to_objective_bound (kept for one release)
         "ratio_to_lower_bound": float(obj.mean() / np.mean(obj_lbs)),
         "rank_imbalance": float(np.mean([p.rank_imbalance for p in plans])),
@@ -108,6 +110,8 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
     BatchPlans of the chosen configuration.
     """
     options = cfg.options
+    if options.recompute == "none" and options.device_memory_limit is not None:
+        options = options.replace(device_memory_limit=None)  # the limit is the recompute table's (below)
     batches_idx = global_batches(shapes, cost, options, 0)
     if not batches_idx:
         size = (f"{options.global_batch_tokens} tokens" if options.global_batch_size is None
@@ -120,7 +124,13 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
     batches = [shapes.take(i) for i in batches_idx]
     bound_kw = dict(num_stages=options.num_stages, max_len=options.max_len, max_target_len=options.max_target_len,
                     memory_limit=_limit(cost, options))
-    obj_lbs = [objective_lower_bound(g, cost, num_ranks=min(options.num_ranks, len(g)), **bound_kw) for g in batches]
+    # the objective bound of each collation: the varlen one holds for every plan, the padded one
+    # (tighter: 2-D padding, capped micro-batches) for padded plans only (`dynabatch.core.bounds`)
+    kinds = {objective_bound_kind(cost, method_collation(m)) for m in methods}
+    obj_lbs_of = {kind: [objective_lower_bound(g, cost, num_ranks=min(options.num_ranks, len(g)),
+                                               collation="padded" if kind == "padded" else None, **bound_kw)
+                         for g in batches] for kind in sorted(kinds | {"varlen"})}
+    obj_lbs = obj_lbs_of["varlen"]
     iter_lbs = [iteration_lower_bound(g, cost, num_ranks=min(options.num_ranks, len(g)), **bound_kw) for g in batches]
     jobs = []
     for m in methods:
@@ -139,14 +149,17 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
     for m, runs in results.items():
         feasible = [r for r in runs if not any(p.options.get("over_memory_limit") for p in r[1])] or runs
         opts, plans, ms = min(feasible, key=lambda r: np.mean([p.iteration_time_s for p in r[1]]))
-        out_methods[m] = {**_summarize(plans, obj_lbs, iter_lbs, ms), "options": opts}
+        kind = objective_bound_kind(cost, method_collation(m))
+        out_methods[m] = {**_summarize(plans, obj_lbs_of[kind], iter_lbs, ms, kind), "options": opts}
         chosen[m] = plans
     if cost.stage_aware:  # the planner's methods planned stage-blind (uniform layout), priced under ``cost``
         blind = cost.with_layout("uniform")
         for m in [m for m in methods if m in ("dp", "dp_varlen")]:
             plans, ms = _run_method(shapes, batches_idx, blind, _method_options(options, m, {}))
             plans = [evaluate_plan(p, cost, shapes) for p in plans]
-            out_methods[f"{m} (stage-blind)"] = {**_summarize(plans, obj_lbs, iter_lbs, ms), "options": {}}
+            kind = objective_bound_kind(cost, method_collation(m))
+            out_methods[f"{m} (stage-blind)"] = {**_summarize(plans, obj_lbs_of[kind], iter_lbs, ms, kind),
+                                                 "options": {}}
             chosen[f"{m} (stage-blind)"] = plans
             aware = out_methods[m]
             aware["vs_stage_blind"] = aware["iteration_time_s"] / out_methods[f"{m} (stage-blind)"]["iteration_time_s"]
@@ -158,10 +171,19 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
         "config": {**cfg.to_dict(), "num_batches": len(batches), "samples": int(sum(len(g) for g in batches)),
                    "memory_limit_bytes": _limit(cost, options), "forward_fraction": cost.forward_fraction},
         "iteration_lower_bound_s": float(np.mean(iter_lbs)),
-        "objective_lower_bound_s": float(np.mean(obj_lbs)),
+        "objective_lower_bound_s": float(np.mean(obj_lbs)),  # the varlen bound: any plan, any collation
+        **({"objective_lower_bound_padded_s": float(np.mean(obj_lbs_of["padded"]))} if "padded" in obj_lbs_of else {}),
         "lower_bound_s": float(np.mean(obj_lbs)),  # = objective_lower_bound_s, the name of earlier releases
         "methods": out_methods,
     }
+    if cfg.options.device_memory_limit is not None:  # none / full / adaptive recomputation of the dp methods
+        from .plan_recompute import recompute_rows
+
+        base = cost.with_model(recompute=False) if cost.model.recompute else cost
+        result["recompute"] = {
+            "device_memory_limit": float(cfg.options.device_memory_limit),
+            "base_model_recompute": bool(cost.model.recompute),
+            "methods": recompute_rows(shapes, batches_idx, base, cfg.options, methods)}
     if reference:
         result["reference"] = time_reference(batches[0], cost, cfg)
     return result, chosen
@@ -200,6 +222,7 @@ _COLUMNS = (
     ("speedup_vs_pack", "{:.2f}x", "vs pack"),
     ("vs_stage_blind", "{:.3f}", "/stage-blind"),
     ("ratio_to_objective_bound", "{:.3f}", "obj/LB"),
+    ("objective_bound", "{}", "bound"),
     ("rank_imbalance", "{:.3f}", "max/mean rank"),
     ("num_microbatches", "{:.1f}", "micro-batches"),
     ("plan_ms_median", "{:.2f}", "plan ms"),
@@ -237,8 +260,19 @@ def format_table(result: dict) -> str:
     lbs = [f"iteration lower bound (iter/LB): {result['iteration_lower_bound_s'] * 1e3:.1f} ms per step, any plan "
            f"and schedule",
            f"objective lower bound (obj/LB):  {result['objective_lower_bound_s'] * 1e3:.1f} ms of sum/R + (S-1) x max, "
-           f"not a bound on iteration time"]
-    return "\n".join([title, *lbs, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+           f"not a bound on iteration time (bound varlen: any plan)"]
+    if "objective_lower_bound_padded_s" in result:
+        lbs.append(f"padded objective bound:          {result['objective_lower_bound_padded_s'] * 1e3:.1f} ms, padded "
+                   f"plans only (bound padded: 2-D padding, capped micro-batches)")
+    text = "\n".join([title, *lbs, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    if "recompute" in result:
+        from .plan_recompute import format_recompute
+
+        rc = result["recompute"]
+        note = ("\n(the preset prices full recomputation in every row above; the recompute table starts from the "
+                "same model without it)") if rc["base_model_recompute"] else ""
+        text += "\n\n" + format_recompute(rc["methods"], rc["device_memory_limit"]) + note
+    return text
 
 
 def mix_text(shapes: Shapes, text: Shapes, fraction: float = 0.5, seed: int = 0) -> Shapes:
@@ -275,7 +309,10 @@ def plot(result: dict, plans: dict, path: str) -> None:
     ax.axhline(result["iteration_lower_bound_s"] * 1e3, color="tab:red", ls="-",
                label="iteration lower bound (bars)")
     ax.axhline(result["objective_lower_bound_s"] * 1e3, color="tab:purple", ls="--",
-               label="objective lower bound (diamonds)")
+               label="objective lower bound, varlen (diamonds)")
+    if "objective_lower_bound_padded_s" in result:
+        ax.axhline(result["objective_lower_bound_padded_s"] * 1e3, color="tab:purple", ls=":",
+                   label="objective lower bound, padded plans")
     ax.set_ylabel("ms per step")
     ax.set_title("methods, same global batches")
     ax.tick_params(axis="x", rotation=45)

@@ -6,6 +6,7 @@ online and offline share) -> `plan` (`plan_microbatches`: the dp search of `kern
 `baselines`, rank balancing and ordering of `kernels.assign`) -> `batchplan` (the `BatchPlan`
 record). Costs come from `cost` (`CostModel`: `analytic` coefficients from `presets`, a profiled
 table, or a refit by `feedback` with the math of `fit`); `simulate` plays pipeline schedules and
-`bounds` bounds the objective. Every numba kernel sits in `kernels/` beside its plain-Python
+`bounds` bounds the objective; `recompute` prices per-stage activation recomputation and picks it
+under a device memory limit. Every numba kernel sits in `kernels/` beside its plain-Python
 reference. Nothing here imports torch or any other dynabatch package.
 """

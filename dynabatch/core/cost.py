@@ -103,6 +103,8 @@ class CostModel(StageCosts):
     from a measured `ProfiledTable`. All cost methods are vectorized over micro-batches.
     """
 
+    stage_memory_model = None  # see __init__ (a class default, for models unpickled from older releases)
+
     def __init__(self, model: ModelConfig, device: DeviceProfile, *, time_coef=None, mem_coef=None,
                  table: ProfiledTable | None = None, pad_multiple: int = 8, forgetting: float = 0.98,
                  prior_strength: float = 1e-3):
@@ -120,6 +122,9 @@ class CostModel(StageCosts):
         self.forgetting = float(forgetting)
         self.prior_strength = float(prior_strength)
         self._legacy_loop = None  # the FeedbackLoop behind the deprecated observe/refit
+        #: Optional `dynabatch.core.recompute.StageMemory`: how recomputation changes each stage's held
+        #: bytes (measured by `dynabatch.pipeline.measured_stage_memory`); None: derived from the layout.
+        self.stage_memory_model = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -436,6 +441,8 @@ class CostModel(StageCosts):
             "prior_strength": self.prior_strength, "table": None,
             **({"layout": self.layout.to_dict()} if self.layout is not None else {}),
             **({"stage_time_coef": self.stage_time_coef.tolist()} if self.stage_time_coef is not None else {}),
+            **({"stage_memory_model": self.stage_memory_model.to_dict()} if self.stage_memory_model is not None
+               else {}),
         }
         if self.table is not None:
             d["table"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self.table).items()}
@@ -453,6 +460,10 @@ class CostModel(StageCosts):
                        StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
             cm._stage_write(d["stage_time_coef"])
+        if d.get("stage_memory_model"):
+            from .recompute import StageMemory
+
+            cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
         return cm
 
     def save(self, path) -> None:
@@ -471,13 +482,16 @@ class CostModel(StageCosts):
             raise ValueError(f"{path}: not a valid dynabatch cost model file ({e})") from e
 
     def with_device(self, device: str | DeviceProfile) -> "CostModel":
-        """The same model on another device (analytic coefficients recomputed)."""
+        """The same model and layer layout on another device (analytic coefficients recomputed)."""
         dev = device_preset(device) if isinstance(device, str) else device
-        return CostModel(self.model, dev, pad_multiple=self.pad_multiple)
+        return CostModel(self.model, dev, pad_multiple=self.pad_multiple).set_layout(self.layout)
 
     def with_model(self, **changes) -> "CostModel":
-        """The same device with some `ModelConfig` fields changed (e.g. ``recompute=True``)."""
-        return CostModel(replace(self.model, **changes), self.device, pad_multiple=self.pad_multiple)
+        """The same device and layer layout with some `ModelConfig` fields changed (e.g.
+        ``recompute=False``: the base a per-stage recompute policy is priced from); analytic
+        coefficients recomputed."""
+        return CostModel(replace(self.model, **changes), self.device,
+                         pad_multiple=self.pad_multiple).set_layout(self.layout)
 
     def __repr__(self) -> str:
         src = "profiled" if self.table is not None else ("refit" if self.version else "analytic")

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from .baselines import BASELINE_KNOBS
-from .options import METHODS, SCHEDULES, PlanOptions
+from .options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions
 
 PLAN_OPTIONS_HELP = """\
 planning options (one flag per field of dynabatch.PlanOptions; the DataLoader takes the same
@@ -25,6 +25,11 @@ steps and micro-batches):
                            (rebalance); bench plan sweeps these knobs itself
   --memory-limit BYTES     activation bytes one micro-batch may use on one stage (17e9, 16GiB,
                            800MB; default: the cost model's limit for the world layout)
+  --recompute POLICY       per-stage activation recomputation: none (default), full, or adaptive
+                           (per stage the fewest layers that keep its peak within
+                           --device-memory-limit; the first stages of 1F1B hold the most)
+  --device-memory-limit B  activation bytes one device may hold at once (all micro-batches in
+                           flight); with it every policy is checked against the limit
   --seed K                 epoch e shuffles with seed K + e
   --no-shuffle             global batches in sample-id order (evaluation); the DataLoader's
                            shuffle=False
@@ -107,6 +112,12 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
     g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one micro-batch may use on one stage: 17e9, 16GiB, 800MB "
                         "(default: the cost model's limit for --stages x --ranks)")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="per-stage activation recomputation (default none; full: every layer; adaptive: per stage "
+                        "the fewest layers that keep the stage within --device-memory-limit)")
+    g.add_argument("--device-memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+                   help="activation bytes one device may hold at once, every micro-batch in flight together "
+                        "(e.g. 40GiB); needed by --recompute adaptive, checked for every policy when given")
     g.add_argument("--max-caps", type=int, default=48, metavar="N",
                    help="candidate caps on the largest micro-batch the dp search tries (default 48)")
     g.add_argument("--seed", type=int, default=0, metavar="K",
@@ -144,6 +155,7 @@ def plan_options_from_args(args, *, max_len: int | None = None, method: str | No
                        max_len=args.max_len if args.max_len is not None else max_len,
                        max_target_len=args.max_target_len, method=method, method_options=knobs,
                        num_stages=args.stages, num_ranks=args.ranks, schedule=args.schedule,
-                       memory_limit=args.memory_limit, seed=args.seed, shuffle=getattr(args, "shuffle", True),
+                       memory_limit=args.memory_limit, recompute=getattr(args, "recompute", "none"),
+                       device_memory_limit=getattr(args, "device_memory_limit", None), seed=args.seed, shuffle=getattr(args, "shuffle", True),
                        drop_last=args.drop_last,
                        max_caps=args.max_caps)

@@ -17,6 +17,10 @@ every benchmark read the same record, so one name means one thing everywhere:
 ``num_ranks``            data-parallel ranks (the world size of the data-parallel group)
 ``schedule``             a name of `SCHEDULES`
 ``memory_limit``         activation bytes per micro-batch per stage (None: the cost model's)
+``recompute``            per-stage activation recomputation: a name of `RECOMPUTE`
+                         (`dynabatch.core.recompute`): ``none``, ``full`` or ``adaptive``
+``device_memory_limit``  activation bytes one device (stage) may hold at once, all micro-batches
+                         in flight together (None: unchecked; ``adaptive`` recompute needs it)
 ``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
 ``shuffle``              permute the samples each epoch (False: global batches in sample-id order)
 ``drop_last``            drop each epoch's final global batch when it is smaller than the others
@@ -37,6 +41,9 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from .baselines import BASELINE_COLLATION, BASELINES
+
+#: Per-stage activation recomputation policies (`dynabatch.core.recompute`, which prices them).
+RECOMPUTE: tuple[str, ...] = ("none", "full", "adaptive")
 
 #: Every planning method: dynabatch's dynamic program (padded / packed varlen) and the baselines.
 METHODS: tuple[str, ...] = ("dp", "dp_varlen") + BASELINES
@@ -137,6 +144,8 @@ class PlanOptions:
     num_ranks: int = 1
     schedule: str = "1f1b"
     memory_limit: float | None = None
+    recompute: str = "none"
+    device_memory_limit: float | None = None
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
@@ -156,6 +165,11 @@ class PlanOptions:
         for name, unit in units.items():
             object.__setattr__(self, name, check_int(name, getattr(self, name), unit=unit))
         _positive("memory_limit", self.memory_limit)
+        _positive("device_memory_limit", self.device_memory_limit)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"unknown recompute policy {self.recompute!r}; choose one of {RECOMPUTE}")
+        if self.recompute == "adaptive" and self.device_memory_limit is None:
+            raise ValueError("recompute='adaptive' needs device_memory_limit= (activation bytes one device may hold)")
         for name in ("num_stages", "num_ranks"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

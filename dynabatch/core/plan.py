@@ -26,7 +26,8 @@ from .batchplan import BatchPlan
 from .cost import CostModel
 from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
 from .schedules import order_step, schedule_ops_by_count
-from .stage_plan import assign_and_order_stages, assign_ranks_stages
+from .recompute import apply_recompute, dp_candidates
+from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
 from .shapes import Shapes
 
 
@@ -130,8 +131,43 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
     sample lengths in tokens; baselines take their knob from ``method_options`` (see
     `dynabatch.core.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
     when a sample cannot fit in memory even alone, naming its sample id.
+
+    ``recompute`` / ``device_memory_limit`` (`dynabatch.core.recompute`): ``full`` sizes micro-batches
+    by their fully recomputed memory and prices every stage recomputing all its layers; ``adaptive``
+    cuts the step at each of `dp_candidates` (the micro-batch cuts), keeps each candidate's order and
+    schedule, picks per stage the fewest recomputed layers whose simulated peak fits the device limit,
+    and returns the candidate with the shortest simulated iteration. The choice is in
+    ``plan.options`` (``recompute_layers``, ``stage_peak_bytes``); a baseline method is cut as
+    ``full`` cuts and priced under the policy.
     """
     options = _options(options, fields)
+    if options.recompute == "none":
+        plan = _plan(shapes, cost_model, options, step)
+        if options.device_memory_limit is None:
+            return plan
+        return apply_recompute(plan, cost_model, "none", options.device_memory_limit, shapes=shapes)
+    limit = cost_model.memory_limit(options.num_stages, options.num_ranks) if options.memory_limit is None \
+        else float(options.memory_limit)
+    dp = options.method in ("dp", "dp_varlen")
+    cands = dp_candidates(cost_model, limit, options.recompute if dp else "full", options.device_memory_limit,
+                          options.num_stages)
+    best, error = None, None
+    for cost, cap in cands:
+        try:
+            plan = _plan(shapes, cost, options.replace(memory_limit=cap), step)
+            plan = apply_recompute(plan, cost_model, options.recompute, options.device_memory_limit, shapes=shapes)
+        except (PlanningError, ValueError) as e:  # cuts too fine for a sample, or no recompute fits
+            error = error or e
+            continue
+        if best is None or plan.iteration_time_s < best.iteration_time_s:
+            best = plan
+    if best is None:
+        raise error
+    return best
+
+
+def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int) -> BatchPlan:
+    """`plan_microbatches` without recomputation."""
     method, num_ranks, num_stages = options.method, options.num_ranks, options.num_stages
     max_len, max_target_len = options.max_len, options.max_target_len
     method_options = dict(options.method_options)
@@ -186,7 +222,7 @@ def _plan_stage_candidates(shapes, cost, options, main, dec, tiles, limit, step,
                                   **method_options})
         if best is None or plan.iteration_time_s < best.iteration_time_s:
             best = plan
-    return best
+    return refine_orders(best, cost, shapes)
 
 
 def _options(options: PlanOptions | None, fields: dict) -> PlanOptions:

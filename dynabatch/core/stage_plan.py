@@ -26,6 +26,7 @@ import numpy as np
 from .kernels.assign import _candidate_orders
 from .kernels.stage_assign import assign_stages
 from .kernels.simulate import inflight_kernel, makespan_kernel, schedule_kernel
+from .kernels.stage_order import insertion_search
 from .options import SCHEDULE_CODES
 from .schedules import AUTO_PREFERENCE, adaptive_order
 
@@ -131,6 +132,59 @@ def assign_and_order_stages(schedule: str, st, p2p, mem, candidates, ranks: int,
         if best is None or res[1].max(initial=0.0) < best[2].max(initial=0.0):
             best = (r, *res)
     return best
+
+
+def refine_orders(plan, cost, shapes=None, passes: int = 2):
+    """``plan`` with each rank's back-heavy micro-batches (more time on the back half of the stages
+    than on the front half: say, text-only ones that skip the vision stages) moved, one at a time,
+    to the place in the rank's order with the lowest simulated makespan (`insertion_search`, a numba
+    kernel), for the static schedules (``gpipe``/``1f1b``) of a per-stage plan. Such micro-batches
+    keep the back stages busy while the front stages work on vision-heavy ones; the candidate orders
+    of `candidate_orders_stages` place them only as blocks. Ranks, micro-batches and samples are
+    unchanged; a rank's order changes only where its makespan falls. Ranks are refined slowest first
+    and only while they can still set the step's time."""
+    if plan.schedule not in ("gpipe", "1f1b") or plan.stage_time_s is None or plan.num_stages < 2:
+        return plan
+    S, st = plan.num_stages, np.ascontiguousarray(plan.stage_time_s, np.float64)
+    p2p = np.ascontiguousarray(cost.p2p_time(microbatch_features(plan, cost, shapes)), np.float64)
+    h = S // 2
+    heavy = st[h:].sum(axis=0) > st[:h].sum(axis=0)
+    new, rank_time = np.arange(st.shape[1]), plan.rank_time_s.copy()
+    done = 0.0  # the slowest refined rank: a rank no slower cannot set the step's time, nor can the rest
+    for r in np.argsort(-rank_time, kind="stable"):
+        if rank_time[r] <= done:
+            break
+        block = np.flatnonzero(plan.mb_rank == r)
+        block = block[np.argsort(plan.mb_order[block], kind="stable")]
+        if len(block) < 2 or not heavy[block].any():
+            done = max(done, rank_time[r])
+            continue
+        order = np.arange(len(block), dtype=np.int64)
+        ops = schedule_kernel(S, len(block), SCHEDULE_CODES[plan.schedule])
+        t = insertion_search(np.ascontiguousarray(st[:, block]), np.ascontiguousarray(p2p[block]),
+                             cost.forward_fraction, ops, order, heavy[block], passes)
+        if t < rank_time[r]:
+            new[block] = block[order]
+            rank_time[r] = t
+        done = max(done, rank_time[r])
+    if np.array_equal(new, np.arange(len(new))):
+        return plan
+    return _permuted(plan, new, rank_time)
+
+
+def _permuted(plan, new, rank_time):
+    """``plan`` with micro-batch ``new[i]`` at position ``i`` (each rank's positions kept, so ranks and
+    per-rank order indices stay) and the given rank times."""
+    sizes = np.diff(plan.mb_offsets)
+    take = np.concatenate([np.arange(plan.mb_offsets[k], plan.mb_offsets[k + 1]) for k in new])
+    changes = {f.name: getattr(plan, f.name)[new] for f in dataclasses.fields(plan)
+               if f.name.startswith("mb_") and f.name not in ("mb_offsets", "mb_rank", "mb_order")}
+    for name in ("stage_time_s", "stage_memory_bytes"):
+        if getattr(plan, name) is not None:
+            changes[name] = getattr(plan, name)[:, new]
+    return dataclasses.replace(plan, sample_ids=plan.sample_ids[take], sample_row=plan.sample_row[take],
+                               mb_offsets=np.concatenate(([0], np.cumsum(sizes[new]))).astype(np.int64),
+                               rank_time_s=rank_time, **changes)
 
 
 def microbatch_features(plan, cost, shapes=None) -> np.ndarray:

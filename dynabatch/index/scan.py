@@ -67,8 +67,12 @@ class ScanConfig:
     sample (decoder: input + target; encoder_decoder: input), ``max_target_len``: target tokens
     kept; None keeps full lengths (the planner truncates with its own max lengths anyway).
     ``vision``: ``fixed`` (336-px images, 576 tokens each) or ``tiling`` (InternVL's 448-px
-    dynamic tiles, 256 tokens per tile), None for text. ``on_error``: ``raise`` on the first bad
-    sample, or ``skip`` and count bad samples.
+    dynamic tiles, 256 tokens per tile), None for text; its vision tokens count towards ``max_len``
+    (the text is cut to make room, a sample whose images alone pass it is refused). ``on_error``:
+    ``raise`` on the first bad sample, or ``skip`` and count bad samples. ``image_token_id`` (needs
+    ``vision``): count as a `DataLoader` with the same ``image_token_id=`` formats, LLaVA-style image
+    placeholders in the ids (``<image>`` markers are replaced by the placeholder runs, so they are not
+    counted as text; see `tokenization.FormatConfig.image_token_id`); None: no placeholders.
     """
 
     tokenizer: object = "bytes"
@@ -78,6 +82,7 @@ class ScanConfig:
     vision: str | None = None
     on_error: str = "raise"
     batch_size: int = 1024
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", tokenizer_spec(self.tokenizer))
@@ -87,6 +92,14 @@ class ScanConfig:
             raise ValueError(f"vision must be one of {VISION_POLICIES} or None, got {self.vision!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        tid = self.image_token_id
+        if tid is not None:
+            if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or tid < 0:
+                raise ValueError(f"image_token_id must be a token id (int >= 0) or None, got {tid!r}")
+            if self.vision is None:
+                raise ValueError("image_token_id needs a vision policy (vision='tiling' or 'fixed'): it sets how "
+                                 "many placeholder tokens each image gets")
+            object.__setattr__(self, "image_token_id", int(tid))
 
     def scan_kwargs(self) -> dict:
         """Keyword arguments of `tokenization.scan_shapes` for this configuration."""
@@ -95,6 +108,8 @@ class ScanConfig:
         vision = {"fixed": FixedResolution, "tiling": DynamicTiling}.get(self.vision)
         kw = dict(family=self.family, vision=vision() if vision else None, batch_size=self.batch_size,
                   max_target_tokens=self.max_target_len, on_error=self.on_error)
+        if self.image_token_id is not None:
+            kw["image_token_id"] = self.image_token_id
         if self.family == "decoder":
             kw["max_total_tokens"] = self.max_len
         else:
@@ -271,6 +286,8 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
                                parts=num_parts, progress=progress)
     data_paths = [str(Path(p).resolve()) if not loaders.is_url(p) and Path(p).exists() else str(p) for p in paths]
     options = {f.name: getattr(config, f.name) for f in fields(config)}
+    if options["image_token_id"] is None:  # recorded only when set (indexes scanned without it read the same)
+        del options["image_token_id"]
     options["tokenizer"] = spec if isinstance(spec, str) else tok.name
     scan_meta = {"format": INDEX_FORMAT, "version": 1, "data": data_paths, **options, "loader_errors": errors}
     table = _finish(table, {SCAN_KEY: json.dumps(scan_meta, sort_keys=True).encode()})
@@ -316,6 +333,12 @@ def index_settings(formatter, vision, source=None) -> dict:
     }
     if cfg.pretokenized is not None:  # set explicitly (None: detected per row)
         out["pretokenized"] = cfg.pretokenized
+    if cfg.image_token_id is not None:  # placeholders replace the <image> markers: other text counts
+        out["image_token_id"] = int(cfg.image_token_id)
+    if vision is not None or formatter.vision is not None:
+        # vision tokens count towards the max lengths (label counts and refused samples depend on it);
+        # indexes built before they did lack this key and are rebuilt
+        out["vision_in_max_len"] = True
     if source is not None:
         out["source_fingerprint"] = source.fingerprint()
     return out
@@ -327,8 +350,9 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
 
     The Shapes columns hold *full* token counts (as ``dynabatch scan`` writes them for the same
     tokenizer, family and vision policy, so plan files made from either match the same
-    fingerprint); ``label_tokens`` counts the loss labels under ``formatter``'s max lengths. The
-    metadata records the tokenization settings (`index_settings`). ``keep_tokens`` (text only)
+    fingerprint); ``label_tokens`` counts the loss labels under ``formatter``'s max lengths, and a
+    sample they refuse (its vision tokens alone pass them) has no row (``on_error="skip"``; else it
+    raises). The metadata records the tokenization settings (`index_settings`). ``keep_tokens`` (text only)
     also keeps every sample's token ids under ``formatter`` in the `TOKEN_COLUMNS` (the token
     cache), unless they pass ``token_budget`` bytes. ``progress``: a tqdm bar of scanned samples
     (None: only when stderr is a terminal).

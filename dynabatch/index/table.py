@@ -133,15 +133,16 @@ def _task_variants(shapes: Shapes) -> list[str]:
 
 def derived_labels(shapes: Shapes, family: str, max_len=None, max_target_len=None, bos: int = 0) -> np.ndarray:
     """Loss labels per sample from token counts alone: the target tokens left after truncation
-    (the input is cut first, as `tokenization` does), minus the first label when the input is
-    empty. Exact for prompt/response and chat samples; plain-text samples (every token trained)
-    cannot be told apart from their counts."""
+    (the input is cut first, as `tokenization` does; a sample's vision tokens count towards
+    ``max_len`` and are never cut), minus the first label when the input is empty. Exact for
+    prompt/response and chat samples; plain-text samples (every token trained) cannot be told apart
+    from their counts."""
     inp = shapes.input_tokens.astype(np.int64)
     tgt = shapes.target_tokens.astype(np.int64)
     if family == "encoder_decoder":
         return tgt if max_target_len is None else np.minimum(tgt, max_target_len)
     if max_len is not None:
-        over = np.maximum(inp + tgt - int(max_len), 0)
+        over = np.maximum(inp + tgt + shapes.vision_tokens.astype(np.int64) - int(max_len), 0)
         tgt = tgt - np.maximum(over - np.maximum(inp - bos, 0), 0)
     return np.maximum(tgt - ((inp == 0) & (tgt > 0)), 0)
 

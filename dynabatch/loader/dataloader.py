@@ -37,17 +37,18 @@ def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: in
                 max_target_len: int | None = None, vision=None, add_bos: bool = False, truncation_side: str = "right",
                 format_config=None, path=None, on_error: str = "raise", source_options: dict | None = None,
                 split: str | None = None, cache_tokens: bool = False, progress: bool | None = None,
-                pretokenized: bool | None = None):
+                pretokenized: bool | None = None, image_token_id: int | None = None):
     """Scan a dataset once into the length index the indexed mode plans with (a `pyarrow.Table`
     with the Shapes columns and ``label_tokens``, sorted by ``sample_id``; written to ``path`` as
     Parquet when given). Pass it as ``DataLoader(..., index=path)`` with the same tokenization
     arguments. ``cache_tokens=True`` (text only) also keeps every sample's token ids in two
     ``large_list<int32>`` columns, from which a loader takes its token cache (about 8 bytes/token).
-    ``progress``: a tqdm bar of scanned samples (None: only when stderr is a terminal)."""
+    ``progress``: a tqdm bar of scanned samples (None: only when stderr is a terminal).
+    ``image_token_id``: image placeholders in the ids, as the DataLoader's."""
     source = open_data(data, source_options, split)
     fmt = make_formatter(tokenizer, family, max_len=max_len, max_target_len=max_target_len, add_bos=add_bos,
                          truncation_side=truncation_side, format_config=format_config, vision=vision,
-                         pretokenized=pretokenized)
+                         pretokenized=pretokenized, image_token_id=image_token_id)
     table = scan_source(source, fmt, vision=vision, on_error=on_error, keep_tokens=cache_tokens, progress=progress)
     if path is not None:
         write_index_table(table, path)
@@ -67,13 +68,19 @@ class DataLoader:
             None takes a row's ids as given when it has no text field, True whenever it has them.
         vision: a ``tokenization`` vision policy; default ``DynamicTiling()`` for a vision-language cost
             model. Micro-batches then carry ``image_tiles`` and, with ``load_pixels=True``, ``pixel_values``.
+        image_token_id: None (default): ``input_ids`` hold text only, the model inserts its vision tokens;
+            a token id: LLaVA-style placeholders, each image's run of that id (one per vision token under
+            ``vision``) at its ``<image>`` marker or before the text, labels -100 there; the runs count
+            towards ``max_len`` and are never cut (`tokenization.FormatConfig.image_token_id`).
 
     Planning (one `PlanOptions`: pass ``options=PlanOptions(...)`` or its fields as keywords):
         global_batch_tokens / global_batch_size: the global batch (all ranks) in tokens or samples
             (``batch_tokens=`` / ``batch_size=`` are deprecated names, warned about for one release).
         max_len / max_target_len: truncation in tokens, by the formatter and the planner alike.
-        num_stages, method (default from ``collate``), method_options, schedule, memory_limit, seed,
-            shuffle, drop_last: as in `PlanOptions`; ``num_ranks`` is the world size.
+        num_stages, method (default from ``collate``), method_options, schedule, memory_limit, recompute,
+            device_memory_limit, seed, shuffle, drop_last: as in `PlanOptions` (``recompute="adaptive"``
+            with ``device_memory_limit``: per-stage recomputation chosen per step, in
+            ``step.plan.options["recompute_layers"]``; see docs/memory.md); ``num_ranks`` is the world size.
         batch_size (torch's): samples per step on this rank (``global_batch_size = batch_size *
             world_size``); torch's other arguments: see `dynabatch.loader.torch_args`.
         cost_model: a `CostModel` or a preset name on ``device`` (default: a replayed plan file's,
@@ -121,7 +128,8 @@ class DataLoader:
         o = self.options
         self.formatter = make_formatter(s.tokenizer, self.family, max_len=o.max_len, max_target_len=o.max_target_len,
                                         add_bos=s.add_bos, truncation_side=s.truncation_side,
-                                        format_config=s.format_config, vision=vision, pretokenized=s.pretokenized)
+                                        format_config=s.format_config, vision=vision, pretokenized=s.pretokenized,
+                                        image_token_id=s.image_token_id)
         self.tokenizer = self.formatter.tokenizer
         self.pad_to_multiple_of = int(self.cost.pad_multiple)
         collate = CollateConfig(

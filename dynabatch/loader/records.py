@@ -340,8 +340,9 @@ def collate_step(step: StepPlan, samples: Mapping[int, TokSample] | None, cfg: C
                 batch = collate_packed_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
                                             decoder_start_token_id=cfg.decoder_start_token_id)
             else:
-                # The plan's main length counts vision tokens the model inserts itself; the text ids
-                # are then padded to their own longest row.
+                # The plan's main length counts vision tokens: without image placeholders the model
+                # inserts them itself, so the text ids are padded to their own longest row; with
+                # placeholders (image_token_id) the ids hold them, and that row is the merged one.
                 want_in = 0 if has_vision else mb.input_len
                 batch = collate_padded_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
                                             pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,

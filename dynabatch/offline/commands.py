@@ -28,7 +28,9 @@ the index (--out, Parquet), one row per sample, sorted by sample_id:
   sample_id      (file index << 32) | line/row: the loaders' stable id of the sample
   input_tokens   input (encoder-decoder) or prompt (decoder-only) tokens
   target_tokens  target / response tokens, EOS included
-  vision_tokens  image tokens summed over the sample's images (--vision), 0 for text
+  vision_tokens  image tokens summed over the sample's images (--vision), 0 for text; they count
+                 towards --max-len (with --image-token-id as placeholder runs in the ids, whose
+                 <image> markers are then not counted as text)
   task_id        index into the sorted task names stored in the metadata, -1 = unknown
 metadata: dynabatch.task_names, dynabatch.scan_stats (samples, skipped, truncated),
 dynabatch.scan (paths, tokenizer, options, loader error counts), dynabatch.dataset_fingerprint.
@@ -160,6 +162,10 @@ def _add_scan_options(p, for_plan: bool) -> None:
                    help="image tokens for image+text data: fixed (one 336-px image = 576 tokens) or tiling "
                         "(InternVL 448-px dynamic tiles, 256 tokens each)" +
                         (" (default: tiling for --model vlm)" if for_plan else ""))
+    g.add_argument("--image-token-id", type=int, default=None, metavar="ID",
+                   help="count LLaVA-style image placeholders in the ids, as a DataLoader(image_token_id=ID) "
+                        "formats them: each image's <image> marker (or, without markers, the text's start) becomes "
+                        "a run of ID, one per vision token (needs --vision); default: no placeholders")
     g.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="bad samples: stop with an error naming file and line (raise, default) or skip and "
                         "count them (skip)")
@@ -244,7 +250,8 @@ def _cmd_scan(args) -> int:
     from .scan import ScanConfig, scan_dataset
 
     cfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=args.family or "decoder", max_len=args.max_len,
-                     max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error)
+                     max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error,
+                     image_token_id=args.image_token_id)
     result = scan_dataset(_data_args(args), cfg, engine=args.engine, workers=args.workers,
                           progress=not args.no_progress and not args.json)
     result.write(args.out)
@@ -313,11 +320,16 @@ def _cmd_plan(args) -> int:
                              "re-scan or drop --tokenizer")
         tokenizer = recorded or (tokenizer_spec(args.tokenizer) if args.tokenizer else None)
         family = index.scan_options.get("family")
+        scanned_tid = index.scan_options.get("image_token_id")
+        if args.image_token_id is not None and args.image_token_id != scanned_tid:
+            raise ValueError(f"the index was scanned with image_token_id {scanned_tid}, not {args.image_token_id}; "
+                             "re-scan or drop --image-token-id")
         scan_s = time.perf_counter() - t0
     else:
         family = args.family or ("encoder_decoder" if cost.kind == "encoder_decoder" else "decoder")
         vision = args.vision or ("tiling" if cost.kind == "vision_language" else None)
-        scfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=family, vision=vision, on_error=args.on_error)
+        scfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=family, vision=vision, on_error=args.on_error,
+                          image_token_id=args.image_token_id)
         result = scan_dataset(paths, scfg, engine=args.engine, workers=args.workers, progress=not quiet)
         if args.save_index:
             result.write(args.save_index)
@@ -350,6 +362,9 @@ def _cmd_plan(args) -> int:
         "scanned": scanned, "scan_s": round(scan_s, 3), "plan_s": round(plan_s, 3), "engine": args.engine,
         "workers": args.workers or default_workers(),
     }
+    recompute = _recompute_summary(run)
+    if recompute:
+        summary["recompute"] = recompute
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -358,11 +373,29 @@ def _cmd_plan(args) -> int:
           f"for {cost.model.name} on {cost.device.name}, {run.num_ranks} ranks x {run.num_stages} stages")
     print(f"predicted iteration time mean {it.mean() * 1e3:.1f} ms, max {it.max() * 1e3:.1f} ms; padding efficiency "
           f"{summary['padding_efficiency']:.3f}; max/mean rank {summary['rank_imbalance_mean']:.3f}")
+    if recompute:
+        lim = recompute.get("device_memory_limit")
+        print(f"recompute {recompute['policy']}: mean layers recomputed per stage "
+              f"{' '.join(f'{x:.1f}' for x in recompute['mean_layers_per_stage'])}; largest predicted peak per stage "
+              f"{' '.join(f'{x / 2**30:.2f}' for x in recompute['max_peak_bytes_per_stage'])} GiB"
+              + (f" (device limit {lim / 2**30:.2f} GiB)" if lim else ""))
     print(f"{'scan' if scanned else 'read index'} {scan_s:.1f} s, plan {plan_s:.1f} s "
           f"({summary['workers']} workers, {args.engine}); wrote "
           f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
     print(f"next: dynabatch inspect {args.out} --plot plan.png")
     return 0
+
+
+def _recompute_summary(run) -> dict | None:
+    """Per-stage recomputation over a run's steps (`dynabatch.core.recompute`), when it records any."""
+    import numpy as np
+
+    opts = [run.step_options(int(k)) or {} for k in run.steps]
+    if not opts or "recompute_layers" not in opts[0]:
+        return None
+    return {"policy": opts[0].get("recompute"), "device_memory_limit": opts[0].get("device_memory_limit"),
+            "mean_layers_per_stage": np.mean([o["recompute_layers"] for o in opts], axis=0).tolist(),
+            "max_peak_bytes_per_stage": np.max([o["stage_peak_bytes"] for o in opts], axis=0).tolist()}
 
 
 def _cmd_inspect(args) -> int:

@@ -8,6 +8,8 @@
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
   fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
+* `memory`: the activation bytes a stage keeps for backward (`SavedBytes`, metered per step by the
+  runner) and the recompute memory model fitted from them (`measured_stage_memory`).
 * `microbatches`: a loader step's shapes for the runner (`batch_shapes`), the mix a split is profiled
   on (`representative`), the one-stage cost model of a split (`stage_cost_model`).
 
@@ -17,6 +19,7 @@ See docs/pipeline.md.
 from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
 from .failure import PipelineAborted
 from .launch import ProcResult, free_port, launch_local
+from .memory import SavedBytes, measured_stage_memory
 from .microbatches import batch_shapes, representative, stage_cost_model
 from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, segment_ids, t5_tiny
 from .partition import (
@@ -43,7 +46,8 @@ from .schedule import (
     stage_orders,
 )
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
-from .vlm import VisionLanguageModel, merged_length, vision_calls, vlm_batch_shapes, vlm_tiny
+from .vlm import (VisionLanguageModel, merged_length, placeholder_mask, vision_calls, vlm_batch_shapes, vlm_tiny,
+                  with_placeholders)
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -53,6 +57,7 @@ __all__ = [
     "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
     "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
     "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
-    "batch_shapes", "representative", "stage_cost_model",
-    "VisionLanguageModel", "merged_length", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
+    "batch_shapes", "representative", "stage_cost_model", "SavedBytes", "measured_stage_memory",
+    "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
+    "with_placeholders",
 ]

@@ -22,6 +22,8 @@ from torch import nn
 
 from ..core.kernels.simulate import makespan_kernel, schedule_kernel
 from ..core.options import SCHEDULE_CODES
+from ..core.kernels.recompute import stage_peaks
+from .memory import SavedBytes, _detach
 
 
 @dataclass(frozen=True)
@@ -160,29 +162,48 @@ def _minmax_bounds(weights: np.ndarray, num_stages: int) -> list[int]:
 
 
 def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1f1b", p2p_s=0.0,
-                       exhaustive_limit: int = 20000, max_rounds: int = 200) -> StagePartition:
+                       exhaustive_limit: int = 20000, max_rounds: int = 200,
+                       memory_limit: float | None = None) -> StagePartition:
     """The contiguous split of the layers into ``num_stages`` stages with the smallest simulated
     makespan on the representative micro-batches of ``costs``.
 
     Every partition is simulated when there are at most ``exhaustive_limit`` of them; otherwise the
     search starts from the min-max partition of per-layer busy time and moves single boundaries
     (by up to 2 layers) while the makespan improves, for at most ``max_rounds`` rounds.
+    ``memory_limit`` (bytes a device may hold for backward): only partitions whose every stage's peak
+    of kept activation bytes (``costs.memory_bytes`` summed over the stage's layers, held from each
+    micro-batch's forward to its backward in the schedule's order) stays within it are taken;
+    ValueError when none does.
     """
     n, m = costs.num_layers, costs.num_microbatches
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    if memory_limit is not None and costs.memory_bytes is None:
+        raise ValueError("memory_limit needs LayerCosts with memory_bytes (profile_layers measures them)")
     ops = _ops(num_stages, m, schedule)
     p2p = _p2p(p2p_s, m)
     pf = np.vstack([np.zeros((1, m)), np.cumsum(costs.forward_s, axis=0)])
     pb = np.vstack([np.zeros((1, m)), np.cumsum(costs.backward_s, axis=0)])
+    pm = None if memory_limit is None else np.vstack([np.zeros((1, m)), np.cumsum(costs.memory_bytes, axis=0)])
+    peaks = np.empty(num_stages)
     total = (costs.forward_s + costs.backward_s).sum(axis=1)
 
     def score(bounds) -> tuple[float, float]:
         b = np.asarray(bounds, np.int64)
+        if pm is not None:
+            stage_peaks(ops, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
+            if peaks.max() > memory_limit:
+                return math.inf, math.inf
         f = np.ascontiguousarray(pf[b[1:]] - pf[b[:-1]])
         bw = np.ascontiguousarray(pb[b[1:]] - pb[b[:-1]])
         # ties in makespan go to the partition with the smaller bottleneck stage
         return float(makespan_kernel(f, bw, p2p, ops)), float((f + bw).sum(axis=1).max())
+
+    def fits(best):
+        if best is None or score(best)[0] == math.inf:
+            raise ValueError(f"no split of {n} layers into {num_stages} stages keeps every stage's activations "
+                             f"within memory_limit={memory_limit:.4g} bytes under {schedule}")
+        return best
 
     if math.comb(n - 1, num_stages - 1) <= exhaustive_limit:
         best, best_score = None, (math.inf, math.inf)
@@ -191,7 +212,7 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
             sc = score(b)
             if sc < best_score:
                 best, best_score = b, sc
-        return _result(costs, best, schedule, p2p_s)
+        return _result(costs, fits(best), schedule, p2p_s)
 
     best = _minmax_bounds(total, num_stages)
     best_score = score(best)
@@ -208,7 +229,7 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
                     best, best_score, improved = cand, sc, True
         if not improved:
             break
-    return _result(costs, best, schedule, p2p_s)
+    return _result(costs, fits(best), schedule, p2p_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +242,15 @@ class PipelineStage(nn.Module):
     The first stage feeds the micro-batch dictionary to the model's embedding; the last stage calls
     the head with ``(state, batch)`` and returns ``(loss_sum, num_tokens)``; the others map state to
     state. A one-tensor state may be passed bare.
+
+    ``recompute``: the first ``recompute`` of the stage's `recomputable_layers` (its layers less the
+    embedding and the head) run under ``torch.utils.checkpoint`` (non-reentrant): they keep only their
+    input for backward and run their forward again inside it (`dynabatch.core.recompute`). A
+    ``meter`` (a `dynabatch.pipeline.memory.SavedBytes`, set by the runner for one forward) is told
+    the inputs such a layer keeps, which autograd's saved-tensor hooks do not see.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], first_layer: int, num_model_layers: int):
+    def __init__(self, layers: Sequence[nn.Module], first_layer: int, num_model_layers: int, *, recompute: int = 0):
         super().__init__()
         if not layers:
             raise ValueError("a pipeline stage needs at least one layer")
@@ -232,20 +259,40 @@ class PipelineStage(nn.Module):
         self.num_model_layers = int(num_model_layers)
         self.is_first = self.first_layer == 0
         self.is_last = self.first_layer + len(layers) == self.num_model_layers
+        self.recompute = int(recompute)
+        self.meter = None
 
     @property
     def last_layer(self) -> int:
         """Index (in the whole model) of this stage's last layer."""
         return self.first_layer + len(self.layers) - 1
 
+    @property
+    def recomputable_layers(self) -> int:
+        """Layers recomputation may take: all but the embedding (first stage) and the head (last stage)."""
+        return len(self.layers) - int(self.is_first) - int(self.is_last)
+
     def forward(self, x, batch: dict | None = None):
         layers = list(self.layers)
         if self.is_first:
             x = layers.pop(0)(batch)
         head = layers.pop() if self.is_last else None
-        for layer in layers:
-            x = layer(x)
+        for i, layer in enumerate(layers):
+            x = self._checkpointed(layer, x) if i < self.recompute else layer(x)
         return head(x, batch) if head is not None else x
+
+    def _checkpointed(self, layer: nn.Module, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.meter is not None:
+            self.meter.keep(x)
+        if isinstance(x, tuple):
+            return checkpoint(_call_with_tuple, layer, *x, use_reentrant=False)
+        return checkpoint(layer, x, use_reentrant=False)
+
+
+def _call_with_tuple(layer, *state):
+    return layer(tuple(state))
 
 
 def split_model(layers: Sequence[nn.Module], bounds: Sequence[int] | StagePartition) -> list[PipelineStage]:
@@ -265,43 +312,9 @@ def _float_tensors(state) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _detach(state):
-    """Cut the autograd graph at a layer boundary so each layer's backward can be timed alone."""
-    def one(t):
-        if isinstance(t, torch.Tensor):
-            d = t.detach()
-            return d.requires_grad_(True) if d.is_floating_point() else d
-        return t
-    return tuple(one(t) for t in state) if isinstance(state, (tuple, list)) else one(state)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _SavedBytes:
-    """Counts bytes of activation tensors autograd saves for backward (parameters excluded)."""
-
-    def __init__(self, param_ptrs: set[int]):
-        self.param_ptrs = param_ptrs
-        self.seen: set[int] = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor):
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.param_ptrs and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.bytes += storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse)
-            pass
-        return t
-
-    @staticmethod
-    def unpack(t):
-        return t
 
 
 def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repeats: int = 3, warmup: int = 1,
@@ -333,7 +346,7 @@ def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repe
             for i, layer in enumerate(layers):
                 if i > 0:
                     x = _detach(x)
-                counter = _SavedBytes(param_ptrs)
+                counter = SavedBytes(param_ptrs)
                 _sync(device)
                 t0 = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -371,7 +384,7 @@ def profile_layers(layers: Sequence[nn.Module], batches: Sequence[dict], *, repe
 
 def search_partition(layers: Sequence[nn.Module], batches: Sequence[dict], num_stages: int, *,
                      schedule: str = "1f1b", repeats: int = 1, warmup: int = 1, device=None,
-                     group=None, p2p_s=0.0) -> StagePartition:
+                     group=None, p2p_s=0.0, memory_limit: float | None = None) -> StagePartition:
     """The `balanced_partition` of ``layers`` for the micro-batch mix ``batches``, identical on every rank.
 
     Each rank profiles the layers on its own ``batches`` (`profile_layers`, seconds); when
@@ -379,6 +392,7 @@ def search_partition(layers: Sequence[nn.Module], batches: Sequence[dict], num_s
     the whole world) before the search, so that timing noise, which differs from rank to rank,
     cannot make two ranks pick different splits (they would then deadlock). Every rank must pass
     the same number of micro-batches. ``schedule`` ``adaptive`` is searched as ``1f1b``.
+    ``memory_limit``: bytes of kept activations a device may hold (see `balanced_partition`).
     """
     import torch.distributed as dist
 
@@ -397,4 +411,5 @@ def search_partition(layers: Sequence[nn.Module], batches: Sequence[dict], num_s
         dist.all_reduce(t, group=group)
         mean = (t / dist.get_world_size(group)).cpu().numpy()
         costs = LayerCosts(mean[0], mean[1], mean[2], mean[3][0])
-    return balanced_partition(costs, num_stages, schedule="1f1b" if schedule == "adaptive" else schedule, p2p_s=p2p_s)
+    return balanced_partition(costs, num_stages, schedule="1f1b" if schedule == "adaptive" else schedule, p2p_s=p2p_s,
+                              memory_limit=memory_limit)

@@ -26,7 +26,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..core.batchplan import BatchPlan, MicroBatch
+from ..core.recompute import recompute_layers
 from .comm import CommEvent, DistContext, P2P
+from .memory import SavedBytes, param_pointers
 from .partition import PipelineStage, StagePartition, split_model
 from .schedule import SCHEDULES, Message, Post, build_programs, plan_schedule, quantize_times, stage_orders
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
@@ -50,6 +52,11 @@ class RunnerConfig:
     transfer, both ends of every link compare a small fingerprint of the messages and shapes they
     expect (one tiny message per link and direction); ranks holding different plans then stop with a
     `ShapeMismatch` naming the micro-batch and both shapes instead of crashing in the transport.
+    ``recompute``: ``auto`` (default: the per-stage counts the plan records in
+    ``options["recompute_layers"]``, none without), ``none``, ``full`` (every recomputable layer), or
+    one count per stage (the first k recomputable layers run under ``torch.utils.checkpoint``; see
+    `dynabatch.core.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
+    for backward (`dynabatch.pipeline.memory.SavedBytes`) and report the step's peak.
     """
 
     schedule: str = "auto"
@@ -58,10 +65,21 @@ class RunnerConfig:
     gather_timing: bool = False
     check_inputs: bool = True
     check_plan: bool = True
+    recompute: str | tuple[int, ...] = "auto"
+    measure_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        r = self.recompute
+        if isinstance(r, str):
+            if r not in ("auto", "none", "full"):
+                raise ValueError(f"recompute must be 'auto', 'none', 'full' or per-stage counts, got {r!r}")
+        else:
+            counts = tuple(int(x) for x in r)
+            if any(c < 0 for c in counts) or any(c != x for c, x in zip(counts, r)):
+                raise ValueError(f"recompute counts must be integers >= 0, got {r!r}")
+            object.__setattr__(self, "recompute", counts)
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,10 @@ class StepTiming:
 
     ``forward_s``/``backward_s`` [M]: this stage's forward and backward of each of its replica's
     micro-batches (in plan order); ``wait_s``: host time blocked on receives; ``step_s``: wall time
-    of the whole step on this rank, gradient all-reduce and optimizer included.
+    of the whole step on this rank, gradient all-reduce and optimizer included. ``saved_bytes`` [M]:
+    activation bytes each micro-batch kept for backward on this stage (None when not metered);
+    ``peak_saved_bytes``: the most its in-flight micro-batches held at once; ``recompute_layers``:
+    layers this stage recomputed.
     """
 
     step: int
@@ -81,6 +102,9 @@ class StepTiming:
     backward_s: np.ndarray
     wait_s: float
     step_s: float
+    saved_bytes: np.ndarray | None = None
+    peak_saved_bytes: float = 0.0
+    recompute_layers: int = 0
 
     @property
     def compute_s(self) -> np.ndarray:
@@ -91,13 +115,17 @@ class StepTiming:
 @dataclass(frozen=True)
 class StepResult:
     """Outcome of `PipelineRunner.step`: ``loss`` is the sum of token losses over the global batch
-    divided by ``num_tokens`` (real target tokens over all ranks), identical on every rank."""
+    divided by ``num_tokens`` (real target tokens over all ranks), identical on every rank.
+    ``planned_peak_bytes``: the plan's predicted peak of held activation bytes on this rank's stage
+    (``options["stage_peak_bytes"]``; None when the plan has none), beside the measured
+    ``timing.peak_saved_bytes``."""
 
     step: int
     loss: float
     num_tokens: int
     timing: StepTiming
     all_timings: tuple[StepTiming, ...] | None = None
+    planned_peak_bytes: float | None = None
 
 
 class _Clock:
@@ -188,6 +216,7 @@ class PipelineRunner:
         self.step_index = 0
         self._programs: OrderedDict = OrderedDict()
         self._in_comm = False
+        self._param_ptrs = param_pointers([stage])
 
     @classmethod
     def from_model(cls, model, ctx: DistContext, bounds: Sequence[int] | StagePartition,
@@ -202,6 +231,22 @@ class PipelineRunner:
     def parameters(self):
         """Parameters of this rank's stage (give these to the optimizer)."""
         return self.stage.parameters()
+
+    def recompute_layers(self, plan=None, override=None) -> int:
+        """Layers of this stage the runner recomputes for ``plan`` (see `RunnerConfig.recompute`);
+        ``override``: per-stage counts for this step (`step`'s ``recompute=``), taken before the config."""
+        r, s, top = self.config.recompute, self.ctx.stage, self.stage.recomputable_layers
+        if override is not None:
+            r = tuple(int(x) for x in override)
+        if r == "none":
+            return 0
+        if r == "full":
+            return top
+        if r == "auto":
+            return min(recompute_layers(plan, s), top) if isinstance(plan, BatchPlan) else 0
+        if len(r) != self.ctx.num_stages:
+            raise ValueError(f"RunnerConfig.recompute has {len(r)} counts for {self.ctx.num_stages} stages")
+        return min(r[s], top)
 
     # -- planning --------------------------------------------------------------------------------
     def _program(self, shapes: Sequence[MicroBatchShape], plan=None) -> tuple[list, np.ndarray]:
@@ -242,13 +287,16 @@ class PipelineRunner:
 
     # -- execution -------------------------------------------------------------------------------
     def step(self, plan: BatchPlan | Sequence[MicroBatchShape | MicroBatch], batches: Sequence[dict] | None = None, *,
-             optimizer: torch.optim.Optimizer | None = None, collation: str | None = None) -> StepResult:
+             optimizer: torch.optim.Optimizer | None = None, collation: str | None = None,
+             recompute: Sequence[int] | None = None) -> StepResult:
         """Run one global batch: this replica's micro-batches of ``plan`` through this stage, then
         the gradient all-reduce and (if given) ``optimizer.step()``.
 
         ``batches`` are the micro-batch dictionaries of this replica in plan order; the first and
         the last stage need them (inputs, labels), the others may pass None. Instead of a plan, a list
-        of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works. Raises the original exception on the rank where something failed and
+        of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works.
+        ``recompute``: this step's recomputed layers per stage (e.g. a loader step's
+        ``step.plan.options["recompute_layers"]`` when only its shapes are passed). Raises the original exception on the rank where something failed and
         `PipelineAborted` (naming that rank and its error) on every other rank; a rank that makes no
         progress for ``timeout_s`` while others wait on it, or dies, ends every other rank with a
         `PipelineAborted` naming it and what it was doing (see `dynabatch.pipeline.failure`).
@@ -257,7 +305,7 @@ class PipelineRunner:
         mon.raise_if_failed()
         mon.enter()
         try:
-            return self._step(plan, batches, optimizer, collation)
+            return self._step(plan, batches, optimizer, collation, recompute)
         except BaseException as e:  # publish (root cause) or translate (consequence), then end the step
             out = mon.report(e, comm_error=self._in_comm)
             if out is e:
@@ -292,7 +340,7 @@ class PipelineRunner:
         return spec_in[m.microbatch] if m.kind == "act" else \
             [sp for sp in spec_out[m.microbatch] if sp.requires_grad]
 
-    def _step(self, plan, batches, optimizer, collation) -> StepResult:
+    def _step(self, plan, batches, optimizer, collation, recompute) -> StepResult:
         t_step = time.perf_counter()
         ctx, stage, mon = self.ctx, self.stage, self.ctx.monitor
         s, k = ctx.stage, self.step_index
@@ -322,6 +370,10 @@ class PipelineRunner:
 
         clock = _Clock(ctx.device)
         fwd_s, bwd_s = np.zeros(M), np.zeros(M)
+        stage.recompute = self.recompute_layers(plan, recompute)
+        metered = self.config.measure_memory
+        saved_b = np.zeros(M)
+        held_b = peak_b = 0.0
         wait_s = 0.0
         inbox: dict[Message, tuple[list, list]] = {}
         outbox: dict[Message, list[torch.Tensor]] = {}
@@ -368,7 +420,19 @@ class PipelineRunner:
                     x = bufs[0] if len(bufs) == 1 else tuple(bufs)
                 mon.set_state("busy", f"in forward of micro-batch {j} of step {k}")
                 t0 = clock.start()
-                out = stage(x, data[j])
+                if metered:
+                    meter = SavedBytes(self._param_ptrs)
+                    stage.meter = meter
+                    try:
+                        with meter.hooks():
+                            out = stage(x, data[j])
+                    finally:
+                        stage.meter = None
+                    saved_b[j] = meter.bytes
+                    held_b += meter.bytes
+                    peak_b = max(peak_b, held_b)
+                else:
+                    out = stage(x, data[j])
                 clock.stop(t0, fwd_s, j)
                 if stage.is_last:
                     loss_j, ntok_j = out
@@ -401,6 +465,7 @@ class PipelineRunner:
                     if pairs:
                         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
                     clock.stop(t0, bwd_s, j)
+                held_b -= saved_b[j]
                 if not stage.is_first:
                     outbox[Message(j, "grad", s, s - 1)] = [
                         (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, spec_in[j])
@@ -448,19 +513,25 @@ class PipelineRunner:
             optimizer.step()
         clock.resolve()
         timing = StepTiming(self.step_index, ctx.rank, s, ctx.replica, fwd_s, bwd_s, wait_s,
-                            time.perf_counter() - t_step)
+                            time.perf_counter() - t_step, saved_b if metered else None, float(peak_b),
+                            int(stage.recompute))
         all_timings = self._gather(timing, plan, M) if self.config.gather_timing else None
         self.step_index += 1
-        return StepResult(timing.step, total_loss * scale, int(round(n_tokens)), timing, all_timings)
+        peaks = (getattr(plan, "options", None) or {}).get("stage_peak_bytes")
+        return StepResult(timing.step, total_loss * scale, int(round(n_tokens)), timing, all_timings,
+                          float(peaks[s]) if peaks else None)
 
     def _gather(self, timing: StepTiming, plan, M: int) -> tuple[StepTiming, ...]:
         ctx = self.ctx
         counts = plan.microbatches_per_rank() if isinstance(plan, BatchPlan) else np.full(ctx.num_replicas, M)
         width = int(counts.max())
-        mine = torch.zeros(3, width + 1, dtype=torch.float64)
+        mine = torch.zeros(4, max(width, 3) + 1, dtype=torch.float64)
         mine[0, :M] = torch.from_numpy(timing.forward_s)
         mine[1, :M] = torch.from_numpy(timing.backward_s)
         mine[2, 0], mine[2, 1] = timing.wait_s, timing.step_s
+        mine[2, 2], mine[2, 3] = timing.peak_saved_bytes, timing.recompute_layers
+        if timing.saved_bytes is not None:
+            mine[3, :M] = torch.from_numpy(timing.saved_bytes)
         mine = mine.to(ctx.device)
         out = [torch.empty_like(mine) for _ in range(ctx.world_size)]
         self._in_comm = True
@@ -472,7 +543,9 @@ class PipelineRunner:
             t = t.cpu().numpy()
             d, st = r // ctx.num_stages, r % ctx.num_stages
             k = int(counts[d])
-            res.append(StepTiming(timing.step, r, st, d, t[0, :k].copy(), t[1, :k].copy(), float(t[2, 0]), float(t[2, 1])))
+            res.append(StepTiming(timing.step, r, st, d, t[0, :k].copy(), t[1, :k].copy(), float(t[2, 0]), float(t[2, 1]),
+                                  t[3, :k].copy() if timing.saved_bytes is not None else None, float(t[2, 2]),
+                                  int(t[2, 3])))
         return tuple(res)
 
 

@@ -78,6 +78,7 @@ class RunPlan:
     _starts: np.ndarray = field(init=False, repr=False)
     _steps: np.ndarray = field(init=False, repr=False)
     _epoch_of_step: np.ndarray = field(init=False, repr=False)
+    _step_options: dict | None = field(init=False, repr=False, default=None)
 
     # -- loading -----------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -344,9 +345,17 @@ class RunPlan:
     def step(self, step: int) -> BatchPlan:
         """The `BatchPlan` of one step, equal to what `plan_microbatches` returned when planning."""
         plan = plan_from_arrow(self.step_rows(step), step=int(step))
-        raw = json.loads(self.metadata.get(fmt.STEP_OPTIONS_KEY, "{}"))
-        opts = raw.get("steps", {}).get(str(int(step)), raw.get("default", plan.options))
-        return dataclasses.replace(plan, options=dict(opts))
+        opts = self.step_options(step)
+        return dataclasses.replace(plan, options=dict(plan.options if opts is None else opts))
+
+    def step_options(self, step: int) -> dict | None:
+        """The ``options`` of one step's `BatchPlan` (e.g. its ``recompute_layers``), read from the
+        metadata without decoding the step's rows; None when the file records none."""
+        if self._step_options is None:  # frozen: cache the decoded metadata once
+            object.__setattr__(self, "_step_options", json.loads(self.metadata.get(fmt.STEP_OPTIONS_KEY, "{}")))
+        raw = self._step_options
+        opts = raw.get("steps", {}).get(str(int(step)), raw.get("default"))
+        return None if opts is None else dict(opts)
 
     # -- checks ------------------------------------------------------------------------------
     def recorded(self, name: str) -> bool:

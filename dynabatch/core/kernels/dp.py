@@ -5,14 +5,20 @@ micro-batches, minimizing the pipeline objective ``sum(t) / R + (S - 1) * max(t)
 shared by ``R`` data-parallel ranks, the bubble is paid once per rank) subject to each segment's
 activation memory staying under the limit. For a fixed cap ``T`` on the largest micro-batch the
 minimal sum is a 1-D DP; the kernel enumerates candidate caps (the distinct segment times, coarse
-on a log grid and then refined around the best coarse cap) and keeps the best objective. Finally
-the DP is rerun with the number of micro-batches tracked modulo ``R`` so every rank can
-receive the same count, over caps in order of their unconstrained objective until none can win.
+on a log grid and then refined around the best coarse cap: `_pick_caps_between` picks them in one
+pass over the segment times, no sort; a cap at or above the largest micro-batch a larger cap's
+partition used gets that partition unevaluated, `_objectives_for_caps`) and keeps the best
+objective. Finally the DP is rerun with the number of micro-batches tracked modulo ``R`` so every
+rank can receive the same count, over caps in order of their unconstrained objective until none
+can win.
 
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate. `dp_reference` is the same algorithm in
 plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
-optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison.
+optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison;
+`_pick_caps_between` is also checked against `_pick_caps` of the sorted times, and
+`capped_partition_cost` (the 1-D DP behind the padded objective bound of `dynabatch.core.bounds`)
+has its own reference `capped_partition_cost_reference`.
 """
 
 from __future__ import annotations
@@ -22,11 +28,21 @@ import math
 import numpy as np
 from numba import njit
 
-from .cost import NUM_FEATURES, dot, padded_features, profiled_lookup, round_up
+from .cost import NUM_FEATURES, padded_features, profiled_lookup, round_up
 
 INFEASIBLE_SAMPLE = -1
 TOO_FEW_SAMPLES = -2
 NO_EQUAL_SPLIT = -3
+
+
+@njit(cache=True, nogil=True)
+def _dot_nz(coef, nz, phi) -> float:
+    """`kernels.cost.dot` over the positions ``nz`` (those of the nonzero coefficients), left to right."""
+    s = 0.0
+    for q in range(nz.shape[0]):
+        k = nz[q]
+        s += coef[k] * phi[k]
+    return s
 
 
 @njit(cache=True, nogil=True)
@@ -41,6 +57,10 @@ def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tco
     """
     n = main.shape[0]
     phi = np.zeros(NUM_FEATURES)
+    # The dot products skip zero coefficients: a skipped term is +-0.0 (features are finite), so
+    # the left-to-right sums, and every segment time, are bit for bit those of `kernels.cost.dot`.
+    tnz = np.flatnonzero(tcoef)
+    mnz = np.flatnonzero(mcoef)
     offset = np.zeros(n + 1, np.int64)
     count = np.zeros(n + 1, np.int64)
     cap = 16 * n + 16
@@ -80,8 +100,8 @@ def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tco
                 phi[6] = s6
                 phi[7] = 1.0
                 phi[8] = 1.0 if s5 > 0 else 0.0
-                t = dot(tcoef, phi)
-                m = dot(mcoef, phi)
+                t = _dot_nz(tcoef, tnz, phi)
+                m = _dot_nz(mcoef, mnz, phi)
             else:
                 L = max(L, main[j])
                 T = max(T, dec[j])
@@ -93,8 +113,8 @@ def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tco
                     m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, Lp, Tp, extrapolate)
                 else:
                     padded_features(i - j, Lp, Tp, v, tile_patches, phi)
-                    t = dot(tcoef, phi)
-                    m = dot(mcoef, phi)
+                    t = _dot_nz(tcoef, tnz, phi)
+                    m = _dot_nz(mcoef, mnz, phi)
             if m > mem_limit or not np.isfinite(t):
                 break
             if used == cap:
@@ -135,6 +155,35 @@ def dp_for_cap(offset, count, seg_time, cap, n, f, back, mx):
         back[i] = arg
         mx[i] = bmx
     return f[n]
+
+
+@njit(cache=True, nogil=True)
+def _objectives_for_caps(offset, count, seg_time, caps, n, ranks, stages, f, back, mx, objs, maxes,
+                         above_cap, above_obj, above_max):
+    """``objs[k] = s / ranks + (stages - 1) * mx`` of `dp_for_cap` at each of the ascending
+    ``caps`` (``maxes[k]`` its largest micro-batch ``mx``), evaluated from the largest cap down.
+
+    A cap whose nearest larger evaluated cap (or ``above_cap``, whose results are ``above_obj``,
+    ``above_max``) found a partition with largest micro-batch ``<= cap`` takes that result
+    unevaluated: `dp_for_cap` at ``cap`` returns it exactly. Every segment on that partition fits
+    under ``cap``, so each prefix of it costs the same float sum under both caps, while any other
+    candidate costs no less under the smaller cap (fewer segments), and the strict ``<`` keeps the
+    same first minimum at every position of the path."""
+    prev_cap = above_cap
+    prev_obj = above_obj
+    prev_max = above_max
+    for k in range(caps.shape[0] - 1, -1, -1):
+        cap = caps[k]
+        if prev_cap < np.inf and cap <= prev_cap and prev_max <= cap:
+            objs[k] = prev_obj
+            maxes[k] = prev_max
+        else:
+            s = dp_for_cap(offset, count, seg_time, cap, n, f, back, mx)
+            objs[k] = s / ranks + (stages - 1) * mx[n]
+            maxes[k] = mx[n]
+        prev_cap = cap
+        prev_obj = objs[k]
+        prev_max = maxes[k]
 
 
 @njit(cache=True, nogil=True)
@@ -195,6 +244,68 @@ def _pick_caps(values, lo_index, count):
     return out[:used]
 
 
+@njit(cache=True, nogil=True)
+def _pick_caps_between(times, lo, hi, count):
+    """``_pick_caps(v, 0, count)`` for ``v`` the sorted distinct entries of ``times`` in [lo, hi]
+    (``lo`` and ``hi`` must occur in ``times``), without sorting ``times``.
+
+    Up to ``count`` distinct entries in range are returned sorted, as `_pick_caps` returns all of
+    them. Otherwise `_pick_caps` walks its log-spaced targets and keeps, for each, the smallest entry
+    not below it (``hi`` where none is): each entry in range is filed under the last target not
+    above it, and the smallest entry filed at or after a target is that target's pick. Same targets,
+    same float operations, so the same caps; one pass over ``times`` instead of a sort (the DP's
+    segment times number tens of thousands, the caps 2 x ``count``)."""
+    few = np.empty(count + 1)
+    nf = 0
+    for v in times:
+        if v >= lo and v <= hi:
+            seen = False
+            for q in range(nf):
+                if few[q] == v:
+                    seen = True
+                    break
+            if not seen:
+                few[nf] = v
+                nf += 1
+                if nf > count:
+                    break
+    if nf <= count:
+        return np.sort(few[:nf])
+    lo_l = np.log(lo)
+    hi_l = np.log(hi)
+    target = np.empty(count)
+    for k in range(count):
+        target[k] = np.exp(lo_l + (hi_l - lo_l) * k / (count - 1))
+        if k and target[k] < target[k - 1]:
+            target[k] = target[k - 1]  # the walk never moves back: a smaller target picks what the last did
+    low = np.full(count, np.inf)  # smallest entry filed under each target
+    for v in times:
+        if v < lo or v < target[0] or v > hi:
+            continue
+        a = 0  # the last target <= v
+        b = count - 1
+        while a < b:
+            mid = (a + b + 1) >> 1
+            if target[mid] <= v:
+                a = mid
+            else:
+                b = mid - 1
+        if v < low[a]:
+            low[a] = v
+    out = np.empty(count)
+    used = 0
+    run = np.inf
+    picks = np.empty(count)
+    for k in range(count - 1, -1, -1):
+        run = min(run, low[k])
+        picks[k] = run if run < np.inf else hi
+    for k in range(count):
+        if used == 0 or picks[k] != out[used - 1]:
+            out[used] = picks[k]
+            used += 1
+    return out[:used]
+
+
 def pick_caps_reference(values, lo_index, count):
     """Plain-Python `_pick_caps`: walk ``count`` targets evenly spaced in log space from
     ``values[lo_index]`` to ``values[-1]`` and keep, for each, the first value not below it
@@ -233,39 +344,44 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
         return np.empty(0, np.int64), TOO_FEW_SAMPLES
     # The cap can never be below the costliest single sample.
     floor = 0.0
+    top = 0.0
     for i in range(1, n + 1):
         floor = max(floor, seg_time[offset[i]])
+    for k in range(seg_time.shape[0]):
+        top = max(top, seg_time[k])
     if stages == 1:
         # No pipeline bubble: the objective is the sum alone, minimal without any cap, so only
         # the largest segment time is needed (no sort of every segment time).
-        values = np.full(1, seg_time.max())
-        coarse = values.copy()
+        coarse = np.full(1, top)
     else:
-        values = np.unique(seg_time)
-        coarse = _pick_caps(values, np.searchsorted(values, floor), max_caps)
+        # the caps of `_pick_caps` over the sorted distinct segment times from ``floor`` up
+        coarse = _pick_caps_between(seg_time, floor, top, max_caps)
     f = np.empty(n + 1)
     back = np.empty(n + 1, np.int64)
     mx = np.empty(n + 1)
+    objs = np.empty(coarse.shape[0])
+    maxes = np.empty(coarse.shape[0])
+    _objectives_for_caps(offset, count, seg_time, coarse, n, ranks, stages, f, back, mx, objs, maxes,
+                         np.inf, np.inf, 0.0)
     best_obj = np.inf
     best_k = 0
-    objs = np.empty(coarse.shape[0])
     for k in range(coarse.shape[0]):
-        s = dp_for_cap(offset, count, seg_time, coarse[k], n, f, back, mx)
-        objs[k] = s / ranks + (stages - 1) * mx[n]
         if objs[k] < best_obj:
             best_obj = objs[k]
             best_k = k
     # Refine between the coarse neighbours of the best cap.
     lo_v = coarse[best_k - 1] if best_k > 0 else coarse[0]
     hi_v = coarse[best_k + 1] if best_k + 1 < coarse.shape[0] else coarse[-1]
-    a = np.searchsorted(values, lo_v)
-    b = np.searchsorted(values, hi_v, side="right")
-    fine = _pick_caps(values[a:b], 0, max_caps) if stages > 1 else values[:0].copy()
+    fine = _pick_caps_between(seg_time, lo_v, hi_v, max_caps) if stages > 1 else coarse[:0].copy()
     caps = np.concatenate((coarse, fine))
     cobj = np.concatenate((objs, np.full(fine.shape[0], np.inf)))
-    for k in range(coarse.shape[0], caps.shape[0]):
-        s = dp_for_cap(offset, count, seg_time, caps[k], n, f, back, mx)
-        cobj[k] = s / ranks + (stages - 1) * mx[n]
+    fine_objs = np.empty(fine.shape[0])
+    fine_maxes = np.empty(fine.shape[0])
+    # the coarse cap nearest above the fine ones (hi_v) seeds the reuse of `_objectives_for_caps`
+    k_hi = best_k + 1 if best_k + 1 < coarse.shape[0] else coarse.shape[0] - 1
+    _objectives_for_caps(offset, count, seg_time, fine, n, ranks, stages, f, back, mx, fine_objs, fine_maxes,
+                         coarse[k_hi], objs[k_hi], maxes[k_hi])
+    cobj[coarse.shape[0]:] = fine_objs
     order = np.argsort(cobj, kind="mergesort")
     if ranks == 1 or not equal_counts:
         dp_for_cap(offset, count, seg_time, caps[order[0]], n, f, back, mx)
@@ -302,7 +418,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
             best_starts = st
     if best_starts.shape[0] == 0:
         # No candidate cap admits a multiple of R; the largest segment time admits every split.
-        best_starts = dp_mod_ranks(offset, count, seg_time, values[-1], n, ranks)
+        best_starts = dp_mod_ranks(offset, count, seg_time, top, n, ranks)
         if best_starts.shape[0] == 0:
             return best_starts, NO_EQUAL_SPLIT
     return best_starts, 0
@@ -402,3 +518,46 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
         if best is None:
             return [], NO_EQUAL_SPLIT
     return best, 0
+
+
+@njit(cache=True, nogil=True)
+def capped_partition_cost(w, fixed, cap):
+    """Least ``sum over groups (|G| * max_G w + fixed)`` over partitions of the ascending ``w`` into
+    groups with ``|G| * max_G w + fixed <= cap`` (``inf`` when a single entry breaks the cap).
+
+    `dynabatch.core.bounds` bounds padded plans with it (each ``w`` a sample's padded per-row time).
+    Groups may be taken contiguous in the sorted order: moving the ``s`` largest entries into the
+    group of size ``s`` holding the largest keeps that group's size and maximum, and gives every
+    other group entries no larger than those it gave away, so no group's cost rises or breaks the
+    cap. O(n x largest group) time."""
+    n = w.shape[0]
+    f = np.empty(n + 1)
+    f[0] = 0.0
+    for i in range(1, n + 1):
+        x = w[i - 1]  # the largest entry of any group ending here
+        if x + fixed > cap:
+            return np.inf
+        best = np.inf
+        for j in range(i - 1, -1, -1):
+            c = (i - j) * x
+            if c + fixed > cap:
+                break  # larger groups break the cap too
+            c += f[j]
+            if c < best:
+                best = c
+        f[i] = best + fixed
+    return f[n]
+
+
+def capped_partition_cost_reference(w, fixed, cap):
+    """Plain-Python `capped_partition_cost`: the same DP over contiguous groups of the sorted
+    entries, by prefix (``best[i]``: the least cost of the ``i`` smallest entries)."""
+    w = [float(x) for x in w]
+    best = [0.0]
+    for i in range(1, len(w) + 1):
+        largest = w[i - 1]  # the group ending at entry i - 1 has it as its maximum
+        if largest + fixed > cap:
+            return math.inf
+        options = [(i - j) * largest + best[j] for j in range(i) if (i - j) * largest + fixed <= cap]
+        best.append(min(options) + fixed)
+    return best[-1]
