@@ -213,3 +213,103 @@ def test_per_stage_feedback_on_a_real_uneven_two_stage_pipeline():
     assert np.all(end < 0.7 * np.array(a["first_before"])), (a["first_before"], end)
     rows = np.array(a["rows"])
     assert rows[1] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0] > 1.5 * rows[0] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0]
+
+
+# ----------------------------------------------------------------------------- zeros of the stage layout
+
+
+def test_fit_relative_frees_a_zero_prior_coefficient_only_where_scale_says():
+    rng = np.random.default_rng(3)
+    phi = np.c_[rng.uniform(1, 9, 60), rng.uniform(100, 2000, 60), np.ones(60)]
+    truth = np.array([2e-3, 3e-7, 5e-4])
+    y = phi @ truth
+    prior = np.array([1e-3, 0.0, 1e-3])
+    kept = fit_relative_(phi, y, prior)
+    assert kept[1] == 0.0  # a zero prior stays 0 without a scale
+    freed = fit_relative_(phi, y, prior, scale=np.array([0.0, 1e-5, 0.0]))
+    np.testing.assert_allclose(freed, truth, rtol=1e-3)
+    assert mape(phi @ freed, y) < 1e-3 < mape(phi @ kept, y)
+    # a freed column the data does not need is pulled to 0 (no cost from nothing), and never negative
+    np.testing.assert_allclose(fit_relative_(phi, phi[:, [0, 2]] @ truth[[0, 2]], prior,
+                                             scale=np.array([0.0, 1e-5, 0.0]))[1], 0.0, atol=1e-12)
+    # robust_fit passes the scale through; without one it is fit_relative's old answer exactly
+    from dynabatch.core.fit import robust_fit
+
+    w = np.ones(60)
+    np.testing.assert_allclose(robust_fit(phi, y, w, prior, prior, scale=np.array([0, 1e-5, 0])), truth, rtol=0.02)
+    np.testing.assert_array_equal(robust_fit(phi, y, w, prior, prior), robust_fit(phi, y, w, prior, prior, scale=None))
+
+
+def fit_relative_(phi, y, prior, scale=None):
+    from dynabatch.core.fit import fit_relative
+
+    return fit_relative(phi, y, np.ones(len(y)), prior, 1e-6, scale)
+
+
+def vlm_split():
+    """vlm-tiny's cost model on its runner split (4 ViT blocks | 2 GPT blocks) and the per-stage law of
+    a vision stage that also pays per language token (the layout bookkeeping of every micro-batch) and
+    a language stage that also pays per vision token (the merge): neither is in the layout's prior."""
+    from dynabatch.bench.train_vlm import VLM_SIZES, layout_of, modality_bounds
+    from dynabatch.pipeline import make_model, stage_cost_model
+
+    m = make_model("vlm-tiny", **VLM_SIZES, seed=0)
+    cost = stage_cost_model(m, 2, "cpu").set_layout(layout_of(m, modality_bounds(m, 2)))
+    rows = np.zeros((2, len(cost.time_coef)))
+    #            n_main  q_main   n_vis   q_vis   one     has_vis
+    rows[0, [0, 5, 6, 7, 8]] = [2e-7, 2.6e-5, 1.6e-8, 4e-4, 3.8e-3]
+    rows[1, [0, 1, 5, 7, 8]] = [3e-5, 4e-8, 1.5e-6, 4.1e-3, 2e-4]
+    return cost, rows, m
+
+
+def vlm_steps(cost, rows, steps, seed=0, noise=0.03):
+    """``steps`` steps of 24 micro-batches, half text-only, timed on both stages by the law ``rows``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tiles = np.where(rng.random(24) < 0.5, 0, rng.integers(1, 40, 24))
+        phi = cost.padded_features(rng.integers(1, 9, 24), rng.integers(2, 256, 24) * 8, 0, tiles)
+        out.append((phi, (phi @ rows.T).T * rng.lognormal(0.0, noise, (2, 24))))
+    return out
+
+
+@pytest.mark.parametrize("fit_zeros", [True, False])
+def test_per_stage_refit_fits_each_stage_of_a_vision_language_split(fit_zeros):
+    """Each stage's own law is recovered per stage (the vision stage's text-only micro-batches included)
+    with fit_layout_zeros; without it the layout's zeros stay and the vision stage's text-only
+    micro-batches, whose time grows with their tokens, keep a large error; a slowest-stage refit cannot
+    price either stage."""
+    from dynabatch.bench.train_vlm import stage_computes
+
+    cost, rows, m = vlm_split()
+    prior = cost.stage_time_rows()
+    loop = FeedbackLoop(cost, refit_every=2, forgetting=0.8, stage_reduce="per_stage", fit_layout_zeros=fit_zeros)
+    for phi, Y in vlm_steps(cost, rows, 16):
+        loop.record(phi, Y)
+        loop.maybe_refit()
+    (phi, Y), = vlm_steps(cost, rows, 1, seed=7, noise=0.0)
+    P = cost.stage_times(phi)
+    comp = stage_computes(m, [0, 6, 10], phi)
+    err = [[mape(P[s][c], Y[s][c]) for c in (comp[s], ~comp[s]) if c.any()] for s in range(2)]
+    assert comp[1].all() and 0 < comp[0].sum() < len(phi)  # the vision stage skips the text-only ones
+    if fit_zeros:
+        # (the vision stage's computing micro-batches within the ridge's pull towards a prior 16x off)
+        assert err[0][0] < 0.05 and err[0][1] < 0.02 and err[1][0] < 0.02, err
+        assert cost.stage_time_coef[0, 0] > 0 and cost.stage_time_coef[1, 5] > 0  # learned beyond the layout
+        assert np.all(cost.stage_time_coef[:, [2, 3, 4]] == 0)  # no stage prices decoder features: still 0
+    else:
+        assert np.all(cost.stage_time_coef[prior == 0] == 0)
+        assert err[0][0] < 0.05 and err[1][0] < 0.02, err  # each stage's own law, as far as its prior allows
+        assert err[0][1] > 0.15, err  # but the vision stage's text-only micro-batches grow with their tokens
+    blind = vlm_split()[0]
+    mx = FeedbackLoop(blind, refit_every=2, forgetting=0.8, stage_reduce="max")
+    for phi_k, Y_k in vlm_steps(blind, rows, 16):
+        mx.record(phi_k, Y_k.max(axis=0))
+        mx.maybe_refit()
+    Pb = blind.stage_times(phi)
+    assert mape(Pb[0], Y[0]) > 1.0  # priced as the slowest stage: the vision stage is off by multiples
+
+
+def test_fit_layout_zeros_needs_per_stage():
+    with pytest.raises(ValueError, match="per_stage"):
+        FeedbackLoop(model(), fit_layout_zeros=True)

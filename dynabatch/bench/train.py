@@ -159,7 +159,7 @@ class MethodRun:
             from . import train_vlm
 
             self.vlm = train_vlm.setup(model, self.cost, ctx.num_stages, cfg, method)
-            self.model, self.stage_preds, self.stage_meas = model, [], []
+            self.model, self.stage_preds, self.stage_meas, self.stage_comp = model, [], [], []
         vlm = self.vlm or {}
         self.prior = self.cost.time_coef.copy()
         # dp (and dp-blind): the loader's feedback loop refits its cost model; baselines: a loop that only scores
@@ -211,13 +211,14 @@ class MethodRun:
         from ..pipeline import batch_shapes
 
         if self.vlm is not None:
-            from .train_vlm import rows_as_sequences, stage_observation
+            from .train_vlm import rows_as_sequences, stage_computes, stage_observation
 
             run = rows_as_sequences(mbs)
             res = self.runner.step(self.model.batch_shapes(run), run, optimizer=self.optimizer)
             vlm_obs = stage_observation(self.cost, mbs, res)  # before the refit in loader.feedback
             self.stage_preds.append(vlm_obs[1])
             self.stage_meas.append(vlm_obs[2])
+            self.stage_comp.append(stage_computes(self.model, self.bounds, vlm_obs[0]))
         else:
             res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer)
         wall = max(t.step_s for t in res.all_timings)
@@ -288,11 +289,20 @@ class MethodRun:
         if feedback is not None and feedback.history:
             out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
         if self.vlm is not None:  # per-stage MAPE: each stage's planned vs measured seconds
-            from .train_vlm import stage_mape
+            from .train_vlm import stage_mape, stage_mape_floor, stage_split
 
-            sp, sm = self.stage_preds, self.stage_meas
+            sp, sm, sc = self.stage_preds, self.stage_meas, self.stage_comp
+            a, b = stage_split(sp[:first], sm[:first], sc[:first]), stage_split(sp[-last:], sm[-last:], sc[-last:])
+            timed = stage_split(sp[w:], sm[w:], sc[w:])
+            floor = stage_mape_floor(self.phis[w:], sm[w:], sc[w:])
             out.update(stage_mape_start=stage_mape(sp[:first], sm[:first]), stage_mape_end=stage_mape(sp[-last:], sm[-last:]),
-                       stage_mape_all=stage_mape(sp, sm), feedback_mode=self.vlm["feedback_mode"],
+                       stage_mape_all=stage_mape(sp, sm),
+                       stage_compute_mape_start=a["compute"], stage_compute_mape_end=b["compute"],
+                       stage_passthrough_mape_start=a["passthrough"], stage_passthrough_mape_end=b["passthrough"],
+                       stage_passthrough_share=timed["passthrough_share"],
+                       stage_passthrough_time_share=timed["passthrough_time_share"],
+                       stage_compute_mape_floor=floor["compute"], stage_passthrough_mape_floor=floor["passthrough"],
+                       feedback_mode=self.vlm["feedback_mode"],
                        stage_aware=bool(self.cost.stage_aware), plan_method=self.vlm["plan_method"],
                        stage_measured_s=[float(x) for x in np.concatenate(sm, axis=1).sum(axis=1)])
         return out

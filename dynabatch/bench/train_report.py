@@ -133,7 +133,13 @@ def _result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> di
 
         config.update(records=data_description(cfg.data),
                       stage_mape_basis="per micro-batch and stage: cost.stage_times (planned before the step's refit) "
-                                       "vs that stage's measured forward+backward seconds; start/end windows as MAPE")
+                                       "vs that stage's measured forward+backward seconds; start/end windows as MAPE; "
+                                       "stage_mape_* pools every micro-batch, stage_compute_mape_* the micro-batches "
+                                       "the stage runs layers on, stage_passthrough_mape_* those it passes through "
+                                       "(the vision stage on text-only micro-batches: sub-millisecond dispatch of "
+                                       "skipped layers; their shares of the stage's micro-batches and seconds in "
+                                       "stage_passthrough_share/_time_share); *_floor: MAPE of predicting each "
+                                       "repeated identical micro-batch by its median measured time (timing noise)")
     return config
 
 
@@ -144,6 +150,25 @@ def _pct(x: float) -> str:
 
 def _stages(v) -> str:
     return "/".join(_pct(x) for x in v) if v else "-"
+
+
+def _stage_lines(name: str, m: dict) -> list[str]:
+    """The per-stage MAPE of one vlm method, split: the micro-batches each stage computes on and
+    those it passes through (with their shares of the stage's micro-batches and seconds), start ->
+    end and the noise floor of each."""
+    if "stage_compute_mape_end" not in m:
+        return []
+    parts = []
+    for s in range(len(m["stage_compute_mape_end"])):
+        text = (f"s{s} computing {_pct(m['stage_compute_mape_start'][s])} -> {_pct(m['stage_compute_mape_end'][s])}"
+                f" (floor {_pct(m['stage_compute_mape_floor'][s])})")
+        share = m["stage_passthrough_share"][s]
+        if share > 0:
+            text += (f", pass-through ({share:.0%} of its micro-batches, {_pct(m['stage_passthrough_time_share'][s])}"
+                     f" of its seconds) {_pct(m['stage_passthrough_mape_start'][s])} -> "
+                     f"{_pct(m['stage_passthrough_mape_end'][s])} (floor {_pct(m['stage_passthrough_mape_floor'][s])})")
+        parts.append(text)
+    return [f"  {name:<13}" + "; ".join(parts)]
 
 
 def format_table(result: dict) -> str:
@@ -173,6 +198,11 @@ def format_table(result: dict) -> str:
                      f"  {m.get('bounds', '-')}"
                      + (f"  {_stages(m.get('stage_mape_start'))} -> {_stages(m.get('stage_mape_end'))}"
                         f"  {m.get('feedback_mode') or '-'}" if staged else ""))
+    split = [x for name, m in result["methods"].items() for x in _stage_lines(name, m)]
+    if split:
+        lines += ["", "per-stage MAPE start -> end, split: micro-batches the stage runs layers on | those it passes "
+                      "through (vision stage, text-only micro-batch); floor = timing noise of identical micro-batches"]
+        lines += split
     r = result.get("ratios", {})
     if r:
         lines.append("")
@@ -300,8 +330,13 @@ columns:
                shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
   step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
                time the planner balances sees, with the per-micro-batch timer noise averaged out
-  per-stage MAPE  (vlm-tiny) each stage's planned vs measured seconds per micro-batch, stage 0/1/...;
-               refit: dp's feedback (per_stage: one coefficient row per stage; max: the slowest stage)
+  per-stage MAPE  (vlm-tiny) each stage's planned vs measured seconds per micro-batch, stage 0/1/...,
+               pooled over every micro-batch; refit: dp's feedback (per_stage: one coefficient row per
+               stage; max: the slowest stage). The lines below the table split it: the micro-batches a
+               stage runs layers on, and those it passes through (the vision stage on a text-only
+               micro-batch runs no layer: its time is sub-millisecond dispatch, a few % of the
+               stage's seconds), each with its noise floor (MAPE of predicting identical
+               micro-batches by their median time)
   dp vs X      tok/s ratio; per-step: median and IQR of the paired per-step time ratios (same global
                batches, interleaved): the timer and load noise of the comparison
 

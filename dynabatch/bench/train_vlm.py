@@ -20,7 +20,24 @@
   row (`rows_as_sequences`: the row's images first, its text tokens after, no block-diagonal mask):
   the same tensor shapes and compute, the attention between packed samples not masked.
 * Per-stage MAPE (`stage_observation`): each micro-batch's planned forward+backward seconds on each
-  stage (``cost.stage_times`` before the step's refit) against the measured seconds of that stage.
+  stage (``cost.stage_times`` before the step's refit) against the measured seconds of that stage,
+  pooled over every micro-batch (``stage_mape_*``) and split (`stage_split`) into the micro-batches
+  the stage runs layers on (``stage_compute_mape_*``) and those it passes through
+  (``stage_passthrough_mape_*``, `stage_computes`): on the vision stage a text-only micro-batch skips
+  every layer, and its measured "forward+backward" is the dispatch of the skipped layers plus the
+  language-side index bookkeeping, 0.3-1 ms whose jitter between identical micro-batches is 15-25%
+  (even in CPU time); pooled by count (about half the data is text-only), those sub-millisecond
+  times would set the vision stage's MAPE while being about 5% of its seconds. Both figures are
+  reported, with each stage's share of pass-through micro-batches and of its measured seconds, and
+  the noise floor of each (`stage_mape_floor`: the MAPE of predicting every repeated identical
+  micro-batch by its median measured time, in sample, which no model of the features can beat).
+  On a shared CPU machine the vision stage also takes the brunt of other processes' load: it
+  computes only while the language stage (the bottleneck, busy all step) computes too, so a third
+  runnable process slows every vision call (1.3-1.6x with one busy core elsewhere, measured) while the
+  language stage, alone on a core most of the step, barely moves; the floor shows it.
+* ``dp``'s per-stage refit fits the vision stage's token-dependent bookkeeping and the language
+  stage's vision-token merge too (``FeedbackLoop(fit_layout_zeros=True)``): the layout prices
+  neither, and the prior's zeros would otherwise stay 0.
 
 Times are seconds, lengths tokens, sizes pixels.
 """
@@ -168,17 +185,20 @@ def layout_of(model, bounds) -> "object":
 
 
 def feedback_kwargs(method: str) -> tuple[dict, str]:
-    """(`FeedbackLoop` keywords, feedback mode) of a method: per-stage refits for ``dp`` when the loop
-    supports ``stage_reduce="per_stage"``, the slowest stage otherwise."""
+    """(`FeedbackLoop` keywords, feedback mode) of a method: per-stage refits for ``dp`` (with the
+    layout's zero coefficients fitted too, ``fit_layout_zeros``) when the loop supports
+    ``stage_reduce="per_stage"``, the slowest stage otherwise."""
     if method == "dp":
         from ..core.cost import CostModel
         from ..core.feedback import FeedbackLoop
 
-        try:
-            FeedbackLoop(CostModel.preset("gpt-tiny", "cpu", num_stages=2), stage_reduce="per_stage")
-            return {"stage_reduce": "per_stage"}, "per_stage"
-        except (ValueError, TypeError):
-            pass
+        cost = CostModel.preset("gpt-tiny", "cpu", num_stages=2)
+        for kw in ({"stage_reduce": "per_stage", "fit_layout_zeros": True}, {"stage_reduce": "per_stage"}):
+            try:
+                FeedbackLoop(cost, **kw)
+                return kw, "per_stage"
+            except (ValueError, TypeError):
+                pass
     return {"stage_reduce": "max"}, "max"
 
 
@@ -246,6 +266,70 @@ def stage_mape(preds: list, meas: list) -> list[float]:
     return [float(mape(p[s], y[s])) for s in range(len(p))]
 
 
+def stage_computes(model, bounds, phi) -> np.ndarray:
+    """``[S, m]`` bool: whether stage ``s`` of ``model`` split at ``bounds`` runs layers on micro-batch
+    ``j`` (features ``phi[j]``): it holds a language-side layer (merge embedding, GPT block, head:
+    every micro-batch runs them), or vision layers (patch embedding, ViT blocks, projector) and the
+    micro-batch has image tiles. Otherwise the stage passes the micro-batch through: a vision-only
+    stage on a text-only micro-batch, whose vision layers return without computing (the patch
+    embedding still lays out the language-side index tensors)."""
+    from ..core.kernels.cost import FEATURES
+    from ..pipeline.vlm import VISION_LAYER_TYPES
+
+    phi = np.atleast_2d(np.asarray(phi, np.float64))
+    rows, tiles = phi[:, FEATURES.index("one")] > 0, phi[:, FEATURES.index("has_vis")] > 0
+    out = np.zeros((len(bounds) - 1, len(phi)), bool)
+    for s in range(len(out)):
+        layers = model.layers[bounds[s]:bounds[s + 1]]
+        lang = any(not isinstance(m, VISION_LAYER_TYPES) for m in layers)
+        vis = any(isinstance(m, VISION_LAYER_TYPES) for m in layers)
+        out[s] = (rows & lang) | (tiles & vis)
+    return out
+
+
+def stage_split(preds: list, meas: list, computes: list) -> dict:
+    """Per-stage MAPE (fractions; nan where a stage has none) over the steps' micro-batches the stage
+    runs layers on (``compute``) and those it passes through (``passthrough``), with the pass-through
+    micro-batches' share of the stage's micro-batches (``passthrough_share``) and of its measured
+    seconds (``passthrough_time_share``); each argument a list of ``[S, m]`` arrays, one per step."""
+    from ..core.fit import mape
+
+    if not preds:
+        return {k: [] for k in ("compute", "passthrough", "passthrough_share", "passthrough_time_share")}
+    p, y, c = (np.concatenate(a, axis=1) for a in (preds, meas, computes))
+    S = len(p)
+    return {"compute": [mape(p[s][c[s]], y[s][c[s]]) for s in range(S)],
+            "passthrough": [mape(p[s][~c[s]], y[s][~c[s]]) for s in range(S)],
+            "passthrough_share": [float((~c[s]).mean()) for s in range(S)],
+            "passthrough_time_share": [float(y[s][~c[s]].sum() / y[s].sum()) if y[s].sum() > 0 else float("nan")
+                                       for s in range(S)]}
+
+
+def stage_mape_floor(phis: list, meas: list, computes: list, min_repeats: int = 3) -> dict:
+    """The timing-noise floor of each stage's MAPE (fractions; nan without repeats): the MAPE of
+    predicting every micro-batch whose feature row occurs at least ``min_repeats`` times by the
+    median measured time of its identical micro-batches (in sample: no model of the features does
+    better on them), for the micro-batches the stage computes on (``compute``) and passes through
+    (``passthrough``). ``phis``: the steps' ``[m, F]`` features; ``meas``/``computes``: ``[S, m]``."""
+    if not phis:
+        return {"compute": [], "passthrough": []}
+    phi, y, c = np.vstack(phis), np.concatenate(meas, axis=1), np.concatenate(computes, axis=1)
+    _, group = np.unique(np.round(phi, 6), axis=0, return_inverse=True)
+    group = group.ravel()
+    out = {"compute": [], "passthrough": []}
+    for s in range(len(y)):
+        for key, sel in (("compute", c[s]), ("passthrough", ~c[s])):
+            g, v = group[sel], y[s][sel]
+            order = np.argsort(g, kind="stable")
+            g, v = g[order], v[order]
+            starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, np.int64)
+            ends = np.r_[starts[1:], len(g)]
+            errs = [np.abs(np.median(v[a:b]) - v[a:b]) / np.maximum(v[a:b], 1e-12)
+                    for a, b in zip(starts, ends) if b - a >= min_repeats]
+            out[key].append(float(np.concatenate(errs).mean()) if errs else float("nan"))
+    return out
+
+
 def data_description(paths) -> dict:
     """Counts of the data's records by source and kind (image+text or text-only)."""
     counts: dict = {}
@@ -257,4 +341,5 @@ def data_description(paths) -> dict:
 
 
 __all__ = ["VLM_METHODS", "VLM_SIZES", "build_vlm_data", "modality_bounds", "layout_of", "setup",
-           "rows_as_sequences", "stage_observation", "stage_mape"]
+           "rows_as_sequences", "stage_observation", "stage_mape", "stage_computes", "stage_split",
+           "stage_mape_floor"]

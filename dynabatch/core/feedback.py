@@ -43,6 +43,12 @@ that stage's row when the loop first saw the stages (`CostModel.stage_time_rows`
 `CostModel.set_stage_time_coef` (``time_coef`` becomes the rows' mean; ``version`` + 1 per refit).
 Fitted rows that differ make even a uniform-layout model stage-aware, so the planner prices every
 stage (`dynabatch.core.stages`). `FeedbackRow` and `StepError` then also report per-stage MAPE.
+A stage's prior row is 0 where its layout holds none of a feature's layers (no main-stack cost on a
+vision-only stage), and such a coefficient stays 0; ``fit_layout_zeros=True`` fits it too, from 0
+(ridge-pulled towards 0 in units of the largest stage's prior coefficient of that feature), for a
+stage that still pays for the feature: the vision stage of a VLM builds the language-side layout of
+every micro-batch, ``[rows, length]`` index tensors, so its time grows with the micro-batch's tokens
+although it holds no language layer. Features no stage prices stay 0 either way.
 Every rank must feed the loop the same data (``RunnerConfig(gather_timing=True)``) so that all ranks
 refit identically and keep planning the same plan.
 """
@@ -151,7 +157,9 @@ class FeedbackLoop:
     energy). ``stage_reduce``: which stage's time a micro-batch is observed with (``"max"``,
     ``"mean"``, a stage index) or ``"per_stage"`` (every stage's, refitting each stage's coefficients;
     ``prior`` then ``[S, NUM_FEATURES]``, default the model's `CostModel.stage_time_rows` when the loop
-    first sees ``S`` stages). ``min_weight``: observations whose weight decayed below it are dropped;
+    first sees ``S`` stages); ``fit_layout_zeros`` (per-stage only): also fit the coefficients a stage's
+    prior row has at 0 while another stage's has not (see the module docstring). ``min_weight``:
+    observations whose weight decayed below it are dropped;
     ``max_observations``: at most this many are kept (the oldest go first).
     A `ProfiledTable` attached to the model is dropped at the first refit: the linear fit to the
     table is the starting point and measurements take over from there.
@@ -160,7 +168,7 @@ class FeedbackLoop:
     def __init__(self, cost_model: CostModel, *, refit_every: int = 5, forgetting: float = 0.9,
                  huber_k: float = 1.345, irls_iters: int = 10, prior=None, prior_strength: float = 1e-3,
                  stage_reduce: str | int = "max", min_weight: float = 1e-4,
-                 max_observations: int = MAX_OBSERVATIONS):
+                 max_observations: int = MAX_OBSERVATIONS, fit_layout_zeros: bool = False):
         if refit_every < 1:
             raise ValueError("refit_every must be >= 1")
         if not 0.0 < forgetting <= 1.0:
@@ -169,6 +177,8 @@ class FeedbackLoop:
             raise ValueError("stage_reduce must be 'max', 'mean', 'per_stage' or a stage index")
         if max_observations < 1:
             raise ValueError("max_observations must be >= 1")
+        if fit_layout_zeros and stage_reduce != "per_stage":
+            raise ValueError("fit_layout_zeros fits per-stage rows: it needs stage_reduce='per_stage'")
         self._cost = cost_model
         self.refit_every = int(refit_every)
         self.forgetting = float(forgetting)
@@ -179,6 +189,7 @@ class FeedbackLoop:
         self.min_weight = float(min_weight)
         self.max_observations = int(max_observations)
         self.per_stage = stage_reduce == "per_stage"
+        self.fit_layout_zeros = bool(fit_layout_zeros)
         if self.per_stage:  # [S, NUM_FEATURES]; None until the loop sees how many stages there are
             self.prior = None if prior is None else np.array(prior, np.float64)
             if self.prior is not None and (self.prior.ndim != 2 or self.prior.shape[1] != NUM_FEATURES):
@@ -403,9 +414,12 @@ class FeedbackLoop:
         now = self._steps_recorded - 1
         w0 = self._trim(now)
         # one fit per group of observations: all of them, or (per_stage) each stage's own, with its prior
+        units = None  # fit_layout_zeros: a stage's zero prior coefficients, fitted in these units
         if self.per_stage:
             rows = self._cost.stage_time_rows(len(self.prior))
             groups = [(self._sid == s, self.prior[s], rows[s]) for s in range(len(rows))]
+            if self.fit_layout_zeros:
+                units = self.prior.max(axis=0)
         else:
             rows = self._cost.time_coef.copy()[None, :]
             groups = [(np.ones(len(self._y), bool), self.prior, rows[0])]
@@ -413,7 +427,7 @@ class FeedbackLoop:
         for s, (sel, prior, start) in enumerate(groups):
             if (w0[sel] > 0).any():
                 rows[s] = robust_fit(self._phi[sel], self._y[sel], w0[sel], prior, start, huber_k=self.huber_k,
-                                     iters=self.irls_iters, prior_strength=self.prior_strength)
+                                     iters=self.irls_iters, prior_strength=self.prior_strength, scale=units)
             fitted[sel] = self._phi[sel] @ rows[s]
         win = slice(self._window_start, None)
         before = _mape(self._pred[win], self._y[win])

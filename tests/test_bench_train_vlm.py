@@ -1,0 +1,76 @@
+"""``bench train --model vlm-tiny``'s per-stage MAPE: which micro-batches a stage computes on, the split
+figures, their noise floor, the table lines, and dp's per-stage feedback keywords."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dynabatch.bench.train_vlm import (VLM_SIZES, feedback_kwargs, modality_bounds, stage_computes,
+                                       stage_mape_floor, stage_split, uniform_vlm_bounds)
+from dynabatch.core.feedback import FeedbackLoop
+from dynabatch.pipeline import make_model, stage_cost_model
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    m = make_model("vlm-tiny", **VLM_SIZES, seed=0)
+    return m, stage_cost_model(m, 2, "cpu")
+
+
+def test_the_vision_stage_passes_text_only_microbatches_through(vlm):
+    m, cost = vlm
+    phi = cost.padded_features([4, 4, 2], [64, 64, 128], 0, [0, 3, 0])
+    split = stage_computes(m, modality_bounds(m, 2), phi)
+    assert split.tolist() == [[False, True, False], [True, True, True]]
+    # 3 uniform stages: the merge embedding joins the last ViT blocks and the projector on stage 1,
+    # which then computes on every micro-batch; stage 0 (patch embedding, 2 ViT blocks) does not
+    assert uniform_vlm_bounds(m, 3) == [0, 3, 7, 10]
+    assert stage_computes(m, [0, 3, 7, 10], phi).tolist() == [[False, True, False], [True] * 3, [True] * 3]
+
+
+def test_stage_split_and_its_shares():
+    pred = [np.array([[1.0, 2.0, 1.0], [10.0, 10.0, 10.0]])]
+    meas = [np.array([[2.0, 2.0, 0.5], [10.0, 8.0, 10.0]])]
+    comp = [np.array([[False, True, False], [True, True, True]])]
+    out = stage_split(pred, meas, comp)
+    assert out["compute"] == [0.0, pytest.approx(0.25 / 3)]
+    assert out["passthrough"][0] == pytest.approx((0.5 + 1.0) / 2) and math.isnan(out["passthrough"][1])
+    assert out["passthrough_share"] == [pytest.approx(2 / 3), 0.0]
+    assert out["passthrough_time_share"] == [pytest.approx(2.5 / 4.5), 0.0]
+    assert stage_split([], [], [])["compute"] == []
+
+
+def test_stage_mape_floor_is_the_spread_of_identical_microbatches():
+    # 4 identical micro-batches (feature row a) and 2 of row b (too few repeats for a floor)
+    a, b = np.r_[1.0, 2.0], np.r_[3.0, 4.0]
+    phis = [np.array([a, a, b]), np.array([a, b, a])]
+    meas = [np.array([[1.0, 1.2, 5.0], [1.0, 1.0, 1.0]]), np.array([[0.9, 7.0, 1.1], [2.0, 9.0, 1.0]])]
+    comp = [np.array([[True, True, True], [True, True, True]])] * 2
+    floor = stage_mape_floor(phis, meas, comp)
+    med = np.median([1.0, 1.2, 0.9, 1.1])
+    want = np.mean([abs(med - v) / v for v in (1.0, 1.2, 0.9, 1.1)])
+    assert floor["compute"][0] == pytest.approx(want)
+    assert floor["compute"][1] == pytest.approx(np.mean([0, 0, 1 / 2, 0]))  # median 1.0 of 1, 1, 2, 1
+    assert all(math.isnan(x) for x in floor["passthrough"])  # no pass-through micro-batch at all
+
+
+def test_dp_refits_per_stage_with_the_layouts_zeros_free(vlm):
+    kw, mode = feedback_kwargs("dp")
+    assert mode == "per_stage" and kw == {"stage_reduce": "per_stage", "fit_layout_zeros": True}
+    assert feedback_kwargs("dp-blind") == ({"stage_reduce": "max"}, "max")
+    FeedbackLoop(vlm[1], **kw)  # the loop takes them
+
+
+def test_the_table_prints_the_split_per_stage():
+    from dynabatch.bench.train_report import _stage_lines
+
+    m = {"stage_compute_mape_start": [0.6, 0.7], "stage_compute_mape_end": [0.12, 0.05],
+         "stage_compute_mape_floor": [0.1, float("nan")], "stage_passthrough_share": [0.7, 0.0],
+         "stage_passthrough_time_share": [0.05, 0.0], "stage_passthrough_mape_start": [4.0, float("nan")],
+         "stage_passthrough_mape_end": [0.2, float("nan")], "stage_passthrough_mape_floor": [0.17, float("nan")]}
+    (line,) = _stage_lines("dp", m)
+    assert "s0 computing 60.0% -> 12.0% (floor 10.0%)" in line
+    assert "pass-through (70% of its micro-batches, 5.0% of its seconds) 400.0% -> 20.0% (floor 17.0%)" in line
+    assert "s1 computing 70.0% -> 5.0% (floor -)" in line and line.count("pass-through") == 1
+    assert _stage_lines("pack", {"stage_mape_end": [0.1, 0.1]}) == []
