@@ -259,3 +259,30 @@ def test_packed_rows_become_one_sequence_per_row():
     (out,) = rows_as_sequences([mb])
     assert "position_ids" not in out and out["image_tiles"].tolist() == [2, 4]
     assert rows_as_sequences([{"input_ids": 1}]) == [{"input_ids": 1}]
+
+
+def test_bench_train_compares_recompute_policies(tmp_path):
+    """--device-memory-limit: dp+none, dp+full and dp+adaptive at a level below the peak without
+    recomputation; the measured bytes of full and adaptive stay within the limit, none's do not, and
+    every variant trains the same real tokens."""
+    paths = write_text_shards(tmp_path / "data", 160, seed=2)
+    out = run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
+         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    (level,) = doc["levels"]
+    limit = level["device_memory_limit"]
+    assert limit == pytest.approx(0.5 * doc["predicted_peak_without_recompute_bytes"])
+    m = level["methods"]
+    assert set(m) == {"dp+none", "dp+full", "dp+adaptive"}
+    assert len({v["real_tokens"] for v in m.values()}) == 1
+    for name in ("dp+full", "dp+adaptive"):
+        mem = m[name]["memory"]
+        assert mem["fits_measured"] and mem["fits_planned"] and max(mem["measured_peak_bytes"]) <= limit, name
+        assert mem["measured_over_planned"] <= 1.0 + 1e-9
+    assert not m["dp+none"]["memory"]["fits_measured"]
+    assert m["dp+full"]["memory"]["mean_recompute_layers"] == [2.0, 2.0]  # gpt-tiny: 4 blocks, 2 per stage
+    assert sum(m["dp+adaptive"]["memory"]["mean_recompute_layers"]) < 4.0
+    assert m["dp+full"]["step_time_vs_full"] == pytest.approx(1.0)

@@ -316,3 +316,32 @@ def test_plan_command_records_and_reports_recompute(tmp_path, capsys):
     assert any(k[0] > 0 for k in ks) and all(k[-1] <= k[0] for k in ks)
     assert summary["recompute"]["policy"] == "adaptive" and summary["recompute"]["device_memory_limit"] == limit
     assert run.step(int(run.steps[0])).options["recompute_layers"] == ks[0]
+
+
+def test_feedback_refits_the_time_without_recomputation():
+    """Steps run with full recomputation, measured 1.3x slower than the model says: the refit learns the
+    1.3x of the time without recomputation (the planner adds recomputation itself), not 1.3 x (1 + f),
+    which would count the recomputed forward twice in the next plans."""
+    from dynabatch import FeedbackLoop
+    from dynabatch.pipeline import StepTiming
+
+    from dynabatch.core.stage_plan import microbatch_features
+
+    cost = CostModel.preset("gpt", num_stages=2)
+    truth = CostModel.preset("gpt", num_stages=2)  # the model without recomputation, 1.3x slower
+    shapes = _shapes(120, seed=3)
+    opts = PlanOptions(method="dp", num_stages=2, num_ranks=1, recompute="full", device_memory_limit=1e15)
+    f = cost.forward_fraction
+    prior = cost.time_coef.copy()
+    loop = FeedbackLoop(cost, refit_every=1, forgetting=1.0)
+    for step in range(3):
+        plan = plan_microbatches(shapes, cost, opts, step=step)
+        assert plan.options["recompute_layers"] == [4, 4]
+        base = 1.3 * truth.stage_times(microbatch_features(plan, truth), 2)
+        # every layer recomputed: the backward runs the forward once more
+        timings = [StepTiming(step, s, s, 0, f * base[s], (1 - f) * base[s] + f * base[s], 0.0, 1.0)
+                   for s in range(2)]
+        loop.record(plan, timings)
+        loop.maybe_refit()
+    ratio = cost.time_coef[prior > 0] / prior[prior > 0]
+    assert np.allclose(ratio, 1.3, rtol=0.02), ratio

@@ -46,6 +46,7 @@ import numpy as np
 from ..core.options import PlanOptions
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table)
+from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
 
 TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")  # text models; vlm-tiny: VLM_METHODS
@@ -152,8 +153,12 @@ class MethodRun:
                                 stage_cost_model)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
+        base_method, self.recompute = split_variant(method)  # "dp+adaptive": dp with that recompute policy
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
+        if self.recompute is not None:  # fixed stages, their measured memory (see bench.train_recompute)
+            model.to(ctx.device)
+            measured_memory(model, uniform_bounds(model, ctx.num_stages), self.cost, ctx.device)
         self.vlm = None  # vlm-tiny: train_vlm.setup (stage layout, bounds, vision loader, feedback mode)
         if cfg.model == VLM_MODEL:
             from . import train_vlm
@@ -168,9 +173,10 @@ class MethodRun:
         self.scorer = self.feedback or FeedbackLoop(self.cost)
         enc_dec = model.kind == "encoder_decoder"
         # plan_ahead=0: step k+1 is planned after step k's refit, identically on every rank
-        opts = cfg.options.replace(method=vlm.get("plan_method", "dp" if method == "dp-blind" else method),
+        opts = cfg.options.replace(method=vlm.get("plan_method", "dp" if method == "dp-blind" else base_method),
                                    num_stages=ctx.num_stages, num_ranks=ctx.num_replicas,
                                    max_target_len=cfg.options.max_target_len if enc_dec else None)
+        opts = variant_options(opts, self.recompute) if self.recompute else opts
         self.loader = dynabatch.DataLoader(
             list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=self.cost, feedback=self.feedback,
             world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, **vlm.get("loader", {}))
@@ -180,7 +186,7 @@ class MethodRun:
         self._first_data_s = time.perf_counter() - t0
         if self.vlm is not None:
             self.partition, bounds = None, self.vlm["bounds"]
-        elif cfg.partition == "searched" and self._first:
+        elif cfg.partition == "searched" and self._first and self.recompute is None:
             model.to(ctx.device)
             self.partition = search_partition(model.layers, representative(self._first), ctx.num_stages,
                                               schedule=cfg.options.schedule, device=ctx.device)
@@ -193,6 +199,7 @@ class MethodRun:
                                                 config=RunnerConfig(schedule=cfg.options.schedule, gather_timing=True))
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
+        self.memory_rows: list[dict] = []  # recompute variants: per-stage planned and measured peaks
         self.phis, self.ys, self.preds = [], [], []
         self.done = False
 
@@ -220,7 +227,11 @@ class MethodRun:
             self.stage_meas.append(vlm_obs[2])
             self.stage_comp.append(stage_computes(self.model, self.bounds, vlm_obs[0]))
         else:
-            res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer)
+            counts = mbs.plan.options.get("recompute_layers") if self.recompute and mbs.plan is not None else None
+            res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer,
+                                   recompute=counts)
+            if self.recompute:
+                self.memory_rows.append(observe(mbs, res))
         wall = max(t.step_s for t in res.all_timings)
         if self.feedback is not None:
             self.loader.feedback(res)  # record_step against the plan (slowest stage), refit every refit_every
@@ -288,6 +299,10 @@ class MethodRun:
         }
         if feedback is not None and feedback.history:
             out["mape_last_refit_in_sample"] = feedback.history[-1].mape_after_refit
+        if self.recompute is not None:
+            limit = cfg.options.device_memory_limit
+            out["memory"] = {**summarize(self.memory_rows[w:] or self.memory_rows, limit),
+                             "recompute": self.recompute}
         if self.vlm is not None:  # per-stage MAPE: each stage's planned vs measured seconds
             from .train_vlm import stage_mape, stage_mape_floor, stage_split
 
@@ -411,7 +426,8 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     `TrainBenchStopped` with the partial result of the steps done so far."""
     from ..pipeline import count_parameters, launch_local, make_model
 
-    unknown = set(cfg.methods) - set(TRAIN_METHODS) - {"dp-blind", "group_by_length", "kk", "rebalance"}
+    unknown = (set(cfg.methods) - set(TRAIN_METHODS) - set(RECOMPUTE_VARIANTS)
+               - {"dp-blind", "group_by_length", "kk", "rebalance"})
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}")
     if cfg.model == VLM_MODEL:  # a fixed split: vision | language ("searched", the text models' default, maps here)

@@ -258,6 +258,11 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one micro-batch may use on one stage (17e9, 16GiB, 800MB; default: the "
                         "cost model's)")
+    p.add_argument("--device-memory-limit", nargs="+", default=None, metavar="LEVEL",
+                   help="compare recomputation instead of methods: at each level (bytes of activations a device "
+                        "may hold, e.g. 12MB, or a fraction of dp's predicted peak without recomputation, e.g. "
+                        "0.6x) train dp+none, dp+full and dp+adaptive (the planner's per-stage choice) "
+                        "interleaved; text models, uniform stages")
     p.add_argument("--partition", choices=("searched", "uniform", "modality"), default=None,
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest; the text models' default) or uniform "
@@ -301,6 +306,24 @@ def _cmd_bench_train(args) -> int:
                            partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
                            timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
+    if args.device_memory_limit:
+        from .train_recompute import format_recompute_table, run_recompute_bench
+
+        if vlm:
+            print("dynabatch bench train: --device-memory-limit compares recomputation on gpt-tiny or t5-tiny",
+                  file=sys.stderr)
+            return 2
+        try:
+            doc = run_recompute_bench(cfg, args.device_memory_limit, verbose=args.verbose,
+                                      generated_samples=args.generated_samples, out=args.out)
+        except TrainBenchStopped as e:
+            print(f"dynabatch {e}", file=sys.stderr)
+            return e.exit_code
+        except (ValueError, RuntimeError) as e:
+            print(f"dynabatch bench train: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(doc, default=float) if args.json else format_recompute_table(doc))
+        return 0
     try:
         result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out)
     except TrainBenchStopped as e:

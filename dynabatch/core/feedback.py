@@ -51,6 +51,9 @@ every micro-batch, ``[rows, length]`` index tensors, so its time grows with the 
 although it holds no language layer. Features no stage prices stay 0 either way.
 Every rank must feed the loop the same data (``RunnerConfig(gather_timing=True)``) so that all ranks
 refit identically and keep planning the same plan.
+A plan that recomputes activations (``options["recompute_layers"]``, `dynabatch.core.recompute`) is
+observed without its recomputation: the cost model prices a micro-batch without it and the planner
+adds it, so the recomputed share of each stage's measured forward is taken off its measured time.
 """
 
 from __future__ import annotations
@@ -249,12 +252,15 @@ class FeedbackLoop:
             by_replica.setdefault(int(t.replica), []).append(t)
         if self.per_stage:
             self._stages_seen(plan.num_stages)
+        rho = self._recomputed_share(plan)
         idx, y, sid = [], [], []
         for d, ts in sorted(by_replica.items()):
             mbs = np.flatnonzero(plan.mb_rank == d)
             per_stage = {}
             for t in ts:
                 v = np.asarray(t.compute_s, np.float64)
+                if rho is not None and rho[int(t.stage)] > 0:  # the recomputed forward ran in the backward
+                    v = v - rho[int(t.stage)] * np.asarray(t.forward_s, np.float64)
                 if len(v) != len(mbs) and not (placeholders and len(v) > len(mbs)):
                     raise ValueError(f"stage {int(t.stage)} of replica {d} timed {len(v)} micro-batches; "
                                      f"the plan has {len(mbs)}")
@@ -283,10 +289,31 @@ class FeedbackLoop:
 
     def _planned(self, plan: BatchPlan, idx, sid) -> np.ndarray:
         """The plan's own prediction of each observation: its stage's ``stage_time_s`` when the plan has
-        them (and the observation a stage), else ``mb_time_s``."""
+        them (and the observation a stage), else ``mb_time_s``; without the recomputation it priced."""
+        rho = self._recomputed_share(plan)
+        if rho is not None and plan.stage_time_s is not None:
+            base = np.asarray(plan.stage_time_s, np.float64) / (1.0 + rho * self._cost.forward_fraction)[:, None]
+            return base[sid, idx] if self.per_stage else base.max(axis=0)[idx]
         if self.per_stage and plan.stage_time_s is not None:
             return np.asarray(plan.stage_time_s, np.float64)[sid, idx]
         return np.asarray(plan.mb_time_s, np.float64)[idx]
+
+    def _recomputed_share(self, plan: BatchPlan) -> np.ndarray | None:
+        """Per stage, the share of its recomputable layers the plan recomputes (None without any).
+
+        The loop fits the cost model's time *without* recomputation (the planner adds it, see
+        `dynabatch.core.recompute`): a stage that recomputed share ``rho`` ran ``rho`` of its forward a
+        second time inside the backward, so ``rho x`` its measured forward seconds are taken off its
+        measured time, and the plan's prediction is divided by ``1 + rho x forward share`` (the
+        recomputed forward priced on the whole stage time: fixed per-micro-batch terms are small)."""
+        ks = (plan.options or {}).get("recompute_layers")
+        if not ks or not any(ks):
+            return None
+        from .recompute import stage_memory_of
+
+        n = np.asarray(stage_memory_of(self._cost, plan.num_stages).layers, np.float64)
+        k = np.asarray(ks, np.float64)
+        return np.where(n > 0, np.minimum(k, n) / np.where(n > 0, n, 1.0), 0.0)
 
     def _stages_seen(self, S: int) -> None:
         """Fix the per-stage prior (the model's rows) the first time ``S`` stages are seen."""
