@@ -88,6 +88,9 @@ def _add_bench_plan(sub) -> None:
                         "--method/--method-option here")
     p.add_argument("--reference", action="store_true",
                    help="also time the pure-Python DP reference on the first batch (slow)")
+    p.add_argument("--flush-free", nargs="*", type=int, metavar="S", default=None,
+                   help="also simulate the dp plans flush-free (asynchronous 1F1B across steps, PipeOptim) at these "
+                        "pipeline depths (default 4 8): flushed vs flush-free step time, the fill/drain share removed")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="write bars per method and a per-rank timeline")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -122,6 +125,13 @@ def _cmd_bench_plan(args) -> int:
                                    reference=args.reference)
     if args.plot:
         plot(result, plans, args.plot)
+    if args.flush_free is not None:
+        from .bench.flushfree import format_flushfree, run_flushfree_bench
+
+        result["flush_free"] = run_flushfree_bench(
+            shapes, label=data, model=args.model, device=args.device, stages=tuple(args.flush_free or (4, 8)),
+            num_ranks=options.num_ranks, global_batch_tokens=options.global_batch_tokens or 65536,
+            max_len=options.max_len, max_target_len=options.max_target_len or 512, num_batches=args.batches or None)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -132,6 +142,8 @@ def _cmd_bench_plan(args) -> int:
                   f"pure-Python reference {r['dp_reference_ms']:.0f} ms, same partition: {r['same_partition']}")
         if args.plot:
             print(f"plot written to {args.plot}")
+        if "flush_free" in result:
+            print("\n" + format_flushfree(result["flush_free"]))
     return 0
 
 

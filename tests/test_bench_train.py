@@ -286,3 +286,42 @@ def test_bench_train_compares_recompute_policies(tmp_path):
     assert m["dp+full"]["memory"]["mean_recompute_layers"] == [2.0, 2.0]  # gpt-tiny: 4 blocks, 2 per stage
     assert sum(m["dp+adaptive"]["memory"]["mean_recompute_layers"]) < 4.0
     assert m["dp+full"]["step_time_vs_full"] == pytest.approx(1.0)
+
+
+def test_bench_train_flush_free_variants(tmp_path):
+    """--flush-free: dp/sync against the three flush-free streams; the same global batches and real
+    tokens, every variant trains, the weight memory is reported (stash and predict hold copies)."""
+    paths = write_text_shards(tmp_path / "data", 160, seed=4)
+    out = run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "6",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free",
+         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    m = res["methods"]
+    assert set(m) == {"dp/sync", "dp/stale", "dp/stash", "dp/predict"}
+    per_step = {name: [r["real_tokens"] for r in v["per_step"]] for name, v in m.items()}
+    assert len({tuple(v) for v in per_step.values()}) == 1 and all(v["steps"] == 6 for v in m.values())
+    # the first step of a stream runs with the initial weights everywhere: the same loss as sync
+    first = {name: v["per_step"][0]["loss"] for name, v in m.items()}
+    assert max(first.values()) - min(first.values()) < 1e-5
+    assert m["dp/sync"]["weight_extra_bytes"] == 0 and m["dp/stale"]["weight_extra_bytes"] == 0
+    assert m["dp/stash"]["weight_extra_bytes"] > 0 and m["dp/predict"]["weight_extra_bytes"] > 0
+    from dynabatch.bench.train_flushfree import summarize
+
+    conv = summarize(m)
+    assert all(abs(c["mean_vs_sync"] - 1) < 0.05 for c in conv.values())
+
+
+def test_flush_free_plans_keep_the_cuts_and_record_the_steady_state():
+    from dynabatch import Shapes, plan_microbatches
+    from dynabatch.core.flushfree import flushfree_report
+
+    rng = np.random.default_rng(0)
+    shapes = Shapes.from_lengths(rng.integers(64, 2000, 300))
+    cost = CostModel.preset("gpt", num_stages=4)
+    flushed = plan_microbatches(shapes, cost, num_stages=4, num_ranks=4)
+    free = plan_microbatches(shapes, cost, num_stages=4, num_ranks=4, flush=False)
+    assert np.array_equal(flushed.sample_ids, free.sample_ids) and free.options["flush"] is False
+    ss = free.options["flushfree_step_s"]
+    assert ss == pytest.approx(flushfree_report([flushed], cost).flushfree_s[0]) and ss < flushed.iteration_time_s

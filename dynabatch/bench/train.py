@@ -46,6 +46,7 @@ import numpy as np
 from ..core.options import PlanOptions
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table)
+from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
 
@@ -88,6 +89,7 @@ class TrainBenchConfig:
     model_sizes: dict = field(default_factory=dict)
     index: str | None = None  # length index Parquet (built by run_train_bench)
     text_fraction: float = 0.5  # vlm-tiny's generated mix: share of FLAN text-only records
+    flush_window: int = 10  # flush-free variants: steps run as one stream between flushes
 
     def resolved_sizes(self) -> dict:
         return {**MODEL_SIZES[self.model], **self.model_sizes}
@@ -153,7 +155,8 @@ class MethodRun:
                                 stage_cost_model)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
-        base_method, self.recompute = split_variant(method)  # "dp+adaptive": dp with that recompute policy
+        base_method, self.flush_kind = split_flush(method)  # "dp/predict": dp, flush-free with prediction
+        base_method, self.recompute = split_variant(base_method)  # "dp+adaptive": dp with that recompute policy
         model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
         self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
         if self.recompute is not None:  # fixed stages, their measured memory (see bench.train_recompute)
@@ -195,27 +198,57 @@ class MethodRun:
             self.partition = None
             bounds = uniform_bounds(model, ctx.num_stages)
         self.bounds = [int(b) for b in bounds]
-        self.runner = PipelineRunner.from_model(model, ctx, bounds,
-                                                config=RunnerConfig(schedule=cfg.options.schedule, gather_timing=True))
+        self.runner = PipelineRunner.from_model(model, ctx, bounds, config=RunnerConfig(
+            **{"schedule": cfg.options.schedule, "gather_timing": True, **runner_options(self.flush_kind)}))
+        self._pending: list = []  # flush-free variants: the window's (step, result) pairs not reported yet
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
         self.memory_rows: list[dict] = []  # recompute variants: per-stage planned and measured peaks
         self.phis, self.ys, self.preds = [], [], []
         self.done = False
 
-    def step(self, k: int) -> dict | None:
-        """Train one step; None when the data is exhausted."""
+    def _next(self):
+        """The loader's next step and the seconds waited for it (None at the end of the data)."""
         t0 = time.perf_counter()
         if self._first is not None:
             mbs, self._first = self._first, None
-            t_data = self._first_data_s
-        else:
-            mbs = next(self._it, None)
-            t_data = time.perf_counter() - t0
+            return mbs, self._first_data_s
+        return next(self._it, None), time.perf_counter() - t0
+
+    def _stream(self):
+        """A flush-free variant's next step: a window of ``cfg.flush_window`` steps runs as one stream
+        when none is pending. Returns (step, its StepResult, data seconds) or None."""
+        from ..pipeline import batch_shapes
+
+        if not self._pending:
+            window = []
+            while len(window) < self.cfg.flush_window:
+                mbs, t_data = self._next()
+                if mbs is None:
+                    break
+                window.append((mbs, t_data))
+            if not window:
+                return None
+            res = self.runner.run_steps([(batch_shapes(m, self.loader.collation), m) for m, _ in window],
+                                        optimizer=self.optimizer, num_tokens=[m.target_tokens for m, _ in window])
+            self._pending = [(m, r, t) for (m, t), r in zip(window, res)]
+        return self._pending.pop(0)
+
+    def step(self, k: int) -> dict | None:
+        """Train one step; None when the data is exhausted."""
+        from ..pipeline import batch_shapes
+
+        if self.flush_kind not in (None, "sync"):
+            got = self._stream()
+            if got is None:
+                self.done = True
+                return None
+            mbs, res, t_data = got
+            return self._row(k, mbs, res, t_data, float(res.timing.step_s))
+        mbs, t_data = self._next()
         if mbs is None:
             self.done = True
             return None
-        from ..pipeline import batch_shapes
 
         if self.vlm is not None:
             from .train_vlm import rows_as_sequences, stage_computes, stage_observation
@@ -232,7 +265,10 @@ class MethodRun:
                                    recompute=counts)
             if self.recompute:
                 self.memory_rows.append(observe(mbs, res))
-        wall = max(t.step_s for t in res.all_timings)
+        return self._row(k, mbs, res, t_data, max(t.step_s for t in res.all_timings), vlm_obs if self.vlm else None)
+
+    def _row(self, k, mbs, res, t_data, wall, vlm_obs=None) -> dict:
+        """Score one trained step (MAPE; feedback refit for dp) and keep its row."""
         if self.feedback is not None:
             self.loader.feedback(res)  # record_step against the plan (slowest stage), refit every refit_every
         else:
@@ -295,6 +331,7 @@ class MethodRun:
             "bounds": self.bounds,
             "partition_makespan_s": self.partition.makespan_s if self.partition is not None else None,
             "knobs": {"method": self.method, "collation": self.loader.collation, "method_options": "planner defaults"},
+            "weight_extra_bytes": float(self.runner._wp.peak_bytes) if getattr(self.runner, "_wp", None) else 0.0,
             "per_step": rows,
         }
         if feedback is not None and feedback.history:
@@ -426,7 +463,7 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     `TrainBenchStopped` with the partial result of the steps done so far."""
     from ..pipeline import count_parameters, launch_local, make_model
 
-    unknown = (set(cfg.methods) - set(TRAIN_METHODS) - set(RECOMPUTE_VARIANTS)
+    unknown = (set(cfg.methods) - set(TRAIN_METHODS) - set(RECOMPUTE_VARIANTS) - set(FLUSH_VARIANTS)
                - {"dp-blind", "group_by_length", "kk", "rebalance"})
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}")

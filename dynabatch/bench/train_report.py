@@ -263,6 +263,12 @@ def add_bench_train_command(bench_sub) -> None:
                         "may hold, e.g. 12MB, or a fraction of dp's predicted peak without recomputation, e.g. "
                         "0.6x) train dp+none, dp+full and dp+adaptive (the planner's per-stage choice) "
                         "interleaved; text models, uniform stages")
+    p.add_argument("--flush-free", action="store_true",
+                   help="compare dp/sync (a flush per global batch) with flush-free asynchronous 1F1B streams of "
+                        "--flush-window steps: dp/stale (stale weights), dp/stash (the forward's weights stashed "
+                        "for the backward) and dp/predict (AdamW's update predicted, PipeOptim); no refits")
+    p.add_argument("--flush-window", type=int, default=10, metavar="N",
+                   help="steps one flush-free stream runs between flushes (default 10)")
     p.add_argument("--partition", choices=("searched", "uniform", "modality"), default=None,
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest; the text models' default) or uniform "
@@ -297,6 +303,10 @@ def _cmd_bench_train(args) -> int:
 
     vlm = args.model == VLM_MODEL
     sizes = {"hidden": args.hidden} if args.hidden else {}
+    if args.flush_free:
+        from .train_flushfree import FLUSH_VARIANTS
+
+        args.methods = list(FLUSH_VARIANTS)
     options = default_train_options().replace(
         num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
         max_target_len=args.max_target_len, schedule=args.schedule, seed=args.seed, memory_limit=args.memory_limit)
@@ -305,6 +315,7 @@ def _cmd_bench_train(args) -> int:
                            backend=args.backend, refit_every=args.refit_every,
                            partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
                            timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
+                           flush_window=args.flush_window,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     if args.device_memory_limit:
         from .train_recompute import format_recompute_table, run_recompute_bench
@@ -338,6 +349,10 @@ def _cmd_bench_train(args) -> int:
         print(json.dumps(result, default=float))
     else:
         print(format_table(result))
+        if args.flush_free:
+            from .train_flushfree import format_flush_table
+
+            print("\n" + format_flush_table(result))
     return 0
 
 

@@ -30,6 +30,9 @@ steps and micro-batches):
                            --device-memory-limit; the first stages of 1F1B hold the most)
   --device-memory-limit B  activation bytes one device may hold at once (all micro-batches in
                            flight); with it every policy is checked against the limit
+  --no-flush               steps stream flush-free (asynchronous 1F1B across steps, the runner's
+                           run_steps with flush=False); each plan records its simulated
+                           steady-state step time (flushfree_step_s)
   --seed K                 epoch e shuffles with seed K + e
   --no-shuffle             global batches in sample-id order (evaluation); the DataLoader's
                            shuffle=False
@@ -118,6 +121,9 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
     g.add_argument("--device-memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one device may hold at once, every micro-batch in flight together "
                         "(e.g. 40GiB); needed by --recompute adaptive, checked for every policy when given")
+    g.add_argument("--no-flush", dest="flush", action="store_false",
+                   help="plan for flush-free streaming of steps (asynchronous 1F1B): each step also records its "
+                        "simulated steady-state time")
     g.add_argument("--max-caps", type=int, default=48, metavar="N",
                    help="candidate caps on the largest micro-batch the dp search tries (default 48)")
     g.add_argument("--seed", type=int, default=0, metavar="K",
@@ -156,6 +162,7 @@ def plan_options_from_args(args, *, max_len: int | None = None, method: str | No
                        max_target_len=args.max_target_len, method=method, method_options=knobs,
                        num_stages=args.stages, num_ranks=args.ranks, schedule=args.schedule,
                        memory_limit=args.memory_limit, recompute=getattr(args, "recompute", "none"),
-                       device_memory_limit=getattr(args, "device_memory_limit", None), seed=args.seed, shuffle=getattr(args, "shuffle", True),
+                       device_memory_limit=getattr(args, "device_memory_limit", None),
+                       flush=getattr(args, "flush", True), seed=args.seed, shuffle=getattr(args, "shuffle", True),
                        drop_last=args.drop_last,
                        max_caps=args.max_caps)

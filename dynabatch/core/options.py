@@ -21,6 +21,8 @@ every benchmark read the same record, so one name means one thing everywhere:
                          (`dynabatch.core.recompute`): ``none``, ``full`` or ``adaptive``
 ``device_memory_limit``  activation bytes one device (stage) may hold at once, all micro-batches
                          in flight together (None: unchecked; ``adaptive`` recompute needs it)
+``flush``                True: every step ends with a pipeline flush (fill/drain priced per step);
+                         False: steps stream flush-free (asynchronous 1F1B, `dynabatch.core.flushfree`)
 ``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
 ``shuffle``              permute the samples each epoch (False: global batches in sample-id order)
 ``drop_last``            drop each epoch's final global batch when it is smaller than the others
@@ -146,6 +148,7 @@ class PlanOptions:
     memory_limit: float | None = None
     recompute: str = "none"
     device_memory_limit: float | None = None
+    flush: bool = True
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
@@ -179,7 +182,7 @@ class PlanOptions:
         if not isinstance(self.method_options, Mapping):
             raise TypeError(f"method_options must be a mapping, got {type(self.method_options).__name__}")
         object.__setattr__(self, "method_options", MappingProxyType(dict(self.method_options)))
-        for name in ("shuffle", "drop_last", "equal_microbatches"):
+        for name in ("shuffle", "drop_last", "equal_microbatches", "flush"):
             if not isinstance(getattr(self, name), (bool, int)):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))

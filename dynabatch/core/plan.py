@@ -167,7 +167,23 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
 
 
 def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int) -> BatchPlan:
-    """`plan_microbatches` without recomputation."""
+    """`plan_microbatches` without recomputation. Flush-free (``flush=False``) the cuts, ranks and order
+    are the same (the flushed objective's ``(S-1) x max`` term still stands for the 1F1B round trip a
+    large micro-batch stalls in steady state: planning on ``sum/R`` alone gave 4x larger micro-batches
+    and a 31% slower steady state on FLAN-like gpt steps), and the plan records its simulated
+    steady-state step time in a stream of itself (``options["flushfree_step_s"]``,
+    `dynabatch.core.flushfree.flushfree_report`)."""
+    plan = _plan_flushed(shapes, cost_model, options, step)
+    if options.flush:
+        return plan
+    from .flushfree import flushfree_report
+
+    rep = flushfree_report([plan], cost_model, shapes=shapes)  # a stream of this plan: its steady state
+    return dataclasses.replace(plan, options={**plan.options, "flush": False,
+                                              "flushfree_step_s": float(rep.flushfree_s[0])})
+
+
+def _plan_flushed(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int) -> BatchPlan:
     method, num_ranks, num_stages = options.method, options.num_ranks, options.num_stages
     max_len, max_target_len = options.max_len, options.max_target_len
     method_options = dict(options.method_options)
@@ -188,7 +204,8 @@ def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int
             raise TypeError(f"method {method!r} takes no options {sorted(unknown)}")
         if cost_model.stage_aware:  # per-stage path: the better of the DP's stage surrogates, by simulation
             return _plan_stage_candidates(shapes, cost_model, options, main, dec, tiles, limit, step, method_options)
-        grouping = _dp_grouping(cost_model, shapes.sample_id, main, dec, tiles, collation, limit, num_ranks, num_stages,
+        grouping = _dp_grouping(cost_model, shapes.sample_id, main, dec, tiles, collation, limit, num_ranks,
+                                num_stages,
                                 options.max_caps, method_options.get("order"), options.equal_microbatches)
     else:
         grouping = _baseline_grouping(method, cost_model, main, dec, tiles, num_ranks, max_len, max_target_len,

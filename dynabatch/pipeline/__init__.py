@@ -4,7 +4,8 @@
   `search_partition` profiles the layers and agrees on one split across ranks).
 * `schedule`: per-stage op orders (GPipe, 1F1B, memory-aware adaptive) and NCCL-safe communication programs.
 * `comm`: process groups (`init_pipeline` -> `DistContext`) and point-to-point transfers (`P2P`).
-* `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`.
+* `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`; `run_steps` runs several
+  steps, flush-free with ``RunnerConfig(flush=False)`` (`weight_prediction`: `WeightPredictor`).
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
   fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
@@ -46,6 +47,7 @@ from .schedule import (
     stage_orders,
 )
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
+from .weight_prediction import WeightPredictor
 from .vlm import (VisionLanguageModel, merged_length, placeholder_mask, vision_calls, vlm_batch_shapes, vlm_tiny,
                   with_placeholders)
 
@@ -57,7 +59,7 @@ __all__ = [
     "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
     "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
     "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
-    "batch_shapes", "representative", "stage_cost_model", "SavedBytes", "measured_stage_memory",
+    "batch_shapes", "representative", "stage_cost_model", "SavedBytes", "measured_stage_memory", "WeightPredictor",
     "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
     "with_placeholders",
 ]

@@ -14,9 +14,10 @@ whatever the micro-batch sizes — not a mean of per-micro-batch means.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -57,6 +58,13 @@ class RunnerConfig:
     one count per stage (the first k recomputable layers run under ``torch.utils.checkpoint``; see
     `dynabatch.core.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
     for backward (`dynabatch.pipeline.memory.SavedBytes`) and report the step's peak.
+    ``flush``: False makes `run_steps` run its steps as one asynchronous 1F1B stream (PipeOptim): stage
+    ``s`` starts the next step's forwards while later stages finish this one, and applies its update
+    as soon as its part of a step is done. ``weight_prediction`` then says what a forward whose
+    backward comes after an update computes with: None (the current, stale weights), ``"stash"``
+    (the backward gets the forward's version back) or ``"predict"`` (the weights predicted from the
+    optimizer's own rule, `dynabatch.pipeline.weight_prediction.WeightPredictor`, with future
+    gradients from ``prediction_gradient``).
     """
 
     schedule: str = "auto"
@@ -67,10 +75,17 @@ class RunnerConfig:
     check_plan: bool = True
     recompute: str | tuple[int, ...] = "auto"
     measure_memory: bool = True
+    flush: bool = True
+    weight_prediction: str | None = None
+    prediction_gradient: str = "last"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.weight_prediction not in (None, "none", "stash", "predict"):
+            raise ValueError(f"weight_prediction must be None, 'stash' or 'predict', got {self.weight_prediction!r}")
+        if not self.flush and self.schedule not in ("auto", "1f1b"):
+            raise ValueError(f"flush=False runs asynchronous 1F1B; schedule={self.schedule!r} is not 1f1b")
         r = self.recompute
         if isinstance(r, str):
             if r not in ("auto", "none", "full"):
@@ -118,7 +133,9 @@ class StepResult:
     divided by ``num_tokens`` (real target tokens over all ranks), identical on every rank.
     ``planned_peak_bytes``: the plan's predicted peak of held activation bytes on this rank's stage
     (``options["stage_peak_bytes"]``; None when the plan has none), beside the measured
-    ``timing.peak_saved_bytes``."""
+    ``timing.peak_saved_bytes``. ``weight_extra_bytes`` (flush-free runs): the most bytes the weight
+    handling held beyond the weights (stashed versions, the backup of a predicted swap, a gradient
+    copy; `WeightPredictor.peak_bytes`)."""
 
     step: int
     loss: float
@@ -126,6 +143,23 @@ class StepResult:
     timing: StepTiming
     all_timings: tuple[StepTiming, ...] | None = None
     planned_peak_bytes: float | None = None
+    weight_extra_bytes: float | None = None
+
+
+@dataclass
+class _Stream:
+    """A flush-free stream of steps on this stage (see `PipelineRunner.run_steps`): each step's exclusive
+    end in the concatenated micro-batches, the update lag of every micro-batch on every stage, each
+    step's global real target tokens, the stage's `WeightPredictor`, this rank's loss sums per step,
+    how many updates are done and when (``perf_counter``)."""
+
+    ends: np.ndarray
+    lags: np.ndarray
+    tokens: np.ndarray
+    predictor: object
+    loss: np.ndarray
+    done: int = 0
+    update_t: list = field(default_factory=list)
 
 
 class _Clock:
@@ -301,11 +335,126 @@ class PipelineRunner:
         progress for ``timeout_s`` while others wait on it, or dies, ends every other rank with a
         `PipelineAborted` naming it and what it was doing (see `dynabatch.pipeline.failure`).
         """
+        if not self.config.flush:
+            raise ValueError("RunnerConfig(flush=False): give the steps to run_steps(...), which runs them as one "
+                             "asynchronous stream")
+        return self._guarded(lambda: self._step(plan, batches, optimizer, collation, recompute))
+
+    def run_steps(self, steps, *, optimizer: torch.optim.Optimizer, num_tokens=None,
+                  collation: str | None = None) -> list[StepResult]:
+        """Train several steps: ``steps`` is a sequence of ``(plan, batches)`` pairs as `step` takes them
+        (a plan or this replica's shapes, and its micro-batch dictionaries). Returns one `StepResult` each.
+
+        ``RunnerConfig(flush=True)`` (the default): `step` after `step`. ``flush=False``: the steps'
+        micro-batches run as one 1F1B stream without a flush between steps. After the backward of a
+        step's last micro-batch on this stage, the stage all-reduces its gradients over the
+        data-parallel replicas, divides them by that step's ``num_tokens`` and calls
+        ``optimizer.step()``, while earlier stages already run the next step's forwards. A forward
+        whose backward comes after ``lag`` updates (`dynabatch.core.flushfree.update_lag`) computes
+        with the weights `RunnerConfig.weight_prediction` says. ``num_tokens``: each step's real
+        target tokens over all ranks (the loss normalizer; a loader `Step`'s ``target_tokens``),
+        required: no stage may wait for the last stage's count before its own update. The per-step
+        losses are all-reduced once, at the end of the stream, so they are the same on every rank.
+        Recomputation follows ``RunnerConfig.recompute`` for the whole stream. ``gather_timing`` is
+        not supported here; each result's ``timing.step_s`` is the time between this stage's updates."""
+        steps = list(steps)
+        if self.config.flush:
+            return [self.step(p, b, optimizer=optimizer, collation=collation) for p, b in steps]
+        if optimizer is None:
+            raise ValueError("run_steps with flush=False needs the stage's optimizer (it updates inside the stream)")
+        if num_tokens is None or len(num_tokens) != len(steps):
+            raise ValueError(f"run_steps with flush=False needs num_tokens: the real target tokens of each of the "
+                             f"{len(steps)} steps over all ranks")
+        if not steps:
+            return []
+        shapes, batches, ends = [], [], []
+        for plan, b in steps:
+            sh = self._shapes(plan, collation)
+            if not sh:
+                raise ValueError(f"replica {self.ctx.replica} has no micro-batches in step {len(ends)} of the stream")
+            shapes += sh
+            batches += list(b) if b is not None else [None] * len(sh)
+            ends.append(len(shapes))
+        from ..core.flushfree import update_lag
+
+        ends = np.asarray(ends, np.int64)
+        stream = _Stream(ends, update_lag(ends, self.ctx.num_stages), np.asarray(num_tokens, np.float64),
+                         self._predictor(optimizer), np.zeros(len(ends)))
+        needs_data = self.stage.is_first or self.stage.is_last
+        return self._guarded(lambda: self._step(shapes, batches if needs_data else None, optimizer, None, None,
+                                                stream))
+
+    def _predictor(self, optimizer):
+        """The stage's `WeightPredictor` for ``optimizer`` (made once; ``none`` keeps only the aliasing)."""
+        from .weight_prediction import WeightPredictor
+
+        mode = self.config.weight_prediction or "none"
+        wp = getattr(self, "_wp", None)
+        if wp is None or wp.optimizer is not optimizer or wp.mode != mode:
+            if wp is not None:
+                wp.close()
+            wp = WeightPredictor(optimizer, mode, gradient=self.config.prediction_gradient)
+            self._wp = wp
+        return wp
+
+    def _stream_update(self, stream, params, optimizer) -> None:
+        """This stage's update at the end of step ``stream.done`` of a flush-free stream."""
+        ctx, mon, k = self.ctx, self.ctx.monitor, stream.done
+        s = ctx.stage
+        mon.set_state("busy", f"updating stage {s} after step {self.step_index + k} of the stream")
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        scale = 1.0 / max(float(stream.tokens[k]), 1.0)
+        if grads and ctx.num_replicas > 1:
+            flat = _flatten_dense_tensors(grads)
+            self._in_comm = True
+            self._wait([dist.all_reduce(flat, group=ctx.dp_group, async_op=True)],
+                       f"in the gradient all-reduce of stream step {self.step_index + k} (waiting for stage {s} "
+                       f"of every replica)", [ctx.global_rank(s, d) for d in range(ctx.num_replicas)])
+            self._in_comm = False
+            flat.mul_(scale)
+            for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(r)
+        elif grads:
+            torch._foreach_mul_(grads, scale)
+        optimizer.step()
+        for p in params:
+            p.grad = None
+        stream.update_t.append(time.perf_counter())
+        stream.done += 1
+
+    def _stream_results(self, stream, fwd_s, bwd_s, saved_b, wait_s, t_step) -> list[StepResult]:
+        ctx, K = self.ctx, len(stream.ends)
+        if stream.done != K:
+            raise RuntimeError(f"internal error: the stream updated {stream.done} of its {K} steps")
+        losses = torch.tensor(stream.loss, dtype=torch.float64, device=ctx.device)
+        self._in_comm = True
+        self._wait([dist.all_reduce(losses, async_op=True)], "in the loss all-reduce at the end of a flush-free "
+                                                             "stream (waiting for every rank)", range(ctx.world_size))
+        self._in_comm = False
+        losses = losses.cpu().numpy()
+        starts = np.concatenate(([0], stream.ends[:-1]))
+        marks = [t_step] + stream.update_t
+        out = []
+        for k, (a, b) in enumerate(zip(starts, stream.ends)):
+            timing = StepTiming(self.step_index + k, ctx.rank, ctx.stage, ctx.replica, fwd_s[a:b].copy(),
+                                bwd_s[a:b].copy(), wait_s / K, marks[k + 1] - marks[k],
+                                None if saved_b is None else saved_b[a:b].copy(), 0.0, int(self.stage.recompute))
+            n = float(stream.tokens[k])
+            out.append(StepResult(self.step_index + k, float(losses[k]) * (1.0 / max(n, 1.0)), int(round(n)), timing, None,
+                                  None, float(stream.predictor.peak_bytes)))
+        self.step_index += K
+        return out
+
+    def _guarded(self, run):
         mon = self.ctx.monitor
         mon.raise_if_failed()
         mon.enter()
         try:
-            return self._step(plan, batches, optimizer, collation, recompute)
+            return run()
         except BaseException as e:  # publish (root cause) or translate (consequence), then end the step
             out = mon.report(e, comm_error=self._in_comm)
             if out is e:
@@ -340,7 +489,9 @@ class PipelineRunner:
         return spec_in[m.microbatch] if m.kind == "act" else \
             [sp for sp in spec_out[m.microbatch] if sp.requires_grad]
 
-    def _step(self, plan, batches, optimizer, collation, recompute) -> StepResult:
+    def _step(self, plan, batches, optimizer, collation, recompute, stream=None):
+        """One step, or with ``stream`` (`_Stream`, from `run_steps`) several steps' micro-batches as one
+        1F1B program with an update at each step's end on this stage (returns a list of StepResult)."""
         t_step = time.perf_counter()
         ctx, stage, mon = self.ctx, self.stage, self.ctx.monitor
         s, k = ctx.stage, self.step_index
@@ -383,6 +534,7 @@ class PipelineRunner:
         tokens = torch.zeros((), dtype=torch.float64, device=ctx.device)
         data = [None] * M
 
+        wp = None if stream is None else stream.predictor
         for ins in program:
             mon.raise_if_failed()
             if isinstance(ins, Post):
@@ -420,22 +572,27 @@ class PipelineRunner:
                     x = bufs[0] if len(bufs) == 1 else tuple(bufs)
                 mon.set_state("busy", f"in forward of micro-batch {j} of step {k}")
                 t0 = clock.start()
+                meter = SavedBytes(self._param_ptrs) if metered else None
+                if wp is not None:  # flush-free: the weights this forward computes with, and aliasing hooks
+                    hooks = wp.forward(j, int(stream.lags[s, j]), pack=meter.pack if metered else None,
+                                       unpack=meter.unpack if metered else None)
+                else:
+                    hooks = meter.hooks() if metered else contextlib.nullcontext()
+                stage.meter = meter
+                try:
+                    with hooks:
+                        out = stage(x, data[j])
+                finally:
+                    stage.meter = None
                 if metered:
-                    meter = SavedBytes(self._param_ptrs)
-                    stage.meter = meter
-                    try:
-                        with meter.hooks():
-                            out = stage(x, data[j])
-                    finally:
-                        stage.meter = None
                     saved_b[j] = meter.bytes
                     held_b += meter.bytes
                     peak_b = max(peak_b, held_b)
-                else:
-                    out = stage(x, data[j])
                 clock.stop(t0, fwd_s, j)
                 if stage.is_last:
                     loss_j, ntok_j = out
+                    if stream is not None:
+                        stream.loss[int(np.searchsorted(stream.ends, j, side="right"))] += float(loss_j.detach())
                     loss_sum += loss_j.detach().to(torch.float64)
                     tokens += torch.as_tensor(ntok_j, device=ctx.device).to(torch.float64)
                     saved[j] = (inputs, loss_j)
@@ -447,10 +604,12 @@ class PipelineRunner:
                     data[j] = None
             else:
                 inputs, outs = saved.pop(j)
+                back = wp.backward(j) if wp is not None else contextlib.nullcontext()
                 if stage.is_last:
                     mon.set_state("busy", f"in backward of micro-batch {j} of step {k}")
                     t0 = clock.start()
-                    outs.backward()
+                    with back:
+                        outs.backward()
                     clock.stop(t0, bwd_s, j)
                 else:
                     m = Message(j, "grad", s + 1, s)
@@ -462,8 +621,9 @@ class PipelineRunner:
                     pairs = [(o, g) for o, g in zip(grad_outs, bufs) if o.requires_grad]
                     mon.set_state("busy", f"in backward of micro-batch {j} of step {k}")
                     t0 = clock.start()
-                    if pairs:
-                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                    with back:
+                        if pairs:
+                            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
                     clock.stop(t0, bwd_s, j)
                 held_b -= saved_b[j]
                 if not stage.is_first:
@@ -471,12 +631,16 @@ class PipelineRunner:
                         (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, spec_in[j])
                         if sp.requires_grad]
                 data[j] = None
+                if stream is not None and stream.done < len(stream.ends) and j + 1 == stream.ends[stream.done]:
+                    self._stream_update(stream, params, optimizer)  # this stage's part of a step is done
         for m, _, works in sent:
             peer = ctx.global_rank(m.dst)
             wait_s += self._wait(works, f"waiting for rank {peer} to take {m.describe()} (micro-batch "
                                         f"{m.microbatch} of step {k})", [peer])
         if inbox or outbox or saved:
             raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
+        if stream is not None:
+            return self._stream_results(stream, fwd_s, bwd_s, saved_b if metered else None, wait_s, t_step)
 
         # one all-reduce over every rank: [sum of token losses, real target tokens]
         mon.raise_if_failed()

@@ -41,6 +41,9 @@ module                kernel                          reference
 `.recompute`          `stage_peaks`                   `stage_peaks_reference`
 `.stage_order`        `insertion_search`              `insertion_search_reference`
                       `_span`                         helper of `insertion_search`
+`.flushfree`          `flushfree_ops`                 `flushfree_ops_reference`
+                      `flushfree_kernel`              `flushfree_reference`
+                      `stage_loads`                   `stage_loads_reference`
 ====================  ==============================  ==========================================
 
 ``dynabatch.core.plan._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.

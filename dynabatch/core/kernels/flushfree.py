@@ -1,0 +1,303 @@
+"""Numba kernels of the flush-free (asynchronous, cross-step) 1F1B simulator, each beside its
+plain-Python reference. `dynabatch.core.flushfree` wraps them; the model is documented there.
+
+Layout. ``R`` data-parallel ranks, ``S`` stages, ``K`` consecutive steps. Every rank runs its own
+stream of micro-batches, the steps one after the other; the streams of all ranks are concatenated
+rank by rank into one flat axis of ``N`` micro-batches: rank ``r`` owns ``[roff[r], roff[r+1])``.
+``ends`` (int64 ``[R, K]``) holds, for each rank, the exclusive end (index *within the rank's
+stream*) of each step: step ``k`` of rank ``r`` is local micro-batches ``[ends[r, k-1], ends[r, k])``
+(``ends[r, -1] = 0``); it is non-decreasing and ``ends[r, K-1] = roff[r+1] - roff[r]``.
+
+Op lists (int64, one per stage of a rank, ``2 n + K`` ops for a rank of ``n`` micro-batches):
+``j + 1`` is the forward of local micro-batch ``j``, ``-(j + 1)`` its backward and ``n + 1 + k`` the
+optimizer update of step ``k``. A stage's list is Megatron's 1F1B order over the rank's whole
+stream (the ``min(S - s - 1, n)`` warm-up forwards happen once, at the start) with ``U_k`` right
+after the backward of step ``k``'s last micro-batch (at the very start, before the warm-up
+forwards, when the rank has no micro-batch up to step ``k``).
+
+Dependencies: as in `dynabatch.core.kernels.simulate` (``F(s, j)`` after ``F(s-1, j)`` + ``p2p[j]``;
+``B(S-1, j)`` after ``F(S-1, j)``; ``B(s, j)`` after ``B(s+1, j)`` + ``p2p[j]``), plus the update
+barrier: ``U_k`` on stage ``s`` starts on every rank at once, when the last rank's stage ``s`` has
+reached it (the data-parallel gradient all-reduce of that stage), and lasts ``upd[s]`` seconds.
+Times are seconds.
+
+=====================  ==========================
+kernel                 reference
+=====================  ==========================
+`flushfree_ops`        `flushfree_ops_reference`
+`flushfree_kernel`     `flushfree_reference`
+`stage_loads`          `stage_loads_reference`
+=====================  ==========================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: Return codes of :func:`flushfree_kernel`.
+OK, DEADLOCK = 0, 1
+
+
+# --------------------------------------------------------------------------- op lists
+
+
+@njit(cache=True)
+def flushfree_ops(S, s, ends):
+    """int64 op list of stage ``s`` (of ``S``) of one rank whose step ends are ``ends`` (int64 ``[K]``,
+    exclusive, non-decreasing; ``n = ends[-1]`` micro-batches): 1F1B over the whole stream with the
+    updates inserted (encoding in the module doc)."""
+    K = ends.shape[0]
+    n = ends[K - 1] if K > 0 else 0
+    w = min(S - s - 1, n)
+    ops = np.empty(2 * n + K, dtype=np.int64)
+    p = 0
+    k = 0
+    while k < K and ends[k] == 0:
+        ops[p] = n + 1 + k
+        p += 1
+        k += 1
+    for j in range(w):
+        ops[p] = j + 1
+        p += 1
+    for i in range(n):
+        if i + w < n:
+            ops[p] = i + w + 1
+            p += 1
+        ops[p] = -(i + 1)
+        p += 1
+        while k < K and ends[k] == i + 1:
+            ops[p] = n + 1 + k
+            p += 1
+            k += 1
+    return ops
+
+
+def flushfree_ops_reference(S, s, ends):
+    """Plain-Python `flushfree_ops`: the 1F1B list of the whole stream, then each update placed
+    after the backward that ends its step (a list of ints)."""
+    ends = [int(e) for e in ends]
+    n = ends[-1] if ends else 0
+    warm = min(S - s - 1, n)
+    order = [j + 1 for j in range(warm)]
+    for i in range(n):
+        if i + warm < n:
+            order.append(i + warm + 1)
+        order.append(-(i + 1))
+    out = [n + 1 + k for k, e in enumerate(ends) if e == 0]
+    for op in order:
+        out.append(op)
+        if op < 0:
+            out += [n + 1 + k for k, e in enumerate(ends) if e == -op]
+    return out
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@njit(cache=True)
+def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
+    """Simulate the flush-free schedule of every rank (layout and rules in the module doc).
+
+    ``fwd``/``bwd`` float64 ``[S, N]`` seconds, ``p2p`` float64 ``[N]`` seconds, ``roff`` int64
+    ``[R + 1]``, ``ends`` int64 ``[R, K]``, ``upd`` float64 ``[S]`` seconds per update. Fills
+    ``start``/``end`` (float64 ``[S, N, 2]``: ``[..., 0]`` forward, ``[..., 1]`` backward) and
+    ``upd_end`` (float64 ``[S, K]``: when stage ``s`` finished applying step ``k``'s update, the same
+    on every rank). Returns 0, or 1 when some op never ran (``-inf`` left in the outputs).
+    """
+    S, N = fwd.shape
+    R, K = ends.shape
+    start[:] = -np.inf
+    end[:] = -np.inf
+    upd_end[:] = -np.inf
+    # op lists of every (rank, stage), concatenated
+    loff = np.zeros(R * S + 1, dtype=np.int64)
+    for r in range(R):
+        n = roff[r + 1] - roff[r]
+        for s in range(S):
+            loff[r * S + s + 1] = loff[r * S + s] + 2 * n + K
+    ops = np.empty(loff[R * S], dtype=np.int64)
+    for r in range(R):
+        for s in range(S):
+            ops[loff[r * S + s]:loff[r * S + s + 1]] = flushfree_ops(S, s, ends[r])
+    ptr = loff[:R * S].copy()
+    free = np.zeros(R * S)
+    waiting = np.zeros(R * S, dtype=np.bool_)  # registered at the barrier of its current update
+    arrived = np.zeros((S, K), dtype=np.int64)
+    latest = np.zeros((S, K))
+    stack = np.empty(R * S, dtype=np.int64)
+    queued = np.ones(R * S, dtype=np.bool_)
+    for i in range(R * S):
+        stack[i] = R * S - 1 - i
+    top = R * S
+    remaining = loff[R * S]
+    while top > 0:
+        top -= 1
+        q = stack[top]
+        queued[q] = False
+        r = q // S
+        s = q - r * S
+        base = roff[r]
+        n = roff[r + 1] - base
+        advanced = False
+        released = -1
+        while ptr[q] < loff[q + 1]:
+            op = ops[ptr[q]]
+            if op > n:  # update of step k: a barrier over the ranks' stage s
+                k = op - n - 1
+                if upd_end[s, k] == -np.inf:
+                    if not waiting[q]:
+                        waiting[q] = True
+                        arrived[s, k] += 1
+                        latest[s, k] = max(latest[s, k], free[q])
+                    if arrived[s, k] < R:
+                        break
+                    upd_end[s, k] = latest[s, k] + upd[s]
+                    released = k
+                waiting[q] = False
+                free[q] = upd_end[s, k]
+                ptr[q] += 1
+                remaining -= 1
+                advanced = True
+                continue
+            if op > 0:
+                g = base + op - 1
+                kk = 0
+                dur = fwd[s, g]
+                if s == 0:
+                    ready = 0.0
+                else:
+                    e = end[s - 1, g, 0]
+                    if e == -np.inf:
+                        break
+                    ready = e + p2p[g]
+            else:
+                g = base - op - 1
+                kk = 1
+                dur = bwd[s, g]
+                if s == S - 1:
+                    ready = end[s, g, 0]
+                    if ready == -np.inf:
+                        break
+                else:
+                    e = end[s + 1, g, 1]
+                    if e == -np.inf:
+                        break
+                    ready = e + p2p[g]
+            t0 = max(free[q], ready)
+            start[s, g, kk] = t0
+            end[s, g, kk] = t0 + dur
+            free[q] = t0 + dur
+            ptr[q] += 1
+            remaining -= 1
+            advanced = True
+        if advanced:
+            for nb in (q - 1, q + 1):
+                if s > 0 and nb == q - 1 or s < S - 1 and nb == q + 1:
+                    if not queued[nb] and ptr[nb] < loff[nb + 1]:
+                        stack[top] = nb
+                        top += 1
+                        queued[nb] = True
+        if released >= 0:  # every rank's stage s may pass the barrier now
+            for r2 in range(R):
+                nb = r2 * S + s
+                if nb != q and not queued[nb] and ptr[nb] < loff[nb + 1]:
+                    stack[top] = nb
+                    top += 1
+                    queued[nb] = True
+    return DEADLOCK if remaining > 0 else OK
+
+
+def flushfree_reference(fwd, bwd, p2p, roff, ends, upd):
+    """Plain-Python `flushfree_kernel`: sweep every (rank, stage) until nothing moves.
+
+    Returns ``(start, end, upd_end, deadlocked)`` (arrays as the kernel fills them)."""
+    S, N = np.shape(fwd)
+    R, K = np.shape(ends)
+    lists = {(r, s): flushfree_ops_reference(S, s, ends[r]) for r in range(R) for s in range(S)}
+    start = np.full((S, N, 2), -np.inf)
+    end = np.full((S, N, 2), -np.inf)
+    upd_end = np.full((S, K), -np.inf)
+    pos = {q: 0 for q in lists}
+    free = {q: 0.0 for q in lists}
+    moved = True
+    while moved:
+        moved = False
+        for (r, s), ops in lists.items():
+            n = int(roff[r + 1] - roff[r])
+            while pos[(r, s)] < len(ops):
+                op = ops[pos[(r, s)]]
+                if op > n:
+                    k = op - n - 1
+                    # the barrier: every rank's stage s has this update as its next op (or passed it)
+                    at = []
+                    for r2 in range(R):
+                        o2 = lists[(r2, s)]
+                        i2 = o2.index(int(roff[r2 + 1] - roff[r2]) + 1 + k)
+                        if pos[(r2, s)] < i2:
+                            break
+                        at.append(free[(r2, s)] if pos[(r2, s)] == i2 else None)
+                    else:
+                        if upd_end[s, k] == -np.inf:
+                            upd_end[s, k] = max(t for t in at if t is not None) + float(upd[s])
+                        free[(r, s)] = float(upd_end[s, k])
+                        pos[(r, s)] += 1
+                        moved = True
+                        continue
+                    break
+                g = int(roff[r]) + abs(op) - 1
+                if op > 0:
+                    ready = 0.0 if s == 0 else end[s - 1, g, 0] + p2p[g]
+                    kk = 0
+                else:
+                    ready = end[s, g, 0] if s == S - 1 else end[s + 1, g, 1] + p2p[g]
+                    kk = 1
+                if ready == -np.inf:
+                    break
+                t0 = max(free[(r, s)], float(ready))
+                start[s, g, kk] = t0
+                end[s, g, kk] = t0 + float(fwd[s][g] if kk == 0 else bwd[s][g])
+                free[(r, s)] = float(end[s, g, kk])
+                pos[(r, s)] += 1
+                moved = True
+    deadlocked = any(pos[q] < len(lists[q]) for q in lists)
+    return start, end, upd_end, deadlocked
+
+
+# --------------------------------------------------------------------------- steady-state bounds
+
+
+@njit(cache=True)
+def stage_loads(st, p2p, rank_of, R, load, cycle):
+    """Per-rank, per-stage lower bounds of the flush-free steady state (seconds per step).
+
+    ``st`` float64 ``[S, M]`` forward+backward seconds of each micro-batch on each stage, ``p2p``
+    float64 ``[M]`` seconds, ``rank_of`` int ``[M]``. Fills ``load`` (float64 ``[R, S]``): the busy
+    seconds of stage ``s`` of rank ``r``, ``sum_j st[s, j]``; and ``cycle`` (float64 ``[R, S]``):
+    ``sum_j (sum_{s' >= s} st[s', j] + 2 (S - 1 - s) p2p[j]) / (S - s)``, the 1F1B round-trip bound
+    (stage ``s`` starts micro-batch ``j + S - s`` only after ``j``'s backward came back to it).
+    """
+    S, M = st.shape
+    load[:] = 0.0
+    cycle[:] = 0.0
+    for j in range(M):
+        r = rank_of[j]
+        tail = 0.0
+        for s in range(S - 1, -1, -1):
+            tail += st[s, j]
+            load[r, s] += st[s, j]
+            cycle[r, s] += (tail + 2.0 * (S - 1 - s) * p2p[j]) / (S - s)
+
+
+def stage_loads_reference(st, p2p, rank_of, R):
+    """Plain-Python `stage_loads`: ``(load, cycle)`` as nested lists ``[R][S]``."""
+    S, M = np.shape(st)
+    load = [[0.0] * S for _ in range(R)]
+    cycle = [[0.0] * S for _ in range(R)]
+    for r in range(R):
+        mine = [j for j in range(M) if rank_of[j] == r]
+        for s in range(S):
+            load[r][s] = sum(float(st[s][j]) for j in mine)
+            trips = [sum(float(st[x][j]) for x in range(s, S)) + 2.0 * (S - 1 - s) * float(p2p[j]) for j in mine]
+            cycle[r][s] = sum(trips) / (S - s)
+    return load, cycle
