@@ -345,3 +345,20 @@ def test_feedback_refits_the_time_without_recomputation():
         loop.maybe_refit()
     ratio = cost.time_coef[prior > 0] / prior[prior > 0]
     assert np.allclose(ratio, 1.3, rtol=0.02), ratio
+
+
+def test_adaptive_with_auto_schedule_picks_the_order_too():
+    """schedule="auto" under adaptive recomputation: the plan's order is one of the concrete ones, it
+    fits the device limit, and it is no slower than adaptive recomputation with 1F1B fixed."""
+    cost = CostModel.preset("gpt", num_stages=4)
+    shapes = _shapes(160, seed=5)
+    opts = PlanOptions(method="dp", num_stages=4, num_ranks=2)
+    peak = max(plan_microbatches(shapes, cost, opts.replace(device_memory_limit=1e15)).options["stage_peak_bytes"])
+    limit = 0.4 * peak
+    auto = plan_microbatches(shapes, cost, opts.replace(schedule="auto", recompute="adaptive",
+                                                        device_memory_limit=limit))
+    fixed = plan_microbatches(shapes, cost, opts.replace(schedule="1f1b", recompute="adaptive",
+                                                         device_memory_limit=limit))
+    assert auto.schedule in ("gpipe", "1f1b", "adaptive")
+    assert max(auto.options["stage_peak_bytes"]) <= limit
+    assert auto.iteration_time_s <= fixed.iteration_time_s + 1e-12

@@ -13,6 +13,7 @@ batches as random samples of the stream so no step is all-short or all-long.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 
 import numpy as np
@@ -25,7 +26,7 @@ from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_k
 from .batchplan import BatchPlan
 from .cost import CostModel
 from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
-from .schedules import order_step, schedule_ops_by_count
+from .schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
 from .recompute import apply_recompute, dp_candidates
 from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
 from .shapes import Shapes
@@ -134,8 +135,8 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
 
     ``recompute`` / ``device_memory_limit`` (`dynabatch.core.recompute`): ``full`` sizes micro-batches
     by their fully recomputed memory and prices every stage recomputing all its layers; ``adaptive``
-    cuts the step at each of `dp_candidates` (the micro-batch cuts), keeps each candidate's order and
-    schedule, picks per stage the fewest recomputed layers whose simulated peak fits the device limit,
+    cuts the step at each of `dp_candidates` (the micro-batch cuts), orders it for the schedule (with
+    ``schedule="auto"``: for each of gpipe, 1f1b and adaptive), picks per stage the fewest recomputed layers whose simulated peak fits the device limit,
     and returns the candidate with the shortest simulated iteration. The choice is in
     ``plan.options`` (``recompute_layers``, ``stage_peak_bytes``); a baseline method is cut as
     ``full`` cuts and priced under the policy.
@@ -151,10 +152,15 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
     dp = options.method in ("dp", "dp_varlen")
     cands = dp_candidates(cost_model, limit, options.recompute if dp else "full", options.device_memory_limit,
                           options.num_stages)
+    # schedule "auto" under adaptive recomputation: every concrete order is tried with every cut, since
+    # an order that holds fewer micro-batches needs less recomputation (each candidate's own "auto" pick
+    # only sees the per-micro-batch limit)
+    scheds = AUTO_PREFERENCE if options.schedule == "auto" and options.recompute == "adaptive" and dp \
+        else (options.schedule,)
     best, error = None, None
-    for cost, cap in cands:
+    for (cost, cap), sched in itertools.product(cands, scheds):
         try:
-            plan = _plan(shapes, cost, options.replace(memory_limit=cap), step)
+            plan = _plan(shapes, cost, options.replace(memory_limit=cap, schedule=sched), step)
             plan = apply_recompute(plan, cost_model, options.recompute, options.device_memory_limit, shapes=shapes)
         except (PlanningError, ValueError) as e:  # cuts too fine for a sample, or no recompute fits
             error = error or e
