@@ -3,8 +3,9 @@
 The same global batches as the method table, each planned with ``recompute`` ``none``, ``full`` and
 ``adaptive`` under the device limit (`dynabatch.core.recompute`); reported per policy: the mean
 simulated iteration time, its ratio to full recomputation, the largest predicted per-stage peak of
-kept activation bytes against the limit (``none`` is planned without the limit and marked when it
-does not fit), and the mean recomputed layers per stage. Seconds, bytes.
+kept activation bytes against the limit (``none`` is cut with micro-batches of up to the device
+limit each, planned without the check, and marked when its peak does not fit), and the mean
+recomputed layers per stage. Seconds, bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ def recompute_rows(shapes, batches_idx, cost, options, methods=("dp", "dp_varlen
     for m in [m for m in methods if m in ("dp", "dp_varlen")]:
         rows = {}
         for policy in RECOMPUTE:
+            # none: micro-batches up to the device limit each, planned unchecked; its peak shows whether it fits
             o = options.replace(method=m, method_options={}, recompute=policy,
-                                device_memory_limit=1e300 if policy == "none" else limit)
+                                device_memory_limit=1e300 if policy == "none" else limit,
+                                memory_limit=limit if policy == "none" and options.memory_limit is None
+                                else options.memory_limit)
             try:
                 plans = [plan_step(shapes, cost, o, idx, i) for i, idx in enumerate(batches_idx)]
             except ValueError as e:  # full recomputation does not fit either
