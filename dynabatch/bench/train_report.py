@@ -211,8 +211,11 @@ def format_table(result: dict) -> str:
                                              if (p := r.get("paired", {}).get(m)) else "")
                                           for m in result["methods"] if m != "dp" and f"dp_vs_{m.replace('-', '_')}" in r)
                      + "; best other: " + (f"{r['dp_vs_best_baseline']:.2f}x" if "dp_vs_best_baseline" in r else "-"))
-    lines.append("dp: feedback refits its cost model every %d steps; baselines: planner default knobs, no refit "
-                 "(their MAPE is the analytic prior's)" % cfg["refit_every"])
+    if any(m in ("dp", "dp-blind") for m in result["methods"]):
+        lines.append("dp: feedback refits its cost model every %d steps; baselines: planner default knobs, no refit "
+                     "(their MAPE is the analytic prior's)" % cfg["refit_every"])
+    else:  # recompute / flush-free variants of dp all plan with the same cost model
+        lines.append("no method refits its cost model (their MAPE is the analytic prior's)")
     return "\n".join(lines)
 
 
