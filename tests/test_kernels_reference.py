@@ -31,13 +31,8 @@ from dynabatch.core.kernels.cost import (
     profiled_lookup,
     profiled_lookup_reference,
 )
-from dynabatch.core.kernels.dp import (
-    _pick_caps,
-    _pick_caps_between,
-    capped_partition_cost,
-    capped_partition_cost_reference,
-    pick_caps_reference,
-)
+from dynabatch.core.kernels.bounds import capped_partition_cost, capped_partition_cost_reference
+from dynabatch.core.kernels.caps import _pick_caps, _pick_caps_between, pick_caps_reference
 from dynabatch.core.kernels.packing import budget_cuts, budget_cuts_reference, pack_rows, pack_rows_reference
 from dynabatch.core.kernels.rows import pad_rows, pad_rows_reference
 from dynabatch.core.kernels.simulate import (

@@ -14,7 +14,7 @@ from ._adapters import (
     TransformersTokenizer,
     load_tokenizer,
 )
-from ._format import IMAGE_MARKER, ChatTemplate, EncodedSample, FormatConfig, Formatter
+from ._format import ChatTemplate, EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
     ID_COLUMNS,
@@ -30,6 +30,7 @@ from ._scan import (
     scan_stats,
     task_names_of,
 )
+from ._segments import IMAGE_MARKER
 from ._vision import (
     DynamicTiling,
     FixedResolution,

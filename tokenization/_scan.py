@@ -15,8 +15,9 @@ import numpy as np
 import pyarrow as pa
 
 from ._adapters import load_tokenizer
-from ._format import PART_TARGET, ChatTemplate, Family, FormatConfig, OnError, plan_batch, sample_key
+from ._format import ChatTemplate, Family, FormatConfig, OnError, plan_batch
 from ._protocol import IGNORE_INDEX, Tokenizer
+from ._segments import PART_TARGET, sample_key
 from ._vision import VisionPolicy
 
 #: Columns and types of the length table (the contract with ``dynabatch.Shapes``).

@@ -46,7 +46,7 @@ import numpy as np
 from ..core.options import PlanOptions
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table)
-from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush
+from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
 
@@ -118,9 +118,7 @@ def uniform_bounds(model, stages: int) -> list[int]:
     """Stage bounds with about equal transformer blocks per stage (embedding on the first, head on
     the last); the same for every method."""
     n = len(model.layers)
-    blocks = n - 2
-    cuts = [1 + round(blocks * k / stages) for k in range(1, stages)]
-    return [0, *cuts, n]
+    return [0, *[1 + round((n - 2) * k / stages) for k in range(1, stages)], n]
 
 
 from ..core.fit import mape as _mape  # noqa: E402
@@ -200,7 +198,7 @@ class MethodRun:
         self.bounds = [int(b) for b in bounds]
         self.runner = PipelineRunner.from_model(model, ctx, bounds, config=RunnerConfig(
             **{"schedule": cfg.options.schedule, "gather_timing": True, **runner_options(self.flush_kind)}))
-        self._pending: list = []  # flush-free variants: the window's (step, result) pairs not reported yet
+        self._window_left: list = []  # flush-free variants: the window's (step, result) pairs not reported yet
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
         self.memory_rows: list[dict] = []  # recompute variants: per-stage planned and measured peaks
@@ -215,31 +213,12 @@ class MethodRun:
             return mbs, self._first_data_s
         return next(self._it, None), time.perf_counter() - t0
 
-    def _stream(self):
-        """A flush-free variant's next step: a window of ``cfg.flush_window`` steps runs as one stream
-        when none is pending. Returns (step, its StepResult, data seconds) or None."""
-        from ..pipeline import batch_shapes
-
-        if not self._pending:
-            window = []
-            while len(window) < self.cfg.flush_window:
-                mbs, t_data = self._next()
-                if mbs is None:
-                    break
-                window.append((mbs, t_data))
-            if not window:
-                return None
-            res = self.runner.run_steps([(batch_shapes(m, self.loader.collation), m) for m, _ in window],
-                                        optimizer=self.optimizer, num_tokens=[m.target_tokens for m, _ in window])
-            self._pending = [(m, r, t) for (m, t), r in zip(window, res)]
-        return self._pending.pop(0)
-
     def step(self, k: int) -> dict | None:
         """Train one step; None when the data is exhausted."""
         from ..pipeline import batch_shapes
 
         if self.flush_kind not in (None, "sync"):
-            got = self._stream()
+            got = stream_step(self)
             if got is None:
                 self.done = True
                 return None

@@ -42,6 +42,27 @@ def runner_options(kind: str | None) -> dict:
     return {"flush": False, "weight_prediction": WEIGHTS[kind], "gather_timing": False}
 
 
+def stream_step(run):
+    """A flush-free variant's next step (``run``: its `dynabatch.bench.train.MethodRun`): a window of
+    ``cfg.flush_window`` loader steps runs as one stream when none is pending. Returns (step, its
+    StepResult, data seconds) or None at the end of the data."""
+    from ..pipeline import batch_shapes
+
+    if not run._window_left:
+        window = []
+        while len(window) < run.cfg.flush_window:
+            mbs, t_data = run._next()
+            if mbs is None:
+                break
+            window.append((mbs, t_data))
+        if not window:
+            return None
+        res = run.runner.run_steps([(batch_shapes(m, run.loader.collation), m) for m, _ in window],
+                                    optimizer=run.optimizer, num_tokens=[m.target_tokens for m, _ in window])
+        run._window_left = [(m, r, t) for (m, t), r in zip(window, res)]
+    return run._window_left.pop(0)
+
+
 def summarize(methods: dict) -> dict:
     """Per variant: final loss (mean of the last 10% of steps), mean loss over the run, both relative to
     ``dp/sync``."""

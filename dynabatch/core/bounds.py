@@ -43,7 +43,7 @@ So for a plan whose ``t_max`` lies in ``[a, b]``::
 
 with ``U = sum_i u_i`` and ``D(b)`` the least ``sum over groups (|G| * max_G h + F)`` over
 partitions of the samples whose groups keep ``|G| * max_G h + F <= b``: a 1-D problem whose
-optimal groups are contiguous in sorted ``h`` (`dynabatch.core.kernels.dp.capped_partition_cost`,
+optimal groups are contiguous in sorted ``h`` (`dynabatch.core.kernels.bounds.capped_partition_cost`,
 an O(n x group) DP). Every plan has ``t_max >= c_max`` (the costliest sample's own padded time),
 so splitting ``[c_max, inf)`` into intervals ``[a, b]`` (the last ``[a, inf)`` with the cap-free
 ``D``) and taking the least interval value bounds every padded plan. The intervals are refined
@@ -112,7 +112,7 @@ import math
 import numpy as np
 
 from .cost import CostModel
-from .kernels.dp import capped_partition_cost
+from .kernels.bounds import capped_partition_cost
 from .shapes import Shapes
 
 __all__ = ["iteration_lower_bound", "objective_bound_kind", "objective_lower_bound"]

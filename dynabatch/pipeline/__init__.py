@@ -48,6 +48,7 @@ from .schedule import (
 )
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
 from .weight_prediction import WeightPredictor
+from .multimodel import MultiModelRunner, MultiStepResult, ShardStore
 from .vlm import (VisionLanguageModel, merged_length, placeholder_mask, vision_calls, vlm_batch_shapes, vlm_tiny,
                   with_placeholders)
 
@@ -63,3 +64,4 @@ __all__ = [
     "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
     "with_placeholders",
 ]
+__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore"]

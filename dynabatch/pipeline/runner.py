@@ -17,26 +17,26 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..core.batchplan import BatchPlan, MicroBatch
 from ..core.recompute import recompute_layers
 from .comm import CommEvent, DistContext, P2P
+from .guard import GuardedSteps
 from .memory import SavedBytes, param_pointers
 from .partition import PipelineStage, StagePartition, split_model
 from .schedule import SCHEDULES, Message, Post, build_programs, plan_schedule, quantize_times, stage_orders
-from .spec import MicroBatchShape, TensorSpec, plan_shapes
-
-
-class PlanMismatch(ValueError):
-    """A micro-batch's tensors do not have the shape its plan states."""
+from .reference import sequential_step  # noqa: F401 (the one-process reference, public from here too)
+from .spec import PlanMismatch  # noqa: F401 (public from here too)
+from .spec import MicroBatchShape, TensorSpec, _as_tuple, _to_device, check_batch, plan_shapes
+from .stream import run_stream, stream_results, stream_update
+from .timing import StepResult, StepTiming, _Clock
 
 
 @dataclass(frozen=True)
@@ -97,138 +97,7 @@ class RunnerConfig:
             object.__setattr__(self, "recompute", counts)
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    """Measured times of one step on one rank (seconds; CUDA events on GPU, ``perf_counter`` on CPU).
-
-    ``forward_s``/``backward_s`` [M]: this stage's forward and backward of each of its replica's
-    micro-batches (in plan order); ``wait_s``: host time blocked on receives; ``step_s``: wall time
-    of the whole step on this rank, gradient all-reduce and optimizer included. ``saved_bytes`` [M]:
-    activation bytes each micro-batch kept for backward on this stage (None when not metered);
-    ``peak_saved_bytes``: the most its in-flight micro-batches held at once; ``recompute_layers``:
-    layers this stage recomputed.
-    """
-
-    step: int
-    rank: int
-    stage: int
-    replica: int
-    forward_s: np.ndarray
-    backward_s: np.ndarray
-    wait_s: float
-    step_s: float
-    saved_bytes: np.ndarray | None = None
-    peak_saved_bytes: float = 0.0
-    recompute_layers: int = 0
-
-    @property
-    def compute_s(self) -> np.ndarray:
-        """Forward + backward seconds per micro-batch on this stage (what a cost model predicts)."""
-        return self.forward_s + self.backward_s
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of `PipelineRunner.step`: ``loss`` is the sum of token losses over the global batch
-    divided by ``num_tokens`` (real target tokens over all ranks), identical on every rank.
-    ``planned_peak_bytes``: the plan's predicted peak of held activation bytes on this rank's stage
-    (``options["stage_peak_bytes"]``; None when the plan has none), beside the measured
-    ``timing.peak_saved_bytes``. ``weight_extra_bytes`` (flush-free runs): the most bytes the weight
-    handling held beyond the weights (stashed versions, the backup of a predicted swap, a gradient
-    copy; `WeightPredictor.peak_bytes`)."""
-
-    step: int
-    loss: float
-    num_tokens: int
-    timing: StepTiming
-    all_timings: tuple[StepTiming, ...] | None = None
-    planned_peak_bytes: float | None = None
-    weight_extra_bytes: float | None = None
-
-
-@dataclass
-class _Stream:
-    """A flush-free stream of steps on this stage (see `PipelineRunner.run_steps`): each step's exclusive
-    end in the concatenated micro-batches, the update lag of every micro-batch on every stage, each
-    step's global real target tokens, the stage's `WeightPredictor`, this rank's loss sums per step,
-    how many updates are done and when (``perf_counter``)."""
-
-    ends: np.ndarray
-    lags: np.ndarray
-    tokens: np.ndarray
-    predictor: object
-    loss: np.ndarray
-    done: int = 0
-    update_t: list = field(default_factory=list)
-
-
-class _Clock:
-    """Times regions with CUDA events on GPU (resolved once per step) or ``perf_counter`` on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.pending: list[tuple[np.ndarray, int, object, object]] = []
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def stop(self, t0, out: np.ndarray, j: int) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.pending.append((out, j, t0, e))
-        else:
-            out[j] = time.perf_counter() - t0
-
-    def resolve(self) -> None:
-        if self.pending:
-            torch.cuda.synchronize()
-            for out, j, a, b in self.pending:
-                out[j] = a.elapsed_time(b) / 1e3
-            self.pending.clear()
-
-
-def _as_tuple(x) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
-    """Raise `PlanMismatch` if a Hugging Face-style micro-batch dictionary does not have the plan's
-    shape: padded ``input_ids`` [rows, input_len] (``decoder_input_ids``/``labels`` [rows,
-    target_len] when target_len > 0); packed ``input_ids`` [1, tokens], ``cu_seqlens`` [rows + 1]."""
-    def need(key, want):
-        if key in batch and isinstance(batch[key], torch.Tensor) and tuple(batch[key].shape) != tuple(want):
-            raise PlanMismatch(f"{where}: {key} has shape {list(batch[key].shape)} but the plan says {list(want)} "
-                               f"({shape.collation}, rows {shape.rows}, input_len {shape.input_len}, "
-                               f"target_len {shape.target_len}, tokens {shape.tokens})")
-    if shape.packed:
-        need("input_ids", (1, shape.tokens))
-        need("position_ids", (1, shape.tokens))
-        need("labels", (1, shape.tokens))
-        need("cu_seqlens", (shape.rows + 1,))
-    elif shape.tiles:  # a vision-language model inserts the tiles' tokens itself: text is [rows, <= input_len]
-        if int(batch.get("image_tiles", torch.zeros(0)).sum()) != shape.tiles or len(batch["input_ids"]) != shape.rows:
-            raise PlanMismatch(f"{where}: image_tiles and input_ids are not the plan's {shape.tiles} tiles in "
-                               f"{shape.rows} rows")
-    else:
-        need("input_ids", (shape.rows, shape.input_len))
-        need("attention_mask", (shape.rows, shape.input_len))
-        tgt = (shape.rows, shape.target_len) if shape.target_len else (shape.rows, shape.input_len)
-        need("position_ids", (shape.rows, shape.input_len))
-        need("decoder_input_ids", tgt)
-        need("decoder_position_ids", tgt)
-        need("labels", tgt)
-
-
-class PipelineRunner:
+class PipelineRunner(GuardedSteps):
     """Runs steps of planned micro-batches on one stage of a pipeline (see the module docstring).
 
     ``stage`` is this rank's `PipelineStage` (already on ``ctx.device``), ``boundary(shape, layer)``
@@ -360,118 +229,7 @@ class PipelineRunner:
         steps = list(steps)
         if self.config.flush:
             return [self.step(p, b, optimizer=optimizer, collation=collation) for p, b in steps]
-        if optimizer is None:
-            raise ValueError("run_steps with flush=False needs the stage's optimizer (it updates inside the stream)")
-        if num_tokens is None or len(num_tokens) != len(steps):
-            raise ValueError(f"run_steps with flush=False needs num_tokens: the real target tokens of each of the "
-                             f"{len(steps)} steps over all ranks")
-        if not steps:
-            return []
-        shapes, batches, ends = [], [], []
-        for plan, b in steps:
-            sh = self._shapes(plan, collation)
-            if not sh:
-                raise ValueError(f"replica {self.ctx.replica} has no micro-batches in step {len(ends)} of the stream")
-            shapes += sh
-            batches += list(b) if b is not None else [None] * len(sh)
-            ends.append(len(shapes))
-        from ..core.flushfree import update_lag
-
-        ends = np.asarray(ends, np.int64)
-        stream = _Stream(ends, update_lag(ends, self.ctx.num_stages), np.asarray(num_tokens, np.float64),
-                         self._predictor(optimizer), np.zeros(len(ends)))
-        needs_data = self.stage.is_first or self.stage.is_last
-        return self._guarded(lambda: self._step(shapes, batches if needs_data else None, optimizer, None, None,
-                                                stream))
-
-    def _predictor(self, optimizer):
-        """The stage's `WeightPredictor` for ``optimizer`` (made once; ``none`` keeps only the aliasing)."""
-        from .weight_prediction import WeightPredictor
-
-        mode = self.config.weight_prediction or "none"
-        wp = getattr(self, "_wp", None)
-        if wp is None or wp.optimizer is not optimizer or wp.mode != mode:
-            if wp is not None:
-                wp.close()
-            wp = WeightPredictor(optimizer, mode, gradient=self.config.prediction_gradient)
-            self._wp = wp
-        return wp
-
-    def _stream_update(self, stream, params, optimizer) -> None:
-        """This stage's update at the end of step ``stream.done`` of a flush-free stream."""
-        ctx, mon, k = self.ctx, self.ctx.monitor, stream.done
-        s = ctx.stage
-        mon.set_state("busy", f"updating stage {s} after step {self.step_index + k} of the stream")
-        grads = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        scale = 1.0 / max(float(stream.tokens[k]), 1.0)
-        if grads and ctx.num_replicas > 1:
-            flat = _flatten_dense_tensors(grads)
-            self._in_comm = True
-            self._wait([dist.all_reduce(flat, group=ctx.dp_group, async_op=True)],
-                       f"in the gradient all-reduce of stream step {self.step_index + k} (waiting for stage {s} "
-                       f"of every replica)", [ctx.global_rank(s, d) for d in range(ctx.num_replicas)])
-            self._in_comm = False
-            flat.mul_(scale)
-            for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(r)
-        elif grads:
-            torch._foreach_mul_(grads, scale)
-        optimizer.step()
-        for p in params:
-            p.grad = None
-        stream.update_t.append(time.perf_counter())
-        stream.done += 1
-
-    def _stream_results(self, stream, fwd_s, bwd_s, saved_b, wait_s, t_step) -> list[StepResult]:
-        ctx, K = self.ctx, len(stream.ends)
-        if stream.done != K:
-            raise RuntimeError(f"internal error: the stream updated {stream.done} of its {K} steps")
-        losses = torch.tensor(stream.loss, dtype=torch.float64, device=ctx.device)
-        self._in_comm = True
-        self._wait([dist.all_reduce(losses, async_op=True)], "in the loss all-reduce at the end of a flush-free "
-                                                             "stream (waiting for every rank)", range(ctx.world_size))
-        self._in_comm = False
-        losses = losses.cpu().numpy()
-        starts = np.concatenate(([0], stream.ends[:-1]))
-        marks = [t_step] + stream.update_t
-        out = []
-        for k, (a, b) in enumerate(zip(starts, stream.ends)):
-            timing = StepTiming(self.step_index + k, ctx.rank, ctx.stage, ctx.replica, fwd_s[a:b].copy(),
-                                bwd_s[a:b].copy(), wait_s / K, marks[k + 1] - marks[k],
-                                None if saved_b is None else saved_b[a:b].copy(), 0.0, int(self.stage.recompute))
-            n = float(stream.tokens[k])
-            out.append(StepResult(self.step_index + k, float(losses[k]) * (1.0 / max(n, 1.0)), int(round(n)), timing, None,
-                                  None, float(stream.predictor.peak_bytes)))
-        self.step_index += K
-        return out
-
-    def _guarded(self, run):
-        mon = self.ctx.monitor
-        mon.raise_if_failed()
-        mon.enter()
-        try:
-            return run()
-        except BaseException as e:  # publish (root cause) or translate (consequence), then end the step
-            out = mon.report(e, comm_error=self._in_comm)
-            if out is e:
-                raise
-            raise out from e
-        finally:
-            self._in_comm = False
-            mon.leave()
-            mon.set_state("idle", f"outside the runner after step {self.step_index - 1} "
-                                  f"(e.g. in the data loader or the training loop)")
-
-    def _wait(self, works, text: str, peers) -> float:
-        t0 = time.perf_counter()
-        self._in_comm = True
-        self.ctx.monitor.wait(works, text, peers)
-        self._in_comm = False
-        return time.perf_counter() - t0
+        return run_stream(self, steps, optimizer, num_tokens, collation)
 
     def _links(self, program, spec_in, spec_out) -> dict[int, list]:
         """Neighbour stage -> [(message, specs)] in posting order (what `P2P.check_links` compares)."""
@@ -560,16 +318,9 @@ class PipelineRunner:
                 if stage.is_first:
                     x, inputs = None, []
                 else:
-                    m = Message(j, "act", s - 1, s)
-                    bufs, works = inbox.pop(m)
-                    peer = ctx.global_rank(s - 1)
-                    wait_s += self._wait(works, f"waiting for {m.describe()} from rank {peer} (micro-batch {j} of "
-                                                f"step {k})", [peer])
-                    for b, sp in zip(bufs, spec_in[j]):
-                        if sp.requires_grad:
-                            b.requires_grad_(True)
-                    inputs = bufs
-                    x = bufs[0] if len(bufs) == 1 else tuple(bufs)
+                    inputs, x, waited = self._take_input(inbox, Message(j, "act", s - 1, s), spec_in[j],
+                                                         f"micro-batch {j} of step {k}")
+                    wait_s += waited
                 mon.set_state("busy", f"in forward of micro-batch {j} of step {k}")
                 t0 = clock.start()
                 meter = SavedBytes(self._param_ptrs) if metered else None
@@ -632,7 +383,7 @@ class PipelineRunner:
                         if sp.requires_grad]
                 data[j] = None
                 if stream is not None and stream.done < len(stream.ends) and j + 1 == stream.ends[stream.done]:
-                    self._stream_update(stream, params, optimizer)  # this stage's part of a step is done
+                    stream_update(self, stream, params, optimizer)  # this stage's part of a step is done
         for m, _, works in sent:
             peer = ctx.global_rank(m.dst)
             wait_s += self._wait(works, f"waiting for rank {peer} to take {m.describe()} (micro-batch "
@@ -640,7 +391,7 @@ class PipelineRunner:
         if inbox or outbox or saved:
             raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
         if stream is not None:
-            return self._stream_results(stream, fwd_s, bwd_s, saved_b if metered else None, wait_s, t_step)
+            return stream_results(self, stream, fwd_s, bwd_s, saved_b if metered else None, wait_s, t_step)
 
         # one all-reduce over every rank: [sum of token losses, real target tokens]
         mon.raise_if_failed()
@@ -711,25 +462,3 @@ class PipelineRunner:
                                   t[3, :k].copy() if timing.saved_bytes is not None else None, float(t[2, 2]),
                                   int(t[2, 3])))
         return tuple(res)
-
-
-def sequential_step(layers: Sequence[nn.Module], batches: Sequence[dict], *, device=None) -> tuple[float, int]:
-    """Reference: run ``batches`` through the whole model in one process with the runner's loss
-    normalization (sum of token losses over all micro-batches / all real target tokens) and leave
-    the gradients in the parameters' ``.grad``. Returns (loss, num_tokens)."""
-    whole = PipelineStage(list(layers), 0, len(layers))
-    if device is not None:
-        whole.to(device)
-        batches = [_to_device(b, torch.device(device)) for b in batches]
-    for p in whole.parameters():
-        p.grad = None
-    total, n = 0.0, 0
-    for b in batches:
-        loss, ntok = whole(None, b)
-        loss.backward()
-        total += float(loss.detach())
-        n += int(ntok)
-    for p in whole.parameters():
-        if p.grad is not None:
-            p.grad.div_(max(n, 1))
-    return total / max(n, 1), n

@@ -93,3 +93,43 @@ def plan_shapes(plan: BatchPlan, replica: int) -> list[MicroBatchShape]:
     if not 0 <= replica < plan.num_ranks:
         raise ValueError(f"replica {replica} is not in a plan for {plan.num_ranks} ranks")
     return [MicroBatchShape.from_microbatch(mb, plan.collation) for mb in plan.microbatches(rank=replica)]
+
+
+class PlanMismatch(ValueError):
+    """A micro-batch's tensors do not have the shape its plan states."""
+
+
+def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
+    """Raise `PlanMismatch` if a Hugging Face-style micro-batch dictionary does not have the plan's
+    shape: padded ``input_ids`` [rows, input_len] (``decoder_input_ids``/``labels`` [rows,
+    target_len] when target_len > 0); packed ``input_ids`` [1, tokens], ``cu_seqlens`` [rows + 1]."""
+    def need(key, want):
+        if key in batch and isinstance(batch[key], torch.Tensor) and tuple(batch[key].shape) != tuple(want):
+            raise PlanMismatch(f"{where}: {key} has shape {list(batch[key].shape)} but the plan says {list(want)} "
+                               f"({shape.collation}, rows {shape.rows}, input_len {shape.input_len}, "
+                               f"target_len {shape.target_len}, tokens {shape.tokens})")
+    if shape.packed:
+        need("input_ids", (1, shape.tokens))
+        need("position_ids", (1, shape.tokens))
+        need("labels", (1, shape.tokens))
+        need("cu_seqlens", (shape.rows + 1,))
+    elif shape.tiles:  # a vision-language model inserts the tiles' tokens itself: text is [rows, <= input_len]
+        if int(batch.get("image_tiles", torch.zeros(0)).sum()) != shape.tiles or len(batch["input_ids"]) != shape.rows:
+            raise PlanMismatch(f"{where}: image_tiles and input_ids are not the plan's {shape.tiles} tiles in "
+                               f"{shape.rows} rows")
+    else:
+        need("input_ids", (shape.rows, shape.input_len))
+        need("attention_mask", (shape.rows, shape.input_len))
+        tgt = (shape.rows, shape.target_len) if shape.target_len else (shape.rows, shape.input_len)
+        need("position_ids", (shape.rows, shape.input_len))
+        need("decoder_input_ids", tgt)
+        need("decoder_position_ids", tgt)
+        need("labels", tgt)
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

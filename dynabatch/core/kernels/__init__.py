@@ -10,9 +10,6 @@ reference. The submodules import nothing from the rest of dynabatch except one a
 module                kernel                          reference
 ====================  ==============================  ==========================================
 `.dp`                 `dp_kernel`                     `dp_reference`
-                      `_pick_caps`                    `pick_caps_reference`
-                      `_pick_caps_between`            checked against `_pick_caps`
-                      `capped_partition_cost`         `capped_partition_cost_reference`
                       `enumerate_segments`,           steps of `dp_kernel`, covered by
                       `dp_for_cap`, `dp_mod_ranks`    `dp_reference`
 `.assign`             `assign_ranks`                  `assign_ranks_reference`
@@ -38,6 +35,9 @@ module                kernel                          reference
 `.packing`            `budget_cuts`                   `budget_cuts_reference`
                       `pack_rows`                     `pack_rows_reference`
 `.rows`               `pad_rows`                      `pad_rows_reference`
+`.caps`               `_pick_caps`                    `pick_caps_reference`
+                      `_pick_caps_between`            checked against `_pick_caps`
+`.bounds`             `capped_partition_cost`         `capped_partition_cost_reference`
 `.recompute`          `stage_peaks`                   `stage_peaks_reference`
 `.stage_order`        `insertion_search`              `insertion_search_reference`
                       `_span`                         helper of `insertion_search`

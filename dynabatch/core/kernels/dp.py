@@ -16,18 +16,16 @@ Costs are evaluated inside the kernel from the cost model's linear coefficients 
 table), so there is no Python callback per candidate. `dp_reference` is the same algorithm in
 plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
 optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison;
-`_pick_caps_between` is also checked against `_pick_caps` of the sorted times, and
-`capped_partition_cost` (the 1-D DP behind the padded objective bound of `dynabatch.core.bounds`)
-has its own reference `capped_partition_cost_reference`.
+`_pick_caps_between` is also checked against `_pick_caps` of the sorted times. (The 1-D DP behind
+the padded objective bound of `dynabatch.core.bounds` is `dynabatch.core.kernels.bounds`.)
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
 
+from .caps import _pick_caps_between, pick_caps_reference
 from .cost import NUM_FEATURES, padded_features, profiled_lookup, round_up
 
 INFEASIBLE_SAMPLE = -1
@@ -221,107 +219,6 @@ def dp_mod_ranks(offset, count, seg_time, cap, n, ranks):
     for k in range(len(starts)):
         out[k] = starts[len(starts) - 1 - k]
     return out
-
-
-@njit(cache=True)
-def _pick_caps(values, lo_index, count):
-    """Up to ``count`` entries of sorted unique ``values[lo_index:]`` spread evenly in log space."""
-    m = values.shape[0] - lo_index
-    if m <= count:
-        return values[lo_index:].copy()
-    lo = np.log(values[lo_index])
-    hi = np.log(values[-1])
-    out = np.empty(count)
-    used = 0
-    pos = lo_index
-    for k in range(count):
-        target = np.exp(lo + (hi - lo) * k / (count - 1))
-        while pos < values.shape[0] - 1 and values[pos] < target:
-            pos += 1
-        if used == 0 or values[pos] != out[used - 1]:
-            out[used] = values[pos]
-            used += 1
-    return out[:used]
-
-
-@njit(cache=True, nogil=True)
-def _pick_caps_between(times, lo, hi, count):
-    """``_pick_caps(v, 0, count)`` for ``v`` the sorted distinct entries of ``times`` in [lo, hi]
-    (``lo`` and ``hi`` must occur in ``times``), without sorting ``times``.
-
-    Up to ``count`` distinct entries in range are returned sorted, as `_pick_caps` returns all of
-    them. Otherwise `_pick_caps` walks its log-spaced targets and keeps, for each, the smallest entry
-    not below it (``hi`` where none is): each entry in range is filed under the last target not
-    above it, and the smallest entry filed at or after a target is that target's pick. Same targets,
-    same float operations, so the same caps; one pass over ``times`` instead of a sort (the DP's
-    segment times number tens of thousands, the caps 2 x ``count``)."""
-    few = np.empty(count + 1)
-    nf = 0
-    for v in times:
-        if v >= lo and v <= hi:
-            seen = False
-            for q in range(nf):
-                if few[q] == v:
-                    seen = True
-                    break
-            if not seen:
-                few[nf] = v
-                nf += 1
-                if nf > count:
-                    break
-    if nf <= count:
-        return np.sort(few[:nf])
-    lo_l = np.log(lo)
-    hi_l = np.log(hi)
-    target = np.empty(count)
-    for k in range(count):
-        target[k] = np.exp(lo_l + (hi_l - lo_l) * k / (count - 1))
-        if k and target[k] < target[k - 1]:
-            target[k] = target[k - 1]  # the walk never moves back: a smaller target picks what the last did
-    low = np.full(count, np.inf)  # smallest entry filed under each target
-    for v in times:
-        if v < lo or v < target[0] or v > hi:
-            continue
-        a = 0  # the last target <= v
-        b = count - 1
-        while a < b:
-            mid = (a + b + 1) >> 1
-            if target[mid] <= v:
-                a = mid
-            else:
-                b = mid - 1
-        if v < low[a]:
-            low[a] = v
-    out = np.empty(count)
-    used = 0
-    run = np.inf
-    picks = np.empty(count)
-    for k in range(count - 1, -1, -1):
-        run = min(run, low[k])
-        picks[k] = run if run < np.inf else hi
-    for k in range(count):
-        if used == 0 or picks[k] != out[used - 1]:
-            out[used] = picks[k]
-            used += 1
-    return out[:used]
-
-
-def pick_caps_reference(values, lo_index, count):
-    """Plain-Python `_pick_caps`: walk ``count`` targets evenly spaced in log space from
-    ``values[lo_index]`` to ``values[-1]`` and keep, for each, the first value not below it
-    (never moving back, dropping repeats)."""
-    values = [float(v) for v in values]
-    if len(values) - lo_index <= count:
-        return values[lo_index:]
-    lo, hi = math.log(values[lo_index]), math.log(values[-1])
-    picked, pos = [], lo_index
-    for k in range(count):
-        target = math.exp(lo + (hi - lo) * k / (count - 1))
-        while pos < len(values) - 1 and values[pos] < target:
-            pos += 1
-        if not picked or values[pos] != picked[-1]:
-            picked.append(values[pos])
-    return picked
 
 
 @njit(cache=True, nogil=True)
@@ -518,46 +415,3 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
         if best is None:
             return [], NO_EQUAL_SPLIT
     return best, 0
-
-
-@njit(cache=True, nogil=True)
-def capped_partition_cost(w, fixed, cap):
-    """Least ``sum over groups (|G| * max_G w + fixed)`` over partitions of the ascending ``w`` into
-    groups with ``|G| * max_G w + fixed <= cap`` (``inf`` when a single entry breaks the cap).
-
-    `dynabatch.core.bounds` bounds padded plans with it (each ``w`` a sample's padded per-row time).
-    Groups may be taken contiguous in the sorted order: moving the ``s`` largest entries into the
-    group of size ``s`` holding the largest keeps that group's size and maximum, and gives every
-    other group entries no larger than those it gave away, so no group's cost rises or breaks the
-    cap. O(n x largest group) time."""
-    n = w.shape[0]
-    f = np.empty(n + 1)
-    f[0] = 0.0
-    for i in range(1, n + 1):
-        x = w[i - 1]  # the largest entry of any group ending here
-        if x + fixed > cap:
-            return np.inf
-        best = np.inf
-        for j in range(i - 1, -1, -1):
-            c = (i - j) * x
-            if c + fixed > cap:
-                break  # larger groups break the cap too
-            c += f[j]
-            if c < best:
-                best = c
-        f[i] = best + fixed
-    return f[n]
-
-
-def capped_partition_cost_reference(w, fixed, cap):
-    """Plain-Python `capped_partition_cost`: the same DP over contiguous groups of the sorted
-    entries, by prefix (``best[i]``: the least cost of the ``i`` smallest entries)."""
-    w = [float(x) for x in w]
-    best = [0.0]
-    for i in range(1, len(w) + 1):
-        largest = w[i - 1]  # the group ending at entry i - 1 has it as its maximum
-        if largest + fixed > cap:
-            return math.inf
-        options = [(i - j) * largest + best[j] for j in range(i) if (i - j) * largest + fixed <= cap]
-        best.append(min(options) + fixed)
-    return best[-1]

@@ -1,0 +1,240 @@
+"""K models trained on one data pass over the same pipeline stages: the shard order and its simulator.
+
+Every model sees the same ``M`` micro-batches of a step; model ``k``'s stage ``s`` is a *shard*
+that runs on stage device ``s``. The shard schedule (what `dynabatch.pipeline.MultiModelRunner`
+executes and what `simulate_multimodel` predicts) is:
+
+* **LRTF model order** (`lrtf_order`): models sorted by their predicted remaining time of the step
+  (sum over micro-batches of the plan's seconds x the model's time scale), longest first, ties by
+  model index. Computed from the plan alone, so it is identical on every rank.
+* **One pipeline over virtual micro-batches** (`multimodel_orders`): position ``p`` of that order,
+  micro-batch ``j`` is virtual micro-batch ``v = p * M + j``. ``interleave=True`` runs Megatron
+  1F1B over the ``K * M`` virtual micro-batches, so stage 0 starts the next model's forwards while
+  the later stages still drain the previous model's backwards: the pipeline fills and drains once
+  per step, not once per model. ``interleave=False`` runs each model's own 1F1B to completion on
+  each stage before the next model's (one shard active per stage at a time: what a memory budget of
+  one shard needs). In both, each model's forwards and backwards run in ascending micro-batch order
+  on every stage, exactly as `gpipe`/`1f1b` order them for that model alone (which is why the
+  multi-model runner's gradients are bit-identical to single-model runs).
+* `active_peak`: on one stage, the most shard bytes that must be resident at once under an order
+  (a shard is active from its first op to its last op, or to its optimizer update).
+
+Op encoding is the simulator's (`dynabatch.core.simulate`): ``v + 1`` forward of virtual
+micro-batch ``v``, ``-(v + 1)`` its backward. Times are seconds, memory bytes. Hot loops are
+``@njit(cache=True)`` kernels beside their plain-Python references (``*_reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from .kernels.simulate import schedule_kernel
+from .simulate import simulate_pipeline
+
+__all__ = ["MultiModelSim", "active_peak", "active_peak_kernel", "active_peak_reference", "lrtf_order",
+           "multimodel_orders", "multimodel_orders_kernel", "multimodel_orders_reference", "simulate_multimodel",
+           "virtual_times"]
+
+
+def lrtf_order(remaining_s) -> np.ndarray:
+    """Model indices (int64) by descending predicted remaining seconds ``remaining_s`` [K], ties by
+    index (longest-remaining-time-first; a stable sort, so every rank derives the same order)."""
+    t = np.asarray(remaining_s, np.float64)
+    if t.ndim != 1 or t.size == 0 or not np.all(np.isfinite(t)):
+        raise ValueError(f"remaining_s must be K >= 1 finite seconds, got {t!r}")
+    return np.argsort(-t, kind="stable").astype(np.int64)
+
+
+# --------------------------------------------------------------------------- orders
+
+
+@njit(cache=True)
+def multimodel_orders_kernel(S, K, M, interleave):
+    """int32 ``[S, 2KM]`` op lists over ``K * M`` virtual micro-batches (module doc): 1F1B over all of
+    them when ``interleave``, else each position's own 1F1B block after the previous one's."""
+    if interleave:
+        return schedule_kernel(S, K * M, 1)
+    one = schedule_kernel(S, M, 1)
+    ops = np.empty((S, 2 * K * M), dtype=np.int32)
+    for s in range(S):
+        for p in range(K):
+            off = p * M
+            for i in range(2 * M):
+                op = one[s, i]
+                ops[s, p * 2 * M + i] = op + off if op > 0 else op - off
+    return ops
+
+
+def multimodel_orders_reference(S, K, M, interleave):
+    """Plain-Python `multimodel_orders_kernel` (a list of ``S`` op lists)."""
+    def one_f1b(n, s):
+        warm = min(S - s - 1, n)
+        ops = [j + 1 for j in range(warm)]
+        for i in range(n - warm):
+            ops += [warm + i + 1, -(i + 1)]
+        return ops + [-(i + 1) for i in range(n - warm, n)]
+
+    out = []
+    for s in range(S):
+        if interleave:
+            out.append(one_f1b(K * M, s))
+        else:
+            row = []
+            for p in range(K):
+                row += [op + p * M if op > 0 else op - p * M for op in one_f1b(M, s)]
+            out.append(row)
+    return out
+
+
+def multimodel_orders(num_stages: int, num_models: int, num_microbatches: int, *, interleave: bool = True) -> np.ndarray:
+    """Op orders int32 ``[S, 2KM]`` of K models on one data pass (see the module doc)."""
+    S, K, M = int(num_stages), int(num_models), int(num_microbatches)
+    if S < 1 or K < 1 or M < 1:
+        raise ValueError(f"need num_stages, num_models and num_microbatches >= 1, got {S}, {K}, {M}")
+    return multimodel_orders_kernel(S, K, M, bool(interleave))
+
+
+# --------------------------------------------------------------------------- residency
+
+
+@njit(cache=True)
+def active_peak_kernel(row, M, shard_bytes, updates_at_end):
+    """Peak bytes of shards that must be resident at once on one stage running op list ``row``
+    (int32 [2KM], virtual codes; position ``p`` owns virtual micro-batches ``p*M .. p*M+M-1``).
+    ``shard_bytes`` float64 [K] by position. A position is active from its first to its last op;
+    with ``updates_at_end`` each position is also active alone for its update after the list (those
+    come one at a time). Returns (peak bytes, position count at that peak)."""
+    K = shard_bytes.shape[0]
+    n = row.shape[0]
+    first = np.full(K, n, dtype=np.int64)
+    last = np.full(K, -1, dtype=np.int64)
+    for i in range(n):
+        op = row[i]
+        v = op - 1 if op > 0 else -op - 1
+        p = v // M
+        if i < first[p]:
+            first[p] = i
+        if i > last[p]:
+            last[p] = i
+    delta = np.zeros(n + 1)
+    count = np.zeros(n + 1, dtype=np.int64)
+    for p in range(K):
+        if last[p] >= 0:
+            delta[first[p]] += shard_bytes[p]
+            delta[last[p] + 1] -= shard_bytes[p]
+            count[first[p]] += 1
+            count[last[p] + 1] -= 1
+    peak = 0.0
+    peak_n = 0
+    acc = 0.0
+    acc_n = 0
+    for i in range(n):
+        acc += delta[i]
+        acc_n += count[i]
+        if acc > peak:
+            peak = acc
+            peak_n = acc_n
+    if updates_at_end:
+        for p in range(K):
+            if shard_bytes[p] > peak:
+                peak = shard_bytes[p]
+                peak_n = 1
+    return peak, peak_n
+
+
+def active_peak_reference(row, M, shard_bytes, updates_at_end):
+    """Plain-Python `active_peak_kernel`: at every op, sum the shards whose window holds it."""
+    K = len(shard_bytes)
+    spans = {}
+    for i, op in enumerate(row):
+        p = (abs(int(op)) - 1) // M
+        a, b = spans.get(p, (i, i))
+        spans[p] = (min(a, i), max(b, i))
+    peak, peak_n = 0.0, 0
+    for i in range(len(row)):
+        acc, acc_n = 0.0, 0
+        for p in range(K):
+            if p in spans and spans[p][0] <= i <= spans[p][1]:
+                acc += float(shard_bytes[p])
+                acc_n += 1
+        if acc > peak:
+            peak, peak_n = acc, acc_n
+    if updates_at_end:
+        for p in range(K):
+            if float(shard_bytes[p]) > peak:
+                peak, peak_n = float(shard_bytes[p]), 1
+    return peak, peak_n
+
+
+def active_peak(row, num_microbatches: int, shard_bytes, *, updates_at_end: bool = False) -> tuple[float, int]:
+    """Peak resident shard bytes on one stage (see `active_peak_kernel`); ``shard_bytes`` [K] by LRTF
+    position, bytes."""
+    return active_peak_kernel(np.ascontiguousarray(row, np.int32), int(num_microbatches),
+                              np.ascontiguousarray(shard_bytes, np.float64), bool(updates_at_end))
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def virtual_times(per_model, order) -> np.ndarray:
+    """Concatenate ``per_model[order[p]]`` (each ``[S, M]`` or ``[M]``) along the micro-batch axis:
+    the times of the virtual micro-batches ``p * M + j``."""
+    return np.concatenate([np.asarray(per_model[int(k)], np.float64) for k in order], axis=-1)
+
+
+@dataclass(frozen=True)
+class MultiModelSim:
+    """Outcome of `simulate_multimodel` (seconds).
+
+    ``makespan_s``: one step of the K models together under the shard schedule; ``sequential_s``:
+    the sum of the K models' single-model makespans (each its own pipeline with fill and drain, one
+    after the other); ``model_makespan_s`` [K] those single makespans; ``lower_bound_s``: the busiest
+    stage's total work plus the shortest way in and out (no order beats it); ``order``: the LRTF
+    model order; ``ops``: the simulated int32 ``[S, 2KM]`` op lists."""
+
+    makespan_s: float
+    sequential_s: float
+    model_makespan_s: np.ndarray
+    lower_bound_s: float
+    order: np.ndarray
+    ops: np.ndarray
+
+    @property
+    def speedup(self) -> float:
+        """``sequential_s / makespan_s``."""
+        return self.sequential_s / self.makespan_s if self.makespan_s > 0 else 1.0
+
+
+def simulate_multimodel(fwd_s, bwd_s, *, p2p_s=0.0, interleave: bool = True, order=None, num_stages: int | None = None,
+                        single_schedule: str = "1f1b") -> MultiModelSim:
+    """Simulate one step of K models trained on the same micro-batches over the same stages.
+
+    ``fwd_s``/``bwd_s``: ``[K, S, M]`` per-shard seconds (model, stage, micro-batch), or ``[K, M]``
+    (the same on every stage; pass ``num_stages``). ``p2p_s``: scalar or ``[M]`` seconds per hop.
+    ``order``: the model order (default `lrtf_order` of each model's total forward+backward
+    seconds). The K-model step is `dynabatch.core.simulate.simulate_pipeline` on the virtual
+    micro-batches with `multimodel_orders`; the baseline is each model alone with
+    ``single_schedule``, summed."""
+    f = np.asarray(fwd_s, np.float64)
+    b = np.asarray(bwd_s, np.float64)
+    if f.shape != b.shape or f.ndim not in (2, 3):
+        raise ValueError(f"fwd_s and bwd_s must both be [K, S, M] or [K, M], got {f.shape} and {b.shape}")
+    if f.ndim == 2:
+        if num_stages is None:
+            raise ValueError("[K, M] times need num_stages")
+        f = np.repeat(f[:, None, :], int(num_stages), axis=1)
+        b = np.repeat(b[:, None, :], int(num_stages), axis=1)
+    K, S, M = f.shape
+    p2p = np.broadcast_to(np.asarray(p2p_s, np.float64), (M,))
+    order = lrtf_order((f + b).sum(axis=(1, 2))) if order is None else np.asarray(order, np.int64)
+    if sorted(order.tolist()) != list(range(K)):
+        raise ValueError(f"order must be a permutation of 0..{K - 1}, got {order.tolist()}")
+    ops = multimodel_orders(S, K, M, interleave=interleave)
+    vf, vb = virtual_times(f, order), virtual_times(b, order)
+    vp = np.tile(p2p, K)
+    sim = simulate_pipeline(vf, vb, schedule=ops, p2p_s=vp)
+    alone = np.array([simulate_pipeline(f[k], b[k], schedule=single_schedule, p2p_s=p2p).makespan_s for k in range(K)])
+    return MultiModelSim(float(sim.makespan_s), float(alone.sum()), alone, float(sim.lower_bound_s), order, ops)

@@ -1,0 +1,451 @@
+"""`MultiModelRunner`: K models trained on the same micro-batches of one data pass, on one pipeline.
+
+Each rank is one stage device and holds stage ``s`` of every model: K *shards* (a shard is a model's
+stage parameters, their gradients and the optimizer's state for them). Per step:
+
+* **Order, from the plan alone.** Models are ordered longest-remaining-time-first from the plan's
+  predicted seconds (`dynabatch.core.multimodel_sim.lrtf_order`: micro-batch ``time_s`` summed x
+  each model's ``time_scale``), and position ``p``'s micro-batch ``j`` becomes virtual micro-batch
+  ``v = p * M + j``. The per-stage op orders over the ``K * M`` virtual micro-batches are
+  `multimodel_orders` (1F1B over all of them with ``interleave=True``: stage 0 starts the next
+  model while the last stage drains the previous one; model after model with ``interleave=False``).
+  The communication program of each rank is `schedule.build_programs` of those orders, as for one
+  model. Every input to this (the plan's shapes and seconds, ``time_scale``, K, the stage count) is
+  the same on every rank, so every rank derives the same programs.
+* **Why it cannot deadlock.** The programs are the single-model runner's construction applied to
+  a valid op order over virtual micro-batches: both ends of every link post the same message
+  sequence, sorted by the witness simulation's send times, so the globally first unfinished
+  message is always at the head of both queues (`schedule.check_programs` verifies the K-model
+  programs under strict NCCL FIFO semantics; the tests run it). The shard moves (spill, load,
+  prefetch) are local to a rank, never wait for another rank, and are planned before the step's
+  first transfer: a budget that cannot hold the shards an order needs at once raises a
+  `ValueError` before any communication (and `PipelineAborted` on the other ranks).
+* **Why it is bit-identical to training each model alone** with `PipelineRunner` (``gpipe`` or
+  ``1f1b``, which run a model's micro-batches in ascending order): every model's forwards and
+  backwards run on every stage in ascending micro-batch order, so each gradient is accumulated in
+  the same order with the same operations; the gradients are scaled by the same
+  ``1 / max(num_tokens, 1)`` with the same ``torch._foreach_mul_`` and the same optimizer steps on
+  the same tensors; spilling copies tensors bit for bit.
+* **The update.** With ``num_tokens`` (the step's real target tokens over all ranks: a loader
+  `Step`'s ``target_tokens``) a model's update on a stage runs right after its last backward there,
+  so its shard is resident once per step (Hydra); the counted tokens are checked against it at the
+  end of the step. Without it, one all-reduce at the end of the step gives every model's count (as
+  `PipelineRunner.step`), and the shards are updated one after another in LRTF order.
+* **Spilling** (`dynabatch.pipeline.shards.ShardStore`): with ``memory_budget_bytes`` (per stage device), a shard's bytes
+  (parameters + gradients + optimizer state; optimizer state predicted before it exists) must fit
+  the budget (else `ValueError` naming the shard and its bytes). Shards not needed are kept in host
+  memory (pinned on GPU) and brought back before their turn: the next shard in this stage's use
+  sequence is prefetched as soon as the shard before it starts (when it fits, evicting the resident
+  shard used furthest in the future); a shard not yet resident at its turn is loaded then. On GPU
+  loads are ``non_blocking`` copies on a side stream that the compute stream waits for; on CPU the
+  same code path moves the tensors between the model and host copies, so the budget is accounted
+  exactly (`ShardStore.resident_bytes` measures the tensors the models and optimizers hold on the
+  device, each storage once) and checked after every operation. Activations are not part of the
+  budget (see `dynabatch.pipeline.memory` for those).
+
+``refit_time_scale`` refits each model's ``time_scale`` from measured shard times (one all-reduce,
+so every rank keeps deriving the same order). Bit-identity holds where the kernels are deterministic
+(CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``). Limits of this first slice: one
+pipeline replica (``num_replicas == 1``); flushed steps only (no flush-free streams); the
+`dynabatch.core.feedback.FeedbackLoop` does not call the refit itself; module buffers are not
+spilled (the project's models have none); models must share the stage count (their cuts may differ).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..core.multimodel_sim import active_peak, lrtf_order, multimodel_orders
+from .comm import CommEvent, P2P
+from .guard import GuardedSteps
+from .runner import PipelineRunner, RunnerConfig
+from .spec import _as_tuple, _to_device, check_batch
+from .timing import StepResult, StepTiming, _Clock
+from .schedule import Message, Post, build_programs, quantize_times
+from .shards import ShardStore, _Residency, shard_bytes
+
+__all__ = ["MultiModelRunner", "MultiStepResult", "ShardStore", "shard_bytes"]  # the last two from .shards
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass(frozen=True)
+class MultiStepResult:
+    """One step of `MultiModelRunner.step`: ``results[k]`` is model ``k``'s `StepResult` (loss per real
+    target token, tokens, this stage's times per micro-batch; ``timing.wait_s`` and ``timing.step_s``
+    are the step's, shared by the models). ``order``: the LRTF model order of the step.
+    ``peak_resident_bytes``: the most shard bytes measured on this device during the step;
+    ``budget_bytes``: the budget (None: unlimited); ``spills``/``loads``/``prefetches``: shard moves on
+    this device during the step (prefetches: loads issued before the shard's turn)."""
+
+    step: int
+    results: tuple[StepResult, ...]
+    order: tuple[int, ...]
+    peak_resident_bytes: int
+    budget_bytes: float | None
+    spills: int
+    loads: int
+    prefetches: int
+
+
+class MultiModelRunner(GuardedSteps):
+    """Trains K models on the same micro-batches, one pipeline, one data pass (module docstring).
+
+    ``runners[k]``: model ``k``'s `PipelineRunner` on this rank (its stage, boundary and recompute
+    setting; all on the same `DistContext`); ``optimizers[k]`` over ``runners[k].parameters()``.
+    ``memory_budget_bytes``: shard bytes this stage device may hold (each rank passes its own; None:
+    no limit). ``interleave``: 1F1B over all models' micro-batches (True) or model after model (False,
+    one shard active per stage). ``time_scale[k]``: model ``k``'s seconds per plan second, what the
+    LRTF order and the witness times use (default 1 for every model; `from_models` defaults to each
+    model's parameter count over the largest, a proxy every rank computes alike).
+    ``names[k]`` names model ``k`` in errors. ``recorder``/``debug_shapes``/``check_plan`` as for
+    `PipelineRunner`."""
+
+    _what = "the multi-model runner"
+
+    def __init__(self, runners: Sequence[PipelineRunner], optimizers: Sequence, *,
+                 memory_budget_bytes: float | None = None, interleave: bool = True,
+                 time_scale: Sequence[float] | None = None, names: Sequence[str] | None = None,
+                 recorder: Callable[[CommEvent], None] | None = None, debug_shapes: bool = False,
+                 check_plan: bool = True):
+        runners = list(runners)
+        if not runners:
+            raise ValueError("MultiModelRunner needs at least one model")
+        if len(optimizers) != len(runners):
+            raise ValueError(f"{len(runners)} models but {len(optimizers)} optimizers")
+        ctx = runners[0].ctx
+        if any(r.ctx is not ctx for r in runners):
+            raise ValueError("every model's runner must use the same DistContext")
+        if ctx.num_replicas != 1:
+            raise ValueError(f"MultiModelRunner runs one pipeline replica; this context has {ctx.num_replicas}")
+        self.ctx, self.runners, self.optimizers = ctx, runners, list(optimizers)
+        self.K = len(runners)
+        self.interleave = bool(interleave)
+        self.check_plan = check_plan
+        self.names = list(names) if names is not None else [f"model {k}" for k in range(self.K)]
+        if time_scale is None:
+            time_scale = np.ones(self.K)
+        self.time_scale = np.asarray(time_scale, np.float64)
+        if self.time_scale.shape != (self.K,) or not np.all(self.time_scale > 0):
+            raise ValueError(f"time_scale must be {self.K} positive numbers, got {time_scale!r}")
+        s = ctx.stage
+        self.store = ShardStore([r.stage for r in runners], self.optimizers, ctx.device, memory_budget_bytes,
+                                [f"{n} stage {s} (rank {ctx.rank})" for n in self.names])
+        self.p2p = P2P(ctx, debug_shapes=debug_shapes, recorder=recorder)
+        self.step_index = 0
+        self._programs: OrderedDict = OrderedDict()
+        self._in_comm = False
+
+    @classmethod
+    def from_models(cls, models: Sequence, ctx, bounds, optimizer: Callable[[object, int], torch.optim.Optimizer], *,
+                    config: RunnerConfig = RunnerConfig(schedule="1f1b"), time_scale: Sequence[float] | None = None,
+                    **kw) -> "MultiModelRunner":
+        """Keep this rank's stage of each `LayeredModel` in ``models`` (cut at ``bounds``: one list for
+        all, or one per model), build each one's optimizer with ``optimizer(parameters, k)``; the
+        default ``time_scale`` is each model's parameter count over the largest."""
+        models = list(models)
+        per_model = isinstance(bounds, (list, tuple)) and len(bounds) > 0 and not np.isscalar(bounds[0])
+        per = list(bounds) if per_model else [bounds] * len(models)
+        if len(per) != len(models):
+            raise ValueError(f"{len(per)} cuts for {len(models)} models")
+        runners = [PipelineRunner.from_model(m, ctx, b, config) for m, b in zip(models, per)]
+        opts = [optimizer(r.parameters(), k) for k, r in enumerate(runners)]
+        if time_scale is None:
+            sizes = np.array([sum(p.numel() for layer in m.layers for p in layer.parameters()) for m in models], float)
+            time_scale = sizes / sizes.max()
+        return cls(runners, opts, time_scale=time_scale, **kw)
+
+    # -- planning ------------------------------------------------------------------------------
+    def order(self, times: np.ndarray) -> np.ndarray:
+        """The LRTF model order for micro-batches predicted to take ``times`` seconds each."""
+        return lrtf_order(self.time_scale * float(np.sum(times)))
+
+    def _program(self, times: np.ndarray, M: int):
+        order = self.order(times)
+        S = self.ctx.num_stages
+        vt = np.concatenate([self.time_scale[k] * times for k in order])
+        units = quantize_times(vt)
+        key = (S, M, self.interleave, order.tobytes(), units.tobytes())
+        hit = self._programs.get(key)
+        if hit is None:
+            ops = multimodel_orders(S, self.K, M, interleave=self.interleave)
+            hit = (build_programs(ops, units)[self.ctx.stage], ops, order)
+            self._programs[key] = hit
+            if len(self._programs) > 256:
+                self._programs.popitem(last=False)
+        return hit
+
+    def programs(self, plan, collation: str | None = None):
+        """(this rank's program, the op orders [S, 2KM], the model order) for ``plan``."""
+        shapes = self.runners[0]._shapes(plan, collation)
+        return self._program(np.array([sh.time_s for sh in shapes]), len(shapes))
+
+    def refit_time_scale(self, results: Sequence[MultiStepResult], *, digits: int = 3) -> np.ndarray:
+        """Refit ``time_scale`` from measured times: each model's forward+backward seconds over
+        ``results`` (this rank's), summed over every rank with one all-reduce (so every rank gets the
+        same figures and keeps deriving the same order), divided by the largest and rounded to
+        ``digits`` significant digits. Call it on every rank at the same step; returns the new scale."""
+        mine = torch.zeros(self.K, dtype=torch.float64)
+        for res in results:
+            for k, r in enumerate(res.results):
+                mine[k] += float(np.sum(r.timing.forward_s) + np.sum(r.timing.backward_s))
+        mine = mine.to(self.ctx.device)
+
+        def reduce():
+            self._wait([dist.all_reduce(mine, async_op=True)], "in the all-reduce of measured shard times "
+                                                               "(waiting for every rank)", range(self.ctx.world_size))
+            return mine.cpu().numpy()
+
+        total = self._guarded(reduce)
+        if not np.all(total > 0):
+            raise ValueError(f"no measured time for some model: {total.tolist()} s")
+        scale = total / total.max()
+        scale = np.array([float(f"{x:.{digits}g}") for x in scale])
+        self.time_scale = np.maximum(scale, 10.0 ** -digits)
+        return self.time_scale
+
+    # -- execution -----------------------------------------------------------------------------
+    def step(self, plan, batches: Sequence[dict] | None = None, *, num_tokens: int | None = None,
+             collation: str | None = None) -> MultiStepResult:
+        """Train every model on this step's micro-batches (``plan`` and ``batches`` as
+        `PipelineRunner.step` takes them; the first and last stage need ``batches``). ``num_tokens``:
+        the step's real target tokens over all ranks, which lets each model update right after its
+        last backward on each stage (see the module doc); checked against the heads' count.
+        Errors end every rank as in `PipelineRunner.step`."""
+        return self._guarded(lambda: self._step(plan, batches, num_tokens, collation))
+
+    def _step(self, plan, batches, num_tokens, collation):
+        t_step = time.perf_counter()
+        ctx, mon, store = self.ctx, self.ctx.monitor, self.store
+        s, S, step_k, K = ctx.stage, ctx.num_stages, self.step_index, self.K
+        first, last = s == 0, s == S - 1
+        mon.set_state("busy", f"preparing multi-model step {step_k}")
+        shapes = self.runners[0]._shapes(plan, collation)
+        M = len(shapes)
+        if M == 0:
+            raise ValueError(f"replica {ctx.replica} has no micro-batches in this step")
+        needs_data = first or last
+        if needs_data and (batches is None or len(batches) != M):
+            raise ValueError(f"stage {s} needs the {M} micro-batch dictionaries of this step, got "
+                             f"{'None' if batches is None else len(batches)}")
+        if needs_data:
+            for j, (b, sh) in enumerate(zip(batches, shapes)):
+                check_batch(b, sh, f"step {step_k} micro-batch {j}")
+        times = np.array([sh.time_s for sh in shapes])
+        program, ops, order = self._program(times, M)
+        early = num_tokens is not None
+
+        # the use sequence of this stage's shards: (model, 'op' | 'update'); check the budget first
+        uses: list[tuple[int, str]] = []
+        left = np.full(K, M * 2)
+        for ins in program:
+            if not isinstance(ins, Post):
+                k = int(order[ins.microbatch // M])
+                uses.append((k, "op"))
+                left[k] -= 1
+                if early and left[k] == 0:
+                    uses.append((k, "update"))
+        if not early:
+            uses += [(int(k), "update") for k in order]
+        store.check_budget()
+        if store.budget is not None:
+            need, n = active_peak(ops[s], M, np.array([store.full_bytes(int(k)) for k in order], float),
+                                  updates_at_end=not early)
+            if need > store.budget:
+                raise ValueError(f"stage {s} (rank {ctx.rank}) must hold {n} shards at once under the "
+                                 f"{'interleaved' if self.interleave else 'model-after-model'} order ({int(need)} "
+                                 f"bytes) but the device memory budget is {int(store.budget)} bytes; raise "
+                                 f"memory_budget_bytes" + (" or use interleave=False" if self.interleave else ""))
+        plan_r = _Residency(uses, K, early)
+        spills0, loads0, pre0 = store.spills, store.loads, store.prefetches
+        store.peak_bytes = store.observe()
+        cursor = [0]
+
+        def use(k: int, i: int) -> None:
+            """Shard k is used now (use i): make it resident; at the start of its window prefetch the
+            shard of the next window (one shard ahead) when it fits."""
+            if not store.resident[k]:
+                mon.set_state("busy", f"loading {self.names[k]}'s stage {s} (step {step_k})")
+                if not store.make_room(store.full_bytes(k), plan_r.active(i) | {k}, plan_r.next_use(i)):
+                    raise RuntimeError(f"internal error: no room for {self.names[k]} on stage {s}")
+                store.load(k)
+            store.ready(k)
+            store.observe()
+            nxt = plan_r.next_window(i)
+            if nxt is not None and not store.resident[nxt[1]]:
+                at, q = nxt
+                fut = plan_r.next_use(i)
+                keep = plan_r.active(i) | {q} | {r for r, t in fut.items() if t < at}
+                if store.make_room(store.full_bytes(q), keep, fut):
+                    mon.set_state("busy", f"prefetching {self.names[q]}'s stage {s} (step {step_k})")
+                    store.load(q, prefetch=True)
+                    store.observe()
+
+        boundary_in, boundary_out = {}, {}
+        for v in range(K * M):
+            k, j = int(order[v // M]), v % M
+            r = self.runners[k]
+            boundary_in[v] = tuple(r.boundary(shapes[j], r.stage.first_layer - 1)) if not first else None
+            boundary_out[v] = tuple(r.boundary(shapes[j], r.stage.last_layer)) if not last else None
+
+        def specs(m: Message):
+            if m.src == s:
+                return boundary_out[m.microbatch] if m.kind == "act" else \
+                    [sp for sp in boundary_in[m.microbatch] if sp.requires_grad]
+            return boundary_in[m.microbatch] if m.kind == "act" else \
+                [sp for sp in boundary_out[m.microbatch] if sp.requires_grad]
+
+        self.p2p.step = step_k
+        for r in self.runners:
+            for p in r.stage.parameters():
+                p.grad = None
+            r.stage.recompute = r.recompute_layers(plan)
+        if self.check_plan and S > 1:
+            links = {}
+            for ins in program:
+                if isinstance(ins, Post):
+                    m = ins.message
+                    links.setdefault(m.dst if m.src == s else m.src, []).append((m, specs(m)))
+            self._in_comm = True
+            self.p2p.check_links(links)
+            self._in_comm = False
+
+        clock = _Clock(ctx.device)
+        fwd_s, bwd_s = np.zeros((K, M)), np.zeros((K, M))
+        wait_s = 0.0
+        inbox, outbox, sent, saved = {}, {}, [], {}
+        loss_sum = torch.zeros(K, dtype=torch.float64, device=ctx.device)
+        tokens = torch.zeros(K, dtype=torch.float64, device=ctx.device)
+        data = [_to_device(b, ctx.device) for b in batches] if needs_data else None
+
+        def update(k: int, n_tokens: float) -> None:
+            mon.set_state("busy", f"updating {self.names[k]}'s stage {s} (step {step_k})")
+            params = [p for p in self.runners[k].stage.parameters() if p.requires_grad]
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / max(n_tokens, 1.0))
+            self.optimizers[k].step()
+            for p in params:  # the gradients are spent: free them (they would be zeroed next step)
+                p.grad = None
+            store.observe()
+
+        for ins in program:
+            mon.raise_if_failed()
+            if isinstance(ins, Post):
+                m = ins.message
+                if m.src == s:
+                    tensors = outbox.pop(m)
+                    mon.set_state("busy", f"posting the send of {m.describe()} (multi-model step {step_k})")
+                    self._in_comm = True
+                    sent.append((m, self.p2p.send(m, tensors, specs(m))))
+                    self._in_comm = False
+                else:
+                    mon.set_state("busy", f"posting the receive of {m.describe()} (multi-model step {step_k})")
+                    self._in_comm = True
+                    inbox[m] = self.p2p.recv(m, specs(m))
+                    self._in_comm = False
+                continue
+            v = ins.microbatch
+            k, j = int(order[v // M]), v % M
+            stage = self.runners[k].stage
+            use(k, cursor[0])
+            cursor[0] += 1
+            what = f"micro-batch {j} of {self.names[k]} (virtual {v}) of multi-model step {step_k}"
+            if ins.forward:
+                if first:
+                    x, inputs = None, []
+                else:
+                    inputs, x, waited = self._take_input(inbox, Message(v, "act", s - 1, s), boundary_in[v], what)
+                    wait_s += waited
+                mon.set_state("busy", f"in forward of {what}")
+                t0 = clock.start()
+                out = stage(x, data[j] if needs_data else None)
+                clock.stop(t0, fwd_s[k], j)
+                if last:
+                    loss_j, ntok_j = out
+                    loss_sum[k] += loss_j.detach().to(torch.float64)
+                    tokens[k] += torch.as_tensor(ntok_j, device=ctx.device).to(torch.float64)
+                    saved[v] = (inputs, loss_j)
+                else:
+                    outs = _as_tuple(out)
+                    saved[v] = (inputs, outs)
+                    outbox[Message(v, "act", s, s + 1)] = [o.detach().contiguous() for o in outs]
+            else:
+                inputs, outs = saved.pop(v)
+                if last:
+                    mon.set_state("busy", f"in backward of {what}")
+                    t0 = clock.start()
+                    outs.backward()
+                    clock.stop(t0, bwd_s[k], j)
+                else:
+                    m = Message(v, "grad", s + 1, s)
+                    bufs, works = inbox.pop(m)
+                    peer = ctx.global_rank(s + 1)
+                    wait_s += self._wait(works, f"waiting for {m.describe()} from rank {peer} ({what})", [peer])
+                    grad_outs = [o for o, sp in zip(outs, boundary_out[v]) if sp.requires_grad]
+                    pairs = [(o, g) for o, g in zip(grad_outs, bufs) if o.requires_grad]
+                    mon.set_state("busy", f"in backward of {what}")
+                    t0 = clock.start()
+                    if pairs:
+                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                    clock.stop(t0, bwd_s[k], j)
+                if not first:
+                    outbox[Message(v, "grad", s, s - 1)] = [
+                        (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, boundary_in[v])
+                        if sp.requires_grad]
+                store.observe()
+                if early and cursor[0] < len(uses) and uses[cursor[0]] == (k, "update"):
+                    update(k, float(num_tokens))
+                    cursor[0] += 1
+        for m, works in sent:
+            peer = ctx.global_rank(m.dst)
+            wait_s += self._wait(works, f"waiting for rank {peer} to take {m.describe()} (multi-model step "
+                                        f"{step_k})", [peer])
+        if inbox or outbox or saved:
+            raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
+
+        mon.raise_if_failed()
+        stats = torch.stack([loss_sum, tokens])  # [2, K]: one all-reduce over every rank for every model
+        self._in_comm = True
+        self._wait([dist.all_reduce(stats, async_op=True)], f"in the loss all-reduce of multi-model step {step_k} "
+                                                            f"(waiting for every rank)", range(ctx.world_size))
+        self._in_comm = False
+        total_loss, counted = stats.cpu().numpy()
+        if early:
+            bad = [k for k in range(K) if counted[k] != float(num_tokens)]
+            if bad:
+                raise ValueError(f"num_tokens={num_tokens} but the heads counted {counted[bad[0]]:.0f} real target "
+                                 f"tokens for {self.names[bad[0]]} in step {step_k}: the updates used the wrong "
+                                 f"normalizer")
+        else:
+            while cursor[0] < len(uses):
+                k = uses[cursor[0]][0]
+                use(k, cursor[0])
+                cursor[0] += 1
+                update(k, float(counted[k]))
+        clock.resolve()
+        step_s = time.perf_counter() - t_step
+        results = []
+        for k in range(K):
+            n = float(counted[k])
+            scale = 1.0 / max(n, 1.0)
+            timing = StepTiming(step_k, ctx.rank, s, ctx.replica, fwd_s[k].copy(), bwd_s[k].copy(), wait_s, step_s,
+                                None, 0.0, int(self.runners[k].stage.recompute))
+            results.append(StepResult(step_k, float(total_loss[k]) * scale, int(round(n)), timing))
+            self.runners[k].step_index += 1
+        self.step_index += 1
+        return MultiStepResult(step_k, tuple(results), tuple(int(k) for k in order), int(store.peak_bytes),
+                               store.budget, store.spills - spills0, store.loads - loads0,
+                               store.prefetches - pre0)
