@@ -1,4 +1,4 @@
-"""The examples in docs/pipeline.md, docs/feedback.md and docs/memory.md run as written (the training script on two
+"""The examples in docs/pipeline.md, docs/feedback.md, docs/memory.md and docs/multimodel.md run as written (the training script on two
 local gloo processes)."""
 
 import re
@@ -12,7 +12,7 @@ from dynabatch.pipeline import launch_local
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-@pytest.mark.parametrize("page", ["pipeline.md", "feedback.md", "memory.md"])
+@pytest.mark.parametrize("page", ["pipeline.md", "feedback.md", "memory.md", "multimodel.md"])
 def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)

@@ -7,6 +7,8 @@
 * `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`; `run_steps` runs several
   steps, flush-free with ``RunnerConfig(flush=False)`` (`weight_prediction`: `WeightPredictor`).
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
+* `multimodel`: `MultiModelRunner` trains K models on the same micro-batches (one data pass), their stage
+  shards ordered longest-remaining-time-first and spilled to host memory under a device budget (`shards`).
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
   fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
 * `memory`: the activation bytes a stage keeps for backward (`SavedBytes`, metered per step by the
