@@ -40,36 +40,42 @@ def _optimizer(params, name):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
 
 
-def run_worker(rank, world, port, num_stages, bounds, steps, window, mode, opt, lr_zero, seed):
-    """Train ``steps`` steps, synchronously (``mode`` "sync") or flush-free in windows of ``window`` steps
-    with weight handling ``mode``; return the per-step losses and this stage's final weights."""
+def run_worker(rank, world, port, num_stages, bounds, configs):
+    """For each ``(steps, window, mode, opt, lr_zero, seed)`` of ``configs``, in one process group: train
+    ``steps`` steps, synchronously (``mode`` "sync") or flush-free in windows of ``window`` steps with
+    weight handling ``mode``; return the per-step losses and this stage's final weights of each."""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
 
     ctx = init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
+    out = []
     with ctx:
-        model = make_model("gpt-tiny", **GPT, seed=1)
-        flush = mode == "sync"
-        cfg = RunnerConfig(schedule="1f1b", flush=flush, weight_prediction=None if mode in ("sync", "none") else mode)
-        runner = PipelineRunner.from_model(model, ctx, bounds, cfg)
-        optim = _optimizer(runner.parameters(), opt)
-        if lr_zero:
-            for g in optim.param_groups:
-                g["lr"] = 0.0
-        data = _stream(model, num_stages, ctx.num_replicas, steps, seed)
-        losses, extra = [], 0.0
-        for a in range(0, steps, window):
-            chunk = data[a:a + window]
-            pairs = [(p, every[ctx.replica] if ctx.stage in (0, num_stages - 1) else None) for p, every, _ in chunk]
-            res = runner.run_steps(pairs, optimizer=optim, num_tokens=[n for _, _, n in chunk])
-            losses += [r.loss for r in res]
-            extra = max(extra, res[-1].weight_extra_bytes or 0.0)
-            assert [r.num_tokens for r in res] == [n for _, _, n in chunk]
-        weights = [p.detach().double().flatten().tolist() for p in runner.stage.parameters()]
-    return {"losses": losses, "weights": weights, "extra": extra, "stage": ctx.stage}
+        for steps, window, mode, opt, lr_zero, seed in configs:
+            model = make_model("gpt-tiny", **GPT, seed=1)
+            cfg = RunnerConfig(schedule="1f1b", flush=mode == "sync",
+                               weight_prediction=None if mode in ("sync", "none") else mode)
+            runner = PipelineRunner.from_model(model, ctx, bounds, cfg)
+            optim = _optimizer(runner.parameters(), opt)
+            if lr_zero:
+                for g in optim.param_groups:
+                    g["lr"] = 0.0
+            data = _stream(model, num_stages, ctx.num_replicas, steps, seed)
+            losses, extra = [], 0.0
+            for a in range(0, steps, window):
+                chunk = data[a:a + window]
+                pairs = [(p, every[ctx.replica] if ctx.stage in (0, num_stages - 1) else None) for p, every, _ in chunk]
+                res = runner.run_steps(pairs, optimizer=optim, num_tokens=[n for _, _, n in chunk])
+                losses += [r.loss for r in res]
+                extra = max(extra, res[-1].weight_extra_bytes or 0.0)
+                assert [r.num_tokens for r in res] == [n for _, _, n in chunk]
+            weights = [p.detach().double().flatten().tolist() for p in runner.stage.parameters()]
+            out.append({"losses": losses, "weights": weights, "extra": extra, "stage": ctx.stage})
+    return out
 
 
-def _run(*args, nprocs=2, timeout=180.0):
-    return ok(launch_local(f"{__file__}:run_worker", nprocs, args=args, idle_timeout_s=timeout))
+def _run(num_stages, bounds, configs, nprocs=2, timeout=180.0):
+    """Every rank's results, one list per config (``configs`` as `run_worker` takes them)."""
+    res = ok(launch_local(f"{__file__}:run_worker", nprocs, args=(num_stages, bounds, configs), idle_timeout_s=timeout))
+    return [[r[i] for r in res] for i in range(len(configs))]
 
 
 def _close(a, b, tol):
@@ -78,23 +84,23 @@ def _close(a, b, tol):
 
 def test_one_stage_flush_free_equals_synchronous():
     """One stage: no micro-batch waits for an update, so the stream is the synchronous run, exactly."""
-    for opt in ("sgd", "adamw"):
-        sync = _run(1, [0, 6], 6, 3, "sync", opt, False, 0, nprocs=1)[0]
-        for mode in ("none", "stash", "predict"):
-            free = _run(1, [0, 6], 6, 3, mode, opt, False, 0, nprocs=1)[0]
-            assert free["losses"] == sync["losses"], (opt, mode)
-            assert free["weights"] == sync["weights"], (opt, mode)
+    modes = ("sync", "none", "stash", "predict")
+    configs = [(6, 3, mode, opt, False, 0) for opt in ("sgd", "adamw") for mode in modes]
+    res = [r[0] for r in _run(1, [0, 6], configs, nprocs=1)]
+    for i in range(0, len(configs), len(modes)):
+        sync = res[i]
+        for mode, free in zip(modes[1:], res[i + 1:i + len(modes)]):
+            assert free["losses"] == sync["losses"], (configs[i][3], mode)
+            assert free["weights"] == sync["weights"], (configs[i][3], mode)
 
 
 def test_two_stages_with_frozen_weights_equal_synchronous():
     """lr = 0: the weight versions cannot differ, so losses and token normalization must equal the
     synchronous run's on 2 stages and on 2 stages x 2 replicas."""
-    sync = _run(2, [0, 3, 6], 5, 5, "sync", "sgd", True, 1)
-    free = _run(2, [0, 3, 6], 5, 5, "predict", "sgd", True, 1)
+    sync, free = _run(2, [0, 3, 6], [(5, 5, "sync", "sgd", True, 1), (5, 5, "predict", "sgd", True, 1)])
     for a, b in zip(sync, free):
         assert np.allclose(a["losses"], b["losses"], rtol=1e-6)
-    sync4 = _run(2, [0, 3, 6], 3, 3, "sync", "adamw", True, 2, nprocs=4)
-    free4 = _run(2, [0, 3, 6], 3, 3, "stash", "adamw", True, 2, nprocs=4)
+    sync4, free4 = _run(2, [0, 3, 6], [(3, 3, "sync", "adamw", True, 2), (3, 3, "stash", "adamw", True, 2)], nprocs=4)
     for a, b in zip(sync4, free4):
         assert np.allclose(a["losses"], b["losses"], rtol=1e-6)
 
@@ -149,37 +155,40 @@ def _reference_stash(bounds, steps, opt, seed):
             for ls in stage_layers]
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_stash_follows_pipedream_weight_versions(opt):
+def test_stash_follows_pipedream_weight_versions():
     """2 stages, stash: every micro-batch's forward and backward on a stage use the version its forward
-    saw; the final weights equal a one-process replay of exactly those versions."""
-    free = _run(2, [0, 3, 6], 6, 6, "stash", opt, False, 3)
-    ref = _reference_stash([0, 3, 6], 6, opt, 3)
-    for r in free:
-        assert _close(r["weights"], ref[r["stage"]], 2e-5), (opt, r["stage"])
-    # ... and differs from the synchronous run (the stream really is asynchronous)
-    sync = _run(2, [0, 3, 6], 6, 6, "sync", opt, False, 3)
-    assert not all(_close(a["weights"], b["weights"], 1e-6) for a, b in zip(free, sync))
+    saw; the final weights equal a one-process replay of exactly those versions (SGD with momentum and
+    AdamW), and differ from the synchronous run's (the stream really is asynchronous)."""
+    opts = ("sgd", "adamw")
+    res = _run(2, [0, 3, 6], [(6, 6, mode, opt, False, 3) for opt in opts for mode in ("stash", "sync")])
+    for i, opt in enumerate(opts):
+        free, sync = res[2 * i], res[2 * i + 1]
+        ref = _reference_stash([0, 3, 6], 6, opt, 3)
+        for r in free:
+            assert _close(r["weights"], ref[r["stage"]], 2e-5), (opt, r["stage"])
+        assert not all(_close(a["weights"], b["weights"], 1e-6) for a, b in zip(free, sync))
 
 
 def test_every_mode_trains_on_four_stages_for_500_steps():
-    """4 stages, 500 flush-free steps in windows of 50 with each weight mode (no hang: the launcher's
-    liveness timeout), the loss falls, and the memory each mode held is reported (stash > none)."""
-    bounds = [0, 2, 3, 4, 6]
+    """4 stages, 500 flush-free steps with prediction in windows of 50, and 50 steps with stale and
+    stashed weights (no hang: the launcher's liveness timeout); the loss falls, and the memory each mode
+    held is reported (none holds nothing, stash and predict hold copies)."""
+    modes = (("predict", 500), ("none", 50), ("stash", 50))
+    res = _run(4, [0, 2, 3, 4, 6], [(n, 50, mode, "adamw", False, 4) for mode, n in modes], nprocs=4, timeout=240)
     held = {}
-    for mode in ("none", "stash", "predict"):
-        res = _run(4, bounds, 500 if mode == "predict" else 100, 50, mode, "adamw", False, 4, nprocs=4, timeout=240)
-        losses = res[0]["losses"]
+    for (mode, n), per_rank in zip(modes, res):
+        losses = per_rank[0]["losses"]
         # random tokens: the loss can only fall towards their entropy, ln 64 = 4.16
-        assert np.all(np.isfinite(losses)) and np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05, mode
-        held[mode] = max(r["extra"] for r in res)
+        assert len(losses) == n and np.all(np.isfinite(losses)), mode
+        assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05, mode
+        held[mode] = max(r["extra"] for r in per_rank)
     assert held["none"] == 0 and held["stash"] > 0 and held["predict"] > 0
 
 
 def test_two_stages_stream_500_steps():
-    """2 stages x 2 replicas, 500 flush-free steps with prediction in windows of 100: no hang, finite
-    falling losses, the same on every rank."""
-    res = _run(2, [0, 3, 6], 500, 100, "predict", "adamw", False, 6, nprocs=4, timeout=240)
+    """2 stages, 500 flush-free steps with prediction in windows of 100: no hang, finite falling losses,
+    the same on both ranks (replicas are covered by the frozen-weights test)."""
+    (res,) = _run(2, [0, 3, 6], [(500, 100, "predict", "adamw", False, 6)], timeout=240)
     losses = res[0]["losses"]
     assert len(losses) == 500 and all(r["losses"] == losses for r in res)
     assert np.all(np.isfinite(losses)) and np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05
