@@ -199,6 +199,7 @@ class MethodRun:
         self.runner = PipelineRunner.from_model(model, ctx, bounds, config=RunnerConfig(
             **{"schedule": cfg.options.schedule, "gather_timing": True, **runner_options(self.flush_kind)}))
         self._window_left: list = []  # flush-free variants: the window's (step, result) pairs not reported yet
+        self.weight_bytes = 0.0  # flush-free variants: the most bytes the weight handling held
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)
         self.rows: list[dict] = []
         self.memory_rows: list[dict] = []  # recompute variants: per-stage planned and measured peaks
@@ -310,7 +311,7 @@ class MethodRun:
             "bounds": self.bounds,
             "partition_makespan_s": self.partition.makespan_s if self.partition is not None else None,
             "knobs": {"method": self.method, "collation": self.loader.collation, "method_options": "planner defaults"},
-            "weight_extra_bytes": float(self.runner._wp.peak_bytes) if getattr(self.runner, "_wp", None) else 0.0,
+            "weight_extra_bytes": self.weight_bytes,
             "per_step": rows,
         }
         if feedback is not None and feedback.history:

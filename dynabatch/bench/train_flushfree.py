@@ -60,6 +60,7 @@ def stream_step(run):
         res = run.runner.run_steps([(batch_shapes(m, run.loader.collation), m) for m, _ in window],
                                     optimizer=run.optimizer, num_tokens=[m.target_tokens for m, _ in window])
         run._window_left = [(m, r, t) for (m, t), r in zip(window, res)]
+        run.weight_bytes = max(run.weight_bytes, *(r.weight_extra_bytes or 0.0 for r in res))
     return run._window_left.pop(0)
 
 

@@ -13,7 +13,7 @@ The runs use equal block counts per stage (``--partition uniform``) so that ever
 same stages, and the cost model's `StageMemory` is measured on those stages
 (`dynabatch.pipeline.memory.measured_stage_memory`, on the run's device). The recompute variants
 are not refit online, so that every variant plans with the same cost model (a `FeedbackLoop` would
-refit the time without recomputation; see its `_recomputed_share`).
+refit the time without recomputation, see `dynabatch.core.feedback`).
 Reported per limit and variant: tokens/s, step time against ``dp+full``, each stage's largest
 measured bytes kept for backward (saved-tensor hooks) against the limit and against the plan's
 prediction, and the mean recomputed layers per stage. Bytes, seconds, tokens.

@@ -141,25 +141,37 @@ def recompute_costs(cost, phi, k, memory: StageMemory | None = None):
     """Per-stage seconds ``[S, M]``, held bytes ``[S, M]`` and the recompute working bytes ``[S]`` of
     micro-batches with features ``phi`` ``[M, F]`` when stage ``s`` recomputes its first ``k[s]``
     layers (see the module docstring)."""
-    phi = np.atleast_2d(np.asarray(phi, np.float64))
     k = np.asarray(k, np.float64)
-    S = len(k)
-    memory = stage_memory_of(cost, S) if memory is None else memory
-    n = np.asarray(memory.layers)
-    kk = np.minimum(k, n)
-    rho = np.where(n > 0, kk / np.where(n > 0, n, 1.0), 0.0)
-    t = cost.stage_times(phi, S)
-    var = phi.copy()
-    var[:, 7:] = 0.0
-    v = cost.stage_times(var, S)
-    st = t + (rho * cost.forward_fraction)[:, None] * v
-    fixed = (phi @ memory.fixed_coef.T).T
-    layers = (phi @ memory.layer_coef.T).T if memory.layer_coef is not None \
-        else np.maximum(cost.stage_memory(phi, S) - fixed, 0.0)
-    held = fixed + (1.0 - rho)[:, None] * layers + kk[:, None] * (phi @ memory.input_coef.T).T
-    per_layer = np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), 0.0)
-    work = np.where(kk > 0, layers.max(axis=1, initial=0.0) * per_layer, 0.0)
-    return st, held, work
+    return _Priced(cost, phi, stage_memory_of(cost, len(k)) if memory is None else memory).at(k)
+
+
+class _Priced:
+    """The per-stage terms of `recompute_costs` that do not depend on the counts, priced once."""
+
+    def __init__(self, cost, phi, memory: StageMemory):
+        phi = np.atleast_2d(np.asarray(phi, np.float64))
+        S = memory.num_stages
+        self.n = np.asarray(memory.layers)
+        self.f = cost.forward_fraction
+        self.t = cost.stage_times(phi, S)
+        var = phi.copy()
+        var[:, 7:] = 0.0  # the fixed per-micro-batch terms are not recomputed
+        self.v = cost.stage_times(var, S)
+        self.fixed = (phi @ memory.fixed_coef.T).T
+        self.layers = (phi @ memory.layer_coef.T).T if memory.layer_coef is not None \
+            else np.maximum(cost.stage_memory(phi, S) - self.fixed, 0.0)
+        self.input = (phi @ memory.input_coef.T).T
+
+    def at(self, k):
+        """(seconds, held bytes, working bytes) with ``k[s]`` layers recomputed on stage ``s``."""
+        n = self.n
+        kk = np.minimum(np.asarray(k, np.float64), n)
+        rho = np.where(n > 0, kk / np.where(n > 0, n, 1.0), 0.0)
+        st = self.t + (rho * self.f)[:, None] * self.v
+        held = self.fixed + (1.0 - rho)[:, None] * self.layers + kk[:, None] * self.input
+        per_layer = np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), 0.0)
+        work = np.where(kk > 0, self.layers.max(axis=1, initial=0.0) * per_layer, 0.0)
+        return st, held, work
 
 
 def _rank_slices(plan) -> list[np.ndarray]:
@@ -225,8 +237,9 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
     top = memory.max_layers()
     k = np.zeros(S, np.int64) if policy != "full" else top.copy()
     limit = np.inf if device_memory_limit is None else float(device_memory_limit)
+    priced = _Priced(cost, phi, memory)
     for _ in range(int(top.sum()) + 2):  # k only grows: at most sum(top) rounds change it
-        st, held, _ = recompute_costs(cost, phi, k, memory)
+        st, held, _ = priced.at(k)
         peaks, times = _peaks_and_times(plan, st, held, p2p, fwd_fraction, sched_limit)
         over = np.flatnonzero(peaks > limit)
         if policy != "adaptive" or not len(over):
@@ -242,7 +255,7 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
         for s in over:
             for c in range(int(k[s]) + 1, int(top[s]) + 1):
                 k[s] = c
-                st2, held2, _ = recompute_costs(cost, phi, k, memory)
+                st2, held2, _ = priced.at(k)
                 if _peaks_and_times(plan, st2, held2, p2p, fwd_fraction, sched_limit)[0][s] <= limit:
                     break
     if len(over) and policy != "adaptive":
