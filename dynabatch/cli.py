@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.train import add_bench_train_command  # `dynabatch bench train`
 
     add_bench_train_command(bench_sub)
+    from .bench.multimodel import add_bench_multimodel_command  # `dynabatch bench multimodel`
+
+    add_bench_multimodel_command(bench_sub)
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
     from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
 

@@ -476,3 +476,52 @@ def test_refit_from_measured_times_reorders_mixed_architectures():
         assert r["scale"][1] == 1.0 and r["scale"][0] < 1.0
         assert r["same"] == [True, True]
     assert res[0]["scale"] == res[1]["scale"]
+
+
+def feedback_worker(rank, world, port, steps):
+    """gpt-tiny hidden 16 and 128 together with ``refit_every=2`` and ``gather_timing``: every step's
+    result goes to a per-stage `FeedbackLoop`; report the orders, scales and what the loop observed."""
+    from types import SimpleNamespace
+
+    from dynabatch import CostModel
+    from dynabatch.core.feedback import FeedbackLoop
+    from dynabatch.pipeline import init_pipeline, make_model
+    from dynabatch.pipeline.multimodel import MultiModelRunner
+
+    cfgs = [dict(GPT), {**GPT, "hidden": 128, "heads": 4}]
+    ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
+    with ctx:
+        data = _data(make_model("gpt-tiny", **GPT, seed=1), steps, seed=11, mbs=(3, 3))
+        models = [make_model("gpt-tiny", **c, seed=1 + k) for k, c in enumerate(cfgs)]
+        multi = MultiModelRunner.from_models(models, ctx, [BOUNDS, BOUNDS],
+                                             lambda ps, k: torch.optim.SGD(ps, lr=0.01), time_scale=[1.0, 1.0],
+                                             gather_timing=True, refit_every=2)
+        loop = FeedbackLoop(CostModel.preset("gpt", "cpu", num_stages=2), stage_reduce="per_stage", refit_every=100)
+        rows = []
+        for i, (p, bs, n) in enumerate(data):
+            res = multi.step(p, bs, num_tokens=n)
+            loop.record_step(SimpleNamespace(plan=p, step=i), res)
+            obs = loop.last
+            meas = {(t.stage, k): np.asarray(t.compute_s) for k, r in enumerate(res.results) for t in r.all_timings}
+            want = np.concatenate([meas[(st, k)] / res.time_scale[k] for k in range(2) for st in (0, 1)])
+            rows.append({"order": list(res.order), "scale": list(res.time_scale), "n_obs": len(obs.measured_s),
+                         "m": p.num_microbatches, "y_ok": bool(np.allclose(np.sort(obs.measured_s), np.sort(want))),
+                         "after": multi.time_scale.tolist()})
+    return rows
+
+
+def test_refit_every_and_feedback_take_every_models_measured_times():
+    """``refit_every=2``: the scales used by steps 0-1 are the given [1, 1]; from step 2 on they are the
+    measured ones (the larger model 1.0 and first), the same on every rank; a `FeedbackLoop` records a
+    multi-model result as K observations per micro-batch and stage, each model's measured seconds
+    divided by the scale its step used."""
+    res = ok(launch_local(f"{__file__}:feedback_worker", 2, args=(4,), idle_timeout_s=180))
+    for rows in res:
+        assert [r["scale"] for r in rows[:2]] == [[1.0, 1.0]] * 2
+        assert rows[0]["order"] == [0, 1] and all(r["order"] == [1, 0] for r in rows[2:]), rows
+        assert rows[2]["scale"][1] == 1.0 and rows[2]["scale"][0] < 1.0
+        assert rows[1]["after"] == rows[2]["scale"]  # the refit ran after step 1, before step 2's order
+        assert rows[2]["after"] == rows[2]["scale"]  # no refit after step 2 (a window of one step)
+        for r in rows:
+            assert r["n_obs"] == 2 * 2 * r["m"] and r["y_ok"], r
+    assert [r["scale"] for r in res[0]] == [r["scale"] for r in res[1]]

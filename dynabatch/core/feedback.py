@@ -142,6 +142,19 @@ def plan_features(cost: CostModel, plan: BatchPlan, shapes: Shapes | None = None
     return phi[sel]
 
 
+def _scaled_results(result) -> list:
+    """``[(seconds per plan second, result)]``: one entry per model of a multi-model step (anything with
+    ``.results`` and ``.time_scale``, a `dynabatch.pipeline.MultiStepResult`), else ``[(1.0, result)]``."""
+    scales = getattr(result, "time_scale", None)
+    models = getattr(result, "results", None)
+    if scales is None or models is None:
+        return [(1.0, result)]
+    if len(scales) != len(models) or not all(float(x) > 0 for x in scales):
+        raise ValueError(f"a multi-model result needs one positive time scale per model, got {scales!r} for "
+                         f"{len(models)} models")
+    return [(float(x), r) for x, r in zip(scales, models)]
+
+
 def _timings_of(result) -> list:
     """StepTimings of a `StepResult` (every rank's when gathered, else its own) or of a sequence."""
     if hasattr(result, "timing") and hasattr(result, "all_timings"):
@@ -330,7 +343,10 @@ class FeedbackLoop:
         ``step``: the loader's `Step` (anything with ``.plan``, the step's global `BatchPlan`, and, for
         packed plans, ``.shapes``, the global batch's `Shapes`; ``.step`` is kept as the global step
         number). ``result``: the runner's `StepResult` (its ``all_timings``, every rank's, with
-        ``RunnerConfig(gather_timing=True)``; else its own ``timing``) or a sequence of `StepTiming`.
+        ``RunnerConfig(gather_timing=True)``; else its own ``timing``) or a sequence of `StepTiming`,
+        or a `dynabatch.pipeline.MultiStepResult` (K models on the same micro-batches): each model's
+        times divided by its ``time_scale`` are observations of the same plan seconds (K per
+        micro-batch and stage; the scales themselves are `MultiModelRunner.refit_time_scale`'s).
         Timings of trailing placeholder micro-batches (ranks padded to equal counts) are skipped. A
         one-rank plan (the streaming loader's own share) is matched with this replica's timings only
         (``step.rank``); a step without a plan raises TypeError.
@@ -340,12 +356,16 @@ class FeedbackLoop:
             raise TypeError("record_step needs the loader's step (with .plan, its BatchPlan); "
                             "use record(plan_or_phi, timings) otherwise")
         shapes = getattr(step, "shapes", None)
-        timings = _timings_of(result)
-        if plan.num_ranks == 1 and any(int(t.replica) != 0 for t in timings):
-            # a rank's own plan (the streaming loader): only this replica's timings belong to it
-            mine = int(getattr(step, "rank", 0) or 0)
-            timings = [replace(t, replica=0) for t in timings if int(t.replica) == mine]
-        idx, y, sid = self._measured(plan, timings, placeholders=True)
+        parts = []  # (the model's seconds per plan second, its timings)
+        for scale, res in _scaled_results(result):
+            timings = _timings_of(res)
+            if plan.num_ranks == 1 and any(int(t.replica) != 0 for t in timings):
+                # a rank's own plan (the streaming loader): only this replica's timings belong to it
+                mine = int(getattr(step, "rank", 0) or 0)
+                timings = [replace(t, replica=0) for t in timings if int(t.replica) == mine]
+            i, v, d = self._measured(plan, timings, placeholders=True)
+            parts.append((i, v / scale, d))
+        idx, y, sid = (np.concatenate(a) for a in zip(*parts))
         phi = self.features(plan, shapes)[idx]
         pred = self._planned(plan, idx, sid)
         gstep = getattr(step, "step", None)

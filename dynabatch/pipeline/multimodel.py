@@ -44,10 +44,13 @@ stage parameters, their gradients and the optimizer's state for them). Per step:
   budget (see `dynabatch.pipeline.memory` for those).
 
 ``refit_time_scale`` refits each model's ``time_scale`` from measured shard times (one all-reduce,
-so every rank keeps deriving the same order). Bit-identity holds where the kernels are deterministic
-(CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``). Limits of this first slice: one
-pipeline replica (``num_replicas == 1``); flushed steps only (no flush-free streams); the
-`dynabatch.core.feedback.FeedbackLoop` does not call the refit itself; module buffers are not
+so every rank keeps deriving the same order); ``refit_every=N`` calls it every N steps.
+`dynabatch.core.feedback.FeedbackLoop.record_step` takes a `MultiStepResult`: every model's measured
+micro-batch times, each divided by its ``time_scale``, refit the plan's cost model (``DataLoader.feedback``
+works unchanged), so the plan's seconds and the scales together follow what was measured. Bit-identity holds where the kernels are deterministic
+(CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``). Limits: one
+pipeline replica (``num_replicas == 1``); flushed steps only (no flush-free streams); one scale per
+model (a model's stages are priced in the plan's per-stage proportions); module buffers are not
 spilled (the project's models have none); models must share the stage count (their cuts may differ).
 """
 
@@ -84,7 +87,11 @@ class MultiStepResult:
     are the step's, shared by the models). ``order``: the LRTF model order of the step.
     ``peak_resident_bytes``: the most shard bytes measured on this device during the step;
     ``budget_bytes``: the budget (None: unlimited); ``spills``/``loads``/``prefetches``: shard moves on
-    this device during the step (prefetches: loads issued before the shard's turn)."""
+    this device during the step (prefetches: loads issued before the shard's turn).
+    ``time_scale[k]``: model ``k``'s seconds per plan second that the step's order used (what
+    `dynabatch.core.feedback.FeedbackLoop.record_step` divides model ``k``'s measured times by).
+    ``moved_bytes``/``copy_s``: shard bytes the spills and loads copied on this device during the
+    step and the seconds spent in them (on CPU the copies; on GPU issuing them)."""
 
     step: int
     results: tuple[StepResult, ...]
@@ -94,6 +101,9 @@ class MultiStepResult:
     spills: int
     loads: int
     prefetches: int
+    time_scale: tuple[float, ...] = ()
+    moved_bytes: int = 0
+    copy_s: float = 0.0
 
 
 class MultiModelRunner(GuardedSteps):
@@ -107,7 +117,11 @@ class MultiModelRunner(GuardedSteps):
     LRTF order and the witness times use (default 1 for every model; `from_models` defaults to each
     model's parameter count over the largest, a proxy every rank computes alike).
     ``names[k]`` names model ``k`` in errors. ``recorder``/``debug_shapes``/``check_plan`` as for
-    `PipelineRunner`."""
+    `PipelineRunner`. ``gather_timing`` (default: the first runner's ``RunnerConfig.gather_timing``):
+    every rank's `StepTiming` of every model in each result's ``all_timings``, what a `FeedbackLoop`
+    needs to refit the cost model identically on every rank. ``refit_every``: call
+    `refit_time_scale` on the last ``refit_every`` steps after every ``refit_every`` steps (None: only
+    when called), so the LRTF order follows the measured shard times."""
 
     _what = "the multi-model runner"
 
@@ -115,7 +129,7 @@ class MultiModelRunner(GuardedSteps):
                  memory_budget_bytes: float | None = None, interleave: bool = True,
                  time_scale: Sequence[float] | None = None, names: Sequence[str] | None = None,
                  recorder: Callable[[CommEvent], None] | None = None, debug_shapes: bool = False,
-                 check_plan: bool = True):
+                 check_plan: bool = True, gather_timing: bool | None = None, refit_every: int | None = None):
         runners = list(runners)
         if not runners:
             raise ValueError("MultiModelRunner needs at least one model")
@@ -141,6 +155,11 @@ class MultiModelRunner(GuardedSteps):
                                 [f"{n} stage {s} (rank {ctx.rank})" for n in self.names])
         self.p2p = P2P(ctx, debug_shapes=debug_shapes, recorder=recorder)
         self.step_index = 0
+        self.gather_timing = runners[0].config.gather_timing if gather_timing is None else bool(gather_timing)
+        if refit_every is not None and int(refit_every) < 1:
+            raise ValueError(f"refit_every must be >= 1 or None, got {refit_every!r}")
+        self.refit_every = None if refit_every is None else int(refit_every)
+        self._window: list[MultiStepResult] = []  # results since the last automatic refit
         self._programs: OrderedDict = OrderedDict()
         self._in_comm = False
 
@@ -219,8 +238,15 @@ class MultiModelRunner(GuardedSteps):
         `PipelineRunner.step` takes them; the first and last stage need ``batches``). ``num_tokens``:
         the step's real target tokens over all ranks, which lets each model update right after its
         last backward on each stage (see the module doc); checked against the heads' count.
-        Errors end every rank as in `PipelineRunner.step`."""
-        return self._guarded(lambda: self._step(plan, batches, num_tokens, collation))
+        Errors end every rank as in `PipelineRunner.step`. With ``refit_every`` the step that
+        completes a window of that many steps then refits ``time_scale`` (the next step's order)."""
+        res = self._guarded(lambda: self._step(plan, batches, num_tokens, collation))
+        if self.refit_every is not None:
+            self._window.append(res)
+            if len(self._window) >= self.refit_every:  # the same step on every rank: a collective
+                window, self._window = self._window, []
+                self.refit_time_scale(window)
+        return res
 
     def _step(self, plan, batches, num_tokens, collation):
         t_step = time.perf_counter()
@@ -266,6 +292,7 @@ class MultiModelRunner(GuardedSteps):
                                  f"memory_budget_bytes" + (" or use interleave=False" if self.interleave else ""))
         plan_r = _Residency(uses, K, early)
         spills0, loads0, pre0 = store.spills, store.loads, store.prefetches
+        moved0, copy0 = store.moved_bytes, store.copy_s
         store.peak_bytes = store.observe()
         cursor = [0]
 
@@ -277,8 +304,8 @@ class MultiModelRunner(GuardedSteps):
                 if not store.make_room(store.full_bytes(k), plan_r.active(i) | {k}, plan_r.next_use(i)):
                     raise RuntimeError(f"internal error: no room for {self.names[k]} on stage {s}")
                 store.load(k)
+                store.observe()  # bytes change only at loads, first backwards and updates: measured there
             store.ready(k)
-            store.observe()
             nxt = plan_r.next_window(i)
             if nxt is not None and not store.resident[nxt[1]]:
                 at, q = nxt
@@ -325,6 +352,7 @@ class MultiModelRunner(GuardedSteps):
         loss_sum = torch.zeros(K, dtype=torch.float64, device=ctx.device)
         tokens = torch.zeros(K, dtype=torch.float64, device=ctx.device)
         data = [_to_device(b, ctx.device) for b in batches] if needs_data else None
+        grads_made: set[int] = set()  # models whose backward ran on this stage this step
 
         def update(k: int, n_tokens: float) -> None:
             mon.set_state("busy", f"updating {self.names[k]}'s stage {s} (step {step_k})")
@@ -405,7 +433,9 @@ class MultiModelRunner(GuardedSteps):
                     outbox[Message(v, "grad", s, s - 1)] = [
                         (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, boundary_in[v])
                         if sp.requires_grad]
-                store.observe()
+                if k not in grads_made:  # a model's first backward here allocates its gradients; the
+                    grads_made.add(k)      # others accumulate in place, so the bytes change only then
+                    store.observe()
                 if early and cursor[0] < len(uses) and uses[cursor[0]] == (k, "update"):
                     update(k, float(num_tokens))
                     cursor[0] += 1
@@ -443,9 +473,12 @@ class MultiModelRunner(GuardedSteps):
             scale = 1.0 / max(n, 1.0)
             timing = StepTiming(step_k, ctx.rank, s, ctx.replica, fwd_s[k].copy(), bwd_s[k].copy(), wait_s, step_s,
                                 None, 0.0, int(self.runners[k].stage.recompute))
-            results.append(StepResult(step_k, float(total_loss[k]) * scale, int(round(n)), timing))
+            # every rank's timings: the same all-gather as the single-model runner's, model by model
+            every = self.runners[k]._gather(timing, plan, M) if self.gather_timing else None
+            results.append(StepResult(step_k, float(total_loss[k]) * scale, int(round(n)), timing, every))
             self.runners[k].step_index += 1
         self.step_index += 1
         return MultiStepResult(step_k, tuple(results), tuple(int(k) for k in order), int(store.peak_bytes),
                                store.budget, store.spills - spills0, store.loads - loads0,
-                               store.prefetches - pre0)
+                               store.prefetches - pre0, tuple(float(x) for x in self.time_scale),
+                               store.moved_bytes - moved0, store.copy_s - copy0)

@@ -4,18 +4,24 @@ A *shard* is one model's stage: its parameters, their gradients and the optimize
 `ShardStore` keeps the K shards of one stage device within a memory budget: shards not needed are
 copied to host memory (pinned on GPU) and brought back before their turn, bit for bit; the bytes it
 holds on the device are *measured* from the tensors the models and optimizers hold (each storage
-once), not only planned. `_Residency` turns one step's sequence of shard uses into the windows that
-must be resident and the eviction / prefetch order. Used by `dynabatch.pipeline.multimodel`.
+once), not only planned. `_Residency` (`dynabatch.core.multimodel_spill.Residency`) turns one step's
+sequence of shard uses into the windows that must be resident and the eviction / prefetch order, and
+`make_room` evicts by `dynabatch.core.multimodel_spill.pick_victims`: the policy the K-model simulator
+replays. Used by `dynabatch.pipeline.multimodel`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import nn
+
+# the residency policy the K-model simulator replays (`_Residency` is what .multimodel imports)
+from ..core.multimodel_spill import Residency as _Residency  # noqa: F401
+from ..core.multimodel_spill import pick_victims
 
 __all__ = ["ShardStore", "shard_bytes"]
 
@@ -72,7 +78,8 @@ class ShardStore:
     limit, nothing is ever spilled). `spill` copies a shard's parameters, gradients and optimizer
     state to host memory (pinned on GPU) and leaves empty placeholders in the model; `load` copies
     them back (``non_blocking`` on a side CUDA stream, waited for by `ready`). `resident_bytes`
-    *measures* what the models and optimizers hold on the device; `observe` records its peak and
+    *measures* what the models and optimizers hold on the device (``moved_bytes``/``copy_s``: the
+    bytes spills and loads copied and the seconds spent in them); `observe` records its peak and
     raises if it ever exceeds the budget."""
 
     def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence, device, budget_bytes: float | None = None,
@@ -80,6 +87,7 @@ class ShardStore:
         if len(modules) != len(optimizers):
             raise ValueError(f"{len(modules)} shards but {len(optimizers)} optimizers")
         self.modules = list(modules)
+        self._params = [list(m.parameters()) for m in self.modules]  # walked after every byte change
         self.optimizers = list(optimizers)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -93,6 +101,8 @@ class ShardStore:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.peak_bytes = 0
         self.spills = self.loads = self.prefetches = 0
+        self.moved_bytes = 0  # shard bytes copied by spills and loads
+        self.copy_s = 0.0  # seconds spent issuing them (on CPU the copies themselves)
         self.check_budget()
         if self.budget is not None and self.accounted_bytes() > self.budget:  # start within the budget
             for k in reversed(range(K)):
@@ -130,7 +140,7 @@ class ShardStore:
         return sum(self.full_bytes(k) for k in range(len(self.modules)) if self.resident[k])
 
     def _tensors(self, k: int):
-        for p in self.modules[k].parameters():
+        for p in self._params[k]:
             yield p.data
             if p.grad is not None:
                 yield p.grad
@@ -177,6 +187,7 @@ class ShardStore:
         """Move shard ``k`` to host memory (parameters, gradients, optimizer state), bit for bit."""
         if not self.resident[k]:
             return
+        t0 = time.perf_counter()
         self.ready(k)
         self.sizes(k)  # its figure while spilled
         opt = self.optimizers[k]
@@ -200,12 +211,15 @@ class ShardStore:
         self.host[k] = saved
         self.resident[k] = False
         self.spills += 1
+        self.moved_bytes += self.full_bytes(k)
+        self.copy_s += time.perf_counter() - t0
 
     def load(self, k: int, *, prefetch: bool = False) -> None:
         """Bring shard ``k`` back to the device (on GPU asynchronously on a side stream; `ready`
         waits). ``prefetch`` only counts it as a load ahead of its turn."""
         if self.resident[k]:
             return
+        t0 = time.perf_counter()
         saved, opt = self.host[k], self.optimizers[k]
         ctx = torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
         if self.cuda:
@@ -231,6 +245,8 @@ class ShardStore:
         self.host[k] = None
         self.resident[k] = True
         self.loads += 1
+        self.moved_bytes += self.full_bytes(k)
+        self.copy_s += time.perf_counter() - t0
         self.prefetches += int(prefetch)
 
     def ready(self, k: int) -> None:
@@ -249,61 +265,8 @@ class ShardStore:
         until ``need`` more bytes fit the budget; False (nothing spilled) when they cannot."""
         if self.budget is None:
             return True
-        K = len(self.modules)
-        free = self.budget - self.accounted_bytes()
-        if free >= need:
-            return True
-        victims = sorted((k for k in range(K) if self.resident[k] and k not in keep),
-                         key=lambda k: (-next_use.get(k, float("inf")), -k))
-        gain = sum(self.full_bytes(k) for k in victims)
-        if free + gain < need:
-            return False
-        for k in victims:
-            if free >= need:
-                break
-            free += self.full_bytes(k)
+        victims = pick_victims([k for k in range(len(self.modules)) if self.resident[k] and k not in keep],
+                               self.full_bytes, self.budget - self.accounted_bytes(), need, next_use)
+        for k in victims or ():
             self.spill(k)
-        return True
-
-
-class _Residency:
-    """One step's shard uses on this stage, ``uses[i] = (model, "op" | "update")``, as windows: a
-    model's ops (with its update when ``early``) form one window from its first to its last use; a
-    late update (after the whole program) is a window of its own. `active` gives the models whose
-    window holds use ``i`` (they must be resident), `next_use` the next use of each model at or
-    after ``i`` (the eviction order: furthest first), `next_window` the window that starts next
-    after ``i`` when ``i`` starts one (what is prefetched)."""
-
-    def __init__(self, uses: list[tuple[int, str]], K: int, early: bool):
-        U = len(uses)
-        self.windows: list[tuple[int, int, int]] = []  # (start, end, model)
-        for k in range(K):
-            ops = [i for i, (q, kind) in enumerate(uses) if q == k and (kind == "op" or early)]
-            if ops:
-                self.windows.append((ops[0], ops[-1], k))
-            if not early:
-                self.windows += [(i, i, k) for i, (q, kind) in enumerate(uses) if q == k and kind == "update"]
-        self.windows.sort()
-        self._active = np.zeros((U, K), bool)
-        for a, b, k in self.windows:
-            self._active[a:b + 1, k] = True
-        nxt = np.full((U + 1, K), np.iinfo(np.int64).max, np.int64)
-        for i in range(U - 1, -1, -1):
-            nxt[i] = nxt[i + 1]
-            nxt[i, uses[i][0]] = i
-        self._next = nxt
-        self._starts = {a: n for n, (a, _, _) in enumerate(self.windows)}
-
-    def active(self, i: int) -> set[int]:
-        return {int(k) for k in np.flatnonzero(self._active[i])}
-
-    def next_use(self, i: int) -> dict[int, int]:
-        big = np.iinfo(np.int64).max
-        return {k: int(t) for k, t in enumerate(self._next[i]) if t != big}
-
-    def next_window(self, i: int) -> tuple[int, int] | None:
-        n = self._starts.get(i)
-        if n is None or n + 1 >= len(self.windows):
-            return None
-        a, _, k = self.windows[n + 1]
-        return a, k
+        return victims is not None

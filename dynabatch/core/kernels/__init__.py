@@ -23,6 +23,10 @@ module                kernel                          reference
                       `simulate_kernel`               `simulate_reference`
                       `makespan_kernel`               `makespan_reference`
                       `inflight_kernel`               `inflight_reference`
+                      `run_ops`, `op_ready`,          the event loop of `simulate_kernel` and
+                      `gated_start`, `_run_copies`    `spill_timing_kernel`, covered by both
+`.spill`              `spill_timing_kernel`           `spill_timing_reference` (compared in
+                                                      ``tests/test_multimodel_sim_spill.py``)
 `.cost`               `padded_features`               `padded_features_reference`
                       `profiled_lookup`               `profiled_lookup_reference`
                       `round_up`, `dot`,              helpers of the DP and of

@@ -13,6 +13,10 @@ kernel                 reference
 `makespan_kernel`      `makespan_reference`
 `inflight_kernel`      `inflight_reference`
 =====================  ==========================
+
+`run_ops` is the event loop of `simulate_kernel` and of `dynabatch.core.kernels.spill`'s kernel,
+whose ops also wait for shard loads (`gated_start`; `op_ready` is the dependency rule); the
+reference's `_sweep` takes a ``start_at`` hook for the same purpose.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from numba import njit
 
 #: Return codes of :func:`simulate_kernel`.
 OK, DEADLOCK, BAD_INPUT = 0, 1, 2
+
+#: Shard copy kinds of `gated_start` (``kind // 2``: 0 demand / 1 prefetch; ``kind % 2``: 0 spill / 1 load).
+DEMAND_SPILL, DEMAND_LOAD, PREFETCH_SPILL, PREFETCH_LOAD = 0, 1, 2, 3
 
 
 # --------------------------------------------------------------------------- schedules
@@ -76,24 +83,67 @@ def schedule_reference(S, M, kind_code):
 
 
 @njit(cache=True)
-def simulate_kernel(fwd, bwd, p2p, ops, start, end):
-    """Simulate op lists ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
-
-    ``fwd``/``bwd`` are float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds.
-    Returns 0 when every op ran, 1 on deadlock (unfinished ops keep ``-inf`` in both
-    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M``.
-    Each op is examined O(1) times, so the cost is O(S*M).
-    """
+def op_ready(fwd, bwd, p2p, end, s, op):
+    """``(j, k, dur, ready)`` of op code ``op`` on stage ``s``: micro-batch ``j``, ``k`` 0 forward / 1
+    backward, its duration (s) and when its dependency's result arrives on ``s`` (s; ``-inf`` while
+    that dependency has not finished in ``end``). ``k = -1`` for a code outside ``±1..±M``."""
     S, M = fwd.shape
-    n_ops = 2 * M
-    if ops.shape[0] != S or ops.shape[1] != n_ops:
-        return BAD_INPUT
-    start[:] = -np.inf
-    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
+    if op > 0 and op <= M:
+        j = op - 1
+        return j, 0, fwd[s, j], 0.0 if s == 0 else end[s - 1, j, 0] + p2p[j]  # -inf stays -inf
+    if op < 0 and op >= -M:
+        j = -op - 1
+        return j, 1, bwd[s, j], end[s, j, 0] if s == S - 1 else end[s + 1, j, 1] + p2p[j]
+    return 0, -1, 0.0, -np.inf
+
+
+@njit(cache=True)
+def _run_copies(s, use, phase, issue, copies, state):
+    """Run stage ``s``'s next copies of ``use`` in ``phase`` (0 demand, 1 prefetch) issued at ``issue``
+    (s) one after another on its copy engine; a load makes its shard available at its end."""
+    ncopy, cuse, ckind, cshard, cdur = copies
+    cptr, engine, avail, cstart, cend, _ = state
+    c = cptr[s]
+    while c < ncopy[s] and cuse[s, c] == use and ckind[s, c] // 2 == phase:
+        t = max(engine[s], issue)
+        cstart[s, c] = t
+        engine[s] = t + cdur[s, c]
+        cend[s, c] = engine[s]
+        if ckind[s, c] % 2 == 1:
+            avail[s, cshard[s, c]] = engine[s]
+        c += 1
+    cptr[s] = c
+
+
+@njit(cache=True)
+def gated_start(s, use, shard, free, ready, copies, state):
+    """When stage ``s``'s ``use`` of ``shard`` starts, given when the stage is free and when the use's
+    dependency is ready (s): its demand copies run first (issued at ``free``), it waits for
+    ``shard``'s latest load, adds the wait to ``state``'s stall, then issues its prefetch copies."""
+    _run_copies(s, use, 0, free, copies, state)
+    base = max(free, ready)
+    t0 = max(base, state[2][s, shard])
+    state[5][s] += t0 - base
+    _run_copies(s, use, 1, t0, copies, state)
+    return t0
+
+
+@njit(cache=True, inline="always")
+def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
+    """The event loop of `simulate_kernel` and `dynabatch.core.kernels.spill.spill_timing_kernel` over op
+    lists ``ops`` (int32 ``[S, 2N]``, shape checked by the caller); fills ``start``/``end`` (float64
+    ``[S, N, 2]``, s; the caller sets them to ``-inf``). An op starts when its stage is free and its
+    dependency has arrived; when ``copies`` (``ncopy, cuse, ckind, cshard, cdur``) has a row per stage,
+    also not before its shard's load (`gated_start`; shard ``j // M`` of micro-batch ``j``), with
+    ``state`` = ``(cptr, engine, avail, cstart, cend, stall)`` carried along. Returns `OK`, `DEADLOCK`
+    or `BAD_INPUT` (an op code outside ``±1..±N``). Each op is examined O(1) times: O(S*N)."""
+    S, N = fwd.shape
+    n_ops = 2 * N
+    gated = copies[0].shape[0] == S
     ptr = np.zeros(S, dtype=np.int64)
     free = np.zeros(S)
     # Worklist of stages that may be able to advance: a stage only becomes unblocked when a
-    # neighbour finishes an op, so re-queueing neighbours after progress keeps this O(S*M)
+    # neighbour finishes an op, so re-queueing neighbours after progress keeps this O(S*N)
     # instead of re-sweeping all stages until a fixpoint.
     stack = np.empty(S, dtype=np.int64)
     queued = np.ones(S, dtype=np.bool_)
@@ -107,38 +157,15 @@ def simulate_kernel(fwd, bwd, p2p, ops, start, end):
         queued[s] = False
         advanced = False
         while ptr[s] < n_ops:
-            op = ops[s, ptr[s]]
-            if op > 0 and op <= M:
-                j = op - 1
-                k = 0
-                dur = fwd[s, j]
-                if s == 0:
-                    ready = 0.0
-                else:
-                    e = end[s - 1, j, 0]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[j]
-            elif op < 0 and op >= -M:
-                j = -op - 1
-                k = 1
-                dur = bwd[s, j]
-                if s == S - 1:
-                    ready = end[s, j, 0]
-                    if ready == -np.inf:
-                        break
-                else:
-                    e = end[s + 1, j, 1]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[j]
-            else:
+            j, k, dur, ready = op_ready(fwd, bwd, p2p, end, s, ops[s, ptr[s]])
+            if k < 0:
                 return BAD_INPUT
-            t0 = max(free[s], ready)
-            t1 = t0 + dur
+            if ready == -np.inf:
+                break
+            t0 = gated_start(s, ptr[s], j // M, free[s], ready, copies, state) if gated else max(free[s], ready)
             start[s, j, k] = t0
-            end[s, j, k] = t1
-            free[s] = t1
+            end[s, j, k] = t0 + dur
+            free[s] = t0 + dur
             ptr[s] += 1
             remaining -= 1
             advanced = True
@@ -149,6 +176,25 @@ def simulate_kernel(fwd, bwd, p2p, ops, start, end):
                     top += 1
                     queued[nb] = True
     return DEADLOCK if remaining > 0 else OK
+
+
+@njit(cache=True)
+def simulate_kernel(fwd, bwd, p2p, ops, start, end):
+    """Simulate op lists ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
+
+    ``fwd``/``bwd`` are float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds.
+    Returns 0 when every op ran, 1 on deadlock (unfinished ops keep ``-inf`` in both
+    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M``.
+    Each op is examined O(1) times, so the cost is O(S*M).
+    """
+    S, M = fwd.shape
+    if ops.shape[0] != S or ops.shape[1] != 2 * M:
+        return BAD_INPUT
+    start[:] = -np.inf
+    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
+    ints, flat, table, sheet = np.empty(0, np.int64), np.empty(0), ops[:0, :0], start[:0, :0, 0]  # no copies
+    return run_ops(fwd, bwd, p2p, ops, start, end, 1, (ints, table, table, table, sheet),
+                   (ints, flat, sheet, sheet, sheet, flat))
 
 
 def simulate_reference(fwd, bwd, p2p, ops):
@@ -162,9 +208,11 @@ def simulate_reference(fwd, bwd, p2p, ops):
     return start, end, any(p < 2 * np.shape(fwd)[1] for p in pos)
 
 
-def _sweep(fwd, bwd, p2p, ops):
+def _sweep(fwd, bwd, p2p, ops, start_at=None):
     """`simulate_reference` plus where each stage stopped (``2M`` when it ran every op); a stage
-    also stops at an op code outside ``±1..±M``, as the kernel does."""
+    also stops at an op code outside ``±1..±M``, as the kernel does. ``start_at(s, i, j, free, ready)``,
+    when given, returns when stage ``s``'s ``i``-th op (of micro-batch ``j``) starts, given when the
+    stage is free and when its dependency's result is there (default: the later of the two)."""
     S, M = np.shape(fwd)
     start = np.full((S, M, 2), -np.inf)
     end = np.full((S, M, 2), -np.inf)
@@ -189,7 +237,7 @@ def _sweep(fwd, bwd, p2p, ops):
                 if dep is not None and dep not in finished:
                     break
                 ready = 0.0 if dep is None else finished[dep] + delay
-                t0 = max(free[s], ready)
+                t0 = max(free[s], ready) if start_at is None else start_at(s, pos[s], j, free[s], ready)
                 t1 = t0 + float(fwd[s][j] if k == 0 else bwd[s][j])
                 start[s, j, k], end[s, j, k] = t0, t1
                 finished[(s, j, k)] = t1
