@@ -423,19 +423,19 @@ def test_three_hundred_steps_do_not_hang():
 
 
 def refit_worker(rank, world, port, steps_before, steps_after):
-    """Two architectures (gpt-tiny hidden 16 and hidden 128), each with its own cut, with equal
+    """Two architectures (gpt-tiny hidden 16 with 4 blocks, hidden 128 with 6), each with its own cut, with equal
     ``time_scale``: train, refit the scale from measured times, train on; report the orders and
     whether both models equal training each alone. (`from_models` without a scale takes the
     parameter-count ratio: checked first.)"""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
     from dynabatch.pipeline.multimodel import MultiModelRunner
 
-    cfgs = [dict(GPT), dict(GPT, hidden=128, heads=4)]
+    cfgs = [dict(GPT), dict(GPT, hidden=128, heads=4, layers=6)]
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
     with ctx:
         data = _data(make_model("gpt-tiny", **GPT, seed=1), steps_before + steps_after, seed=6, mbs=(3, 4),
                      max_len=24)
-        cuts = [BOUNDS, [0, 2, 6]]  # each model its own cut
+        cuts = [BOUNDS, [0, 3, 8]]  # each model its own cut (and depth)
         alone = []
         for k, c in enumerate(cfgs):
             r = PipelineRunner.from_model(make_model("gpt-tiny", **c, seed=1 + k), ctx, cuts[k],
@@ -466,10 +466,10 @@ def refit_worker(rank, world, port, steps_before, steps_after):
 
 
 def test_refit_from_measured_times_reorders_mixed_architectures():
-    """gpt-tiny with hidden 16 and hidden 128 trained together: with equal scales the LRTF order is by
-    index; after the refit from measured shard times (the same figures on every rank) the larger
-    model has the larger scale and goes first, the ranks agree, and both models stay bit-identical
-    to training alone."""
+    """gpt-tiny with hidden 16 (4 blocks) and hidden 128 (6 blocks, another cut) trained together:
+    with equal scales the LRTF order is by index; after the refit from measured shard times (the
+    same figures on every rank) the larger model has the larger scale and goes first, the ranks
+    agree, and both models stay bit-identical to training alone."""
     res = ok(launch_local(f"{__file__}:refit_worker", 2, args=(3, 3), idle_timeout_s=180))
     for r in res:
         assert r["orders"][:3] == [[0, 1]] * 3 and r["orders"][3:] == [[1, 0]] * 3, r["orders"]
