@@ -95,13 +95,11 @@ def _sizes(cfg: MultiBenchConfig) -> dict:
     return {**MODEL_SIZES[cfg.model], **cfg.model_sizes}
 
 
-def _stage_times(step, cost, S: int):
+def _stage_times(step, cost):
     """``(fwd, bwd)`` [S, M] seconds the plan predicts for this replica's micro-batches of ``step``."""
-    plan = step.plan
-    mine = np.flatnonzero(plan.mb_rank == 0)
-    mine = mine[np.argsort(plan.mb_order[mine], kind="stable")]
-    t = (np.asarray(plan.stage_time_s, np.float64)[:, mine] if plan.stage_time_s is not None
-         else np.tile(np.asarray(plan.mb_time_s, np.float64)[mine], (S, 1)))
+    from ..core.flushfree import plan_stage_times
+
+    t = plan_stage_times(step.plan)[:, step.plan.rank_indices(0)]
     f = float(cost.forward_fraction)
     return f * t, (1.0 - f) * t
 
@@ -149,7 +147,7 @@ def run_k(ctx, cfg: MultiBenchConfig, K: int, steps, collation: str, cost, bound
             singles.append(time.perf_counter() - t0)
             for t in r.all_timings:
                 meas_f[k, t.stage], meas_b[k, t.stage] = t.forward_s, t.backward_s
-        times.append((*_stage_times(step, cost, S), meas_f, meas_b, np.asarray(res.time_scale, np.float64)))
+        times.append((*_stage_times(step, cost), meas_f, meas_b, np.asarray(res.time_scale, np.float64)))
         rows.append({"step": i, "together_s": t_together, "single_s": singles, "microbatches": len(shapes),
                      "tokens": int(np.sum(step.plan.mb_real_tokens)),
                      "peak_resident_bytes": res.peak_resident_bytes, "spills": res.spills, "loads": res.loads,

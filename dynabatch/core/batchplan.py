@@ -144,6 +144,11 @@ class BatchPlan:
         """Number of micro-batches of each rank."""
         return np.bincount(self.mb_rank, minlength=self.num_ranks)
 
+    def rank_indices(self, rank: int) -> np.ndarray:
+        """Indices (int64) of ``rank``'s micro-batches in its execution order (``mb_order``)."""
+        idx = np.flatnonzero(self.mb_rank == rank)
+        return idx[np.argsort(self.mb_order[idx], kind="stable")]
+
     def microbatches(self, rank: int | None = None) -> list[MicroBatch]:
         """The micro-batches of ``rank`` (all ranks if None) in execution order."""
         idx = np.arange(self.num_microbatches) if rank is None else np.flatnonzero(self.mb_rank == rank)

@@ -168,11 +168,6 @@ def plan_stage_times(plan) -> np.ndarray:
     return np.tile(np.asarray(plan.mb_time_s, np.float64), (plan.num_stages, 1))
 
 
-def _rank_indices(plan, r: int) -> np.ndarray:
-    idx = np.flatnonzero(plan.mb_rank == r)
-    return idx[np.argsort(plan.mb_order[idx], kind="stable")]
-
-
 def _plan_p2p(plan, cost, shapes, p2p_s):
     """Seconds ``[M]`` of a plan's micro-batch transfers: ``p2p_s`` (scalar or ``[M]``) or ``cost.p2p_time``."""
     M = plan.num_microbatches
@@ -200,7 +195,7 @@ def rank_streams(plans, p2p, forward_fraction: float):
     stage_t = [plan_stage_times(p) for p in plans]
     for r in range(R):
         for k, p in enumerate(plans):
-            idx = _rank_indices(p, r)
+            idx = p.rank_indices(r)
             counts[r, k] = len(idx)
             cols.append(stage_t[k][:, idx])
             links.append(np.asarray(p2p[k], np.float64)[idx])

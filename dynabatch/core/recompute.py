@@ -178,8 +178,7 @@ def _rank_slices(plan) -> list[np.ndarray]:
     """Each rank's micro-batch positions in execution order."""
     out = []
     for r in range(plan.num_ranks):
-        idx = np.flatnonzero(plan.mb_rank == r)
-        out.append(idx[np.argsort(plan.mb_order[idx], kind="stable")])
+        out.append(plan.rank_indices(r))
     return out
 
 

@@ -154,8 +154,7 @@ def refine_orders(plan, cost, shapes=None, passes: int = 2):
     for r in np.argsort(-rank_time, kind="stable"):
         if rank_time[r] <= done:
             break
-        block = np.flatnonzero(plan.mb_rank == r)
-        block = block[np.argsort(plan.mb_order[block], kind="stable")]
+        block = plan.rank_indices(r)
         if len(block) < 2 or not heavy[block].any():
             done = max(done, rank_time[r])
             continue
@@ -220,8 +219,7 @@ def evaluate_plan(plan, cost, shapes=None):
     limit = float(plan.options.get("stage_memory_bytes", S * mem.max(initial=1.0)))
     rank_time = np.zeros(plan.num_ranks)
     for r in range(plan.num_ranks):
-        idx = np.flatnonzero(plan.mb_rank == r)
-        idx = idx[np.argsort(plan.mb_order[idx], kind="stable")]
+        idx = plan.rank_indices(r)
         if len(idx):
             rank_time[r] = _simulate(st[:, idx], p2p[idx], mem[idx], cost.forward_fraction, code, limit)[0]
     return dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=mem, rank_time_s=rank_time,

@@ -154,8 +154,7 @@ def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
         rank = int(np.argmax(plan.rank_time_s)) if len(plan.rank_time_s) else 0
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} is not in the plan ({plan.num_ranks} ranks)")
-    idx = np.flatnonzero(plan.mb_rank == rank)
-    idx = idx[np.argsort(plan.mb_order[idx], kind="stable")]
+    idx = plan.rank_indices(rank)
     st = plan_stage_times(plan)[:, idx]
     ff = cost.forward_fraction if cost is not None else 1 / 3
     fwd = st * ff
