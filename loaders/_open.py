@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 
 from ._arrow import ArrowIPCReader, ParquetReader
@@ -111,19 +112,24 @@ def open_source(data, split: str | None = None, *, storage_options: dict | None 
     becomes an in-memory ``datasets.Dataset`` (map-style: random access, known row count).
     ``split`` picks a split from a ``DatasetDict``. Other keywords go to the ``Source``.
     """
-    import datasets
-
     if isinstance(data, Source):
         return data
     storage = Storage(storage_options, cache_dir)
     wants_files = storage_options is not None or cache_dir is not None
     saved = _saved_dataset_dir(data, storage)
     if saved is not None:
+        import datasets
+
         options.setdefault("name", saved.rstrip("/").rsplit("/", 1)[-1])
         kw = {"storage_options": storage.options} if is_url(saved) else {}
         data, wants_files = datasets.load_from_disk(saved, **kw), False
     elif _is_records(data):
         data = _records_dataset(data)
+    # ``data`` can be a datasets object only once the (slow to import) module is loaded: files and
+    # URLs open without it
+    datasets = sys.modules.get("datasets")
+    if datasets is None:
+        return _open_files(data, storage, storage_options, cache_dir, options)
     if wants_files and isinstance(data, datasets.Dataset | datasets.IterableDataset | datasets.DatasetDict
                             | datasets.IterableDatasetDict):
         raise TypeError("storage_options= and cache_dir= apply to files and URLs, not to a datasets object "
@@ -136,6 +142,11 @@ def open_source(data, split: str | None = None, *, storage_options: dict | None 
         return HFSource(data, **options)
     if isinstance(data, datasets.IterableDataset):
         return HFIterableSource(data, **options)
+    return _open_files(data, storage, storage_options, cache_dir, options)
+
+
+def _open_files(data, storage: Storage, storage_options, cache_dir, options: dict) -> Source:
+    """``data`` (paths or URLs) as the ``Source`` of their format."""
     files = expand_paths(_as_paths(data), tuple(_BY_SUFFIX), storage)
     formats = {_format_of(f) for f in files}
     if None in formats:

@@ -1,4 +1,9 @@
-"""`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens."""
+"""`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens.
+
+Each bench run is a CLI process with 2 ranks that leave the 2 cores partly idle (startup, waits), so
+the selected tests' runs start in the background, two at a time, when the module's first test begins
+(``tests/prelaunch.py``); each test checks its own run exactly as when it runs alone.
+"""
 
 import json
 import sys
@@ -6,22 +11,51 @@ import sys
 import numpy as np
 import pytest
 from liveness import run_live
+from prelaunch import Prelaunch, job
 
 from dynabatch import CostModel
 from dynabatch.bench.train import TRAIN_METHODS
 from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
 
+LAUNCHES = Prelaunch(parallel=2)
 
-@pytest.mark.slow
-def test_bench_train_json(tmp_path):
-    """(No wall clock: --timeout is the bench's liveness timeout, run_live the test's.)"""
+
+@pytest.fixture(scope="module", autouse=True)
+def _launches(request, tmp_path_factory):
+    yield from LAUNCHES.started(request, tmp=tmp_path_factory.mktemp("bench"))
+
+
+def _bench_json(tmp_path):
     paths = write_text_shards(tmp_path / "data", 300, seed=0)
-    out = run_live(
+    return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
-         "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096",
+         "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096", "--max-len", "512",
          "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
          "--out", str(tmp_path / "result.json")], idle_s=120)
+
+
+BENCH_WEIGHT = {"_bench_json": 11, "_bench_flush_free": 11}  # about their seconds (others: 8): the longest first
+
+
+def bench_job(fn, tmp):
+    """Bench run ``fn(dir)`` as a `prelaunch.Job` returning ``(fn(dir), dir)``: ``dir`` is its own folder
+    under ``tmp``."""
+    return job(fn.__name__, _in_dir, fn, tmp / fn.__name__.strip("_"), weight=BENCH_WEIGHT.get(fn.__name__, 8))
+
+
+def _in_dir(fn, path):
+    path.mkdir(parents=True, exist_ok=True)
+    return fn(path), path
+
+
+@pytest.mark.slow
+@LAUNCHES.plan(lambda tmp: [bench_job(_bench_json, tmp)])
+def test_bench_train_json(tmp_path):
+    """(No wall clock: --timeout is the bench's liveness timeout, run_live the test's.) Caps of 512
+    tokens keep each step cheap (the default 2048 spends the run in attention); dp still plans 3-4
+    micro-batches a step."""
+    out, tmp_path = LAUNCHES.result(bench_job(_bench_json, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert res["partial"] is False and res["status"] == "complete" and res["stopped_by"] is None
@@ -60,14 +94,19 @@ def test_batch_shapes_carry_the_plans_time_and_memory():
     assert shape.time_s == 0.25 and shape.memory_bytes == 1.5e6
 
 
+def _bench_adaptive(tmp_path):
+    paths = write_text_shards(tmp_path / "data", 120, seed=1)
+    return run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--schedule",
+         "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=120)
+
+
 @pytest.mark.slow
+@LAUNCHES.plan(lambda tmp: [bench_job(_bench_adaptive, tmp)])
 def test_bench_train_runs_the_adaptive_schedule(tmp_path):
     """--schedule adaptive: the planner orders and simulates the memory-bounded order the runner runs."""
-    paths = write_text_shards(tmp_path / "data", 120, seed=1)
-    out = run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--schedule", "adaptive",
-         "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=120)
+    out, _ = LAUNCHES.result(bench_job(_bench_adaptive, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert res["config"]["options"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
@@ -104,8 +143,8 @@ def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
     out_file = tmp_path / "result.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "100000",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--methods", "dp", "pack",
-         "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--methods", "dp",
+         "pack", "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         # --out is rewritten after a round, once a second (partial, "running"): wait for two rounds, with a
@@ -201,19 +240,26 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
 
 # -- vlm-tiny: image+text and text-only records, stage-aware dp vs stage-blind dp vs pack/token_budget -------
 
+def _bench_vlm(tmp_path):
+    from dynabatch.bench.train_vlm import build_vlm_data
+
+    (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
+    return run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
+         "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
+         "--data", data, "--timeout", "90", "--json"], idle_s=150), data
+
+
 @pytest.mark.slow
+@LAUNCHES.plan(lambda tmp: [bench_job(_bench_vlm, tmp)])
 def test_bench_train_vlm_tiny_json(tmp_path):
     """A tiny vlm-tiny run on generated image+text and text records (no shared data): every method, the
     per-stage MAPE fields, the modality split, the same samples per method step by step."""
-    from dynabatch.bench.train_vlm import VLM_METHODS, build_vlm_data
+    from dynabatch.bench.train_vlm import VLM_METHODS
 
-    (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
+    (out, data), _ = LAUNCHES.result(bench_job(_bench_vlm, tmp_path))
     rows = [json.loads(line) for line in open(data)]
     assert sum(bool(r.get("image")) for r in rows) == 24 and len(rows) == 48
-    out = run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
-         "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
-         "--data", data, "--timeout", "90", "--json"], idle_s=150)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert res["status"] == "complete" and res["config"]["partition"] == "modality"
@@ -261,15 +307,20 @@ def test_packed_rows_become_one_sequence_per_row():
     assert rows_as_sequences([{"input_ids": 1}]) == [{"input_ids": 1}]
 
 
+def _bench_recompute(tmp_path):
+    paths = write_text_shards(tmp_path / "data", 160, seed=2)
+    return run_live(
+        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
+         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
+         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+
+
+@LAUNCHES.plan(lambda tmp: [bench_job(_bench_recompute, tmp)])
 def test_bench_train_compares_recompute_policies(tmp_path):
     """--device-memory-limit: dp+none, dp+full and dp+adaptive at a level below the peak without
     recomputation; the measured bytes of full and adaptive stay within the limit, none's do not, and
     every variant trains the same real tokens."""
-    paths = write_text_shards(tmp_path / "data", 160, seed=2)
-    out = run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
-         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+    out, _ = LAUNCHES.result(bench_job(_bench_recompute, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     (level,) = doc["levels"]
@@ -288,14 +339,19 @@ def test_bench_train_compares_recompute_policies(tmp_path):
     assert m["dp+full"]["step_time_vs_full"] == pytest.approx(1.0)
 
 
-def test_bench_train_flush_free_variants(tmp_path):
-    """--flush-free: dp/sync against the three flush-free streams; the same global batches and real
-    tokens, every variant trains, the weight memory is reported (stash and predict hold copies)."""
+def _bench_flush_free(tmp_path):
     paths = write_text_shards(tmp_path / "data", 160, seed=4)
-    out = run_live(
+    return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "6",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free",
          "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+
+
+@LAUNCHES.plan(lambda tmp: [bench_job(_bench_flush_free, tmp)])
+def test_bench_train_flush_free_variants(tmp_path):
+    """--flush-free: dp/sync against the three flush-free streams; the same global batches and real
+    tokens, every variant trains, the weight memory is reported (stash and predict hold copies)."""
+    out, _ = LAUNCHES.result(bench_job(_bench_flush_free, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     m = res["methods"]

@@ -3,21 +3,36 @@ it takes; a silent one is killed about ``timeout`` seconds after its last sign o
 
 `dynabatch.pipeline.launch_local` (``idle_timeout_s``, old name ``timeout_s``) and the test helper
 ``tests/liveness.run_live`` (``idle_s``). The ranks below are functions of this file (run by the
-launcher in fresh processes: keep this module's top level free of test-only imports).
+launcher in fresh processes: keep this module's top level light, stdlib and this directory only).
+
+Every run here mostly sleeps (it prints every 0.25 s, or waits for a timeout to expire), so the
+selected tests' runs start together in the background when the module's first test begins
+(``tests/prelaunch.py``); each test then checks its own run exactly as when it runs alone. Elapsed
+times are taken inside each run.
 """
 
 import os
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from dynabatch.pipeline.launch import heartbeat, launch_local
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks run this file by path
+from prelaunch import Prelaunch, job  # noqa: E402
+
+from dynabatch.pipeline.launch import heartbeat, launch_local  # noqa: E402
 
 # a rank is silent while it imports torch (through dynabatch.pipeline: ~2 s, 5+ s on a loaded 2-core
 # machine): the idle timeouts that must not fire are well above that
 IDLE = 12.0
+LAUNCHES = Prelaunch(parallel=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launches(request):
+    yield from LAUNCHES.started(request)
 
 
 def chatty(rank, world, port, seconds, every):
@@ -47,14 +62,35 @@ def silent(rank, world, port, seconds):
     return "woke up"
 
 
+def _printing():
+    return launch_local(f"{__file__}:chatty", 1, args=(IDLE + 3, 0.25), timeout_s=IDLE)
+
+
+def _beating():
+    return launch_local(f"{__file__}:beating", 1, args=(IDLE + 3, 0.25), idle_timeout_s=IDLE)
+
+
+def _nested():
+    """A child that prints 'ready', then runs a launch_local whose rank prints for longer than IDLE."""
+    from liveness import run_live
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "nested.py")
+        with open(script, "w") as f:
+            f.write("import sys\n"
+                    "from dynabatch.pipeline.launch import launch_local\n"
+                    "print('ready', flush=True)\n"
+                    f"(r,) = launch_local({__file__!r} + ':chatty', 1, args=({IDLE + 3}, 0.25), idle_timeout_s=60)\n"
+                    "sys.exit(0 if r.returncode == 0 else 1)\n")
+        return run_live([sys.executable, script], idle_s=IDLE)
+
+
 @pytest.mark.slow
+@LAUNCHES.plan(lambda: [job("printing", _printing, weight=IDLE + 3), job("beating", _beating, weight=IDLE + 3)])
 def test_ranks_that_make_progress_are_not_killed_past_the_timeout():
     """Printing (old keyword timeout_s) or heartbeat() only (idle_timeout_s): both run well past
     the timeout and finish normally."""
-    with ThreadPoolExecutor(2) as pool:
-        printing = pool.submit(launch_local, f"{__file__}:chatty", 1, args=(IDLE + 3, 0.25), timeout_s=IDLE)
-        beats = pool.submit(launch_local, f"{__file__}:beating", 1, args=(IDLE + 3, 0.25), idle_timeout_s=IDLE)
-        (p,), (b,) = printing.result(), beats.result()
+    (p,), (b,) = LAUNCHES.result(job("printing", _printing)), LAUNCHES.result(job("beating", _beating))
     for r in (p, b):
         assert r.returncode == 0 and not r.timed_out and r.timeout_reason is None, r.stderr[-2000:]
         assert r.result["ran_s"] >= IDLE + 3 and r.wall_s > IDLE + 3
@@ -62,11 +98,44 @@ def test_ranks_that_make_progress_are_not_killed_past_the_timeout():
     assert b.stdout.strip().startswith("DYNABATCH_RESULT")  # no output: the heartbeat alone kept it alive
 
 
-def test_silent_ranks_are_killed_soon_after_their_last_sign_of_life():
-    idle = 4.0
+def _silent(idle):
     t0 = time.time()
     res = launch_local(f"{__file__}:silent", 2, args=(300,), idle_timeout_s=idle)
-    t_end = time.time()
+    return t0, res, time.time()
+
+
+def _max_wall():
+    return launch_local(f"{__file__}:chatty", 1, args=(300, 0.2), idle_timeout_s=60, max_wall_s=6)
+
+
+def _run_live_chatty():
+    from liveness import run_live
+
+    return run_live([sys.executable, "-c", "import time\nfor i in range(16):\n print(i, flush=True); time.sleep(0.25)"],
+                    idle_s=2)
+
+
+def _run_live_silent():
+    """The child starts a grandchild, says so, then both hang; the LivenessTimeout raised carries
+    ``elapsed`` (seconds from the start to the kill)."""
+    from liveness import run_live
+
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(300)\n")
+    t0 = time.monotonic()
+    try:
+        return run_live([sys.executable, "-c", code], idle_s=2, max_s=120)
+    except BaseException as e:
+        e.elapsed = time.monotonic() - t0
+        raise
+
+
+@LAUNCHES.plan(lambda: [job("silent", _silent, 4.0, weight=6)])
+def test_silent_ranks_are_killed_soon_after_their_last_sign_of_life():
+    idle = 4.0
+    t0, res, t_end = LAUNCHES.result(job("silent", _silent, idle))
     for r in res:
         assert r.timed_out and r.returncode is None and r.timeout_reason == "idle" and r.result is None
     starts = [float(r.stdout.split()[1]) for r in res if r.stdout.startswith("started")]
@@ -76,8 +145,9 @@ def test_silent_ranks_are_killed_soon_after_their_last_sign_of_life():
     assert t_end - t0 < 60
 
 
+@LAUNCHES.plan(lambda: [job("max_wall", _max_wall, weight=6)])
 def test_max_wall_is_a_last_resort_cap():
-    (r,) = launch_local(f"{__file__}:chatty", 1, args=(300, 0.2), idle_timeout_s=60, max_wall_s=6)
+    (r,) = LAUNCHES.result(job("max_wall", _max_wall))
     assert r.timed_out and r.timeout_reason == "max_wall" and 6 <= r.wall_s < 6 + 15
 
 
@@ -86,21 +156,17 @@ def test_both_keywords_must_agree():
         launch_local(f"{__file__}:silent", 1, args=(0,), timeout_s=5, idle_timeout_s=6)
 
 
+@LAUNCHES.plan(lambda: [job("run_live_chatty", _run_live_chatty, weight=4),
+                         job("run_live_silent", _run_live_silent, weight=3)])
 def test_run_live_keeps_a_chatty_child_and_kills_a_silent_one_with_its_children():
-    from liveness import LivenessTimeout, run_live
+    from liveness import LivenessTimeout
 
-    out = run_live([sys.executable, "-c", "import time\nfor i in range(16):\n print(i, flush=True); time.sleep(0.25)"],
-                   idle_s=2)
+    out = LAUNCHES.result(job("run_live_chatty", _run_live_chatty))
     assert out.returncode == 0 and out.stdout.split() == [str(i) for i in range(16)]
     # the child starts a grandchild, says so, then both hang: the whole group goes
-    code = ("import subprocess, sys, time\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-            "print(p.pid, flush=True)\n"
-            "time.sleep(300)\n")
-    t0 = time.monotonic()
     with pytest.raises(LivenessTimeout) as e:
-        run_live([sys.executable, "-c", code], idle_s=2, max_s=120)
-    assert time.monotonic() - t0 < 2 + 30
+        LAUNCHES.result(job("run_live_silent", _run_live_silent))
+    assert e.value.elapsed < 2 + 30
     assert "no progress" in str(e.value)
     grandchild = int(e.value.output.split()[0])
     deadline = time.monotonic() + 10
@@ -110,19 +176,11 @@ def test_run_live_keeps_a_chatty_child_and_kills_a_silent_one_with_its_children(
 
 
 @pytest.mark.slow
-def test_run_live_counts_a_nested_launch_local_as_progress(tmp_path):
+@LAUNCHES.plan(lambda: [job("nested", _nested, weight=IDLE + 5)])
+def test_run_live_counts_a_nested_launch_local_as_progress():
     """The child prints nothing itself (after 'ready') while its launch_local rank prints for longer
     than idle_s: launch_local passes the progress up (heartbeat), so run_live does not kill it."""
-    script = tmp_path / "nested.py"
-    script.write_text(
-        "import sys\n"
-        "from dynabatch.pipeline.launch import launch_local\n"
-        "print('ready', flush=True)\n"
-        f"(r,) = launch_local({__file__!r} + ':chatty', 1, args=({IDLE + 3}, 0.25), idle_timeout_s=60)\n"
-        "sys.exit(0 if r.returncode == 0 else 1)\n")
-    from liveness import run_live
-
-    out = run_live([sys.executable, str(script)], idle_s=IDLE)
+    out = LAUNCHES.result(job("nested", _nested))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == "ready\n"  # and nothing more from the child itself for > idle_s
 

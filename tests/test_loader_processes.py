@@ -3,7 +3,9 @@ compiles, and never left behind when the training process is SIGKILLed.
 
 Each test runs the loaders in a subprocess (this file run as a script) and watches it from the
 outside with liveness timeouts: a hang fails the test (and kills the subprocess) instead of
-hanging the suite.
+hanging the suite. A run is mostly one busy core, so two run at a time: the restarts of the stress
+test pairwise, and the SIGKILL runs in the background from the module's first test on
+(``tests/prelaunch.py``; each test checks its own run exactly as when it runs alone).
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import time
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from prelaunch import Prelaunch, job  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
 PLAN = dict(cost_model="gpt", device="cpu", num_stages=2)
 TOKENS = 2000
 STALL_S = 90.0  # no progress line for this long: the subprocess hangs (generous: 2 busy cores)
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.isdir("/proc"),
-                                reason="finds child processes in /proc")
+LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc")
+linux_only = pytest.mark.skipif(not LINUX, reason="finds child processes in /proc")
+LAUNCHES = Prelaunch(parallel=2)
 
 
 # -- the subprocess side ----------------------------------------------------------------------------
@@ -209,64 +215,95 @@ def data(tmp_path_factory):
     return {"parquet": parquet, "jsonl": jsonl, "index": index}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _launches(request, data):
+    yield from LAUNCHES.started(request, data=data)
+
+
 @linux_only
 def test_threaded_ranks_with_workers_never_deadlock(data):
     """Point 7: ranks as threads of one process, each an indexed loader with 2 workers, while
     another thread compiles numba code; the job restarted several times. Each run must finish; a
     run without progress for STALL_S seconds is a deadlock (a worker forked mid-compile)."""
     restarts, world, steps = 4, 3, 2
+    at_once = 2  # runs at a time (each is mostly one busy core: the other would idle)
     stalled = []
-    for run in range(restarts):
-        proc = _spawn("stress", data["parquet"], data["index"], world, steps)
-        lines = _Lines(proc)
+    for first in range(0, restarts, at_once):
+        runs = []
         try:
-            done = lines.wait_for("done", STALL_S)
-            if done is None:
-                if proc.poll() is None:
-                    stalled.append(run)
-                    try:
-                        os.kill(proc.pid, signal.SIGUSR1)  # stacks of the stuck process, for the report
-                        time.sleep(1.0)
-                    except OSError:
-                        pass
-                    continue
-                pytest.fail(f"run {run} failed: {proc.stderr.read()[-3000:]}")
-            assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
+            for run in range(first, min(first + at_once, restarts)):
+                proc = _spawn("stress", data["parquet"], data["index"], world, steps)
+                runs.append((run, proc, _Lines(proc)))
+            for run, proc, lines in runs:
+                done = lines.wait_for("done", STALL_S)
+                if done is None:
+                    if proc.poll() is None:
+                        stalled.append(run)
+                        try:
+                            os.kill(proc.pid, signal.SIGUSR1)  # stacks of the stuck process, for the report
+                            time.sleep(1.0)
+                        except OSError:
+                            pass
+                        continue
+                    pytest.fail(f"run {run} failed: {proc.stderr.read()[-3000:]}")
+                assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
         finally:
-            if proc.poll() is None:
-                _kill_tree(proc)
+            for _, proc, _ in runs:
+                if proc.poll() is None:
+                    _kill_tree(proc)
     assert not stalled, f"{len(stalled)} of {restarts} runs hung (no progress for {STALL_S:.0f} s): runs {stalled}"
 
 
-@linux_only
-@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread"])
-def test_children_die_with_a_sigkilled_parent(data, mode):
-    """Point 8: SIGKILL the process iterating a loader: none of its children may outlive it (with
-    the loader iterated by another thread, only the parent watch thread of the children acts)."""
+def _runnable(mode: str) -> bool:
     if mode.startswith("plan_processes"):
         from dynabatch.loader.ahead import fork_available
 
-        if not fork_available():
-            pytest.skip("plan processes need fork and more than one CPU")
+        return fork_available()
+    return True
+
+
+def _sigkill_run(mode: str, data: dict) -> dict:
+    """Start a loader in ``mode``, SIGKILL its process once its children run; which children outlived it."""
     src = data["jsonl"] if mode.startswith("streaming") else data["parquet"]
     proc = _spawn("orphan", mode, src, data["index"])
     lines = _Lines(proc)
     children: set[int] = set()
     try:
         ready = lines.wait_for("ready", STALL_S)
-        assert ready is not None, f"the loader did not start: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
+        if ready is None:
+            return {"ready": None, "stderr": proc.stderr.read()[-3000:] if proc.poll() is not None else ""}
         time.sleep(1.0)  # let the workers fill their queues
         children = _descendants(proc.pid)
-        assert len(children) >= 2, f"expected the loader's child processes, found {children}"
+        if len(children) < 2:
+            return {"ready": ready, "children": children}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.monotonic() + 30.0  # the parent watch polls every 0.5 s; PDEATHSIG is immediate
         while time.monotonic() < deadline and any(_alive(p) for p in children):
             time.sleep(0.2)
-        left = sorted(p for p in children if _alive(p))
-        assert not left, f"{len(left)} of {len(children)} child processes outlived the SIGKILLed parent: {left}"
+        return {"ready": ready, "children": children, "left": sorted(p for p in children if _alive(p))}
     finally:
         _kill_tree(proc, also=children)
+
+
+def sigkill_job(mode, data):
+    return job(("sigkill", mode), _sigkill_run, mode, data, weight=3)
+
+
+@linux_only
+@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread"])
+@LAUNCHES.plan(lambda mode, data: [sigkill_job(mode, data)] if LINUX and _runnable(mode) else [])
+def test_children_die_with_a_sigkilled_parent(data, mode):
+    """Point 8: SIGKILL the process iterating a loader: none of its children may outlive it (with
+    the loader iterated by another thread, only the parent watch thread of the children acts)."""
+    if not _runnable(mode):
+        pytest.skip("plan processes need fork and more than one CPU")
+    run = LAUNCHES.result(sigkill_job(mode, data))
+    assert run["ready"] is not None, f"the loader did not start: {run['stderr']}"
+    children = run["children"]
+    assert len(children) >= 2, f"expected the loader's child processes, found {children}"
+    left = run["left"]
+    assert not left, f"{len(left)} of {len(children)} child processes outlived the SIGKILLed parent: {left}"
 
 
 if __name__ == "__main__":

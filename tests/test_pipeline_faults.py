@@ -6,6 +6,10 @@ hold different plans (caught before any transfer, debug headers off). 2 and 4 st
 Exit times are measured from the moment the fault starts (the culprit prints it) and checked against a
 generous bound only (the machine is small and shared). The rank-side code is `fault` in
 ``test_pipeline_workers.py``.
+
+Most of each run is spent waiting on purpose (for timeout_s to expire, the culprit to linger or be
+ended), so the selected tests' launches start together, up to five at a time, when the module's
+first test begins (``tests/prelaunch.py``); each test checks its own launch exactly as when it runs alone.
 """
 
 import re
@@ -13,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prelaunch import Prelaunch, job
 
 from dynabatch.pipeline import launch_local
 
@@ -20,12 +25,30 @@ WORKERS = str(Path(__file__).with_name("test_pipeline_workers.py"))
 TIMEOUT_S = 8.0  # the pipeline's liveness timeout in these runs
 MARGIN_S = 30.0  # generous: how long after timeout_s a rank may take to exit on a busy 2-core machine
 FAULT_STEP = 2
+LAUNCHES = Prelaunch(parallel=5)
+# about how long each scenario's launch takes (seconds, 2-core machine): the longest start first
+WEIGHT = {"stall_layer": 14, "stall_send": 18, "kill": 6, "raise": 2, "raise_linger": 19, "shape": 8}
 
 
-def run_fault(stages, scenario, culprit, timeout_s=TIMEOUT_S):
+@pytest.fixture(scope="module", autouse=True)
+def _launches(request):
+    yield from LAUNCHES.started(request)
+
+
+def _launch(stages, scenario, culprit, timeout_s):
     t0 = time.time()
     res = launch_local(f"{WORKERS}:fault", stages, args=(stages, scenario, culprit, FAULT_STEP, timeout_s),
                        timeout_s=timeout_s + MARGIN_S + 30)
+    return t0, res
+
+
+def fault_job(stages, scenario, culprit, timeout_s=TIMEOUT_S):
+    return job(("fault", stages, scenario, culprit, timeout_s), _launch, stages, scenario, culprit, timeout_s,
+               weight=WEIGHT[scenario] + stages)
+
+
+def run_fault(stages, scenario, culprit, timeout_s=TIMEOUT_S):
+    t0, res = LAUNCHES.result(fault_job(stages, scenario, culprit, timeout_s))
     marks = re.findall(r"DYNABATCH_FAULT_AT ([0-9.]+)", res[culprit].stderr)
     assert marks, f"the fault did not happen on rank {culprit}:\n{res[culprit].stderr[-3000:]}"
     fault_at = float(marks[0])
@@ -56,6 +79,7 @@ def assert_raised(r, *texts):
 
 
 @pytest.mark.parametrize("stages,culprit", [(2, 1), (4, 2)])
+@LAUNCHES.plan(lambda stages, culprit: [fault_job(stages, "stall_layer", culprit)])
 def test_rank_stalled_inside_a_layer(stages, culprit):
     """The culprit sleeps forever in its forward of micro-batch 1: every other rank raises within
     timeout_s + a margin naming it (with 4 stages: not a neighbour that waits on it), and the culprit
@@ -66,6 +90,7 @@ def test_rank_stalled_inside_a_layer(stages, culprit):
                       f"in forward of micro-batch 1 of step {FAULT_STEP}")
 
 
+@LAUNCHES.plan(lambda: [fault_job(4, "stall_send", 1)])
 def test_rank_stalled_before_sending_four_stages():
     """Stage 1 of 4 sleeps forever before posting its send of act F1: stages 0 and 2 wait on it
     directly, stage 3 through stage 2; all of them blame stage 1."""
@@ -75,6 +100,7 @@ def test_rank_stalled_before_sending_four_stages():
 
 
 @pytest.mark.parametrize("stages,culprit", [(2, 1), (4, 2)])
+@LAUNCHES.plan(lambda stages, culprit: [fault_job(stages, "kill", culprit)])
 def test_rank_killed(stages, culprit):
     """SIGKILL in the middle of a step: the others raise an error saying that the rank died and what
     it was last doing (not a raw gloo error), within timeout_s + a margin."""
@@ -84,6 +110,7 @@ def test_rank_killed(stages, culprit):
         assert_raised(r, "PipelineAborted", f"{name(culprit)} died")
 
 
+@LAUNCHES.plan(lambda: [fault_job(2, "kill", 0)])
 def test_store_host_killed():
     """Rank 0 hosts the coordination store: when it is killed, rank 1 still names it."""
     res, _ = run_fault(2, "kill", 0)
@@ -91,6 +118,7 @@ def test_store_host_killed():
 
 
 @pytest.mark.parametrize("stages,culprit,scenario", [(2, 1, "raise"), (4, 2, "raise_linger")])
+@LAUNCHES.plan(lambda stages, culprit, scenario: [fault_job(stages, scenario, culprit)])
 def test_rank_raises(stages, culprit, scenario):
     """The culprit raises inside a layer (with 4 stages its process then stays alive 15 s, as if it had
     caught the error): it exits with its own error, and every other rank raises PipelineAborted with
@@ -103,6 +131,7 @@ def test_rank_raises(stages, culprit, scenario):
 
 
 @pytest.mark.parametrize("stages,culprit", [(2, 1), (4, 2)])
+@LAUNCHES.plan(lambda stages, culprit: [fault_job(stages, "shape", culprit)])
 def test_ranks_with_different_plans_fail_before_the_transfer(stages, culprit):
     """The culprit's micro-batch 1 is 8 tokens longer than everyone else's (debug headers off): no rank
     is killed by gloo; every rank raises a ShapeMismatch naming the micro-batch and both shapes."""

@@ -1,8 +1,15 @@
 """Flush-free (asynchronous) 1F1B in the runner (`PipelineRunner.run_steps` with
 ``RunnerConfig(flush=False)``): equal to the synchronous run where it must be, PipeDream's weight-version
 semantics with ``stash``, every weight mode trains, 500 steps without a hang, failures still stop every
-rank. Rank-side workers live in this file (`launch_local` runs them by path on gloo)."""
+rank. Rank-side workers live in this file (`launch_local` runs them by path on gloo).
 
+The selected tests' launches start in the background, two at a time, when the module's first test
+begins (``tests/prelaunch.py``: the ranks leave the 2 cores partly idle while they wait on each
+other), and the configurations of one topology (stages, bounds, ranks) run in one launch, one process
+group, whichever tests ask for them; each test checks its own configurations' results exactly as
+when it runs alone."""
+
+import functools
 import sys
 from pathlib import Path
 
@@ -11,12 +18,21 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the workers run this file by path
+from prelaunch import Prelaunch, job, part  # noqa: E402
 from test_pipeline_dist import ok  # noqa: E402
 from test_pipeline_workers import replica_batches, synthetic_plan  # noqa: E402
 
 from dynabatch.pipeline import launch_local  # noqa: E402
 
 GPT = dict(vocab=64, hidden=16, layers=4, heads=2, max_positions=128)
+LAUNCHES = Prelaunch(parallel=2)
+# the 500-step soaks: 1-2 micro-batches per step (a stream's cost is per micro-batch; the steps stay 500)
+SOAK_MBS = (1, 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launches(request):
+    yield from LAUNCHES.started(request)
 
 
 def _stream(model, num_stages, num_ranks, steps, seed, mbs=(2, 4)):
@@ -41,15 +57,16 @@ def _optimizer(params, name):
 
 
 def run_worker(rank, world, port, num_stages, bounds, configs):
-    """For each ``(steps, window, mode, opt, lr_zero, seed)`` of ``configs``, in one process group: train
-    ``steps`` steps, synchronously (``mode`` "sync") or flush-free in windows of ``window`` steps with
-    weight handling ``mode``; return the per-step losses and this stage's final weights of each."""
+    """For each ``(steps, window, mode, opt, lr_zero, seed[, mbs])`` of ``configs``, in one process group:
+    train ``steps`` steps of ``mbs`` (default 2-4) micro-batches, synchronously (``mode`` "sync") or
+    flush-free in windows of ``window`` steps with weight handling ``mode``; return the per-step losses
+    and this stage's final weights of each."""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
 
     ctx = init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
     out = []
     with ctx:
-        for steps, window, mode, opt, lr_zero, seed in configs:
+        for steps, window, mode, opt, lr_zero, seed, *mbs in configs:
             model = make_model("gpt-tiny", **GPT, seed=1)
             cfg = RunnerConfig(schedule="1f1b", flush=mode == "sync",
                                weight_prediction=None if mode in ("sync", "none") else mode)
@@ -58,7 +75,7 @@ def run_worker(rank, world, port, num_stages, bounds, configs):
             if lr_zero:
                 for g in optim.param_groups:
                     g["lr"] = 0.0
-            data = _stream(model, num_stages, ctx.num_replicas, steps, seed)
+            data = _stream(model, num_stages, ctx.num_replicas, steps, seed, *map(tuple, mbs))
             losses, extra = [], 0.0
             for a in range(0, steps, window):
                 chunk = data[a:a + window]
@@ -72,21 +89,39 @@ def run_worker(rank, world, port, num_stages, bounds, configs):
     return out
 
 
-def _run(num_stages, bounds, configs, nprocs=2, timeout=180.0):
-    """Every rank's results, one list per config (``configs`` as `run_worker` takes them)."""
-    res = ok(launch_local(f"{__file__}:run_worker", nprocs, args=(num_stages, bounds, configs), idle_timeout_s=timeout))
+def _run_configs(num_stages, bounds, nprocs, configs):
+    """One launch of `run_worker` on ``nprocs`` ranks: every rank's results, one list per config."""
+    res = ok(launch_local(f"{__file__}:run_worker", nprocs, args=(num_stages, bounds, list(configs)),
+                          idle_timeout_s=240.0))
     return [[r[i] for r in res] for i in range(len(configs))]
+
+
+def launch(num_stages, bounds, configs, nprocs=2, weight=0.0):
+    """``configs`` (as `run_worker` takes them) on ``nprocs`` ranks, as `prelaunch.Part` s of the launch
+    of that topology (``weight``: about its seconds)."""
+    run = functools.partial(_run_configs, num_stages, bounds, nprocs)
+    return [part(("run_worker", num_stages, tuple(bounds), nprocs), c, run, weight / len(configs)) for c in configs]
+
+
+def _run(parts):
+    """Every rank's results of each part's config, one list per config."""
+    return [LAUNCHES.result(p) for p in parts]
 
 
 def _close(a, b, tol):
     return all(np.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
 
 
+MODES = ("sync", "none", "stash", "predict")
+ONE_STAGE_CONFIGS = [(6, 3, mode, opt, False, 0) for opt in ("sgd", "adamw") for mode in MODES]
+ONE_STAGE = launch(1, [0, 6], ONE_STAGE_CONFIGS, nprocs=1, weight=4)
+
+
+@LAUNCHES.plan(lambda: ONE_STAGE)
 def test_one_stage_flush_free_equals_synchronous():
     """One stage: no micro-batch waits for an update, so the stream is the synchronous run, exactly."""
-    modes = ("sync", "none", "stash", "predict")
-    configs = [(6, 3, mode, opt, False, 0) for opt in ("sgd", "adamw") for mode in modes]
-    res = [r[0] for r in _run(1, [0, 6], configs, nprocs=1)]
+    modes, configs = MODES, ONE_STAGE_CONFIGS
+    res = [r[0] for r in _run(ONE_STAGE)]
     for i in range(0, len(configs), len(modes)):
         sync = res[i]
         for mode, free in zip(modes[1:], res[i + 1:i + len(modes)]):
@@ -94,13 +129,19 @@ def test_one_stage_flush_free_equals_synchronous():
             assert free["weights"] == sync["weights"], (configs[i][3], mode)
 
 
+FROZEN = launch(2, [0, 3, 6], [(5, 5, "sync", "sgd", True, 1), (5, 5, "predict", "sgd", True, 1)], weight=5)
+FROZEN_REPLICAS = launch(2, [0, 3, 6], [(3, 3, "sync", "adamw", True, 2), (3, 3, "stash", "adamw", True, 2)], nprocs=4,
+                         weight=7)
+
+
+@LAUNCHES.plan(lambda: FROZEN + FROZEN_REPLICAS)
 def test_two_stages_with_frozen_weights_equal_synchronous():
     """lr = 0: the weight versions cannot differ, so losses and token normalization must equal the
     synchronous run's on 2 stages and on 2 stages x 2 replicas."""
-    sync, free = _run(2, [0, 3, 6], [(5, 5, "sync", "sgd", True, 1), (5, 5, "predict", "sgd", True, 1)])
+    sync, free = _run(FROZEN)
     for a, b in zip(sync, free):
         assert np.allclose(a["losses"], b["losses"], rtol=1e-6)
-    sync4, free4 = _run(2, [0, 3, 6], [(3, 3, "sync", "adamw", True, 2), (3, 3, "stash", "adamw", True, 2)], nprocs=4)
+    sync4, free4 = _run(FROZEN_REPLICAS)
     for a, b in zip(sync4, free4):
         assert np.allclose(a["losses"], b["losses"], rtol=1e-6)
 
@@ -155,12 +196,18 @@ def _reference_stash(bounds, steps, opt, seed):
             for ls in stage_layers]
 
 
+STASH_OPTS = ("sgd", "adamw")
+STASH = launch(2, [0, 3, 6], [(6, 6, mode, opt, False, 3) for opt in STASH_OPTS for mode in ("stash", "sync")],
+               weight=6)
+
+
+@LAUNCHES.plan(lambda: STASH)
 def test_stash_follows_pipedream_weight_versions():
     """2 stages, stash: every micro-batch's forward and backward on a stage use the version its forward
     saw; the final weights equal a one-process replay of exactly those versions (SGD with momentum and
     AdamW), and differ from the synchronous run's (the stream really is asynchronous)."""
-    opts = ("sgd", "adamw")
-    res = _run(2, [0, 3, 6], [(6, 6, mode, opt, False, 3) for opt in opts for mode in ("stash", "sync")])
+    opts = STASH_OPTS
+    res = _run(STASH)
     for i, opt in enumerate(opts):
         free, sync = res[2 * i], res[2 * i + 1]
         ref = _reference_stash([0, 3, 6], 6, opt, 3)
@@ -169,12 +216,18 @@ def test_stash_follows_pipedream_weight_versions():
         assert not all(_close(a["weights"], b["weights"], 1e-6) for a, b in zip(free, sync))
 
 
+EVERY_MODE_RUNS = (("predict", 500, SOAK_MBS), ("none", 50, (2, 4)), ("stash", 50, (2, 4)))
+EVERY_MODE = launch(4, [0, 2, 3, 4, 6], [(n, 50, mode, "adamw", False, 4, mbs) for mode, n, mbs in EVERY_MODE_RUNS],
+                    nprocs=4, weight=20)
+
+
+@LAUNCHES.plan(lambda: EVERY_MODE)
 def test_every_mode_trains_on_four_stages_for_500_steps():
     """4 stages, 500 flush-free steps with prediction in windows of 50, and 50 steps with stale and
     stashed weights (no hang: the launcher's liveness timeout); the loss falls, and the memory each mode
     held is reported (none holds nothing, stash and predict hold copies)."""
-    modes = (("predict", 500), ("none", 50), ("stash", 50))
-    res = _run(4, [0, 2, 3, 4, 6], [(n, 50, mode, "adamw", False, 4) for mode, n in modes], nprocs=4, timeout=240)
+    modes = [(mode, n) for mode, n, _ in EVERY_MODE_RUNS]
+    res = _run(EVERY_MODE)
     held = {}
     for (mode, n), per_rank in zip(modes, res):
         losses = per_rank[0]["losses"]
@@ -185,10 +238,14 @@ def test_every_mode_trains_on_four_stages_for_500_steps():
     assert held["none"] == 0 and held["stash"] > 0 and held["predict"] > 0
 
 
+TWO_STAGE_SOAK = launch(2, [0, 3, 6], [(500, 100, "predict", "adamw", False, 6, SOAK_MBS)], weight=8)
+
+
+@LAUNCHES.plan(lambda: TWO_STAGE_SOAK)
 def test_two_stages_stream_500_steps():
     """2 stages, 500 flush-free steps with prediction in windows of 100: no hang, finite falling losses,
     the same on both ranks (replicas are covered by the frozen-weights test)."""
-    (res,) = _run(2, [0, 3, 6], [(500, 100, "predict", "adamw", False, 6)], timeout=240)
+    (res,) = _run(TWO_STAGE_SOAK)
     losses = res[0]["losses"]
     assert len(losses) == 500 and all(r["losses"] == losses for r in res)
     assert np.all(np.isfinite(losses)) and np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05
@@ -217,8 +274,12 @@ def failing_worker(rank, world, port, fail_rank, fail_mb):
     return {"finished": True}
 
 
+FAILING = job("failing", launch_local, f"{__file__}:failing_worker", 4, args=(1, 6), idle_timeout_s=60, weight=8)
+
+
+@LAUNCHES.plan(lambda: [FAILING])
 def test_a_failing_rank_stops_every_rank_of_a_stream():
-    res = launch_local(f"{__file__}:failing_worker", 4, args=(1, 6), idle_timeout_s=60)
+    res = LAUNCHES.result(FAILING)
     for r in res:
         assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-2000:]}"
         assert r.returncode != 0, f"rank {r.rank} exited 0"

@@ -67,45 +67,68 @@ def replica_batches(model, plan: BatchPlan, replica: int, seed: int) -> list[dic
     return out
 
 
+def _ctx(rank, world, port, num_stages):
+    """The process group of the correctness, soak, feedback and partition workers."""
+    return init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
+
+
+def several(rank, world, port, num_stages, calls):
+    """``calls`` (``[worker name, args]`` of the workers below that take a context) one after the other
+    in one process group of ``num_stages`` stages; their results in order. Each call is a sign of
+    life to the launcher when it ends (a call itself prints nothing, as when it runs alone)."""
+    from dynabatch.pipeline.launch import heartbeat
+
+    out = []
+    with _ctx(rank, world, port, num_stages) as ctx:
+        for name, args in calls:
+            out.append(BODIES[name](ctx, *args))
+            heartbeat(0.0)
+    return out
+
+
 def correctness(rank, world, port, num_stages, cases, schedules, steps, use_planner):
     """Pipeline loss and gradients vs a single-process run of the same model and batches.
 
     ``cases`` are ``[model_name, bounds, collation, debug_shapes]``; every case runs every schedule
     for ``steps`` steps of random (or, with ``use_planner``, dynabatch-planned) micro-batches."""
-    ctx = init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
+    with _ctx(rank, world, port, num_stages) as ctx:
+        return _correctness(ctx, cases, schedules, steps, use_planner)
+
+
+def _correctness(ctx, cases, schedules, steps, use_planner):
+    num_stages = ctx.num_stages
     out = {"cases": [], "comm": {}}
-    with ctx:
-        rng = np.random.default_rng(7)
-        for model_name, bounds, collation, debug in cases:
-            for schedule in schedules:
-                model = make_model(model_name, **TINY[model_name], seed=1)
-                ref = make_model(model_name, **TINY[model_name], seed=1)
-                rec = CommRecorder()
-                runner = PipelineRunner.from_model(model, ctx, bounds,
-                                                   RunnerConfig(schedule=schedule, debug_shapes=debug), recorder=rec)
-                for step in range(steps):
-                    if use_planner:
-                        plan = _planned(model, ctx, rng, step)
-                    else:
-                        plan = synthetic_plan(rng, collation=collation, num_ranks=ctx.num_replicas,
-                                              num_stages=num_stages, mbs=(1, 4),
-                                              max_target=10 if model_name == "t5-tiny" else 0, step=step)
-                    every = [replica_batches(model, plan, d, seed=step) for d in range(ctx.num_replicas)]
-                    mine = every[ctx.replica] if ctx.stage in (0, num_stages - 1) else None
-                    res = runner.step(plan, mine)
-                    ref_loss, ref_n = sequential_step(ref.layers, [b for bs in every for b in bs])
-                    lo = runner.stage.first_layer
-                    diff, scale = 0.0, 0.0
-                    for i, layer in enumerate(runner.stage.layers):
-                        for p, q in zip(layer.parameters(), ref.layers[lo + i].parameters()):
-                            diff = max(diff, float((p.grad - q.grad).abs().max()))
-                            scale = max(scale, float(q.grad.abs().max()))
-                    out["cases"].append({"model": model_name, "collation": collation, "schedule": schedule,
-                                         "step": step, "loss": res.loss, "ref_loss": ref_loss,
-                                         "tokens": res.num_tokens, "ref_tokens": ref_n, "max_grad_diff": diff,
-                                         "grad_scale": scale, "orders": runner.orders(plan).tolist(),
-                                         "microbatches": len(plan_shapes(plan, ctx.replica))})
-                out["comm"][f"{model_name}/{collation}/{schedule}"] = {str(k): v for k, v in rec.per_peer().items()}
+    rng = np.random.default_rng(7)
+    for model_name, bounds, collation, debug in cases:
+        for schedule in schedules:
+            model = make_model(model_name, **TINY[model_name], seed=1)
+            ref = make_model(model_name, **TINY[model_name], seed=1)
+            rec = CommRecorder()
+            runner = PipelineRunner.from_model(model, ctx, bounds,
+                                               RunnerConfig(schedule=schedule, debug_shapes=debug), recorder=rec)
+            for step in range(steps):
+                if use_planner:
+                    plan = _planned(model, ctx, rng, step)
+                else:
+                    plan = synthetic_plan(rng, collation=collation, num_ranks=ctx.num_replicas,
+                                          num_stages=num_stages, mbs=(1, 4),
+                                          max_target=10 if model_name == "t5-tiny" else 0, step=step)
+                every = [replica_batches(model, plan, d, seed=step) for d in range(ctx.num_replicas)]
+                mine = every[ctx.replica] if ctx.stage in (0, num_stages - 1) else None
+                res = runner.step(plan, mine)
+                ref_loss, ref_n = sequential_step(ref.layers, [b for bs in every for b in bs])
+                lo = runner.stage.first_layer
+                diff, scale = 0.0, 0.0
+                for i, layer in enumerate(runner.stage.layers):
+                    for p, q in zip(layer.parameters(), ref.layers[lo + i].parameters()):
+                        diff = max(diff, float((p.grad - q.grad).abs().max()))
+                        scale = max(scale, float(q.grad.abs().max()))
+                out["cases"].append({"model": model_name, "collation": collation, "schedule": schedule,
+                                     "step": step, "loss": res.loss, "ref_loss": ref_loss,
+                                     "tokens": res.num_tokens, "ref_tokens": ref_n, "max_grad_diff": diff,
+                                     "grad_scale": scale, "orders": runner.orders(plan).tolist(),
+                                     "microbatches": len(plan_shapes(plan, ctx.replica))})
+            out["comm"][f"{model_name}/{collation}/{schedule}"] = {str(k): v for k, v in rec.per_peer().items()}
     return out
 
 
@@ -124,29 +147,33 @@ def _planned(model, ctx, rng, step):
 
 def soak(rank, world, port, num_stages, steps, schedules, record):
     """Many variable-shape steps with a tiny model and no optimizer: must finish, no hang."""
-    ctx = init_pipeline(num_stages, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
+    with _ctx(rank, world, port, num_stages) as ctx:
+        return _soak(ctx, steps, schedules, record)
+
+
+def _soak(ctx, steps, schedules, record):
+    num_stages = ctx.num_stages
     out = {"steps": 0, "comm": {}}
     t0 = time.perf_counter()
-    with ctx:
-        model = make_model("gpt-tiny", vocab=32, hidden=16, layers=num_stages - 1, heads=2, ffn=16, max_positions=64, seed=0)
-        bounds = [0] + list(range(2, num_stages + 1)) + [num_stages + 1]
-        rng = np.random.default_rng(123)
-        rec = CommRecorder() if record else None
-        runners = {s: PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule=s), recorder=rec)
-                   for s in schedules}
-        losses = []
-        for step in range(steps):
-            schedule = schedules[step % len(schedules)]
-            plan = synthetic_plan(rng, collation="padded", num_ranks=ctx.num_replicas, num_stages=num_stages,
-                                  mbs=(1, 2), max_rows=2, max_len=8, step=step)
-            mine = replica_batches(model, plan, ctx.replica, seed=step) if ctx.stage in (0, num_stages - 1) else None
-            res = runners[schedule].step(plan, mine)
-            losses.append(res.loss)
-            out["steps"] += 1
-        out["wall_s"] = time.perf_counter() - t0
-        out["finite"] = bool(np.all(np.isfinite(losses)))
-        if rec is not None:
-            out["comm"] = {str(k): v for k, v in rec.per_peer().items()}
+    model = make_model("gpt-tiny", vocab=32, hidden=16, layers=num_stages - 1, heads=2, ffn=16, max_positions=64, seed=0)
+    bounds = [0] + list(range(2, num_stages + 1)) + [num_stages + 1]
+    rng = np.random.default_rng(123)
+    rec = CommRecorder() if record else None
+    runners = {s: PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule=s), recorder=rec)
+               for s in schedules}
+    losses = []
+    for step in range(steps):
+        schedule = schedules[step % len(schedules)]
+        plan = synthetic_plan(rng, collation="padded", num_ranks=ctx.num_replicas, num_stages=num_stages,
+                              mbs=(1, 2), max_rows=2, max_len=8, step=step)
+        mine = replica_batches(model, plan, ctx.replica, seed=step) if ctx.stage in (0, num_stages - 1) else None
+        res = runners[schedule].step(plan, mine)
+        losses.append(res.loss)
+        out["steps"] += 1
+    out["wall_s"] = time.perf_counter() - t0
+    out["finite"] = bool(np.all(np.isfinite(losses)))
+    if rec is not None:
+        out["comm"] = {str(k): v for k, v in rec.per_peer().items()}
     return out
 
 
@@ -265,33 +292,36 @@ def fault(rank, world, port, num_stages, scenario, culprit, fault_step, timeout_
 
 def feedback_run(rank, world, port, steps):
     """Plan with FeedbackLoop's cost model, run, feed the gathered timings back, refit, plan again."""
+    with _ctx(rank, world, port, 2) as ctx:
+        return _feedback_run(ctx, steps)
+
+
+def _feedback_run(ctx, steps):
     from dataclasses import asdict, replace
 
     from dynabatch import CostModel, Shapes
     from dynabatch.core.cost import device_preset
     from dynabatch.core.feedback import FeedbackLoop
 
-    ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
-    with ctx:
-        model = make_model("gpt-tiny", vocab=64, hidden=32, layers=2, heads=2, max_positions=256, seed=0)
-        cfg = replace(model.config, layers=model.config.layers / 2)
-        fb = FeedbackLoop(CostModel(cfg, device_preset("cpu")), refit_every=4, forgetting=0.9)
-        runner = PipelineRunner.from_model(model, ctx, [0, 2, 4], RunnerConfig(gather_timing=True))
-        opt = torch.optim.SGD(runner.parameters(), lr=0.05)
-        rng = np.random.default_rng(0)  # the same stream of global batches on every rank
-        limit = float(fb.cost_model.padded(4, 128)[1][0])
-        consistent = True
-        for step in range(steps):
-            shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 128, 24), target_tokens=np.zeros(24, int))
-            plan = fb.plan(shapes, num_stages=2, max_len=128, memory_limit=limit, step=step)
-            # the plan's predictions come from the current (refit) coefficients
-            consistent &= bool(np.allclose(plan.mb_time_s, fb.features(plan) @ fb.cost_model.time_coef))
-            batches = replica_batches(model, plan, 0, seed=step)
-            res = runner.step(plan, batches, optimizer=opt)
-            fb.record(plan, res.all_timings)
-            fb.maybe_refit()
-        return {"coef": fb.cost_model.time_coef.tolist(), "history": [asdict(r) for r in fb.history],
-                "errors": [e.mape for e in fb.step_errors], "prior": fb.prior.tolist(), "consistent": consistent}
+    model = make_model("gpt-tiny", vocab=64, hidden=32, layers=2, heads=2, max_positions=256, seed=0)
+    cfg = replace(model.config, layers=model.config.layers / 2)
+    fb = FeedbackLoop(CostModel(cfg, device_preset("cpu")), refit_every=4, forgetting=0.9)
+    runner = PipelineRunner.from_model(model, ctx, [0, 2, 4], RunnerConfig(gather_timing=True))
+    opt = torch.optim.SGD(runner.parameters(), lr=0.05)
+    rng = np.random.default_rng(0)  # the same stream of global batches on every rank
+    limit = float(fb.cost_model.padded(4, 128)[1][0])
+    consistent = True
+    for step in range(steps):
+        shapes = Shapes.from_lengths(input_tokens=rng.integers(4, 128, 24), target_tokens=np.zeros(24, int))
+        plan = fb.plan(shapes, num_stages=2, max_len=128, memory_limit=limit, step=step)
+        # the plan's predictions come from the current (refit) coefficients
+        consistent &= bool(np.allclose(plan.mb_time_s, fb.features(plan) @ fb.cost_model.time_coef))
+        batches = replica_batches(model, plan, 0, seed=step)
+        res = runner.step(plan, batches, optimizer=opt)
+        fb.record(plan, res.all_timings)
+        fb.maybe_refit()
+    return {"coef": fb.cost_model.time_coef.tolist(), "history": [asdict(r) for r in fb.history],
+            "errors": [e.mape for e in fb.step_errors], "prior": fb.prior.tolist(), "consistent": consistent}
 
 
 class _Slow(torch.nn.Module):
@@ -309,16 +339,24 @@ class _Slow(torch.nn.Module):
 def partition_search(rank, world, port, mismatch):
     """search_partition with a different slow layer on each rank: alone, each rank would pick its own
     split; averaged over the ranks, both must pick the same one."""
+    with _ctx(rank, world, port, 2) as ctx:
+        return _partition_search(ctx, mismatch)
+
+
+def _partition_search(ctx, mismatch):
     from dynabatch.pipeline import balanced_partition, profile_layers, search_partition
 
-    ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
-    with ctx:
-        model = make_model("gpt-tiny", vocab=64, hidden=16, layers=4, heads=2, max_positions=64, seed=0)
-        layers = list(model.layers)
-        slow = 1 if rank == 0 else 4
-        layers[slow] = _Slow(layers[slow], 0.02)
-        gen = torch.Generator().manual_seed(rank)
-        batches = [model.random_batch(MicroBatchShape("padded", 2, 16), gen) for _ in range(4 - (mismatch and rank))]
-        alone = balanced_partition(profile_layers(layers, batches, repeats=1, warmup=0), 2).bounds
-        part = search_partition(layers, batches, 2)
-        return {"bounds": list(part.bounds), "alone": list(alone), "makespan": part.makespan_s}
+    rank = ctx.rank
+    model = make_model("gpt-tiny", vocab=64, hidden=16, layers=4, heads=2, max_positions=64, seed=0)
+    layers = list(model.layers)
+    slow = 1 if rank == 0 else 4
+    layers[slow] = _Slow(layers[slow], 0.02)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [model.random_batch(MicroBatchShape("padded", 2, 16), gen) for _ in range(4 - (mismatch and rank))]
+    alone = balanced_partition(profile_layers(layers, batches, repeats=1, warmup=0), 2).bounds
+    part = search_partition(layers, batches, 2)
+    return {"bounds": list(part.bounds), "alone": list(alone), "makespan": part.makespan_s}
+
+
+BODIES = {"correctness": _correctness, "soak": _soak, "feedback_run": _feedback_run,
+          "partition_search": _partition_search}
