@@ -267,7 +267,8 @@ def test_bench_train_vlm_tiny_json(tmp_path):
     for name, m in res["methods"].items():
         assert m["steps"] == 3 and m["tokens_per_s"] > 0, name
         assert m["bounds"] == [0, 6, 10]  # patch embedding, 4 ViT blocks, projector | merge, 2 GPT blocks, head
-        for key in ("stage_mape_start", "stage_mape_end", "stage_mape_all"):
+        for key in ("stage_mape_start", "stage_mape_end", "stage_mape_all", "stage_step_mape_start",
+                    "stage_step_mape_end"):
             assert len(m[key]) == 2 and all(v >= 0 for v in m[key]), (name, key)
     dp, blind = res["methods"]["dp"], res["methods"]["dp-blind"]
     assert dp["stage_aware"] and not blind["stage_aware"] and dp["refits"] >= 1

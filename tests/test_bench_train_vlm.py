@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dynabatch.bench.train_vlm import (VLM_SIZES, feedback_kwargs, modality_bounds, stage_computes,
-                                       stage_mape_floor, stage_split, uniform_vlm_bounds)
+                                       stage_mape_floor, stage_split, stage_step_mape, uniform_vlm_bounds,
+                                       vlm_stats)
 from dynabatch.core.feedback import FeedbackLoop
 from dynabatch.pipeline import make_model, stage_cost_model
 
@@ -39,6 +40,22 @@ def test_stage_split_and_its_shares():
     assert out["passthrough_share"] == [pytest.approx(2 / 3), 0.0]
     assert out["passthrough_time_share"] == [pytest.approx(2.5 / 4.5), 0.0]
     assert stage_split([], [], [])["compute"] == []
+
+
+def test_per_step_stage_mape_scores_each_steps_sums():
+    # stage 0: step sums 3 vs 4.5 (|3 - 4.5| / 4.5) and 2 vs 2; stage 1: 30 vs 28, 4 vs 5
+    pred = [np.array([[1.0, 2.0, 0.0], [10.0, 10.0, 10.0]]), np.array([[1.0, 1.0], [2.0, 2.0]])]
+    meas = [np.array([[2.0, 2.0, 0.5], [10.0, 8.0, 10.0]]), np.array([[0.5, 1.5], [3.0, 2.0]])]
+    assert stage_step_mape(pred, meas) == [pytest.approx((1.5 / 4.5 + 0) / 2), pytest.approx((2 / 28 + 1 / 5) / 2)]
+    assert stage_step_mape([], []) == []
+    # per micro-batch, the same steps score differently: the sums average the micro-batch errors out
+    comp = [np.ones((2, 3), bool), np.ones((2, 2), bool)]
+    phis = [np.eye(3), np.eye(3)[:2]]
+    out = vlm_stats(pred, meas, comp, phis, first=1, last=1, warmup=0)
+    assert out["stage_step_mape_start"] == [pytest.approx(1.5 / 4.5), pytest.approx(2 / 28)]
+    assert out["stage_step_mape_end"] == [0.0, pytest.approx(1 / 5)]
+    assert out["stage_mape_end"] == [pytest.approx((1 + 1 / 3) / 2), pytest.approx((1 / 3 + 0) / 2)]
+    assert out["stage_measured_s"] == [6.5, 33.0]
 
 
 def test_stage_mape_floor_is_the_spread_of_identical_microbatches():
@@ -73,4 +90,26 @@ def test_the_table_prints_the_split_per_stage():
     assert "s0 computing 60.0% -> 12.0% (floor 10.0%)" in line
     assert "pass-through (70% of its micro-batches, 5.0% of its seconds) 400.0% -> 20.0% (floor 17.0%)" in line
     assert "s1 computing 70.0% -> 5.0% (floor -)" in line and line.count("pass-through") == 1
+    assert "per-step" not in line
+    (line,) = _stage_lines("dp", {**m, "stage_step_mape_start": [0.5, 0.4], "stage_step_mape_end": [0.03, 0.02]})
+    assert line.endswith("; per-step sums 50.0%/40.0% -> 3.0%/2.0%")
     assert _stage_lines("pack", {"stage_mape_end": [0.1, 0.1]}) == []
+
+
+def test_size_overrides_name_the_models_keywords():
+    """``bench train --size NAME=INT``: the model's constructor sizes only (vlm-tiny's tiling is the
+    loader's vision policy), integers >= 1; a bad one is an error naming what the model takes."""
+    from dynabatch.bench.train_report import model_size_overrides
+    from dynabatch.cli import main
+
+    assert model_size_overrides("vlm-tiny", ["vision_hidden=128", "vision_layers=8"]) == \
+        {"vision_hidden": 128, "vision_layers": 8}
+    assert model_size_overrides("t5-tiny", ["encoder_layers=3"]) == {"encoder_layers": 3}
+    assert model_size_overrides("gpt-tiny", []) == {}
+    for bad, text in ((["tile_size=28"], "vision_layers"), (["layers=two"], "not an integer"),
+                      (["layers"], "NAME=INT"), (["layers=0"], "at least 1")):
+        with pytest.raises(ValueError, match=text):
+            model_size_overrides("vlm-tiny" if "tile" in bad[0] else "gpt-tiny", bad)
+    with pytest.raises(ValueError, match="decoder_layers"):
+        model_size_overrides("t5-tiny", ["vision_layers=2"])
+    assert main(["bench", "train", "--model", "vlm-tiny", "--size", "bogus=3", "--steps", "1"]) == 1

@@ -321,22 +321,11 @@ class MethodRun:
             out["memory"] = {**summarize(self.memory_rows[w:] or self.memory_rows, limit),
                              "recompute": self.recompute}
         if self.vlm is not None:  # per-stage MAPE: each stage's planned vs measured seconds
-            from .train_vlm import stage_mape, stage_mape_floor, stage_split
+            from .train_vlm import vlm_stats
 
-            sp, sm, sc = self.stage_preds, self.stage_meas, self.stage_comp
-            a, b = stage_split(sp[:first], sm[:first], sc[:first]), stage_split(sp[-last:], sm[-last:], sc[-last:])
-            timed = stage_split(sp[w:], sm[w:], sc[w:])
-            floor = stage_mape_floor(self.phis[w:], sm[w:], sc[w:])
-            out.update(stage_mape_start=stage_mape(sp[:first], sm[:first]), stage_mape_end=stage_mape(sp[-last:], sm[-last:]),
-                       stage_mape_all=stage_mape(sp, sm),
-                       stage_compute_mape_start=a["compute"], stage_compute_mape_end=b["compute"],
-                       stage_passthrough_mape_start=a["passthrough"], stage_passthrough_mape_end=b["passthrough"],
-                       stage_passthrough_share=timed["passthrough_share"],
-                       stage_passthrough_time_share=timed["passthrough_time_share"],
-                       stage_compute_mape_floor=floor["compute"], stage_passthrough_mape_floor=floor["passthrough"],
-                       feedback_mode=self.vlm["feedback_mode"],
-                       stage_aware=bool(self.cost.stage_aware), plan_method=self.vlm["plan_method"],
-                       stage_measured_s=[float(x) for x in np.concatenate(sm, axis=1).sum(axis=1)])
+            out.update(vlm_stats(self.stage_preds, self.stage_meas, self.stage_comp, self.phis, first, last, w),
+                       feedback_mode=self.vlm["feedback_mode"], stage_aware=bool(self.cost.stage_aware),
+                       plan_method=self.vlm["plan_method"])
         return out
 
 

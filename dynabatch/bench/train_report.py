@@ -137,9 +137,12 @@ def _result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> di
                                        "stage_mape_* pools every micro-batch, stage_compute_mape_* the micro-batches "
                                        "the stage runs layers on, stage_passthrough_mape_* those it passes through "
                                        "(the vision stage on text-only micro-batches: sub-millisecond dispatch of "
-                                       "skipped layers; their shares of the stage's micro-batches and seconds in "
+                                       "skipped layers and index bookkeeping, slower after a vision micro-batch left "
+                                       "the CPU caches cold; their shares of the stage's micro-batches and seconds in "
                                        "stage_passthrough_share/_time_share); *_floor: MAPE of predicting each "
-                                       "repeated identical micro-batch by its median measured time (timing noise)")
+                                       "repeated identical micro-batch by its median measured time (timing noise); "
+                                       "stage_step_mape_*: each step's planned vs measured sum over its micro-batches "
+                                       "per stage (the stage's busy seconds the pipeline simulation adds up)")
     return config
 
 
@@ -168,6 +171,8 @@ def _stage_lines(name: str, m: dict) -> list[str]:
                      f" of its seconds) {_pct(m['stage_passthrough_mape_start'][s])} -> "
                      f"{_pct(m['stage_passthrough_mape_end'][s])} (floor {_pct(m['stage_passthrough_mape_floor'][s])})")
         parts.append(text)
+    if m.get("stage_step_mape_end"):
+        parts.append(f"per-step sums {_stages(m['stage_step_mape_start'])} -> {_stages(m['stage_step_mape_end'])}")
     return [f"  {name:<13}" + "; ".join(parts)]
 
 
@@ -201,7 +206,8 @@ def format_table(result: dict) -> str:
     split = [x for name, m in result["methods"].items() for x in _stage_lines(name, m)]
     if split:
         lines += ["", "per-stage MAPE start -> end, split: micro-batches the stage runs layers on | those it passes "
-                      "through (vision stage, text-only micro-batch); floor = timing noise of identical micro-batches"]
+                      "through (vision stage, text-only micro-batch); floor = timing noise of identical micro-batches; "
+                      "per-step sums = each stage's busy seconds per step"]
         lines += split
     r = result.get("ratios", {})
     if r:
@@ -282,6 +288,10 @@ def add_bench_train_command(bench_sub) -> None:
                         "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="override one of the model's sizes (its constructor's keyword; repeatable), e.g. "
+                        "--size layers=6, or for vlm-tiny --size vision_hidden=128 --size vision_layers=8 "
+                        "(a heavier vision stage)")
     p.add_argument("--generated-samples", type=int, default=2000,
                    help="generated samples when no data is found (vlm-tiny: records in its default mix)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
@@ -298,6 +308,34 @@ def add_bench_train_command(bench_sub) -> None:
     p.set_defaults(func=_cmd_bench_train)
 
 
+def model_size_overrides(model: str, items) -> dict:
+    """``NAME=INT`` strings as size keywords of ``model``'s constructor (ValueError naming a bad one and
+    the names it takes)."""
+    import inspect
+
+    from ..pipeline import models
+
+    ctor = models.gpt_tiny if model == "gpt-tiny" else models.t5_tiny if model == "t5-tiny" else None
+    if ctor is None:
+        from ..pipeline.vlm import vlm_tiny as ctor
+    fixed = ("seed", "tile_size", "patch_size", "tile_tokens")  # vlm-tiny's tiling is the loader's vision policy
+    names = sorted(k for k, p in inspect.signature(ctor).parameters.items()
+                   if k not in fixed and (isinstance(p.default, int) and not isinstance(p.default, bool)
+                                          or (p.default is None and k in ("ffn", "vision_ffn"))))
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or name not in names:
+            raise ValueError(f"--size {item!r}: expected NAME=INT with NAME one of {model}'s sizes: {', '.join(names)}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--size {item!r}: {value!r} is not an integer") from None
+        if out[name] < 1:
+            raise ValueError(f"--size {item!r}: a size is at least 1")
+    return out
+
+
 def _cmd_bench_train(args) -> int:
     import sys
 
@@ -305,7 +343,11 @@ def _cmd_bench_train(args) -> int:
                         run_train_bench)
 
     vlm = args.model == VLM_MODEL
-    sizes = {"hidden": args.hidden} if args.hidden else {}
+    try:
+        sizes = {**({"hidden": args.hidden} if args.hidden else {}), **model_size_overrides(args.model, args.size)}
+    except ValueError as e:
+        print(f"dynabatch: error: {e}", file=sys.stderr)
+        return 1
     if args.flush_free:
         from .train_flushfree import FLUSH_VARIANTS
 
@@ -377,7 +419,8 @@ columns:
                stage runs layers on, and those it passes through (the vision stage on a text-only
                micro-batch runs no layer: its time is sub-millisecond dispatch, a few % of the
                stage's seconds), each with its noise floor (MAPE of predicting identical
-               micro-batches by their median time)
+               micro-batches by their median time), and the per-step sums: each stage's planned
+               vs measured busy seconds per step
   dp vs X      tok/s ratio; per-step: median and IQR of the paired per-step time ratios (same global
                batches, interleaved): the timer and load noise of the comparison
 

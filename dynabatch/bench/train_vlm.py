@@ -25,12 +25,16 @@
   the stage runs layers on (``stage_compute_mape_*``) and those it passes through
   (``stage_passthrough_mape_*``, `stage_computes`): on the vision stage a text-only micro-batch skips
   every layer, and its measured "forward+backward" is the dispatch of the skipped layers plus the
-  language-side index bookkeeping, 0.3-1 ms whose jitter between identical micro-batches is 15-25%
-  (even in CPU time); pooled by count (about half the data is text-only), those sub-millisecond
+  language-side index bookkeeping, 0.1-1 ms whose spread between identical micro-batches is 15-25%
+  (even in CPU time). What ran before it on the core sets it, not its shape: the same pass-through
+  takes 0.12 ms after another one and 0.33 ms right after a vision micro-batch's forward and
+  backward (cold CPU caches; 0.015 ms vs 0.10 ms with no bookkeeping at all), so no per-micro-batch
+  model can predict it. Pooled by count (about half the data is text-only), those sub-millisecond
   times would set the vision stage's MAPE while being about 5% of its seconds. Both figures are
   reported, with each stage's share of pass-through micro-batches and of its measured seconds, and
   the noise floor of each (`stage_mape_floor`: the MAPE of predicting every repeated identical
-  micro-batch by its median measured time, in sample, which no model of the features can beat).
+  micro-batch by its median measured time, in sample, which no model of the features can beat),
+  and each stage's per-step sums (`stage_step_mape`: its planned vs measured busy seconds per step).
   On a shared CPU machine the vision stage also takes the brunt of other processes' load: it
   computes only while the language stage (the bottleneck, busy all step) computes too, so a third
   runnable process slows every vision call (1.3-1.6x with one busy core elsewhere, measured) while the
@@ -266,6 +270,18 @@ def stage_mape(preds: list, meas: list) -> list[float]:
     return [float(mape(p[s], y[s])) for s in range(len(p))]
 
 
+def stage_step_mape(preds: list, meas: list) -> list[float]:
+    """Per-stage MAPE (fractions) of each step's summed seconds: stage ``s``'s planned busy time in a
+    step (the sum over its micro-batches, what the pipeline simulation adds up) against its measured
+    one, over the given steps' ``[S, m]`` arrays."""
+    from ..core.fit import mape
+
+    if not preds:
+        return []
+    p, y = np.array([a.sum(axis=1) for a in preds]), np.array([a.sum(axis=1) for a in meas])
+    return [float(mape(p[:, s], y[:, s])) for s in range(p.shape[1])]
+
+
 def stage_computes(model, bounds, phi) -> np.ndarray:
     """``[S, m]`` bool: whether stage ``s`` of ``model`` split at ``bounds`` runs layers on micro-batch
     ``j`` (features ``phi[j]``): it holds a language-side layer (merge embedding, GPT block, head:
@@ -330,6 +346,27 @@ def stage_mape_floor(phis: list, meas: list, computes: list, min_repeats: int = 
     return out
 
 
+def vlm_stats(preds: list, meas: list, computes: list, phis: list, first: int, last: int, warmup: int) -> dict:
+    """The per-stage fields of a vlm method's result from its steps' ``[S, m]`` planned and measured
+    seconds, compute masks and ``[m, F]`` features: per micro-batch (pooled, and split into computing
+    and pass-through micro-batches, each with its noise floor) and per step, over the first ``first``
+    steps (start), the last ``last`` (end) and all; shares and floors over the steps after ``warmup``."""
+    sp, sm, sc, w = preds, meas, computes, warmup
+    a, b = stage_split(sp[:first], sm[:first], sc[:first]), stage_split(sp[-last:], sm[-last:], sc[-last:])
+    timed = stage_split(sp[w:], sm[w:], sc[w:])
+    floor = stage_mape_floor(phis[w:], sm[w:], sc[w:])
+    return dict(stage_mape_start=stage_mape(sp[:first], sm[:first]), stage_mape_end=stage_mape(sp[-last:], sm[-last:]),
+                stage_mape_all=stage_mape(sp, sm),
+                stage_step_mape_start=stage_step_mape(sp[:first], sm[:first]),
+                stage_step_mape_end=stage_step_mape(sp[-last:], sm[-last:]),
+                stage_compute_mape_start=a["compute"], stage_compute_mape_end=b["compute"],
+                stage_passthrough_mape_start=a["passthrough"], stage_passthrough_mape_end=b["passthrough"],
+                stage_passthrough_share=timed["passthrough_share"],
+                stage_passthrough_time_share=timed["passthrough_time_share"],
+                stage_compute_mape_floor=floor["compute"], stage_passthrough_mape_floor=floor["passthrough"],
+                stage_measured_s=[float(x) for x in np.concatenate(sm, axis=1).sum(axis=1)])
+
+
 def data_description(paths) -> dict:
     """Counts of the data's records by source and kind (image+text or text-only)."""
     counts: dict = {}
@@ -341,5 +378,5 @@ def data_description(paths) -> dict:
 
 
 __all__ = ["VLM_METHODS", "VLM_SIZES", "build_vlm_data", "modality_bounds", "layout_of", "setup",
-           "rows_as_sequences", "stage_observation", "stage_mape", "stage_computes", "stage_split",
-           "stage_mape_floor"]
+           "rows_as_sequences", "stage_observation", "stage_mape", "stage_step_mape", "stage_computes",
+           "stage_split", "stage_mape_floor", "vlm_stats"]
