@@ -19,6 +19,10 @@ from dynabatch.core.kernels.schedules import (
     adaptive_reference,
     order_ranks_schedule,
     order_ranks_schedule_reference,
+    order_ranks_stages,
+    order_ranks_stages_reference,
+    stage_candidates,
+    stage_candidates_reference,
 )
 from dynabatch.core.options import SCHEDULES
 from dynabatch.core.schedules import adaptive_order
@@ -118,6 +122,31 @@ def test_rank_ordering_kernel_equals_reference():
             ref = order_ranks_schedule_reference(t, p, mem, rank_of, ranks, 1 / 3, S, code, 8.0, bool(it % 2))
             assert got[0].tolist() == ref[0]
             assert np.allclose(got[1], ref[1]) and np.allclose(got[2], ref[2])
+
+
+def test_stage_rank_ordering_kernel_equals_reference():
+    """Per-stage times: the candidate orders and each rank's chosen order, makespan and peak equal the
+    plain-Python reference, with stages that skip micro-batches (zero time) and tied times."""
+    rng = np.random.default_rng(7)
+    for it in range(60):
+        m, ranks, S = int(rng.integers(1, 16)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        t = rng.uniform(0.05, 1, (S, m))
+        if it % 3 == 0:
+            t[: max(S // 2, 1), rng.random(m) < 0.5] = 0.0  # front stages skip some micro-batches
+        if it % 4 == 0:
+            t = np.round(t, 1)  # ties
+        p, mem = rng.uniform(0, 0.05, m), rng.uniform(1, 5, m)
+        rank_of = rng.integers(0, ranks, m).astype(np.int32)
+        assert stage_candidates(t).tolist() == stage_candidates_reference(t)
+        for code in (0, 1, 2):
+            got = order_ranks_stages(t, p, mem, rank_of, ranks, 1 / 3, code, 8.0, bool(it % 2))
+            ref = order_ranks_stages_reference(t, p, mem, rank_of, ranks, 1 / 3, code, 8.0, bool(it % 2))
+            assert got[0].tolist() == ref[0]
+            assert np.allclose(got[1], ref[1]) and np.allclose(got[2], ref[2])
+    # Johnson's rule and the alternation on a hand example: (front, back) = (1, 3), (3, 1), (2, 2), (0, 4)
+    cands = stage_candidates(np.array([[1.0, 3.0, 2.0, 0.0], [3.0, 1.0, 2.0, 4.0]]))
+    assert cands[8].tolist() == [3, 0, 2, 1]  # front < back ascending front, then descending back
+    assert cands[9].tolist() == [3, 1, 0, 2]  # most back-heavy, most front-heavy, next of each
 
 
 # --------------------------------------------------------------------------- planner and plan file

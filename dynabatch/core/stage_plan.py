@@ -7,10 +7,11 @@
   estimated time ``max_s load[r, s] + (S - 1) * max_j mean_s t[s, j]`` grows least (with the uniform
   layout this is `assign_ranks`' ``sum + (S-1) * max``), then pairwise swaps (and moves, without equal
   counts) out of the slowest rank while they lower the largest estimate.
-* `order_step_stages`: each rank's candidate orders (`assign`'s four on the bottleneck time, plus
-  Johnson's two-machine rule on the front and back halves of the stages and an alternation of
-  front-heavy and back-heavy micro-batches) simulated with their ``[S, k]`` stage times; the best
-  wins. ``auto`` picks the schedule as `dynabatch.core.schedules.order_step` does.
+* `order_step_stages`: each rank's candidate orders (`assign`'s four on the bottleneck and on the
+  mean stage time, Johnson's two-machine rule on the front and back halves of the stages and an
+  alternation of front-heavy and back-heavy micro-batches) simulated with their ``[S, k]`` stage
+  times; the best wins (numba: `dynabatch.core.kernels.schedules.order_ranks_stages`). ``auto``
+  picks the schedule as `dynabatch.core.schedules.order_step` does.
 * `evaluate_plan`: a plan's micro-batches re-priced and re-simulated (same ranks, order and
   schedule) under another cost model, e.g. a stage-blind plan under the real layout.
 
@@ -23,8 +24,8 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.assign import _candidate_orders
 from .kernels.stage_assign import assign_stages
+from .kernels.schedules import order_ranks_stages
 from .kernels.simulate import inflight_kernel, makespan_kernel, schedule_kernel
 from .kernels.stage_order import insertion_search
 from .options import SCHEDULE_CODES
@@ -41,27 +42,6 @@ def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_roun
                          bool(equal_counts), int(max_rounds))
 
 
-def candidate_orders_stages(st: np.ndarray) -> list[np.ndarray]:
-    """Candidate execution orders (positions) of one rank's micro-batches with stage times ``[S, k]``:
-    `_candidate_orders` of the bottleneck time, Johnson's rule on (front half, back half) of the
-    stages, and front-heavy / back-heavy alternation."""
-    S, k = st.shape
-    cands = [np.asarray(c, np.int64) for key in (st.max(axis=0), st.mean(axis=0))
-             for c in _candidate_orders(np.ascontiguousarray(key))]
-    h = max(S // 2, 1)
-    front, back = st[:h].sum(axis=0), st[h:].sum(axis=0) if S > 1 else np.zeros(k)
-    first = np.flatnonzero(front < back)
-    last = np.flatnonzero(front >= back)
-    cands.append(np.concatenate([first[np.argsort(front[first], kind="mergesort")],
-                                 last[np.argsort(-back[last], kind="mergesort")]]).astype(np.int64))
-    by = np.argsort(front - back, kind="mergesort")
-    alt = np.empty(k, np.int64)
-    alt[0::2] = by[: (k + 1) // 2]
-    alt[1::2] = by[::-1][: k // 2]
-    cands.append(alt)
-    return cands
-
-
 def _simulate(st, p2p, mem, fwd_fraction, code, limit):
     """(makespan, peak in-flight bytes on any stage) of one rank running ``st`` ``[S, k]`` in order."""
     fwd = np.ascontiguousarray(st * fwd_fraction)
@@ -76,29 +56,6 @@ def _simulate(st, p2p, mem, fwd_fraction, code, limit):
     return float(makespan_kernel(fwd, bwd, np.ascontiguousarray(p2p, np.float64), ops)), float(pb.max())
 
 
-def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
-    M = st.shape[1]
-    perm = np.empty(M, np.int64)
-    rank_time, peak = np.zeros(ranks), np.zeros(ranks)
-    pos = 0
-    for r in range(ranks):
-        idx = np.flatnonzero(rank_of == r)
-        k = len(idx)
-        if k == 0:
-            continue
-        cands = candidate_orders_stages(st[:, idx]) if optimize and k > 1 else [np.arange(k)]
-        best = None
-        for o in cands:
-            sel = idx[o]
-            v, pk = _simulate(st[:, sel], p2p[sel], mem[sel], fwd_fraction, code, limit)
-            if best is None or v < best[0]:
-                best = (v, pk, sel)
-        rank_time[r], peak[r] = best[0], best[1]
-        perm[pos:pos + k] = best[2]
-        pos += k
-    return perm, rank_time, peak
-
-
 def order_step_stages(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
                       optimize: bool):
     """`dynabatch.core.schedules.order_step` on stage times ``st`` ``[S, M]`` (``mem``: ``[M]`` bytes a
@@ -108,8 +65,8 @@ def order_step_stages(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_frac
     mem = np.ascontiguousarray(mem, np.float64)
     rank_of = np.asarray(rank_of, np.int32)
     names = AUTO_PREFERENCE if schedule == "auto" else (schedule,)
-    results = {n: _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, SCHEDULE_CODES[n], float(stage_limit),
-                               optimize) for n in names}
+    results = {n: order_ranks_stages(st, p2p, mem, rank_of, int(ranks), float(fwd_fraction), SCHEDULE_CODES[n],
+                                     float(stage_limit), bool(optimize)) for n in names}
     if schedule != "auto":
         return results[schedule][0], results[schedule][1], schedule
     fits = [n for n in names if results[n][2].max(initial=0.0) <= stage_limit]
@@ -140,8 +97,8 @@ def refine_orders(plan, cost, shapes=None, passes: int = 2):
     to the place in the rank's order with the lowest simulated makespan (`insertion_search`, a numba
     kernel), for the static schedules (``gpipe``/``1f1b``) of a per-stage plan. Such micro-batches
     keep the back stages busy while the front stages work on vision-heavy ones; the candidate orders
-    of `candidate_orders_stages` place them only as blocks. Ranks, micro-batches and samples are
-    unchanged; a rank's order changes only where its makespan falls. Ranks are refined slowest first
+    of `order_step_stages` (`dynabatch.core.kernels.schedules.stage_candidates`) place them only as
+    blocks. Ranks, micro-batches and samples are unchanged; a rank's order changes only where its makespan falls. Ranks are refined slowest first
     and only while they can still set the step's time."""
     if plan.schedule not in ("gpipe", "1f1b") or plan.stage_time_s is None or plan.num_stages < 2:
         return plan

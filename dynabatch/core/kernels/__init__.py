@@ -33,7 +33,10 @@ module                kernel                          reference
                       `_interp_axis`                  `profiled_lookup`
 `.schedules`          `adaptive_kernel`               `adaptive_reference`
                       `order_ranks_schedule`          `order_ranks_schedule_reference`
-                      `_rank_ops`                     helper of `order_ranks_schedule`
+                      `order_ranks_stages`            `order_ranks_stages_reference`
+                      `stage_candidates`              `stage_candidates_reference`
+                      `_order_ranks`,                 the loop of both orderings, covered
+                      `_stage_rank_ops`               by both references
 `.stage_assign`       `assign_stages`                 `assign_stages_reference`
                       `_stats`                        helper of `assign_stages`
 `.packing`            `budget_cuts`                   `budget_cuts_reference`

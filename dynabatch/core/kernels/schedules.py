@@ -9,6 +9,8 @@ kernel                     reference
 =========================  ==============================
 `adaptive_kernel`          `adaptive_reference`
 `order_ranks_schedule`     `order_ranks_schedule_reference`
+`order_ranks_stages`       `order_ranks_stages_reference`
+`stage_candidates`         `stage_candidates_reference`
 =========================  ==============================
 """
 
@@ -169,24 +171,6 @@ def adaptive_reference(fwd, bwd, p2p, mem, limit, alone):
 # --------------------------------------------------------------------------- per-rank ordering
 
 
-@njit(cache=True)
-def _rank_ops(code, stages, t, mem, fwd_fraction, p2p, limit, alone):
-    """Op lists of one rank's micro-batches (``t`` seconds each, in this order) under ``code``, with
-    the per-stage times; returns (ops, fwd, bwd, status)."""
-    k = t.shape[0]
-    fwd = np.empty((stages, k))
-    bwd = np.empty((stages, k))
-    for s in range(stages):
-        for j in range(k):
-            fwd[s, j] = t[j] * fwd_fraction
-            bwd[s, j] = t[j] - fwd[s, j]
-    if code == ADAPTIVE:
-        ops = np.zeros((stages, 2 * k), np.int32)
-        status = adaptive_kernel(fwd, bwd, p2p, mem, limit, alone, ops)
-        return ops, fwd, bwd, status
-    return schedule_kernel(stages, k, code), fwd, bwd, OK
-
-
 @njit(cache=True, nogil=True)
 def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
     """Execution order within each rank for schedule ``code`` (0 GPipe, 1 1F1B, 2 adaptive with
@@ -197,63 +181,187 @@ def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, 
     with ``optimize``, else the given order); ``peak`` each rank's largest in-flight activation bytes
     on any stage. Every stage spends ``fwd_fraction`` of a micro-batch's ``times`` in its forward.
     """
-    m = times.shape[0]
-    perm = np.empty(m, np.int64)
+    st = np.empty((stages, times.shape[0]))
+    for s in range(stages):
+        st[s] = times
+    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, False)
+
+
+def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
+    """Plain-Python `order_ranks_schedule`: (perm, rank_time, peak) as lists."""
+    return _order_ranks_reference([list(times)] * stages, p2p, mem, rank_of, ranks, fwd_fraction, code, limit,
+                                  optimize, lambda sub: candidate_orders_reference(sub[0]))
+
+
+# --------------------------------------------------------------------------- per-rank ordering, stage times
+
+
+@njit(cache=True)
+def stage_candidates(st):
+    """Candidate execution orders (rows, positions) of one rank's micro-batches with stage times
+    ``st`` float64 ``[S, k]``: `_candidate_orders` of the bottleneck (largest stage) time and of the
+    mean stage time, Johnson's two-machine rule on (front half, back half) of the stages, and an
+    alternation of the most front-heavy and most back-heavy micro-batches. 10 rows."""
+    S, k = st.shape
+    top = np.empty(k)
+    mean = np.empty(k)
+    h = max(S // 2, 1)
+    front = np.zeros(k)
+    back = np.zeros(k)
+    for j in range(k):
+        m = st[0, j]
+        acc = 0.0
+        for s in range(S):
+            m = max(m, st[s, j])
+            acc += st[s, j]
+            if s < h:
+                front[j] += st[s, j]
+            else:
+                back[j] += st[s, j]
+        top[j] = m
+        mean[j] = acc / S
+    out = np.empty((10, k), np.int64)
+    out[0:4] = _candidate_orders(top)
+    out[4:8] = _candidate_orders(mean)
+    first = np.flatnonzero(front < back)
+    last = np.flatnonzero(front >= back)
+    a = first[np.argsort(front[first], kind="mergesort")]
+    b = last[np.argsort(-back[last], kind="mergesort")]
+    for q in range(a.shape[0]):
+        out[8, q] = a[q]
+    for q in range(b.shape[0]):
+        out[8, a.shape[0] + q] = b[q]
+    by = np.argsort(front - back, kind="mergesort")
+    for q in range((k + 1) // 2):
+        out[9, 2 * q] = by[q]
+    for q in range(k // 2):
+        out[9, 2 * q + 1] = by[k - 1 - q]
+    return out
+
+
+def stage_candidates_reference(st):
+    """Plain-Python `stage_candidates`: the 10 orders as lists of positions."""
+    S, k = len(st), len(st[0])
+    cols = [[float(st[s][j]) for s in range(S)] for j in range(k)]
+    top = [max(c) for c in cols]
+    mean = [sum(c) / S for c in cols]
+    h = max(S // 2, 1)
+    front = [sum(c[:h]) for c in cols]
+    back = [sum(c[h:]) for c in cols]
+    # Johnson's rule: micro-batches lighter in front first (ascending front time), then the others
+    # (descending back time): the first stages start early, the last stages finish soon after
+    johnson = (sorted((j for j in range(k) if front[j] < back[j]), key=lambda j: front[j])
+               + sorted((j for j in range(k) if front[j] >= back[j]), key=lambda j: -back[j]))
+    by = sorted(range(k), key=lambda j: front[j] - back[j])  # most back-heavy first
+    alternation = [by[q // 2] if q % 2 == 0 else by[k - 1 - q // 2] for q in range(k)]
+    return candidate_orders_reference(top) + candidate_orders_reference(mean) + [johnson, alternation]
+
+
+@njit(cache=True)
+def _stage_rank_ops(code, st, p2p, mem, fwd_fraction, limit):
+    """(ops, fwd, bwd, status) of one rank running ``st`` ``[S, k]`` in column order under ``code``."""
+    S, k = st.shape
+    fwd = np.empty((S, k))
+    bwd = np.empty((S, k))
+    for s in range(S):
+        for j in range(k):
+            fwd[s, j] = st[s, j] * fwd_fraction
+            bwd[s, j] = st[s, j] - fwd[s, j]
+    if code == ADAPTIVE:
+        ops = np.zeros((S, 2 * k), np.int32)
+        status = adaptive_kernel(fwd, bwd, p2p, mem, limit, True, ops)
+        return ops, fwd, bwd, status
+    return schedule_kernel(S, k, code), fwd, bwd, OK
+
+
+@njit(cache=True, nogil=True)
+def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, per_stage):
+    """The loop of `order_ranks_schedule` and `order_ranks_stages`: each rank's candidates (of
+    `stage_candidates` when ``per_stage``, else `_candidate_orders` of stage 0's times) simulated, the
+    first of the lowest makespans kept."""
+    S, M = st.shape
+    perm = np.empty(M, np.int64)
     rank_time = np.zeros(ranks)
     peak = np.zeros(ranks)
-    pn = np.empty(stages, np.int64)
-    pb = np.empty(stages)
+    pn = np.empty(S, np.int64)
+    pb = np.empty(S)
     pos = 0
     for r in range(ranks):
         idx = np.flatnonzero(rank_of == r)
         k = idx.shape[0]
         if k == 0:
             continue
-        t, p, mm = times[idx], p2p[idx], mem[idx]
-        if optimize and k > 1:
-            cands = _candidate_orders(t)
-        else:
+        if not (optimize and k > 1):
             cands = np.arange(k).reshape(1, k)
+        elif per_stage:
+            cands = stage_candidates(np.ascontiguousarray(st[:, idx]))
+        else:
+            cands = _candidate_orders(st[0][idx])
         best = np.inf
         best_c = 0
         for c in range(cands.shape[0]):
-            o = cands[c]
-            ops, fwd, bwd, status = _rank_ops(code, stages, t[o], mm[o], fwd_fraction, p[o], limit, True)
-            v = makespan_kernel(fwd, bwd, p[o], ops) if status == OK else np.inf  # stall: non-finite times
+            sel = idx[cands[c]]
+            o_p, o_m = p2p[sel], mem[sel]
+            ops, fwd, bwd, status = _stage_rank_ops(code, np.ascontiguousarray(st[:, sel]), o_p, o_m, fwd_fraction,
+                                                    limit)
+            v = makespan_kernel(fwd, bwd, o_p, ops) if status == OK else np.inf  # stall: non-finite times
             if c == 0 or v < best:  # the first of equals
                 best = v
                 best_c = c
-                inflight_kernel(ops, mm[o], pn, pb)
+                inflight_kernel(ops, o_m, pn, pb)
                 peak[r] = pb.max()
-        chosen = cands[best_c]
         rank_time[r] = best
+        chosen = cands[best_c]
         for q in range(k):
             perm[pos + q] = idx[chosen[q]]
         pos += k
     return perm, rank_time, peak
 
 
-def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
-    """Plain-Python `order_ranks_schedule`: (perm, rank_time, peak) as lists."""
+@njit(cache=True, nogil=True)
+def order_ranks_stages(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
+    """`order_ranks_schedule` on stage times ``st`` float64 ``[S, M]`` (seconds per stage and
+    micro-batch): each rank's best of `stage_candidates` (with ``optimize``, else the given order) by
+    simulated makespan under schedule ``code`` (0 GPipe, 1 1F1B, 2 adaptive with ``limit`` bytes in
+    flight per stage, an oversize micro-batch alone); ties: the first candidate.
+
+    Returns (perm, rank_time, peak): micro-batch indices rank by rank in execution order, each rank's
+    makespan (seconds) and its largest in-flight activation bytes (``mem`` ``[M]``) on any stage."""
+    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, True)
+
+
+def order_ranks_stages_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
+    """Plain-Python `order_ranks_stages`: (perm, rank_time, peak) as lists."""
+    return _order_ranks_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize,
+                                  stage_candidates_reference)
+
+
+def _order_ranks_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, candidates):
+    """Plain-Python `_order_ranks`: each rank's ``candidates(its [S, k] stage times)`` simulated (every
+    stage runs a micro-batch's forward for ``fwd_fraction`` of its time, its backward for the rest),
+    the first of the lowest makespans kept. (perm, rank_time, peak) as lists."""
+    S = len(st)
     perm, rank_time, peak = [], [0.0] * ranks, [0.0] * ranks
     for r in range(ranks):
-        mine = [q for q in range(len(times)) if rank_of[q] == r]
+        mine = [q for q in range(len(rank_of)) if rank_of[q] == r]
         k = len(mine)
         if k == 0:
             continue
-        t, p, mm = ([float(a[q]) for q in mine] for a in (times, p2p, mem))
 
         def run(order):
-            tt, pp, mo = [t[q] for q in order], [p[q] for q in order], [mm[q] for q in order]
-            fwd = [[x * fwd_fraction for x in tt]] * stages
-            bwd = [[x - x * fwd_fraction for x in tt]] * stages
-            if code == ADAPTIVE:
-                ops = adaptive_reference(fwd, bwd, pp, mo, limit, True)
-            else:
-                ops = schedule_reference(stages, k, code)
+            cols = [mine[q] for q in order]
+            fwd = [[float(st[s][j]) * fwd_fraction for j in cols] for s in range(S)]
+            bwd = [[float(st[s][j]) - f for j, f in zip(cols, fwd[s])] for s in range(S)]
+            pp, mo = [float(p2p[j]) for j in cols], [float(mem[j]) for j in cols]
+            try:
+                ops = adaptive_reference(fwd, bwd, pp, mo, limit, True) if code == ADAPTIVE else \
+                    schedule_reference(S, k, code)
+            except RuntimeError:  # a stall: never the best
+                return float("inf"), 0.0
             return makespan_reference(fwd, bwd, pp, np.array(ops)), max(inflight_reference(ops, mo)[1])
 
-        cands = candidate_orders_reference(t) if optimize and k > 1 else [list(range(k))]
+        sub = [[float(st[s][j]) for j in mine] for s in range(S)]
+        cands = candidates(sub) if optimize and k > 1 else [list(range(k))]
         runs = [run(o) for o in cands]
         best = min(range(len(cands)), key=lambda c: runs[c][0])  # the first of equals
         rank_time[r], peak[r] = runs[best]
