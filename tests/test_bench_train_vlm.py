@@ -113,3 +113,4 @@ def test_size_overrides_name_the_models_keywords():
     with pytest.raises(ValueError, match="decoder_layers"):
         model_size_overrides("t5-tiny", ["vision_layers=2"])
     assert main(["bench", "train", "--model", "vlm-tiny", "--size", "bogus=3", "--steps", "1"]) == 1
+    assert main(["bench", "multimodel", "--size", "vision_layers=2"]) == 2  # gpt-tiny has no vision tower

@@ -320,6 +320,7 @@ def add_bench_multimodel_command(bench_sub) -> None:
     import argparse
 
     from .train import MODEL_SIZES, VLM_MODEL
+    from .train_report import add_size_arguments
 
     p = bench_sub.add_parser(
         "multimodel", help="K models trained together on one data pass vs K single-model runs (Hydra)",
@@ -344,7 +345,7 @@ def add_bench_multimodel_command(bench_sub) -> None:
                         "AdamW state); shards beyond it are spilled to host memory (default: no budget)")
     p.add_argument("--no-interleave", action="store_true",
                    help="model after model on each stage instead of 1F1B over every model's micro-batches")
-    p.add_argument("--hidden", type=int, default=None, help="model width (default the bench train size)")
+    add_size_arguments(p, "model width (default the bench train size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="liveness timeout: stop when no rank made progress for this many seconds")
@@ -355,13 +356,20 @@ def add_bench_multimodel_command(bench_sub) -> None:
 def _cmd_bench_multimodel(args) -> int:
     import json
 
+    from .train_report import sizes_from_args
+
+    try:
+        sizes = sizes_from_args(args)
+    except ValueError as e:
+        print(f"dynabatch bench multimodel: {e}", file=sys.stderr)
+        return 2
     options = default_multimodel_options().replace(num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
                                                    max_len=args.max_len, max_target_len=args.max_target_len,
                                                    seed=args.seed)
     cfg = MultiBenchConfig(model=args.model, ks=tuple(args.k), data=tuple(args.data or ()), options=options,
                            steps=args.steps, warmup=args.warmup, lr=args.lr, budget_shards=args.budget_shards,
                            interleave=not args.no_interleave, timeout_s=args.timeout,
-                           model_sizes={"hidden": args.hidden} if args.hidden else {})
+                           model_sizes=sizes)
     try:
         result = run_multimodel_bench(cfg)
     except ValueError as e:

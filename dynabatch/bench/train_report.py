@@ -287,11 +287,7 @@ def add_bench_train_command(bench_sub) -> None:
                    help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
                         "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=None, help="model width (default 256)")
-    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
-                   help="override one of the model's sizes (its constructor's keyword; repeatable), e.g. "
-                        "--size layers=6, or for vlm-tiny --size vision_hidden=128 --size vision_layers=8 "
-                        "(a heavier vision stage)")
+    add_size_arguments(p, "model width (default 256; vlm-tiny 128)")
     p.add_argument("--generated-samples", type=int, default=2000,
                    help="generated samples when no data is found (vlm-tiny: records in its default mix)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
@@ -306,6 +302,20 @@ def add_bench_train_command(bench_sub) -> None:
                         "timeout) leaves its partial result here and on stdout")
     p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
     p.set_defaults(func=_cmd_bench_train)
+
+
+def add_size_arguments(p, hidden_help: str) -> None:
+    """``--hidden`` and ``--size NAME=INT`` (the model's sizes) of a bench command (`sizes_from_args`)."""
+    p.add_argument("--hidden", type=int, default=None, help=hidden_help)
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="override one of the model's sizes (its constructor's keyword; repeatable), e.g. "
+                        "--size layers=6, or for vlm-tiny --size vision_hidden=128 --size vision_layers=8 "
+                        "(a heavier vision stage)")
+
+
+def sizes_from_args(args) -> dict:
+    """The model size overrides of ``--hidden`` and ``--size`` (`add_size_arguments`; ValueError on a bad one)."""
+    return {**({"hidden": args.hidden} if args.hidden else {}), **model_size_overrides(args.model, args.size)}
 
 
 def model_size_overrides(model: str, items) -> dict:
@@ -344,7 +354,7 @@ def _cmd_bench_train(args) -> int:
 
     vlm = args.model == VLM_MODEL
     try:
-        sizes = {**({"hidden": args.hidden} if args.hidden else {}), **model_size_overrides(args.model, args.size)}
+        sizes = sizes_from_args(args)
     except ValueError as e:
         print(f"dynabatch: error: {e}", file=sys.stderr)
         return 1
