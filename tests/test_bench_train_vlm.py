@@ -58,6 +58,23 @@ def test_per_step_stage_mape_scores_each_steps_sums():
     assert out["stage_measured_s"] == [6.5, 33.0]
 
 
+def test_bypassed_microbatches_are_not_observations():
+    """A measured 0 s is a micro-batch the stage never ran (bypassed): left out of every per-stage
+    figure (no prediction to score), counted in ``bypassed_share``."""
+    from dynabatch.bench.train_vlm import stage_mape
+
+    pred = [np.array([[1.0, 0.2, 2.0, 0.2], [4.0, 4.0, 4.0, 4.0]])]
+    meas = [np.array([[2.0, 0.0, 2.0, 0.0], [4.0, 5.0, 4.0, 2.0]])]
+    comp = [np.array([[True, False, True, False], [True] * 4])]
+    assert stage_mape(pred, meas) == [pytest.approx(0.25), pytest.approx((0.2 + 1.0) / 4)]
+    out = stage_split(pred, meas, comp)
+    assert out["compute"][0] == pytest.approx(0.25) and math.isnan(out["passthrough"][0])
+    assert out["bypassed_share"] == [0.5, 0.0] and out["passthrough_share"] == [0.0, 0.0]
+    assert stage_step_mape(pred, meas) == [pytest.approx(1 / 4), pytest.approx(1 / 15)]  # 3 vs 4; 16 vs 15
+    floor = stage_mape_floor([np.zeros((4, 2))], meas, comp)  # one feature row: the ran ones repeat
+    assert math.isnan(floor["compute"][0]) and math.isnan(floor["passthrough"][0])  # 2 < 3 repeats
+
+
 def test_stage_mape_floor_is_the_spread_of_identical_microbatches():
     # 4 identical micro-batches (feature row a) and 2 of row b (too few repeats for a floor)
     a, b = np.r_[1.0, 2.0], np.r_[3.0, 4.0]
@@ -114,3 +131,4 @@ def test_size_overrides_name_the_models_keywords():
         model_size_overrides("t5-tiny", ["vision_layers=2"])
     assert main(["bench", "train", "--model", "vlm-tiny", "--size", "bogus=3", "--steps", "1"]) == 1
     assert main(["bench", "multimodel", "--size", "vision_layers=2"]) == 2  # gpt-tiny has no vision tower
+    assert main(["bench", "train", "--bypass-idle-stages", "--flush-free", "--steps", "1"]) == 1

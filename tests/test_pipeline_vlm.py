@@ -173,9 +173,11 @@ def test_dataloader_microbatches_go_straight_in(tmp_path):
 
 # -- 2 gloo stages ---------------------------------------------------------------------------------
 
-def pipeline_worker(rank, world, port, bounds, schedules, batch_file):
+def pipeline_worker(rank, world, port, bounds, schedules, batch_file, bypass=False):
     """Rank side: vlm-tiny (float64) cut at ``bounds`` over ``world`` stages, the mixed synthetic batches
-    plus the DataLoader batches in ``batch_file``; loss and gradients vs one process, vision calls."""
+    plus the DataLoader batches in ``batch_file``; loss and gradients vs one process, vision calls
+    (``bypass``: RunnerConfig(bypass_idle_stages=True); each micro-batch's entry stage and this stage's
+    measured seconds)."""
     torch.set_default_dtype(torch.float64)
     extra = torch.load(batch_file, weights_only=False)
     ctx = init_pipeline(world, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
@@ -186,8 +188,9 @@ def pipeline_worker(rank, world, port, bounds, schedules, batch_file):
             batches = mixed_batches(model, seed=2, dtype=torch.float64)
             batches += [{**b, "pixel_values": b["pixel_values"].double()} for b in extra]
             shapes = model.batch_shapes(batches)
-            runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule=schedule))
-            res = runner.step(shapes, batches if ctx.stage in (0, world - 1) else None)
+            runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule=schedule,
+                                                                                 bypass_idle_stages=bypass))
+            res = runner.step(shapes, batches if ctx.stage in (0, world - 1) or bypass else None)
             ref_loss, ref_n = sequential_step(ref.layers, batches)
             lo = runner.stage.first_layer
             diff = scale = 0.0
@@ -198,7 +201,9 @@ def pipeline_worker(rank, world, port, bounds, schedules, batch_file):
             out.append({"schedule": schedule, "loss": res.loss, "ref_loss": ref_loss, "tokens": res.num_tokens,
                         "ref_tokens": ref_n, "diff": diff, "scale": scale, "calls": vision_calls(runner.stage.layers),
                         "image_mbs": sum(s.tiles > 0 for s in shapes), "first": lo,
-                        "vision_here": sum(lo + i < model.vision_layers for i in range(len(runner.stage.layers)))})
+                        "vision_here": sum(lo + i < model.vision_layers for i in range(len(runner.stage.layers))),
+                        "entry": runner.entries(shapes).tolist(), "stage": ctx.stage,
+                        "fwd": res.timing.forward_s.tolist(), "bwd": res.timing.backward_s.tolist()})
     return out
 
 
@@ -225,3 +230,62 @@ def test_two_gloo_stages_match_single_process(tmp_path, bounds):
             assert c["scale"] > 0 and c["diff"] <= 1e-10 * c["scale"], c
             # forward of every image micro-batch once per vision layer held here; text-only: never
             assert c["calls"] == c["vision_here"] * c["image_mbs"], c
+
+
+@pytest.mark.parametrize("bounds", [[0, 4, 8], [0, 2, 5, 8]], ids=["modality-split", "three-stages"])
+def test_text_only_microbatches_bypass_the_vision_stages(tmp_path, bounds):
+    """RunnerConfig(bypass_idle_stages=True): a text-only micro-batch enters at the stage holding the
+    merge embedding (the last stage of the modality split, the middle one of three), runs no op on the
+    stages before it (0 s measured there, exactly) and passes no message to them; image micro-batches
+    run everywhere. Loss and every gradient still equal one process's (float64) for gpipe, 1f1b and
+    adaptive, and the vision layers compute once per image micro-batch."""
+    _, _, extra = _loader_steps(tmp_path)
+    keep = ("input_ids", "attention_mask", "labels", "image_tiles", "pixel_values")
+    path = tmp_path / "batches.pt"
+    torch.save([{k: b[k] for k in keep} for b in extra], path)
+    stages = len(bounds) - 1
+    res = launch_local(f"{__file__}:pipeline_worker", stages,
+                       args=(bounds, ["gpipe", "1f1b", "adaptive"], str(path), True), idle_timeout_s=120)
+    for r in res:
+        assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
+    for r in res:
+        for c in r.result:
+            assert c["tokens"] == c["ref_tokens"] and c["loss"] == pytest.approx(c["ref_loss"], rel=1e-12)
+            assert c["scale"] > 0 and c["diff"] <= 1e-10 * c["scale"], c
+            assert c["calls"] == c["vision_here"] * c["image_mbs"], c
+            entry = np.array(c["entry"])
+            text_only = entry > 0
+            assert 0 < text_only.sum() < len(entry)  # both kinds in the step
+            assert set(entry[text_only].tolist()) == {1}  # the stage holding the merge embedding
+            ran = np.array(c["fwd"]) + np.array(c["bwd"])
+            skipped = entry > c["stage"]
+            assert (ran[skipped] == 0).all() and (ran[~skipped] > 0).all(), c
+
+
+def test_bypass_entries_and_refusals():
+    """The entry stage of each micro-batch follows the cut and the model's idle layers; a model without
+    idle layers enters every micro-batch at stage 0; what cannot bypass says so."""
+    from dynabatch.pipeline import Bypass
+
+    model = vlm_tiny(**TINY)  # layers: patch, 2 ViT, projector | merge, 2 GPT, head
+    assert [model.idle_layers(s) for s in SHAPES] == [0, 4, 0, 4]
+    assert Bypass.of(model, [0, 4, 8]).entries(SHAPES).tolist() == [0, 1, 0, 1]
+    assert Bypass.of(model, [0, 2, 5, 8]).entries(SHAPES).tolist() == [0, 1, 0, 1]
+    assert Bypass.of(model, [0, 5, 8]).entries(SHAPES).tolist() == [0, 0, 0, 0]  # the merge shares stage 0
+    assert Bypass.of(model, [0, 1, 2, 3, 4, 8]).entries(SHAPES).tolist() == [0, 4, 0, 4]
+    gpt = gpt_tiny(vocab=64, hidden=16, layers=2, heads=2)
+    assert Bypass.of(gpt, [0, 2, 4]).entries([MicroBatchShape("padded", 2, 8)]).tolist() == [0]
+    # enter(): the state at the merge embedding's input, as the idle vision layers leave it
+    b = model.random_batch(SHAPES[1], torch.Generator().manual_seed(0))
+    state = model.enter(b, 4)
+    x = model.layers[0](b)
+    for layer in model.layers[1:4]:
+        x = layer(x)
+    assert len(state) == 4 and state[0].shape[0] == 0 and all(torch.equal(u, v) for u, v in zip(state[1:], x[1:]))
+    with pytest.raises(ValueError, match="flushed steps only"):
+        RunnerConfig(bypass_idle_stages=True, flush=False)
+    with pytest.raises(ValueError, match="rise strictly from 0 to 8"):
+        Bypass.of(model, [0, 4, 10])
+    with pytest.raises(ValueError, match="idle_layers must be"):
+        Bypass((0, 4, 8), lambda sh: 8, model.enter).entries(SHAPES)

@@ -90,6 +90,7 @@ class TrainBenchConfig:
     index: str | None = None  # length index Parquet (built by run_train_bench)
     text_fraction: float = 0.5  # vlm-tiny's generated mix: share of FLAN text-only records
     flush_window: int = 10  # flush-free variants: steps run as one stream between flushes
+    bypass_idle_stages: bool = False  # RunnerConfig(bypass_idle_stages=...) for every method (flushed runs)
 
     def resolved_sizes(self) -> dict:
         return {**MODEL_SIZES[self.model], **self.model_sizes}
@@ -197,7 +198,8 @@ class MethodRun:
             bounds = uniform_bounds(model, ctx.num_stages)
         self.bounds = [int(b) for b in bounds]
         self.runner = PipelineRunner.from_model(model, ctx, bounds, config=RunnerConfig(
-            **{"schedule": cfg.options.schedule, "gather_timing": True, **runner_options(self.flush_kind)}))
+            **{"schedule": cfg.options.schedule, "gather_timing": True, "bypass_idle_stages": cfg.bypass_idle_stages,
+               **runner_options(self.flush_kind)}))
         self._window_left: list = []  # flush-free variants: the window's (step, result) pairs not reported yet
         self.weight_bytes = 0.0  # flush-free variants: the most bytes the weight handling held
         self.optimizer = torch.optim.AdamW(self.runner.parameters(), lr=cfg.lr)

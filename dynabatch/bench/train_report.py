@@ -142,7 +142,9 @@ def _result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> di
                                        "stage_passthrough_share/_time_share); *_floor: MAPE of predicting each "
                                        "repeated identical micro-batch by its median measured time (timing noise); "
                                        "stage_step_mape_*: each step's planned vs measured sum over its micro-batches "
-                                       "per stage (the stage's busy seconds the pipeline simulation adds up)")
+                                       "per stage (the stage's busy seconds the pipeline simulation adds up); a "
+                                       "stage's measured 0 s is a micro-batch it bypassed (--bypass-idle-stages: "
+                                       "no op there), left out of every figure and counted in stage_bypassed_share")
     return config
 
 
@@ -165,6 +167,9 @@ def _stage_lines(name: str, m: dict) -> list[str]:
     for s in range(len(m["stage_compute_mape_end"])):
         text = (f"s{s} computing {_pct(m['stage_compute_mape_start'][s])} -> {_pct(m['stage_compute_mape_end'][s])}"
                 f" (floor {_pct(m['stage_compute_mape_floor'][s])})")
+        skipped = (m.get("stage_bypassed_share") or [0.0] * (s + 1))[s]
+        if skipped > 0:
+            text += f", bypassed ({skipped:.0%} of its micro-batches: no op)"
         share = m["stage_passthrough_share"][s]
         if share > 0:
             text += (f", pass-through ({share:.0%} of its micro-batches, {_pct(m['stage_passthrough_time_share'][s])}"
@@ -282,6 +287,10 @@ def add_bench_train_command(bench_sub) -> None:
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest; the text models' default) or uniform "
                         "block counts; vlm-tiny: modality (vision on stage 0, language after; its default) or uniform")
+    p.add_argument("--bypass-idle-stages", action="store_true",
+                   help="every method's runner skips the stages holding only a micro-batch's idle layers "
+                        "(RunnerConfig(bypass_idle_stages=True); vlm-tiny: text-only micro-batches never visit the "
+                        "vision stage); per-stage MAPE then covers the micro-batches each stage ran")
     p.add_argument("--refit-every", type=int, default=2)
     p.add_argument("--save-cost-model", metavar="PATH",
                    help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
@@ -358,6 +367,9 @@ def _cmd_bench_train(args) -> int:
     except ValueError as e:
         print(f"dynabatch: error: {e}", file=sys.stderr)
         return 1
+    if args.bypass_idle_stages and args.flush_free:
+        print("dynabatch: error: --bypass-idle-stages runs flushed steps; the --flush-free variants stream", file=sys.stderr)
+        return 1
     if args.flush_free:
         from .train_flushfree import FLUSH_VARIANTS
 
@@ -370,6 +382,7 @@ def _cmd_bench_train(args) -> int:
                            backend=args.backend, refit_every=args.refit_every,
                            partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
                            timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
+                           bypass_idle_stages=args.bypass_idle_stages,
                            flush_window=args.flush_window,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     if args.device_memory_limit:
@@ -430,7 +443,8 @@ columns:
                micro-batch runs no layer: its time is sub-millisecond dispatch, a few % of the
                stage's seconds), each with its noise floor (MAPE of predicting identical
                micro-batches by their median time), and the per-step sums: each stage's planned
-               vs measured busy seconds per step
+               vs measured busy seconds per step. With --bypass-idle-stages the vision stage
+               never runs text-only micro-batches: "bypassed", no observation
   dp vs X      tok/s ratio; per-step: median and IQR of the paired per-step time ratios (same global
                batches, interleaved): the timer and load noise of the comparison
 

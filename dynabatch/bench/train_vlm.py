@@ -261,13 +261,15 @@ def stage_observation(cost, step, result) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def stage_mape(preds: list, meas: list) -> list[float]:
-    """Per-stage MAPE (fractions) pooled over the given steps' ``[S, m]`` arrays."""
+    """Per-stage MAPE (fractions) pooled over the given steps' ``[S, m]`` arrays, over the micro-batches
+    each stage ran: a measured 0 s is one it never ran (bypassed, ``--bypass-idle-stages``), with
+    nothing to predict."""
     from ..core.fit import mape
 
     if not preds:
         return []
     p, y = np.concatenate(preds, axis=1), np.concatenate(meas, axis=1)
-    return [float(mape(p[s], y[s])) for s in range(len(p))]
+    return [float(mape(p[s][y[s] > 0], y[s][y[s] > 0])) for s in range(len(p))]
 
 
 def stage_step_mape(preds: list, meas: list) -> list[float]:
@@ -278,7 +280,8 @@ def stage_step_mape(preds: list, meas: list) -> list[float]:
 
     if not preds:
         return []
-    p, y = np.array([a.sum(axis=1) for a in preds]), np.array([a.sum(axis=1) for a in meas])
+    p = np.array([np.where(y > 0, a, 0.0).sum(axis=1) for a, y in zip(preds, meas)])  # the ops each stage ran
+    y = np.array([a.sum(axis=1) for a in meas])
     return [float(mape(p[:, s], y[:, s])) for s in range(p.shape[1])]
 
 
@@ -307,16 +310,21 @@ def stage_split(preds: list, meas: list, computes: list) -> dict:
     """Per-stage MAPE (fractions; nan where a stage has none) over the steps' micro-batches the stage
     runs layers on (``compute``) and those it passes through (``passthrough``), with the pass-through
     micro-batches' share of the stage's micro-batches (``passthrough_share``) and of its measured
-    seconds (``passthrough_time_share``); each argument a list of ``[S, m]`` arrays, one per step."""
+    seconds (``passthrough_time_share``) and the share it never ran (``bypassed_share``: measured 0 s,
+    left out of the others); each argument a list of ``[S, m]`` arrays, one per step."""
     from ..core.fit import mape
 
     if not preds:
-        return {k: [] for k in ("compute", "passthrough", "passthrough_share", "passthrough_time_share")}
+        return {k: [] for k in ("compute", "passthrough", "passthrough_share", "passthrough_time_share",
+                                "bypassed_share")}
     p, y, c = (np.concatenate(a, axis=1) for a in (preds, meas, computes))
     S = len(p)
+    ran = y > 0  # 0 s: a micro-batch the stage never ran (bypassed)
+    c, t = c & ran, ~c & ran
     return {"compute": [mape(p[s][c[s]], y[s][c[s]]) for s in range(S)],
-            "passthrough": [mape(p[s][~c[s]], y[s][~c[s]]) for s in range(S)],
-            "passthrough_share": [float((~c[s]).mean()) for s in range(S)],
+            "passthrough": [mape(p[s][t[s]], y[s][t[s]]) for s in range(S)],
+            "passthrough_share": [float(t[s].mean()) for s in range(S)],
+            "bypassed_share": [float((~ran[s]).mean()) for s in range(S)],
             "passthrough_time_share": [float(y[s][~c[s]].sum() / y[s].sum()) if y[s].sum() > 0 else float("nan")
                                        for s in range(S)]}
 
@@ -334,7 +342,7 @@ def stage_mape_floor(phis: list, meas: list, computes: list, min_repeats: int = 
     group = group.ravel()
     out = {"compute": [], "passthrough": []}
     for s in range(len(y)):
-        for key, sel in (("compute", c[s]), ("passthrough", ~c[s])):
+        for key, sel in (("compute", c[s] & (y[s] > 0)), ("passthrough", ~c[s] & (y[s] > 0))):
             g, v = group[sel], y[s][sel]
             order = np.argsort(g, kind="stable")
             g, v = g[order], v[order]
@@ -363,6 +371,7 @@ def vlm_stats(preds: list, meas: list, computes: list, phis: list, first: int, l
                 stage_passthrough_mape_start=a["passthrough"], stage_passthrough_mape_end=b["passthrough"],
                 stage_passthrough_share=timed["passthrough_share"],
                 stage_passthrough_time_share=timed["passthrough_time_share"],
+                stage_bypassed_share=timed["bypassed_share"],
                 stage_compute_mape_floor=floor["compute"], stage_passthrough_mape_floor=floor["passthrough"],
                 stage_measured_s=[float(x) for x in np.concatenate(sm, axis=1).sum(axis=1)])
 

@@ -7,6 +7,8 @@
 * `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`; `run_steps` runs several
   steps, flush-free with ``RunnerConfig(flush=False)`` (`weight_prediction`: `WeightPredictor`).
 * `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
+* `bypass`: with ``RunnerConfig(bypass_idle_stages=True)`` a micro-batch skips the stages holding only its
+  idle layers (`Bypass`: vlm-tiny's text-only micro-batches never visit the vision stages).
 * `multimodel`: `MultiModelRunner` trains K models on the same micro-batches (one data pass), their stage
   shards ordered longest-remaining-time-first and spilled to host memory under a device budget (`shards`).
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
@@ -19,6 +21,7 @@
 See docs/pipeline.md.
 """
 
+from .bypass import Bypass
 from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
 from .failure import PipelineAborted
 from .launch import ProcResult, free_port, launch_local
@@ -66,4 +69,4 @@ __all__ = [
     "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
     "with_placeholders",
 ]
-__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore"]
+__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass"]

@@ -73,6 +73,21 @@ class LayeredModel:
             layer.to(device)
         return self
 
+    def idle_layers(self, shape: MicroBatchShape) -> int:
+        """How many leading layers return without computing for a micro-batch of ``shape`` (0 here;
+        vlm-tiny's vision layers for a micro-batch without image tiles). A runner with
+        ``RunnerConfig(bypass_idle_stages=True)`` skips the stages that hold only such layers."""
+        return 0
+
+    def enter(self, batch: dict, layer: int):
+        """The state at the input of layer ``layer`` for micro-batch ``batch``, whose layers before it
+        are idle (`idle_layers`): they run here, returning without computing, so the stage that
+        holds ``layer`` can start the micro-batch from its dictionary."""
+        state = self.layers[0](batch)
+        for m in self.layers[1:layer]:
+            state = m(state)
+        return state
+
 
 # ---------------------------------------------------------------------------------------------
 # attention helpers

@@ -138,6 +138,9 @@ class MultiModelRunner(GuardedSteps):
         ctx = runners[0].ctx
         if any(r.ctx is not ctx for r in runners):
             raise ValueError("every model's runner must use the same DistContext")
+        if any(r.bypass is not None for r in runners):
+            raise ValueError("MultiModelRunner runs every micro-batch on every stage: RunnerConfig(bypass_idle_stages="
+                             "True) is for PipelineRunner")
         if ctx.num_replicas != 1:
             raise ValueError(f"MultiModelRunner runs one pipeline replica; this context has {ctx.num_replicas}")
         self.ctx, self.runners, self.optimizers = ctx, runners, list(optimizers)

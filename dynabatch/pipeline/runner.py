@@ -27,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..core.batchplan import BatchPlan, MicroBatch
 from ..core.recompute import recompute_layers
+from .bypass import Bypass
 from .comm import CommEvent, DistContext, P2P
 from .guard import GuardedSteps
 from .memory import SavedBytes, param_pointers
@@ -64,7 +65,10 @@ class RunnerConfig:
     backward comes after an update computes with: None (the current, stale weights), ``"stash"``
     (the backward gets the forward's version back) or ``"predict"`` (the weights predicted from the
     optimizer's own rule, `dynabatch.pipeline.weight_prediction.WeightPredictor`, with future
-    gradients from ``prediction_gradient``).
+    gradients from ``prediction_gradient``). ``bypass_idle_stages``: a micro-batch skips the stages
+    holding only layers idle for it (`dynabatch.pipeline.bypass`: no op, no message there; its entry
+    stage starts it from its dictionary, so a middle entry stage needs the step's dictionaries too);
+    flushed steps of `from_model` runners only.
     """
 
     schedule: str = "auto"
@@ -78,12 +82,15 @@ class RunnerConfig:
     flush: bool = True
     weight_prediction: str | None = None
     prediction_gradient: str = "last"
+    bypass_idle_stages: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.weight_prediction not in (None, "none", "stash", "predict"):
             raise ValueError(f"weight_prediction must be None, 'stash' or 'predict', got {self.weight_prediction!r}")
+        if self.bypass_idle_stages and not self.flush:
+            raise ValueError("bypass_idle_stages runs flushed steps only (flush=True)")
         if not self.flush and self.schedule not in ("auto", "1f1b"):
             raise ValueError(f"flush=False runs asynchronous 1F1B; schedule={self.schedule!r} is not 1f1b")
         r = self.recompute
@@ -102,15 +109,20 @@ class PipelineRunner(GuardedSteps):
 
     ``stage`` is this rank's `PipelineStage` (already on ``ctx.device``), ``boundary(shape, layer)``
     the model's boundary `TensorSpec`s, ``recorder`` an optional hook receiving every posted
-    point-to-point operation (`CommEvent`).
+    point-to-point operation (`CommEvent`), ``bypass`` the model's `Bypass` (`from_model` makes it
+    when ``config.bypass_idle_stages``).
     """
 
     def __init__(self, stage: PipelineStage, boundary: Callable[[MicroBatchShape, int], Sequence[TensorSpec]],
                  ctx: DistContext, config: RunnerConfig = RunnerConfig(), *,
-                 recorder: Callable[[CommEvent], None] | None = None):
+                 recorder: Callable[[CommEvent], None] | None = None, bypass: Bypass | None = None):
         if stage.is_first != (ctx.stage == 0) or stage.is_last != (ctx.stage == ctx.num_stages - 1):
             raise ValueError(f"rank {ctx.rank} is stage {ctx.stage} of {ctx.num_stages} but was given layers "
                              f"{stage.first_layer}..{stage.last_layer} of {stage.num_model_layers}")
+        if config.bypass_idle_stages and bypass is None:
+            raise ValueError("RunnerConfig(bypass_idle_stages=True) needs the model: use PipelineRunner.from_model "
+                             "(or pass bypass=Bypass.of(model, bounds))")
+        self.bypass = bypass if config.bypass_idle_stages else None
         self.stage = stage
         self.boundary = boundary
         self.ctx = ctx
@@ -129,6 +141,8 @@ class PipelineRunner(GuardedSteps):
         stages = split_model(model.layers, bounds)
         if len(stages) != ctx.num_stages:
             raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages}")
+        if config.bypass_idle_stages and "bypass" not in kw:
+            kw["bypass"] = Bypass.of(model, [st.first_layer for st in stages] + [len(model.layers)])
         return cls(stages[ctx.stage].to(ctx.device), model.boundary, ctx, config, **kw)
 
     def parameters(self):
@@ -152,6 +166,10 @@ class PipelineRunner(GuardedSteps):
         return min(r[s], top)
 
     # -- planning --------------------------------------------------------------------------------
+    def entries(self, shapes: Sequence[MicroBatchShape]) -> np.ndarray:
+        """int64 ``[M]``: the first stage each micro-batch runs on (all 0 without bypass)."""
+        return self.bypass.entries(shapes) if self.bypass is not None else np.zeros(len(shapes), np.int64)
+
     def _program(self, shapes: Sequence[MicroBatchShape], plan=None) -> tuple[list, np.ndarray]:
         schedule, budget = plan_schedule(self.config.schedule, plan)
         limit = budget if self.config.memory_limit_bytes is None else self.config.memory_limit_bytes
@@ -159,11 +177,13 @@ class PipelineRunner(GuardedSteps):
         times = np.array([sh.time_s for sh in shapes])
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
-        key = (schedule, S, M, units.tobytes(), mem.tobytes() + repr(limit).encode() if schedule == "adaptive" else b"")
+        entry = self.entries(shapes)
+        key = (schedule, S, M, units.tobytes(), mem.tobytes() + repr(limit).encode() if schedule == "adaptive" else b"",
+               entry.tobytes())
         hit = self._programs.get(key)
         if hit is None:
             orders = stage_orders(schedule, S, M, time_s=times, memory_bytes=mem, memory_limit=limit)
-            hit = (build_programs(orders, units)[self.ctx.stage], orders)
+            hit = (build_programs(orders, units, entry)[self.ctx.stage], orders)
             self._programs[key] = hit
             if len(self._programs) > 512:
                 self._programs.popitem(last=False)
@@ -258,10 +278,13 @@ class PipelineRunner(GuardedSteps):
         M = len(shapes)
         if M == 0:
             raise ValueError(f"replica {ctx.replica} has no micro-batches in this step")
-        needs_data = stage.is_first or stage.is_last
+        entry = self.entries(shapes)
+        needs_data = stage.is_first or stage.is_last or bool((entry == s).any())
         if needs_data and (batches is None or len(batches) != M):
             raise ValueError(f"stage {s} needs the {M} micro-batch dictionaries of this step, got "
-                             f"{'None' if batches is None else len(batches)}")
+                             f"{'None' if batches is None else len(batches)}"
+                             + ("" if stage.is_first or stage.is_last else
+                                " (it is the entry stage of micro-batches that bypass the stages before it)"))
         if needs_data and self.config.check_inputs:
             for j, (b, sh) in enumerate(zip(batches, shapes)):
                 check_batch(b, sh, f"step {self.step_index} micro-batch {j}")
@@ -312,10 +335,11 @@ class PipelineRunner(GuardedSteps):
                     self._in_comm = False
                 continue
             j = ins.microbatch
-            if needs_data and data[j] is None:
+            starts = entry[j] == s  # this stage starts micro-batch j (the first stage, or its bypass entry)
+            if (stage.is_first or stage.is_last or starts) and data[j] is None:
                 data[j] = _to_device(batches[j], ctx.device)
             if ins.forward:
-                if stage.is_first:
+                if starts:
                     x, inputs = None, []
                 else:
                     inputs, x, waited = self._take_input(inbox, Message(j, "act", s - 1, s), spec_in[j],
@@ -332,6 +356,8 @@ class PipelineRunner(GuardedSteps):
                 stage.meter = meter
                 try:
                     with hooks:
+                        if starts and not stage.is_first:  # the bypassed idle layers, then this stage's
+                            x = self.bypass.enter(data[j], stage.first_layer)
                         out = stage(x, data[j])
                 finally:
                     stage.meter = None
@@ -377,7 +403,7 @@ class PipelineRunner(GuardedSteps):
                             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
                     clock.stop(t0, bwd_s, j)
                 held_b -= saved_b[j]
-                if not stage.is_first:
+                if not starts:
                     outbox[Message(j, "grad", s, s - 1)] = [
                         (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, spec_in[j])
                         if sp.requires_grad]

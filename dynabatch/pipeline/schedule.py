@@ -141,11 +141,24 @@ def stage_orders(schedule: str, num_stages: int, num_microbatches: int, *, time_
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
 
 
-def build_programs(orders: np.ndarray, time_units=None) -> list[list[Instruction]]:
+def _entries(entry, S: int, M: int) -> np.ndarray:
+    """int64 ``[M]``: the first stage each micro-batch runs on (0 without bypass)."""
+    e = np.zeros(M, np.int64) if entry is None else np.asarray(entry, np.int64)
+    if e.shape != (M,) or e.min(initial=0) < 0 or e.max(initial=0) >= S:
+        raise ValueError(f"entry must be {M} stage indices in 0..{S - 1}")
+    return e
+
+
+def build_programs(orders: np.ndarray, time_units=None, entry=None) -> list[list[Instruction]]:
     """The instruction list of every stage for op orders ``orders`` (see the module docstring).
 
     ``time_units`` are the witness durations (positive integers per micro-batch; forward ``u``,
     backward ``2u``); only the relative order of posts depends on them, never correctness.
+    ``entry`` [M]: the first stage micro-batch ``j`` runs on (default 0). The stages before it have
+    no op and no message for it (its idle leading layers are bypassed: the entry stage builds its
+    input from the micro-batch dictionary). The witness still simulates the full orders; dropping a
+    micro-batch's first ops and their messages from both ends of every link only removes
+    dependencies, so the programs stay executable (`check_programs` with the same ``entry``).
     """
     orders = np.asarray(orders, np.int32)
     S, two_m = orders.shape
@@ -153,6 +166,7 @@ def build_programs(orders: np.ndarray, time_units=None) -> list[list[Instruction
     u = np.ones(M, np.int64) if time_units is None else np.asarray(time_units, np.int64)
     if u.shape != (M,) or u.min(initial=1) < 1:
         raise ValueError("time_units must be M positive integers")
+    e = _entries(entry, S, M)
     fwd = np.broadcast_to(u.astype(np.float64), (S, M))
     sim = simulate_pipeline(fwd, 2 * fwd, schedule=orders)  # integer-valued floats: exact
     start, end = sim.start_s, sim.end_s
@@ -160,9 +174,12 @@ def build_programs(orders: np.ndarray, time_units=None) -> list[list[Instruction
     for s in range(S):
         for op in orders[s]:
             j, k = abs(int(op)) - 1, int(op < 0)
-            events[s].append((float(start[s, j, k]), 1, 0, Compute(int(op))))
+            if s >= e[j]:
+                events[s].append((float(start[s, j, k]), 1, 0, Compute(int(op))))
     for s in range(S - 1):
         for j in range(M):
+            if s < e[j]:
+                continue  # the link into micro-batch j's entry stage carries nothing for it
             for msg, t in ((Message(j, "act", s, s + 1), end[s, j, 0]), (Message(j, "grad", s + 1, s), end[s + 1, j, 1])):
                 # the same key on both endpoints: (send time, messages before computes, global tie-break)
                 key = (float(t), 0, (j, msg.kind, min(msg.src, msg.dst)), Post(msg))
@@ -171,13 +188,15 @@ def build_programs(orders: np.ndarray, time_units=None) -> list[list[Instruction
     return [[e[3] for e in sorted(ev, key=lambda e: e[:3])] for ev in events]
 
 
-def check_programs(programs: list[list[Instruction]]) -> None:
+def check_programs(programs: list[list[Instruction]], entry=None) -> None:
     """Raise `ProgramError` unless the per-stage programs run to completion under strict NCCL-like
     semantics: one FIFO queue of posted operations per rank (across all peers); the head operation
     completes only together with the matching head operation (same message, opposite side) of its
     peer; a compute blocks until the receive of the message it consumes has completed; a send may
-    only be posted after the compute that produces it."""
+    only be posted after the compute that produces it. ``entry`` [M] as in `build_programs`: the
+    forward of micro-batch ``j`` on its entry stage consumes no message."""
     S = len(programs)
+    ents = {} if entry is None else {j: int(x) for j, x in enumerate(entry)}
     queues: list[list[tuple[str, Message]]] = [[] for _ in range(S)]
     pc = [0] * S
     computed = [set() for _ in range(S)]
@@ -204,7 +223,7 @@ def check_programs(programs: list[list[Instruction]]) -> None:
                 else:
                     j = ins.microbatch
                     need = None
-                    if ins.forward and s > 0:
+                    if ins.forward and s > ents.get(j, 0):
                         need = Message(j, "act", s - 1, s)
                     elif not ins.forward and s < S - 1:
                         need = Message(j, "grad", s + 1, s)

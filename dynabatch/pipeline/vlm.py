@@ -301,6 +301,10 @@ class VisionLanguageModel(LayeredModel):
         """The runner's `MicroBatchShape`s of a step's micro-batch dicts (`vlm_batch_shapes`)."""
         return vlm_batch_shapes(microbatches, self.tile_tokens, self.image_token_id)
 
+    def idle_layers(self, shape: MicroBatchShape) -> int:
+        """The vision layers for a micro-batch without image tiles, else 0 (`LayeredModel.idle_layers`)."""
+        return self.vision_layers if shape.tiles == 0 else 0
+
 
 def _vlm_boundary(n_vision: int, patches: int, vision_hidden: int, hidden: int, tile_tokens: int, dtype):
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
