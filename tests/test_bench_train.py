@@ -272,6 +272,9 @@ def test_bench_train_vlm_tiny_json(tmp_path):
             assert len(m[key]) == 2 and all(v >= 0 for v in m[key]), (name, key)
     dp, blind = res["methods"]["dp"], res["methods"]["dp-blind"]
     assert dp["stage_aware"] and not blind["stage_aware"] and dp["refits"] >= 1
+    # vlm-tiny's default: text-only micro-batches bypass the vision stage (no op there, no observation)
+    assert res["config"]["bypass_idle_stages"] is True
+    assert 0 < dp["stage_bypassed_share"][0] < 1 and dp["stage_bypassed_share"][1] == 0
     assert dp["feedback_mode"] in ("per_stage", "max") and blind["feedback_mode"] == "max"
     assert res["methods"]["pack"]["knobs"]["collation"] == "packed_rows"
     # every method saw the same samples, step by step

@@ -287,10 +287,11 @@ def add_bench_train_command(bench_sub) -> None:
                    help="stage split: searched per method (profile the layers on the method's first global "
                         "batch, simulate every split, keep the fastest; the text models' default) or uniform "
                         "block counts; vlm-tiny: modality (vision on stage 0, language after; its default) or uniform")
-    p.add_argument("--bypass-idle-stages", action="store_true",
+    p.add_argument("--bypass-idle-stages", action=argparse.BooleanOptionalAction, default=None,
                    help="every method's runner skips the stages holding only a micro-batch's idle layers "
-                        "(RunnerConfig(bypass_idle_stages=True); vlm-tiny: text-only micro-batches never visit the "
-                        "vision stage); per-stage MAPE then covers the micro-batches each stage ran")
+                        "(RunnerConfig(bypass_idle_stages=True): text-only micro-batches never visit the vision "
+                        "stage; per-stage MAPE then covers the micro-batches each stage ran). Default: on for "
+                        "vlm-tiny (off with --flush-free), no effect on the text models")
     p.add_argument("--refit-every", type=int, default=2)
     p.add_argument("--save-cost-model", metavar="PATH",
                    help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
@@ -370,6 +371,7 @@ def _cmd_bench_train(args) -> int:
     if args.bypass_idle_stages and args.flush_free:
         print("dynabatch: error: --bypass-idle-stages runs flushed steps; the --flush-free variants stream", file=sys.stderr)
         return 1
+    bypass = (vlm and not args.flush_free) if args.bypass_idle_stages is None else args.bypass_idle_stages
     if args.flush_free:
         from .train_flushfree import FLUSH_VARIANTS
 
@@ -382,7 +384,7 @@ def _cmd_bench_train(args) -> int:
                            backend=args.backend, refit_every=args.refit_every,
                            partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
                            timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
-                           bypass_idle_stages=args.bypass_idle_stages,
+                           bypass_idle_stages=bypass,
                            flush_window=args.flush_window,
                            save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
     if args.device_memory_limit:
