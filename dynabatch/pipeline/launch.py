@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,11 +61,28 @@ class ProcResult:
     timeout_reason: str | None = None
 
 
+_handed_out: dict[int, float] = {}  # port -> when free_port returned it (monotonic seconds)
+_handed_lock = threading.Lock()
+PORT_RESERVE_S = 600.0  # how long free_port keeps a port it returned from being returned again
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not one this process got from
+    `free_port` in the last `PORT_RESERVE_S` seconds: the kernel may hand a just-closed port out again
+    (a few repeats in 300 calls, measured), and two launches started together (threads of one test
+    process) that got the same port would share one coordination store."""
+    with _handed_lock:
+        now = time.monotonic()
+        for p in [p for p, t in _handed_out.items() if now - t > PORT_RESERVE_S]:
+            del _handed_out[p]
+        for _ in range(256):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                break
+        _handed_out[port] = now
+        return port
 
 
 def heartbeat(min_interval_s: float = 0.2) -> None:
