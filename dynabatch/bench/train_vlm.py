@@ -35,6 +35,10 @@
   the noise floor of each (`stage_mape_floor`: the MAPE of predicting every repeated identical
   micro-batch by its median measured time, in sample, which no model of the features can beat),
   and each stage's per-step sums (`stage_step_mape`: its planned vs measured busy seconds per step).
+  By default the bench's runners bypass idle stages (``RunnerConfig(bypass_idle_stages=True)``): a
+  text-only micro-batch never visits the vision stage, which measures 0 s for it, no observation
+  (left out of every figure, counted in ``stage_bypassed_share``); ``--no-bypass-idle-stages`` runs
+  the pass-throughs described above.
   On a shared CPU machine the vision stage also takes the brunt of other processes' load: it
   computes only while the language stage (the bottleneck, busy all step) computes too, so a third
   runnable process slows every vision call (1.3-1.6x with one busy core elsewhere, measured) while the
