@@ -26,10 +26,10 @@ import numpy as np
 
 from .kernels.stage_assign import assign_stages
 from .kernels.schedules import order_ranks_stages
-from .kernels.simulate import inflight_kernel, makespan_kernel, schedule_kernel
+from .kernels.simulate import schedule_kernel
 from .kernels.stage_order import insertion_search
 from .options import SCHEDULE_CODES
-from .schedules import AUTO_PREFERENCE, adaptive_order
+from .schedules import AUTO_PREFERENCE
 
 
 def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:
@@ -40,20 +40,6 @@ def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_roun
     order = np.argsort(-st.max(axis=0), kind="mergesort").astype(np.int64)
     return assign_stages(st, st.mean(axis=0), order, int(ranks), M // ranks if equal_counts else M,
                          bool(equal_counts), int(max_rounds))
-
-
-def _simulate(st, p2p, mem, fwd_fraction, code, limit):
-    """(makespan, peak in-flight bytes on any stage) of one rank running ``st`` ``[S, k]`` in order."""
-    fwd = np.ascontiguousarray(st * fwd_fraction)
-    bwd = np.ascontiguousarray(st - fwd)
-    S, k = st.shape
-    if code == SCHEDULE_CODES["adaptive"]:
-        ops = adaptive_order(fwd, bwd, mem, limit, p2p_s=p2p, oversize="alone")
-    else:
-        ops = schedule_kernel(S, k, code)
-    pn, pb = np.empty(S, np.int64), np.empty(S)
-    inflight_kernel(ops, np.ascontiguousarray(mem, np.float64), pn, pb)
-    return float(makespan_kernel(fwd, bwd, np.ascontiguousarray(p2p, np.float64), ops)), float(pb.max())
 
 
 def order_step_stages(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
@@ -174,10 +160,12 @@ def evaluate_plan(plan, cost, shapes=None):
     p2p = cost.p2p_time(phi)
     code = SCHEDULE_CODES[plan.schedule]
     limit = float(plan.options.get("stage_memory_bytes", S * mem.max(initial=1.0)))
-    rank_time = np.zeros(plan.num_ranks)
-    for r in range(plan.num_ranks):
-        idx = plan.rank_indices(r)
-        if len(idx):
-            rank_time[r] = _simulate(st[:, idx], p2p[idx], mem[idx], cost.forward_fraction, code, limit)[0]
+    # every rank's micro-batches in execution order, simulated as given (no reordering)
+    sel = np.concatenate([plan.rank_indices(r) for r in range(plan.num_ranks)]).astype(np.int64)
+    rank_of = np.asarray(plan.mb_rank, np.int32)[sel]
+    _, rank_time, _ = order_ranks_stages(np.ascontiguousarray(st[:, sel], np.float64),
+                                         np.ascontiguousarray(p2p[sel], np.float64),
+                                         np.ascontiguousarray(mem[sel], np.float64), rank_of, int(plan.num_ranks),
+                                         float(cost.forward_fraction), code, limit, False)
     return dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=mem, rank_time_s=rank_time,
                                stage_time_s=st, stage_memory_bytes=sm)
