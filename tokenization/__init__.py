@@ -14,7 +14,8 @@ from ._adapters import (
     TransformersTokenizer,
     load_tokenizer,
 )
-from ._format import ChatTemplate, EncodedSample, FormatConfig, Formatter
+from ._chat import ChatRenderer, ChatTemplate, ChatTemplateWarning
+from ._format import EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
     ID_COLUMNS,
@@ -42,7 +43,9 @@ from ._vision import (
 
 __all__ = [
     "ByteTokenizer",
+    "ChatRenderer",
     "ChatTemplate",
+    "ChatTemplateWarning",
     "DynamicTiling",
     "EncodedSample",
     "FixedResolution",

@@ -255,6 +255,31 @@ class TransformersTokenizer(_Adapter):
         """Text of ``ids``, special tokens dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The tokenizer's own Jinja chat template (a dict of named ones for some), None without one."""
+        return getattr(self._tok, "chat_template", None) or None
+
+    @property
+    def assistant_masks(self) -> bool:
+        """Whether ``apply_chat_template`` can return ``{% generation %}`` masks (a fast tokenizer's offsets)."""
+        return bool(getattr(self._tok, "is_fast", False))
+
+    def apply_chat_template(self, conversations: list[list[dict]], *, tools: list | None = None,
+                            template: str | None = None, add_generation_prompt: bool = False,
+                            assistant_masks: bool = False) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Token ids (int32) of each conversation rendered with ``template`` (None: the tokenizer's own)
+        by transformers' ``apply_chat_template``, and with ``assistant_masks`` its assistant-token mask
+        (``{% generation %}`` blocks; int8), else None."""
+        out = self._tok.apply_chat_template(
+            conversations, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_masks,
+            tokenizer_kwargs={"verbose": False},  # long conversations are expected: counting them is the point
+        )
+        ids = as_id_arrays(out["input_ids"])
+        masks = [np.asarray(m, dtype=np.int8) for m in out["assistant_masks"]] if assistant_masks else None
+        return ids, masks
+
 
 def _transformers_fingerprint(tok: Any) -> str:
     """Hash of a transformers tokenizer's vocabulary and special tokens ("unknown" if unreadable)."""

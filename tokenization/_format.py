@@ -23,47 +23,21 @@ planner (main length = input + target + vision tokens) counts every vision token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np
 
 from ._adapters import load_tokenizer
+from ._chat import ChatOption, ChatRenderer, check_chat_option, resolve_chat
 from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
-from ._segments import PART_INPUT, PART_TARGET, PART_VISION, _Images, _Segments, _add_sample, sample_key
+from ._segments import (PART_INPUT, PART_TARGET, PART_VISION, _add_sample, _Images, _Segments, is_conversation,
+                        sample_key)
 from ._vision import VisionPolicy, image_tokens_batch
 
 Family = Literal["decoder", "encoder_decoder"]
 OnError = Literal["raise", "skip"]
 
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """Plain-text template that joins conversation turns (``messages``) into one sequence.
-
-    Decoder-only: a user turn is ``user_prefix + content + turn_suffix`` (masked), an
-    assistant turn is ``assistant_prefix`` (masked) then ``content`` + EOS (trained);
-    ``system`` turns use ``system_prefix`` and are masked like user turns. Encoder-decoder:
-    every turn but a final assistant turn is rendered as ``prefix + content + turn_suffix``
-    into the input; the final assistant turn is the target. The markers are ordinary text,
-    so the template works with any tokenizer.
-    """
-
-    user_prefix: str = "User: "
-    assistant_prefix: str = "Assistant: "
-    system_prefix: str = "System: "
-    turn_suffix: str = "\n"
-
-    def prefix(self, role: str) -> str:
-        """Marker text that opens a turn of ``role`` (user, assistant or system)."""
-        if role == "user":
-            return self.user_prefix
-        if role == "assistant":
-            return self.assistant_prefix
-        if role == "system":
-            return self.system_prefix
-        raise ValueError(f"unknown message role {role!r} (expected 'user', 'assistant' or 'system')")
 
 
 @dataclass(frozen=True)
@@ -83,6 +57,15 @@ class FormatConfig:
     sequence: only ``max_total_tokens`` applies, cutting on ``truncation_side``; BOS is kept.
     ``add_bos`` prepends the tokenizer's BOS id to the input (it counts as input).
     ``None`` means no limit.
+
+    ``chat_template`` renders conversations (``messages``; see `tokenization._chat`): None (default)
+    the tokenizer's own Jinja chat template when it has one (decoder-only), else the plain
+    `ChatTemplate` with a `ChatTemplateWarning`; ``"tokenizer"`` its own template (an error without
+    one); the text of a Jinja template; ``"plain"`` or a `ChatTemplate` the plain format. A Jinja
+    template is applied by the tokenizer's ``apply_chat_template`` (a transformers tokenizer; the
+    sample's ``tools`` are passed to it) and trains the assistant turns only (its ``{% generation %}``
+    blocks, else the rendered-prefix diff); the template writes the special tokens (no EOS is
+    added; ``add_bos`` adds BOS unless the template's ids start with it).
 
     ``pretokenized``: rows carry token ids (``input_ids``, optional ``labels``) instead of text;
     True: every row must, False: ids are ignored, None (default): a row without text that has
@@ -111,7 +94,7 @@ class FormatConfig:
     max_total_tokens: int | None = None
     truncation_side: Literal["right", "left"] = "right"
     add_bos: bool = False
-    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    chat_template: ChatOption = None
     pretokenized: bool | None = None
     image_token_id: int | None = None
 
@@ -122,6 +105,7 @@ class FormatConfig:
             raise ValueError(f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}")
         if self.pretokenized not in (None, True, False):
             raise ValueError(f"pretokenized must be True, False or None (auto), got {self.pretokenized!r}")
+        check_chat_option(self.chat_template)
         tid = self.image_token_id
         if tid is not None and (isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or tid < 0):
             raise ValueError(f"image_token_id must be a token id (int >= 0) or None, got {tid!r}")
@@ -250,15 +234,23 @@ def plan_batch(
     vision: VisionPolicy | None = None,
     on_error: OnError = "raise",
     with_ids: bool = True,
+    chat: ChatRenderer | None = None,
 ) -> _BatchPlan:
-    """Tokenize and truncate a batch; the shared core of `Formatter` and `scan_shapes`."""
+    """Tokenize and truncate a batch; the shared core of `Formatter` and `scan_shapes`. ``chat``: how
+    conversations are rendered (default: `resolve_chat` of ``cfg.chat_template``)."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if cfg.image_token_id is not None and vision is None:
         raise ValueError("image_token_id needs a vision policy (it sets each image's placeholder count)")
+    chat = chat or resolve_chat(cfg.chat_template, tokenizer, cfg.family)
     per_image, skipped = image_tokens_batch(samples, vision, on_error=on_error)
     vis = np.fromiter((int(a.sum()) for a in per_image), np.int64, count=len(per_image))
     bad = {i for i, _ in skipped}
+    talks = [i for i, s in enumerate(samples) if i not in bad and is_conversation(s, cfg.pretokenized)]
+    if talks:
+        chat.announce()
+    # A Jinja template renders and tokenizes whole conversations (one apply_chat_template call per batch).
+    rendered = dict(zip(talks, chat.render([samples[i] for i in talks], tokenizer))) if talks and chat.jinja else {}
     seg = _Segments()
     kept: list[int] = []
     sample_ids: list[int] = []
@@ -270,7 +262,8 @@ def plan_batch(
         mark, text_mark = len(seg.sample), len(seg.texts)
         try:
             sid = _sample_id(s)
-            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer, _Images(s, per_image[i], cfg.image_token_id))
+            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer, _Images(s, per_image[i], cfg.image_token_id),
+                                   chat.plain, rendered.get(i))
         except SampleError as exc:
             if on_error != "skip":
                 raise
@@ -310,7 +303,7 @@ def plan_batch(
         # Rare: plan the batch again without them (their positions join the skipped ones).
         drop = {i for i, _ in errors}
         rest = [i for i in range(len(samples)) if i not in drop]
-        sub = plan_batch([samples[i] for i in rest], tokenizer, cfg, vision, on_error, with_ids)
+        sub = plan_batch([samples[i] for i in rest], tokenizer, cfg, vision, on_error, with_ids, chat)
         sub.index = np.asarray(rest, np.int64)[sub.index]
         sub.skipped = sorted([(rest[i], e) for i, e in sub.skipped] + errors, key=lambda e: e[0])
         return sub
@@ -398,7 +391,8 @@ class Formatter:
     lengths: see `FormatConfig`); with
     ``FormatConfig.image_token_id`` each image's run of placeholders is inserted LLaVA-style (see
     `FormatConfig`). Keyword arguments build the `FormatConfig` when ``config`` is not given;
-    ``tokenizer`` may be a `load_tokenizer` spec.
+    ``tokenizer`` may be a `load_tokenizer` spec. ``chat`` is the resolved conversation rendering
+    (`FormatConfig.chat_template`; ``chat.record()`` names it).
     """
 
     def __init__(
@@ -420,6 +414,7 @@ class Formatter:
                              "it sets how many placeholder tokens each image gets")
         self.tokenizer = tokenizer
         self.vision = vision
+        self.chat = resolve_chat(self.config.chat_template, tokenizer, self.config.family)
 
     def encode(self, sample: dict) -> EncodedSample:
         """Format one sample (raises `SampleError` for a bad sample)."""
@@ -434,7 +429,7 @@ class Formatter:
         image) gives ``None`` at its position instead of failing the batch.
         """
         samples = list(samples)
-        plan = plan_batch(samples, self.tokenizer, self.config, self.vision, on_error)
+        plan = plan_batch(samples, self.tokenizer, self.config, self.vision, on_error, chat=self.chat)
         out: list[EncodedSample | None] = [None] * len(samples)
         bounds = np.searchsorted(plan.seg_sample, np.arange(len(plan.index) + 1))
         decoder = self.config.family == "decoder"

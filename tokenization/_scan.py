@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from ._adapters import load_tokenizer
-from ._format import ChatTemplate, Family, FormatConfig, OnError, plan_batch
+from ._chat import ChatOption, ChatRenderer, resolve_chat
+from ._format import Family, FormatConfig, OnError, plan_batch
 from ._protocol import IGNORE_INDEX, Tokenizer
 from ._segments import PART_TARGET, sample_key
 from ._vision import VisionPolicy
@@ -152,7 +153,7 @@ def _would_cut(cfg: FormatConfig, inp: np.ndarray, tgt: np.ndarray, vis: np.ndar
 
 
 def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, label_cfg: FormatConfig,
-                 vision: VisionPolicy | None, on_error: OnError):
+                 vision: VisionPolicy | None, on_error: OnError, chat: ChatRenderer):
     """(`_plan_ids` of a batch as formatted with ``label_cfg``, mask of ``plan``'s rows that ``label_cfg``
     refuses, their ``(batch position, SampleError)``): ids of samples that ``cfg`` kept whole and
     ``label_cfg`` does not cut are reused, the others are formatted again. A refused sample (image
@@ -164,7 +165,7 @@ def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, lab
                                                       plan.vision_tokens))
     if label_cfg == cfg or not len(redo):
         return flat, refused, []
-    again_plan = plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg, vision, on_error)
+    again_plan = plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg, vision, on_error, chat=chat)
     errors = [(int(plan.index[redo[j]]), exc) for j, exc in again_plan.skipped]
     refused[redo[[j for j, _ in again_plan.skipped]]] = True
     redo = redo[again_plan.index]
@@ -205,7 +206,7 @@ def scan_shapes(
     max_total_tokens: int | None = None,
     truncation_side: Literal["right", "left"] = "right",
     add_bos: bool = False,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatOption = None,
     pretokenized: bool | None = None,
     task_names: Sequence[str] | None = None,
     on_error: OnError = "raise",
@@ -245,6 +246,9 @@ def scan_shapes(
     lengths (the scan's, or ``label_config``'s) leave no room for is refused: it raises, or with
     ``on_error="skip"`` has no row and counts as skipped.
 
+    ``chat_template``: how conversations (``messages``) are rendered, as `FormatConfig.chat_template`
+    (``label_config`` must have the same).
+
     ``image_token_id``: image placeholders in the ids (`FormatConfig.image_token_id`; needs
     ``vision``), default ``label_config``'s (placeholders change the text that is tokenized, so
     the scan and ``label_config`` must agree). ``input_tokens``/``target_tokens`` still count text
@@ -269,12 +273,16 @@ def scan_shapes(
         max_total_tokens=max_total_tokens,
         truncation_side=truncation_side,
         add_bos=add_bos,
-        chat_template=chat_template or ChatTemplate(),
+        chat_template=chat_template,
         pretokenized=pretokenized,
         image_token_id=image_token_id,
     )
     if add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=True but tokenizer {tok.name!r} has no BOS token")
+    chat = resolve_chat(chat_template, tok, family)
+    if label_config is not None and label_config.chat_template != chat_template:
+        raise ValueError(f"label_config.chat_template={label_config.chat_template!r:.60} but the scan's is "
+                         f"{chat_template!r:.60}: the scan and label_config must render conversations alike")
     if label_config is not None and label_config.family != family:
         raise ValueError(f"label_config.family is {label_config.family!r} but the scan's family is {family!r}")
     if keep_ids and label_config is None:
@@ -297,10 +305,10 @@ def scan_shapes(
                    dynamic_ncols=True)
     try:
         for batch in _batches(samples, batch_size):
-            plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None)
+            plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None, chat=chat)
             refused, errors = np.zeros(len(plan.index), bool), []
             if label_config is not None:
-                ids, refused, errors = _trained_ids(batch, plan, tok, cfg, label_config, vision, on_error)
+                ids, refused, errors = _trained_ids(batch, plan, tok, cfg, label_config, vision, on_error, chat)
             task_ids = np.empty(len(plan.index), dtype=np.int32)
             for k, pos in enumerate(plan.index):
                 if refused[k]:

@@ -1,7 +1,8 @@
 """A batch's samples laid out as a segment table, the pieces `plan_batch` tokenizes and cuts.
 
 One row per piece of a sample's sequence, in order: a text (prompt, response, conversation turns
-rendered with the `ChatTemplate`), given ids (pre-tokenized rows, with their labels), one special
+rendered with the plain `ChatTemplate`), given ids (pre-tokenized rows, or conversations a Jinja chat
+template rendered: `tokenization._chat`), given ids (pre-tokenized rows, with their labels), one special
 token (BOS/EOS) or an image's placeholder run. Each row says which length-table column its tokens
 count towards (``PART_*``) and whether they are trained. Nothing here tokenizes or truncates: a
 text's length (tokens) is only known after the batch's one ``encode_batch`` call.
@@ -18,11 +19,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ._chat import content_text, jinja_messages, plain_messages
 from ._pretokenized import ids_holder, label_runs, pretokenized_ids
-from ._protocol import SampleError, Tokenizer
+from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
 
 if TYPE_CHECKING:
-    from ._format import ChatTemplate, FormatConfig
+    from ._chat import ChatTemplate
+    from ._format import FormatConfig
 
 #: Marker of an image's position in a prompt (equal to ``loaders.IMAGE_PLACEHOLDER``; this package
 #: does not import ``loaders``). Only read with ``FormatConfig.image_token_id`` set.
@@ -43,23 +46,6 @@ def _text_field(sample: dict, name: str, required: bool) -> str:
     if not isinstance(value, str):
         raise SampleError(sample_key(sample), f"field {name!r} must be a str, got {type(value).__name__}")
     return value
-
-
-def _messages(sample: dict, template: ChatTemplate) -> list[tuple[str, str]] | None:
-    msgs = sample.get("messages")
-    if not msgs:
-        return None
-    out = []
-    for i, m in enumerate(msgs):
-        try:
-            role, content = m["role"], m["content"]
-            template.prefix(role)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SampleError(sample_key(sample), f"message {i} is malformed: {exc}") from exc
-        if not isinstance(content, str):
-            raise SampleError(sample_key(sample), f"message {i} content must be a str")
-        out.append((role, content))
-    return out
 
 
 # Segment table of a batch: one row per piece of a sequence, in order. A piece is a text
@@ -169,36 +155,88 @@ def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConf
         images.decide(len(marks))
         if not decoder and np.any(labels == images.id):
             raise SampleError(images.key, f"target ids hold image_token_id {images.id}: images go in the input")
+    if not decoder:
+        _add_id_pieces(seg, i, ids, marks, images, lambda a, b: seg.add(i, PART_INPUT, False, ids=ids[a:b]))
+        seg.add(i, PART_TARGET, True, ids=labels)
+    elif labels is None:  # language-modelling rows: every token is trained
+        _add_id_pieces(seg, i, ids, marks, images, lambda a, b: seg.add(i, PART_TARGET, True, ids=ids[a:b]))
+    else:
+        trained = labels != IGNORE_INDEX
+        _add_id_pieces(seg, i, ids, marks, images,
+                       lambda a, b: _add_runs(seg, i, ids[a:b], trained[a:b], labels[a:b]))
+    return decoder
+
+
+def _add_id_pieces(seg: _Segments, i: int, ids: np.ndarray, marks: np.ndarray, images: _Images, add) -> None:
+    """The runs before the ids (no marks), then ``add(start, stop)`` for each piece of ``ids`` between the
+    image marks (positions ``marks``), each mark replaced by that image's placeholder run."""
     images.add_leading(seg, i)
     cuts = [-1, *marks.tolist(), len(ids)]
     for k in range(len(cuts) - 1):
         if k:
             images.add_run(seg, i)
         a, b = cuts[k] + 1, cuts[k + 1]
-        if a == b:
-            continue
-        if not decoder:
-            seg.add(i, PART_INPUT, False, ids=ids[a:b])
-        elif labels is None:  # language-modelling rows: every token is trained
-            seg.add(i, PART_TARGET, True, ids=ids[a:b])
-        else:
-            for c, d, trained in label_runs(labels[a:b]):
-                seg.add(i, PART_TARGET if trained else PART_INPUT, trained, ids=ids[a + c:a + d],
-                        labels=labels[a + c:a + d])
-    if not decoder:
-        seg.add(i, PART_TARGET, True, ids=labels)
-    return decoder
+        if a < b:
+            add(a, b)
 
 
-def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer,
-                images: _Images) -> tuple[bool, bool]:
+def _add_runs(seg: _Segments, i: int, ids: np.ndarray, trained: np.ndarray, labels: np.ndarray | None) -> None:
+    """One id segment per run of trained (`PART_TARGET`) and masked (`PART_INPUT`) tokens; ``labels``:
+    the given labels of a pre-tokenized row (None: the ids where trained)."""
+    for c, d, t in label_runs(np.where(trained, 0, IGNORE_INDEX)):  # runs of the trained flags
+        seg.add(i, PART_TARGET if t else PART_INPUT, t, ids=ids[c:d], labels=None if labels is None else labels[c:d])
+
+
+def _add_rendered(seg: _Segments, i: int, sample: dict, rendered: tuple[np.ndarray, np.ndarray], cfg: FormatConfig,
+                  tok: Tokenizer, images: _Images) -> None:
+    """Append a decoder-only conversation that a Jinja chat template rendered: its ids in runs of
+    trained (assistant) and masked tokens. With image placeholders each ``image_token_id`` in the ids
+    (the tokenizer's encoding of an ``<image>`` marker) becomes that image's run."""
+    ids, trained = rendered
+    if cfg.add_bos:  # the template may write BOS itself: keep one
+        if len(ids) and ids[0] == tok.bos_id:
+            ids, trained = ids[1:], trained[1:]
+        seg.add(i, PART_INPUT, False, special=tok.bos_id)
+    marks = np.zeros(0, np.int64)
+    if images.on:
+        msgs = jinja_messages(sample)
+        images.check_texts([content_text(m.get("content")) for m in msgs if m["role"] != "assistant"],
+                           [content_text(m.get("content")) for m in msgs if m["role"] == "assistant"])
+        marks = np.flatnonzero(ids == images.id)
+        want = len(images.tokens) if images.in_place else 0
+        if len(marks) != want:
+            raise SampleError(images.key, f"its {want} {IMAGE_MARKER} marker(s) render to {len(marks)} "
+                                          f"image_token_id {images.id} token(s) under the chat template: the "
+                                          f"tokenizer must encode {IMAGE_MARKER} as that one id (add it as a special "
+                                          "token) and the template must not write image tokens of its own")
+    _add_id_pieces(seg, i, ids, marks, images, lambda a, b: _add_runs(seg, i, ids[a:b], trained[a:b], None))
+
+
+def is_conversation(sample: dict, pretokenized: bool | None) -> bool:
+    """Whether the sample is formatted as a conversation (it has ``messages`` and is not pre-tokenized)."""
+    if not sample.get("messages"):
+        return False
+    try:
+        return ids_holder(sample, pretokenized) is None
+    except SampleError:  # pretokenized=True and no ids: _add_sample names it
+        return False
+
+
+def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer, images: _Images,
+                t: ChatTemplate | None, rendered: tuple[np.ndarray, np.ndarray] | SampleError | None = None,
+                ) -> tuple[bool, bool]:
     """Append sample ``i``'s segments; returns (cut by position, pre-tokenized): the first is True
-    for a decoder-only conversation or pre-tokenized row."""
+    for a decoder-only conversation or pre-tokenized row. ``t``: the plain chat template (None when a
+    Jinja template renders the conversations); ``rendered``: the sample's Jinja rendering (ids, trained)."""
     holder = ids_holder(sample, cfg.pretokenized)
     if holder is not None:
         return _add_ids(seg, i, holder, sample, cfg, tok, images), True
-    t = cfg.chat_template
-    msgs = _messages(sample, t)
+    if isinstance(rendered, SampleError):
+        raise rendered
+    if rendered is not None:
+        _add_rendered(seg, i, sample, rendered, cfg, tok, images)
+        return True, False
+    msgs = plain_messages(sample, t) if t is not None else None
     decoder = cfg.family == "decoder"
     if msgs is not None and decoder:
         images.check_texts([c for r, c in msgs if r != "assistant"], [c for r, c in msgs if r == "assistant"])
