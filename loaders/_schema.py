@@ -15,8 +15,10 @@ IMAGE_FIELDS = ("image", "images")
 ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "model": "assistant", "bot": "assistant",
-    "system": "system",
+    "system": "system", "tool": "tool",
 }
+# Turn fields kept as they are for a chat template: tool calls, tool names, reasoning, ...
+_TURN_KEYS = ("from", "role", "value", "content")
 # (input field, target field(s)): the first pair whose input or target field is present wins.
 TEXT_PAIRS = (
     ("inputs", ("targets",)),
@@ -172,9 +174,11 @@ class Schema:
             if role not in ROLES:
                 raise BadFieldError(f"{fname}.{role_key} has unknown role {role!r}", where=where, field=fname)
             text_key = "value" if "value" in turn else "content"
-            content = _text(turn, text_key, where, label=f"{fname}.{text_key}")
-            messages.append({"role": ROLES[role], "content": content})
-        if not any(m["content"].strip() for m in messages) and not images:
+            # an assistant turn that only calls tools may have no content
+            content = _text(turn, text_key, where, label=f"{fname}.{text_key}", required=not turn.get("tool_calls"))
+            extra = {k: v for k, v in turn.items() if k not in _TURN_KEYS}
+            messages.append({"role": ROLES[role], "content": content, **extra})
+        if not any(m["content"].strip() or m.get("tool_calls") for m in messages) and not images:
             raise EmptyTextError(f"conversation {name!r} has no text", where=where, field=name)
         placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
         if placeholders and not images:
@@ -200,13 +204,14 @@ class Schema:
         messages = out.get("messages")
         if messages is not None:
             if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
-                and isinstance(m.get("content"), str) for m in messages
+                isinstance(m, dict) and m.get("role") in ("user", "assistant", "system", "tool")
+                and (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
+                for m in messages
             ):
-                raise BadFieldError("messages must be a list of {role: user|assistant|system, content: str}",
-                                    where=where, field="messages")
+                raise BadFieldError("messages must be a list of {role: user|assistant|system|tool, content: str} "
+                                    "(content may be None on a turn with tool_calls)", where=where, field="messages")
         inputs, targets = _text(out, "inputs", where), _text(out, "targets", where)
-        texts = [inputs, targets, *(m["content"] for m in messages or [])]
+        texts = [inputs, targets, *(m["content"] or "" for m in messages or [])]
         if not any(t.strip() for t in texts) and not images:
             raise EmptyTextError("mapping function returned no text", where=where, field="inputs")
         meta = out.get("meta") or {}

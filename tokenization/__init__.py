@@ -14,7 +14,7 @@ from ._adapters import (
     TransformersTokenizer,
     load_tokenizer,
 )
-from ._chat import ChatRenderer, ChatTemplate, ChatTemplateWarning
+from ._chat import ChatRenderer, ChatTemplate, ChatTemplateWarning, resolve_chat
 from ._format import EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
@@ -72,6 +72,7 @@ __all__ = [
     "load_tokenizer",
     "ragged_take",
     "read_image_size",
+    "resolve_chat",
     "sample_image_sizes",
     "scan_shapes",
     "scan_stats",

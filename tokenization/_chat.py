@@ -116,7 +116,7 @@ class ChatRenderer:
     def record(self) -> str:
         """One line naming the rendering, recorded with the format settings (index metadata)."""
         if not self.jinja:
-            return f"plain {self.plain!r}" + (" (fallback: no chat template)" if self.fallback else "")
+            return f"plain {self.plain!r}"
         how = "generation masks" if self.masks else "rendered prefixes"
         return f"{self.kind} chat template sha256:{self.digest} (assistant tokens from {how})"
 

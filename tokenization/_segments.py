@@ -193,10 +193,13 @@ def _add_rendered(seg: _Segments, i: int, sample: dict, rendered: tuple[np.ndarr
     trained (assistant) and masked tokens. With image placeholders each ``image_token_id`` in the ids
     (the tokenizer's encoding of an ``<image>`` marker) becomes that image's run."""
     ids, trained = rendered
-    if cfg.add_bos:  # the template may write BOS itself: keep one
-        if len(ids) and ids[0] == tok.bos_id:
-            ids, trained = ids[1:], trained[1:]
+    bos = len(ids) > 0 and ids[0] == tok.bos_id  # the template's own BOS: image runs without markers go after it
+    if cfg.add_bos:  # one BOS, kept by truncation
         seg.add(i, PART_INPUT, False, special=tok.bos_id)
+    elif bos:
+        seg.add(i, PART_INPUT, False, ids=ids[:1])
+    if bos:
+        ids, trained = ids[1:], trained[1:]
     marks = np.zeros(0, np.int64)
     if images.on:
         msgs = jinja_messages(sample)

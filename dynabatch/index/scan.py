@@ -73,6 +73,10 @@ class ScanConfig:
     ``vision``): count as a `DataLoader` with the same ``image_token_id=`` formats, LLaVA-style image
     placeholders in the ids (``<image>`` markers are replaced by the placeholder runs, so they are not
     counted as text; see `tokenization.FormatConfig.image_token_id`); None: no placeholders.
+    ``chat_template``: how ``messages`` are rendered, as a `DataLoader` with the same ``chat_template=``
+    (`tokenization.FormatConfig.chat_template`: None the tokenizer's own Jinja template, else the plain
+    format with a warning; ``"tokenizer"``, ``"plain"`` or a Jinja template's text); the index records
+    which rendering was used (`tokenization.ChatRenderer.record`).
     """
 
     tokenizer: object = "bytes"
@@ -83,9 +87,13 @@ class ScanConfig:
     on_error: str = "raise"
     batch_size: int = 1024
     image_token_id: int | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        from tokenization import FormatConfig
+
         object.__setattr__(self, "tokenizer", tokenizer_spec(self.tokenizer))
+        FormatConfig(chat_template=self.chat_template)  # refuses a value that is no template
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.vision not in (None, *VISION_POLICIES):
@@ -110,6 +118,8 @@ class ScanConfig:
                   max_target_tokens=self.max_target_len, on_error=self.on_error)
         if self.image_token_id is not None:
             kw["image_token_id"] = self.image_token_id
+        if self.chat_template is not None:
+            kw["chat_template"] = self.chat_template
         if self.family == "decoder":
             kw["max_total_tokens"] = self.max_len
         else:
@@ -241,6 +251,7 @@ class ScanResult:
             "tokens_per_sample": {"mean": float(total.mean()) if len(total) else 0.0, "p50": pct(50),
                                   "p99": pct(99), "max": int(total.max(initial=0))},
             "fingerprint": self.table.schema.metadata[FINGERPRINT_KEY].decode(), "tokenizer": self.meta["tokenizer"],
+            "chat_template": self.meta.get("chat_template"),
             "engine": self.engine, "workers": self.workers, "parts": self.parts, "seconds": round(self.seconds, 3),
         }
 
@@ -263,7 +274,7 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     backend's defaults: environment credentials, ``FSSPEC_S3_ENDPOINT_URL``...).
     """
     import loaders
-    from tokenization import load_tokenizer
+    from tokenization import load_tokenizer, resolve_chat
 
     from ..engines import default_workers
 
@@ -276,6 +287,7 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
             raise LengthIndexError(f"{p}: no such file or directory")
     t0 = time.perf_counter()
     tok = load_tokenizer(config.tokenizer)  # a bad spec or a missing package fails here, once, not in every worker
+    chat = resolve_chat(config.chat_template, tok, config.family)  # and a template that does not fit it
     # a string spec travels to the workers as is; an object as its adapter (adapters pickle)
     spec = config.tokenizer if isinstance(config.tokenizer, str) else tok
     workers = workers or default_workers()
@@ -289,6 +301,7 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     if options["image_token_id"] is None:  # recorded only when set (indexes scanned without it read the same)
         del options["image_token_id"]
     options["tokenizer"] = spec if isinstance(spec, str) else tok.name
+    options["chat_template"] = chat.record()  # which rendering, not the template's text
     scan_meta = {"format": INDEX_FORMAT, "version": 1, "data": data_paths, **options, "loader_errors": errors}
     table = _finish(table, {SCAN_KEY: json.dumps(scan_meta, sort_keys=True).encode()})
     return ScanResult(table, time.perf_counter() - t0, engine, workers, num_parts)
@@ -329,7 +342,7 @@ def index_settings(formatter, vision, source=None) -> dict:
         "vocab_size": int(getattr(formatter.tokenizer, "vocab_size", 0)),
         "family": cfg.family, "max_input_tokens": cfg.max_input_tokens, "max_target_tokens": cfg.max_target_tokens,
         "max_total_tokens": cfg.max_total_tokens, "truncation_side": cfg.truncation_side, "add_bos": cfg.add_bos,
-        "chat_template": repr(cfg.chat_template), "vision": repr(vision),
+        "chat_template": formatter.chat.record(), "vision": repr(vision),
     }
     if cfg.pretokenized is not None:  # set explicitly (None: detected per row)
         out["pretokenized"] = cfg.pretokenized

@@ -37,18 +37,19 @@ def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: in
                 max_target_len: int | None = None, vision=None, add_bos: bool = False, truncation_side: str = "right",
                 format_config=None, path=None, on_error: str = "raise", source_options: dict | None = None,
                 split: str | None = None, cache_tokens: bool = False, progress: bool | None = None,
-                pretokenized: bool | None = None, image_token_id: int | None = None):
+                pretokenized: bool | None = None, image_token_id: int | None = None, chat_template=None):
     """Scan a dataset once into the length index the indexed mode plans with (a `pyarrow.Table`
     with the Shapes columns and ``label_tokens``, sorted by ``sample_id``; written to ``path`` as
     Parquet when given). Pass it as ``DataLoader(..., index=path)`` with the same tokenization
     arguments. ``cache_tokens=True`` (text only) also keeps every sample's token ids in two
     ``large_list<int32>`` columns, from which a loader takes its token cache (about 8 bytes/token).
     ``progress``: a tqdm bar of scanned samples (None: only when stderr is a terminal).
-    ``image_token_id``: image placeholders in the ids, as the DataLoader's."""
+    ``image_token_id``, ``chat_template``: image placeholders in the ids and the rendering of
+    conversations, as the DataLoader's."""
     source = open_data(data, source_options, split)
     fmt = make_formatter(tokenizer, family, max_len=max_len, max_target_len=max_target_len, add_bos=add_bos,
                          truncation_side=truncation_side, format_config=format_config, vision=vision,
-                         pretokenized=pretokenized, image_token_id=image_token_id)
+                         pretokenized=pretokenized, image_token_id=image_token_id, chat_template=chat_template)
     table = scan_source(source, fmt, vision=vision, on_error=on_error, keep_tokens=cache_tokens, progress=progress)
     if path is not None:
         write_index_table(table, path)
@@ -64,6 +65,10 @@ class DataLoader:
         tokenizer: a ``tokenization.load_tokenizer`` spec or tokenizer object (default ``"bytes"``).
         family: ``"decoder"`` or ``"encoder_decoder"``; default from the cost model's kind.
         add_bos, truncation_side, format_config: formatting (`tokenization.FormatConfig`).
+        chat_template: how ``messages`` records are rendered (`tokenization.FormatConfig.chat_template`):
+            None (default) the tokenizer's own Jinja chat template, loss on the assistant turns only
+            (else the plain ``User:/Assistant:`` format, with a `tokenization.ChatTemplateWarning`);
+            a Jinja template's text; ``"tokenizer"``; ``"plain"`` or a ``tokenization.ChatTemplate``.
         pretokenized: rows carry ``input_ids`` (and optional ``labels``) instead of text; default
             None takes a row's ids as given when it has no text field, True whenever it has them.
         vision: a ``tokenization`` vision policy; default ``DynamicTiling()`` for a vision-language cost
@@ -129,7 +134,7 @@ class DataLoader:
         self.formatter = make_formatter(s.tokenizer, self.family, max_len=o.max_len, max_target_len=o.max_target_len,
                                         add_bos=s.add_bos, truncation_side=s.truncation_side,
                                         format_config=s.format_config, vision=vision, pretokenized=s.pretokenized,
-                                        image_token_id=s.image_token_id)
+                                        image_token_id=s.image_token_id, chat_template=s.chat_template)
         self.tokenizer = self.formatter.tokenizer
         self.pad_to_multiple_of = int(self.cost.pad_multiple)
         collate = CollateConfig(

@@ -66,6 +66,7 @@ class LoaderSettings:
     progress: bool | None = None
     pretokenized: bool | None = None
     image_token_id: int | None = None
+    chat_template: Any = None  # tokenization.FormatConfig.chat_template (None: the tokenizer's, else plain + warning)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -191,7 +192,8 @@ def _cost_model(cost_model, device: str, num_stages: int, pad_to_multiple_of, fa
 
 
 def make_formatter(tokenizer, family: str, *, max_len=None, max_target_len=None, add_bos=False,
-                   truncation_side="right", format_config=None, vision=None, pretokenized=None, image_token_id=None):
+                   truncation_side="right", format_config=None, vision=None, pretokenized=None, image_token_id=None,
+                   chat_template=None):
     """The `tokenization.Formatter` the loader tokenizes with: ``max_len`` caps the whole sequence
     (decoder-only) or the input (encoder-decoder), vision tokens included (never cut: the text is
     cut to make room, as the planner's `CostModel.sample_dims` does), ``max_target_len`` the
@@ -199,25 +201,29 @@ def make_formatter(tokenizer, family: str, *, max_len=None, max_target_len=None,
     ``input_ids`` are taken as given; True: every row's ``input_ids``, even beside a text column);
     ``image_token_id`` as `tokenization.FormatConfig`'s (None: no image placeholders in the ids;
     an id: each image's run of that id, one per vision token, at its ``<image>`` marker or before
-    the text)."""
+    the text); ``chat_template`` as `tokenization.FormatConfig`'s (how ``messages`` are rendered: None,
+    the tokenizer's Jinja chat template, else the plain format with a warning; ``"tokenizer"``,
+    ``"plain"``, a ``ChatTemplate`` or a Jinja template's text)."""
     from tokenization import FormatConfig, Formatter, load_tokenizer
 
     if format_config is None:
         if family == "decoder":
             format_config = FormatConfig(family="decoder", max_total_tokens=max_len, add_bos=add_bos,
                                          truncation_side=truncation_side, pretokenized=pretokenized,
-                                         image_token_id=image_token_id)
+                                         image_token_id=image_token_id, chat_template=chat_template)
         else:
             format_config = FormatConfig(family="encoder_decoder", max_input_tokens=max_len,
                                          max_target_tokens=max_target_len, add_bos=add_bos,
                                          truncation_side=truncation_side, pretokenized=pretokenized,
-                                         image_token_id=image_token_id)
+                                         image_token_id=image_token_id, chat_template=chat_template)
     elif format_config.family != family:
         raise ValueError(f"format_config.family={format_config.family!r} but the loader's family is {family!r}")
     elif pretokenized is not None:
         raise TypeError("give pretokenized= in format_config or as a keyword, not both")
     elif image_token_id is not None:
         raise TypeError("give image_token_id= in format_config or as a keyword, not both")
+    elif chat_template is not None:
+        raise TypeError("give chat_template= in format_config or as a keyword, not both")
     return Formatter(load_tokenizer(tokenizer), format_config, vision=vision)
 
 

@@ -166,9 +166,25 @@ def _add_scan_options(p, for_plan: bool) -> None:
                    help="count LLaVA-style image placeholders in the ids, as a DataLoader(image_token_id=ID) "
                         "formats them: each image's <image> marker (or, without markers, the text's start) becomes "
                         "a run of ID, one per vision token (needs --vision); default: no placeholders")
+    g.add_argument("--chat-template", default=None, metavar="FILE|tokenizer|plain",
+                   help="how conversation (messages) records are rendered, as DataLoader(chat_template=...): a "
+                        "Jinja chat template file (loss on the assistant turns), 'tokenizer' (the tokenizer's own "
+                        "template), 'plain' (User:/Assistant: text); default: the tokenizer's own template, else "
+                        "plain with a warning")
     g.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="bad samples: stop with an error naming file and line (raise, default) or skip and "
                         "count them (skip)")
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a keyword as is, else the text of the template file."""
+    if value is None or value in ("tokenizer", "plain"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r}: no such file (give a Jinja template file, 'tokenizer' or "
+                         "'plain')")
+    return path.read_text(encoding="utf-8")
 
 
 def _add_engine_options(p) -> None:
@@ -251,7 +267,7 @@ def _cmd_scan(args) -> int:
 
     cfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=args.family or "decoder", max_len=args.max_len,
                      max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error,
-                     image_token_id=args.image_token_id)
+                     image_token_id=args.image_token_id, chat_template=_chat_template(args.chat_template))
     result = scan_dataset(_data_args(args), cfg, engine=args.engine, workers=args.workers,
                           progress=not args.no_progress and not args.json)
     result.write(args.out)
@@ -266,6 +282,7 @@ def _cmd_scan(args) -> int:
     print(f"tokens: input {s['input_tokens']:,}, target {s['target_tokens']:,}, vision {s['vision_tokens']:,}; "
           f"per sample mean {tps['mean']:.0f}, p50 {tps['p50']:.0f}, p99 {tps['p99']:.0f}, max {tps['max']}")
     print(f"skipped: {skipped}; truncated: {s['truncated']}; fingerprint {s['fingerprint']}")
+    print(f"messages rendered with: {s['chat_template']}")
     for key, reason in s["skipped_examples"]:
         print(f"  skipped {key}: {reason}")
     print(f"wrote {args.out}")
@@ -298,6 +315,17 @@ def _method(args) -> str:
     raise ValueError(f"--method {args.method} collates {own}, not {args.collate}; drop --collate")
 
 
+def _check_chat_template(value: str, scan_options: dict, tokenizer, family) -> None:
+    """Refuse ``--chat-template`` on an index scanned with another conversation rendering."""
+    from tokenization import load_tokenizer, resolve_chat
+
+    want = resolve_chat(_chat_template(value), load_tokenizer(tokenizer or "bytes"), family or "decoder").record()
+    recorded = scan_options.get("chat_template")
+    if recorded != want:
+        raise ValueError(f"the index was scanned with messages rendered by {recorded or 'an unrecorded template'}, "
+                         f"not {want} (--chat-template {value}); re-scan or drop --chat-template")
+
+
 def _cmd_plan(args) -> int:
     from ..planfile.inspect import microbatch_columns
     from ..engines import default_workers
@@ -324,12 +352,14 @@ def _cmd_plan(args) -> int:
         if args.image_token_id is not None and args.image_token_id != scanned_tid:
             raise ValueError(f"the index was scanned with image_token_id {scanned_tid}, not {args.image_token_id}; "
                              "re-scan or drop --image-token-id")
+        if args.chat_template is not None:
+            _check_chat_template(args.chat_template, index.scan_options, tokenizer, family)
         scan_s = time.perf_counter() - t0
     else:
         family = args.family or ("encoder_decoder" if cost.kind == "encoder_decoder" else "decoder")
         vision = args.vision or ("tiling" if cost.kind == "vision_language" else None)
         scfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=family, vision=vision, on_error=args.on_error,
-                          image_token_id=args.image_token_id)
+                          image_token_id=args.image_token_id, chat_template=_chat_template(args.chat_template))
         result = scan_dataset(paths, scfg, engine=args.engine, workers=args.workers, progress=not quiet)
         if args.save_index:
             result.write(args.save_index)
