@@ -15,6 +15,7 @@ pytest.importorskip("transformers", reason="chat templates need transformers")
 pytest.importorskip("tokenizers", reason="the test tokenizer needs tokenizers")
 
 from chat_tokenizers import GEN, NO_GEN, TOOLS, make_tokenizer  # noqa: E402
+from test_tokenization_pretokenized import unpack  # noqa: E402  (rows of a collated micro-batch)
 
 PLAN = dict(cost_model="gpt", device="cpu", num_stages=2)
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "rome"}}}
@@ -75,17 +76,13 @@ def expected_batches(samples, fmt, max_len):
 
 
 def delivered(loader):
+    """sample_id -> (input ids, labels) of every padded row the loader delivers."""
     got = {}
     for step in loader.steps():
-        loss = 0
-        for b in step:
-            loss += int((b["labels"] != IGNORE_INDEX).sum())
-            if b["is_padding"]:
-                continue
-            for k, sid in enumerate(b["sample_ids"].tolist()):
-                n = int(b["attention_mask"][k].sum())
-                got[sid] = (b["input_ids"][k, :n].tolist(), b["labels"][k, :n].tolist())
-        assert step.target_tokens == loss  # the planned loss tokens are the delivered assistant labels
+        # the planned loss tokens are the delivered assistant labels
+        assert step.target_tokens == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step)
+        got.update(kv for b in step if not b["is_padding"]
+                   for kv in zip(b["sample_ids"].tolist(), unpack(b, "padded", "decoder")))
     return got
 
 
@@ -156,5 +153,10 @@ def test_cli_scan_and_plan_take_a_chat_template_file(tmp_path, capsys):
     assert "scanned with messages rendered by given chat template" in capsys.readouterr().err
     assert main(["plan", str(index), "--chat-template", str(template), "--global-batch-tokens", "400", "--out",
                  str(tmp_path / "p.parquet"), "--no-progress"]) == 0
+    import pyarrow.parquet as pq
+    from dynabatch.planfile.format import INDEX_KEY
+
+    recorded = json.loads(pq.read_schema(tmp_path / "p.parquet").metadata[INDEX_KEY.encode()])["scan"]
+    assert recorded["chat_template"] == summary["chat_template"]  # the plan file says which rendering
     assert main(["scan", path, "--chat-template", str(tmp_path / "missing.jinja"), "--out", str(index)]) == 1
     assert "no such file" in capsys.readouterr().err

@@ -34,5 +34,8 @@ def test_doc_examples_run(tmp_path, monkeypatch, capsys):
         "[9, 18, 27, 33, 33] 1",  # an image that alone passes it is skipped
         "12 'a c' True",
         "[259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 259, 100, 35, 102, 2]",
+        # a chat template: assistant turns only are trained, on both mask paths
+        "tokenizer chat template sha256:2f0fa6056c853e65 (assistant tokens from generation masks)",
+        "[-100, -100, -100, -100, -100, 6, 4, -100, -100, -100, -100, -100, -100, 10, 4]\nTrue",
     ):
         assert quoted in out

@@ -277,8 +277,9 @@ def resolve_chat(option: ChatOption, tok: Tokenizer, family: str) -> ChatRendere
     jinja_ok = callable(getattr(tok, "apply_chat_template", None))
     if option is None:
         if own is None or family != "decoder":
-            why = (f"tokenizer {tok.name!r} has no chat template" if own is None
-                   else "encoder-decoder models take the plain format")
+            why = (f"tokenizer {tok.name!r} has no chat template" if own is None and jinja_ok else
+                   f"tokenizer {tok.name!r} has no chat template (only a transformers tokenizer, from a folder or "
+                   "an object, carries one)" if own is None else "encoder-decoder models take the plain format")
             return ChatRenderer("plain", plain=ChatTemplate(), fallback=why)
         option = TOKENIZER_TEMPLATE
     if family != "decoder":
