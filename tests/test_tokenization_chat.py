@@ -188,7 +188,8 @@ def test_image_placeholders_in_a_conversation(gen_tok):
     f = Formatter(gen_tok, vision=vision, image_token_id=IMAGE_ID)
     e = f.encode(chat(messages=msgs, **img))
     head = ids("<s> <|user|>")
-    assert e.input_ids.tolist() == head + [IMAGE_ID] * 3 + ids("what is the weather <|end|> <|assistant|> sunny <|end|>")
+    rest = ids("what is the weather <|end|> <|assistant|> sunny <|end|>")
+    assert e.input_ids.tolist() == head + [IMAGE_ID] * 3 + rest
     assert e.labels.tolist() == [M] * 11 + ids("sunny <|end|>")
     assert (e.input_tokens, e.target_tokens, e.vision_tokens) == (8, 2, 3)
     # no marker: the run goes first (after BOS); without placeholders "<image>" is the tokenizer's own token
