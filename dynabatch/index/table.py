@@ -11,13 +11,18 @@ and the token-cache columns `TOKEN_COLUMNS`. Schema metadata (bytes keys, JSON v
     dynabatch.index_settings       tokenization settings of a DataLoader-built index
     dynabatch.token_settings       settings the token-cache columns were made with
     dynabatch.dataset_fingerprint  `Shapes.fingerprint()` of the index
+    dynabatch.data_files           the data files the index was made from (`loaders.file_fingerprints`)
     dynabatch.index_integrity      written by `write_index`: ``samples`` (rows), ``sample_id_checksum``
-                                   (sha256 of the sorted ids) and ``sample_id_sum`` (mod 2**64)
+                                   (sha256 of the sorted ids), ``sample_id_sum`` (mod 2**64),
+                                   ``columns`` (a checksum of every other column, keyed by sample id:
+                                   `dynabatch.integrity.column_checksums`) and ``metadata`` (a
+                                   digest of every other ``dynabatch.*`` entry)
 
 Every reader path (`read_index`, `read_index_table`) refuses, naming the file and the sample id, an
 index whose ids repeat, whose token counts are negative, or whose rows no longer match the
-integrity record (a row removed, added or changed after writing); samples with no tokens at all
-are reported (a warning).
+integrity record (a row removed, added or changed after writing), and naming the file and the
+column (or metadata entry) one whose values were edited (``input_tokens`` doubled, a count set to
+2**31-1...); samples with no tokens at all are reported (a warning).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 from tokenization import ID_COLUMNS, LABEL_COLUMN, SCAN_STATS_KEY, TASK_NAMES_KEY, task_names_of  # noqa: F401
 
+from .. import integrity
 from ..core.shapes import Shapes
 
 logger = logging.getLogger("dynabatch")
@@ -149,13 +155,27 @@ def derived_labels(shapes: Shapes, family: str, max_len=None, max_target_len=Non
 
 # -- integrity --------------------------------------------------------------------------------
 
-def integrity_record(sample_ids) -> dict:
-    """What `write_index` records of the ``sample_id`` column (independent of row order)."""
+def integrity_record(sample_ids, table: pa.Table | None = None) -> dict:
+    """What `write_index` records of the ``sample_id`` column (independent of row order) and, given
+    the ``table``, of its other columns and metadata (see the module docstring)."""
     ids = np.sort(np.asarray(sample_ids, np.int64))
     with np.errstate(over="ignore"):
         total = int(ids.astype(np.uint64).sum(dtype=np.uint64))
-    return {"samples": len(ids), "sample_id_checksum": hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16],
-            "sample_id_sum": total}
+    rec = {"samples": len(ids), "sample_id_checksum": hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16],
+           "sample_id_sum": total}
+    if table is not None:
+        rec.update(columns=_column_checksums(table),
+                   metadata=integrity.metadata_digests(table.schema.metadata, skip=(INTEGRITY_KEY.decode(),)))
+    return rec
+
+
+def _column_checksums(table: pa.Table) -> dict[str, str]:
+    """Checksums of every column but ``sample_id``, each row keyed by its sample id."""
+    ids = table.column("sample_id").to_numpy(zero_copy_only=False).astype(np.int64)
+    return integrity.column_checksums(table, integrity.mix(ids.view(np.uint64)), skip=("sample_id",))
+
+
+_RESCAN = "re-scan the data (dynabatch scan), or use the index exactly as it was written"
 
 
 def check_index(table: pa.Table, name: str) -> None:
@@ -170,10 +190,19 @@ def check_index(table: pa.Table, name: str) -> None:
                                "row?); a plan names samples by id, so ids must be unique")
     raw = (table.schema.metadata or {}).get(INTEGRITY_KEY)
     if raw is not None:
-        want, got = json.loads(raw), integrity_record(s)
-        if want["samples"] != got["samples"] or want["sample_id_checksum"] != got["sample_id_checksum"]:
+        try:
+            want, got = json.loads(raw), integrity_record(s)
+            same = want["samples"] == got["samples"] and want["sample_id_checksum"] == got["sample_id_checksum"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise LengthIndexError(f"{name}: its {INTEGRITY_KEY.decode()} record cannot be read ({e}); "
+                                   f"{_RESCAN}") from None
+        if not same:
             raise LengthIndexError(f"{name}: {_edit(want, got, s)}; the index was changed after it was written: "
                                    "re-scan the data (dynabatch scan)")
+        if "columns" in want:  # indexes of older releases record the sample ids only
+            integrity.check(LengthIndexError, name, "column", want["columns"], _column_checksums(table), _RESCAN)
+            integrity.check(LengthIndexError, name, "metadata entry", want.get("metadata", {}),
+                            integrity.metadata_digests(table.schema.metadata, skip=(INTEGRITY_KEY.decode(),)), _RESCAN)
     total = np.zeros(len(ids), np.int64)
     for c in ("input_tokens", "target_tokens", "vision_tokens"):
         if c in table.column_names:
@@ -301,7 +330,7 @@ def write_index(index, path) -> None:
     The same table gives the same bytes."""
     table = index.to_table() if isinstance(index, LengthIndex) else _load(index)[0]
     meta = dict(table.schema.metadata or {})
-    meta[INTEGRITY_KEY] = json.dumps(integrity_record(table.column("sample_id").to_numpy())).encode()
+    meta[INTEGRITY_KEY] = json.dumps(integrity_record(table.column("sample_id").to_numpy(), table)).encode()
     table = table.replace_schema_metadata(meta)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
