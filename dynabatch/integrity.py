@@ -4,7 +4,9 @@ columns that differ and what to do.
 
 Used by the three files a run reads back: the DataLoader state (`dynabatch.loader.state`: a digest
 per field of the JSON state), the length index (`dynabatch.index.table`) and the plan file
-(`dynabatch.planfile`): a checksum per column and a digest per metadata entry.
+(`dynabatch.planfile`): a checksum per column and a digest per metadata entry. The same three
+record what they were made from, checked here too: the data files (`check_data_files`) and the
+tokenizer's content hash (`check_tokenizer`).
 
 A column checksum is the sum (mod 2**64) over rows of a 64-bit hash of (row key, value): it does
 not depend on the order of the rows, but changes when a value is edited or moved to another row.
@@ -174,3 +176,36 @@ def check(error: type[Exception], where: str, what: str, recorded: dict, current
     bad = mismatches(recorded, current)
     if bad:
         refuse(error, where, what, bad, fix)
+
+
+# -- what a file was made from -------------------------------------------------------------------
+
+def check_data_files(error: type[Exception], where: str, recorded, source, fix: str) -> None:
+    """Refuse (``error``) when the data files ``where`` (an index, a plan, a state) recorded
+    (`loaders.file_fingerprints`; None: not recorded, nothing to compare) differ from ``source``'s
+    files now, naming each changed file or object (`loaders.changed_files`)."""
+    if recorded is None or source is None:
+        return
+    import loaders
+
+    changes = loaders.changed_files(recorded, source)
+    if changes:
+        raise error(f"{where} was made from other data than is read now: {'; '.join(changes)}; {fix}")
+
+
+def check_tokenizer(error: type[Exception], where: str, recorded: str | None, recorded_name, tokenizer,
+                    fix: str) -> None:
+    """Refuse (``error``) when the tokenizer content hash ``where`` recorded
+    (`tokenization.tokenizer_fingerprint`; None: not recorded) is not that of ``tokenizer`` (the
+    one in use), naming both tokenizers."""
+    if recorded is None:
+        return
+    from tokenization import tokenizer_fingerprint
+
+    now = tokenizer_fingerprint(tokenizer)
+    if now != recorded:
+        name = getattr(tokenizer, "name", type(tokenizer).__name__)
+        made = (f"the tokenizer {recorded_name} (content {recorded})" if recorded_name
+                else f"a tokenizer of content {recorded}")
+        raise error(f"{where} was made with {made}, but the one in use is {name} (content {now}): token counts and "
+                    f"ids differ between them; {fix}")
