@@ -8,11 +8,10 @@ per field of the JSON state), the length index (`dynabatch.index.table`) and the
 record what they were made from, checked here too: the data files (`check_data_files`) and the
 tokenizer's content hash (`check_tokenizer`).
 
-A column checksum is the sum (mod 2**64) over rows of a 64-bit hash of (row key, value): it does
-not depend on the order of the rows, but changes when a value is edited or moved to another row.
-The row key is what identifies a row in its file (the ``sample_id`` of an index row, the
-placement of a plan row), so the checksum is computed with numpy over whole columns, never a
-Python loop over rows. The record catches edits and damage, not forgery: anyone who edits a file
+A column checksum is a sha256 of the column's buffers with the rows ordered by their row key,
+where a row belongs in its file (the ``sample_id`` of an index row; the step, rank and micro-batch
+of a plan row): it does not depend on the order those are stored in, but changes when a value is
+edited or moved to another row, and it is computed over whole buffers, never a Python loop over rows. The record catches edits and damage, not forgery: anyone who edits a file
 can also recompute its record.
 """
 
@@ -26,7 +25,6 @@ import pyarrow as pa
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_NULL = np.uint64(0x5851F42D4C957F2D)  # the value hash of a null (any constant unlike a mixed value)
 _DIGITS = 16  # hex digits kept of a digest
 
 
@@ -70,68 +68,49 @@ def field_digests(obj: dict, depth: int = 3, prefix: str = "") -> dict[str, str]
 
 # -- Arrow columns -------------------------------------------------------------------------------
 
-def _bits(values: np.ndarray) -> np.ndarray:
-    """The uint64 bit pattern of numeric values (floats by their float64 bits, NaN included)."""
-    if values.dtype.kind == "f":
-        return np.ascontiguousarray(values, np.float64).view(np.uint64)
-    if values.dtype.kind == "b":
-        return values.astype(np.uint64)
-    if values.dtype.kind in "iu":
-        return values.astype(np.int64, copy=False).view(np.uint64) if values.dtype.kind == "i" else \
-            values.astype(np.uint64)
-    if values.dtype.kind == "M" or values.dtype.kind == "m":
-        return values.view(np.int64).view(np.uint64)
-    raise TypeError(f"no integrity hash for numpy dtype {values.dtype}")
-
-
-def _value_hashes(arr: pa.Array) -> np.ndarray:
-    """One uint64 hash per element of an Arrow array (numbers, booleans, strings, lists of them)."""
+def _feed(h, arr: pa.Array) -> None:
+    """Hash an Arrow array's values into ``h`` straight from its buffers (numbers as their bytes,
+    float NaNs included; lists as their lengths, then their values)."""
     t = arr.type
-    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
-        flat = arr.flatten()
-        inner = _value_hashes(flat)
-        if pa.types.is_fixed_size_list(t):
-            lengths = np.full(len(arr), t.list_size, np.int64)
-        else:
-            lengths = np.asarray(pa.compute.list_value_length(arr).fill_null(0), np.int64)
-        starts = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
-        # each value is mixed with its position in its list, so reordering inside a list counts
-        with np.errstate(over="ignore"):
-            pos = np.arange(len(flat), dtype=np.int64) - np.repeat(starts, lengths)
-            inner = mix(inner + pos.astype(np.uint64) * GOLDEN)
-        sums = np.add.reduceat(inner, np.minimum(starts, max(len(inner) - 1, 0))) if len(inner) else \
-            np.zeros(len(arr), np.uint64)
-        sums = np.where(lengths > 0, sums, np.uint64(0))
-        with np.errstate(over="ignore"):
-            out = mix(sums.astype(np.uint64) + lengths.astype(np.uint64) * _M1)
-    elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or \
-            pa.types.is_large_binary(t):  # metadata-like columns only: a Python loop is fine here
-        out = np.array([int.from_bytes(hashlib.blake2b(v if isinstance(v, bytes) else str(v).encode(),
-                                                       digest_size=8).digest(), "little") if v is not None else 0
-                        for v in arr.to_pylist()], np.uint64)
-    elif pa.types.is_dictionary(t):
-        out = _value_hashes(arr.dictionary_decode())
-    else:
-        values = arr.fill_null(0) if arr.null_count else arr
-        out = mix(_bits(values.to_numpy(zero_copy_only=False)))
+    h.update(len(arr).to_bytes(8, "little"))
     if arr.null_count:
-        out = np.where(np.asarray(arr.is_null()), _NULL, out)
-    return out
+        h.update(np.packbits(np.asarray(arr.is_null(), bool)).tobytes())
+    if pa.types.is_dictionary(t):
+        _feed(h, arr.dictionary_decode())
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        h.update(np.diff(np.asarray(arr.offsets, np.int64)).astype("<i8").tobytes())
+        _feed(h, arr.flatten())
+    elif pa.types.is_fixed_size_list(t):
+        _feed(h, arr.flatten())
+    elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        offsets = np.frombuffer(arr.buffers()[1], np.int64 if pa.types.is_large_string(t) or
+                                pa.types.is_large_binary(t) else np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        h.update(np.diff(offsets).astype("<i8").tobytes())
+        h.update(memoryview(arr.buffers()[2])[int(offsets[0]):int(offsets[-1])] if len(arr) else b"")
+    else:
+        values = (arr.fill_null(0) if arr.null_count else arr).to_numpy(zero_copy_only=False)
+        h.update(np.ascontiguousarray(values).view(np.uint8))
 
 
 def column_checksums(table: pa.Table, row_keys: np.ndarray, skip=()) -> dict[str, str]:
-    """``{column: checksum}`` of every column of ``table`` but ``skip`` (see the module docstring);
-    ``row_keys``: one uint64 per row naming it in its file. 16 hex digits each."""
-    keys = np.asarray(row_keys, np.uint64)
+    """``{column: checksum}`` of every column of ``table`` but ``skip``: sha256 (16 hex digits) of
+    the column's values with the rows ordered by ``row_keys`` (one integer per row naming where it
+    belongs in its file; rows of equal keys keep their stored order), so the checksum does not
+    depend on the order the keys' groups are stored in but changes when a value is edited or moved
+    to another row. Hashes whole buffers: no Python loop over rows (no sort when the rows are
+    stored in key order, as writers store them)."""
+    keys = np.asarray(row_keys)
+    if len(keys) > 1 and not np.all(keys[1:] >= keys[:-1]):
+        table = table.take(pa.array(np.argsort(keys, kind="stable")))
     out = {}
     for name in table.column_names:
         if name in skip:
             continue
         col = table.column(name)
-        values = _value_hashes(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)) if len(col) else \
-            np.zeros(0, np.uint64)
-        with np.errstate(over="ignore"):
-            out[name] = f"{sum64(mix(keys * GOLDEN + values)):016x}"
+        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        h = hashlib.sha256()
+        _feed(h, arr)
+        out[name] = h.hexdigest()[:_DIGITS]
     return out
 
 

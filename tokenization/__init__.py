@@ -14,6 +14,7 @@ from ._adapters import (
     TransformersTokenizer,
     load_tokenizer,
 )
+from ._fingerprint import tokenizer_fingerprint
 from ._format import ChatTemplate, EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
@@ -73,4 +74,5 @@ __all__ = [
     "scan_shapes",
     "scan_stats",
     "task_names_of",
+    "tokenizer_fingerprint",
 ]

@@ -51,6 +51,8 @@ SETTINGS_KEY = b"dynabatch.index_settings"
 #: JSON of the tokenization settings the cached token ids were made with.
 TOKEN_SETTINGS_KEY = b"dynabatch.token_settings"
 INTEGRITY_KEY = b"dynabatch.index_integrity"
+#: JSON list of the data files the index was made from (`loaders.file_fingerprints`).
+DATA_FILES_KEY = b"dynabatch.data_files"
 #: Token-cache columns (``large_list<int32>``): input ids, then labels (decoder) or target ids.
 TOKEN_COLUMNS = ID_COLUMNS
 INDEX_FORMAT = "dynabatch.length_index"
@@ -71,8 +73,9 @@ class LengthIndex:
     ``scanned`` (tokenized just now), ``scan_options`` (``dynabatch.scan`` metadata),
     ``label_tokens`` (loss labels per sample: exact when the index has the column,
     ``exact_labels``; else derived from ``target_tokens`` when a family was given, see
-    `derived_labels`; else None), ``settings`` (``dynabatch.index_settings``) and
-    ``given_fingerprint`` (fingerprint in the order the rows were given).
+    `derived_labels`; else None), ``settings`` (``dynabatch.index_settings``),
+    ``given_fingerprint`` (fingerprint in the order the rows were given) and ``data_files``
+    (`loaders.file_fingerprints` of the data it was made from; None when not recorded).
     """
 
     shapes: Shapes
@@ -84,6 +87,7 @@ class LengthIndex:
     exact_labels: bool = False
     settings: dict | None = None
     given_fingerprint: str | None = None
+    data_files: list | None = None
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -99,6 +103,28 @@ class LengthIndex:
         task numberings scanners use (task ids do not change plans)."""
         return frozenset({self.fingerprint, self.given_fingerprint or self.fingerprint,
                           *_task_variants(self.shapes)})
+
+    @property
+    def tokenizer_hash(self) -> str | None:
+        """`tokenization.tokenizer_fingerprint` of the tokenizer that counted the index (None when
+        not recorded: indexes of older releases, or plain length tables)."""
+        return (self.settings or {}).get("tokenizer_hash") or self.scan_options.get("tokenizer_hash")
+
+    @property
+    def tokenizer_name(self) -> str | None:
+        """The name or spec of the tokenizer that counted the index, when recorded."""
+        return (self.settings or {}).get("tokenizer") or self.scan_options.get("tokenizer")
+
+    def check_origin(self, source, tokenizer, where: str | None = None) -> None:
+        """Refuse (`LengthIndexError`, naming the index file ``where`` and the data file or both
+        tokenizers) to serve a loader reading ``source`` with ``tokenizer`` when the index recorded
+        other data files or another tokenizer (`dynabatch.integrity.check_data_files`, `check_tokenizer`)."""
+        where = where or (self.paths[0] if len(self.paths) == 1 else "the length index")
+        integrity.check_data_files(LengthIndexError, where, self.data_files, source,
+                                   "re-scan the data (dynabatch scan), or read the data the index was made from")
+        integrity.check_tokenizer(LengthIndexError, where, self.tokenizer_hash, self.tokenizer_name, tokenizer,
+                                  "re-scan the data with this tokenizer (dynabatch scan --tokenizer ...), or give the "
+                                  "loader the tokenizer the index was made with")
 
     def positions(self, sample_ids) -> np.ndarray:
         """Positions of ``sample_ids`` in the (sorted) index; KeyError for ids not in it."""
@@ -122,6 +148,8 @@ class LengthIndex:
             meta[SCAN_KEY] = json.dumps(self.scan_options, sort_keys=True).encode()
         if self.settings is not None:
             meta[SETTINGS_KEY] = json.dumps(self.settings, sort_keys=True).encode()
+        if self.data_files is not None:
+            meta[DATA_FILES_KEY] = json.dumps(self.data_files).encode()
         return table.replace_schema_metadata(meta)
 
 
@@ -172,7 +200,7 @@ def integrity_record(sample_ids, table: pa.Table | None = None) -> dict:
 def _column_checksums(table: pa.Table) -> dict[str, str]:
     """Checksums of every column but ``sample_id``, each row keyed by its sample id."""
     ids = table.column("sample_id").to_numpy(zero_copy_only=False).astype(np.int64)
-    return integrity.column_checksums(table, integrity.mix(ids.view(np.uint64)), skip=("sample_id",))
+    return integrity.column_checksums(table, ids, skip=("sample_id",))
 
 
 _RESCAN = "re-scan the data (dynabatch scan), or use the index exactly as it was written"
@@ -316,8 +344,9 @@ def read_index(source, *, family: str | None = None, max_len: int | None = None,
     elif family is not None:
         labels = derived_labels(shapes, family, max_len, max_target_len, bos)
     settings = json.loads(meta[SETTINGS_KEY]) if SETTINGS_KEY in meta else None
+    files = json.loads(meta[DATA_FILES_KEY]) if DATA_FILES_KEY in meta else None
     return LengthIndex(shapes, task_names_of(table), paths, False, json.loads(meta.get(SCAN_KEY, b"{}")), labels,
-                       exact, settings, given.fingerprint() if order is not None else None)
+                       exact, settings, given.fingerprint() if order is not None else None, files)
 
 
 def _sorted(ids: np.ndarray) -> bool:

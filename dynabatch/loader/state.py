@@ -129,11 +129,27 @@ def unwrap(state, mode: str) -> dict:
     return state[mode]
 
 
-def check_identity(state: dict, identity: dict) -> None:
-    """Raise `LoaderStateError` unless a mode state was saved with ``identity``."""
+def origin_identity(source, tokenizer) -> dict:
+    """The identity entries every mode state carries: ``data_files`` (`loaders.file_fingerprints`
+    of ``source``) and ``tokenizer_hash`` (`tokenization.tokenizer_fingerprint`)."""
+    import loaders
+    from tokenization import tokenizer_fingerprint
+
+    return {"data_files": loaders.file_fingerprints(source), "tokenizer_hash": tokenizer_fingerprint(tokenizer)}
+
+
+def check_identity(state: dict, identity: dict, source=None, tokenizer=None) -> None:
+    """Raise `LoaderStateError` unless a mode state was saved with ``identity``; a change of the
+    data files of ``source`` is named by file, another ``tokenizer`` by its name and both hashes."""
     if not isinstance(state, dict) or "identity" not in state:
         raise LoaderStateError(f"not a DataLoader mode state: {str(state)[:80]}")
     saved = state["identity"]
+    fix = "resume with the data and tokenizer the state was saved with, or start the epoch anew"
+    if saved.get("data_files") != identity.get("data_files"):
+        integrity.check_data_files(LoaderStateError, "the DataLoader state", saved.get("data_files"), source, fix)
+    if saved.get("tokenizer_hash") != identity.get("tokenizer_hash") and tokenizer is not None:
+        integrity.check_tokenizer(LoaderStateError, "the DataLoader state", saved.get("tokenizer_hash"), None,
+                                  tokenizer, fix)
     for key in sorted(set(saved) | set(identity)):
         if saved.get(key) != identity.get(key):
             raise LoaderStateError(f"the state was saved with {key}={saved.get(key)!r}, but this DataLoader has "

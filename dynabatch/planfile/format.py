@@ -64,8 +64,8 @@ Metadata keys (all strings; JSON where noted):
                                    [steps, num_ranks]) with ``step_rank_counts`` (base64 of zlib of
                                    uint32 rows per step and rank), so a mismatch names the step
                                    and rank; ``columns``: a checksum of every other column
-                                   (`dynabatch.integrity.column_checksums`, each row keyed by its
-                                   placement hash, so independent of row order) and ``metadata``: a
+                                   (`dynabatch.integrity.column_checksums`, rows ordered by step,
+                                   rank and micro-batch, however they are stored) and ``metadata``: a
                                    digest of every other ``dynabatch.*`` entry, so an edited
                                    ``input_len``, ``time_s``, ``row``, ... or option is named.
     dynabatch.data_files           JSON list of the planned data files (`loaders.file_fingerprints`
@@ -221,12 +221,14 @@ def _unb64(text: str, dtype: str, compressed: bool = False) -> np.ndarray:
     return np.frombuffer(zlib.decompress(raw) if compressed else raw, dtype=dtype)
 
 
-def column_checksums(table: pa.Table, hashes: np.ndarray | None = None) -> dict[str, str]:
+def column_checksums(table: pa.Table) -> dict[str, str]:
     """Checksums of every column but the placement (`REQUIRED_COLUMNS`, which the placement hashes
-    cover), each row keyed by its placement hash (``hashes``, computed when not given)."""
-    if hashes is None:
-        hashes = placement_hashes(*(table.column(c).to_numpy() for c in (STEP, RANK, MICROBATCH, SAMPLE_ID)))
-    return integrity.column_checksums(table, hashes, skip=REQUIRED_COLUMNS)
+    cover), the rows ordered by step, rank and micro-batch (their order within a micro-batch, the
+    sample order, counts)."""
+    step, rank, mb = (table.column(c).to_numpy().astype(np.int64) for c in (STEP, RANK, MICROBATCH))
+    key = step - (int(step.min()) if len(step) else 0)
+    key = (key * (int(rank.max(initial=0)) + 1) + rank) * (int(mb.max(initial=0)) + 1) + mb
+    return integrity.column_checksums(table, key, skip=REQUIRED_COLUMNS)
 
 
 def metadata_digests(metadata) -> dict[str, str]:
@@ -255,7 +257,7 @@ def integrity_record(table: pa.Table, num_ranks: int) -> dict:
     }
     if columns.get(EPOCH) is not None:
         rec["distinct_samples"] = distinct_per_epoch(columns[EPOCH], columns[SAMPLE_ID])
-    rec["columns"] = column_checksums(table, hashes)
+    rec["columns"] = column_checksums(table)
     rec["metadata"] = metadata_digests(table.schema.metadata)
     return rec
 

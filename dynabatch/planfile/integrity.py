@@ -93,6 +93,6 @@ def verify_rows(where: str, metadata: dict, table, steps, rank, ids, epoch_rows)
                                 + "; re-create it with `dynabatch plan`")
     if "columns" in rec:  # plans of older releases record the placements only
         fix = "re-plan with `dynabatch plan` (or use the plan file exactly as it was written)"
-        integrity.check(PlanMismatchError, where, "column", rec["columns"], fmt.column_checksums(table, hashes), fix)
+        integrity.check(PlanMismatchError, where, "column", rec["columns"], fmt.column_checksums(table), fix)
         integrity.check(PlanMismatchError, where, "metadata entry", rec.get("metadata", {}),
                         fmt.metadata_digests(metadata), fix)

@@ -60,6 +60,8 @@ def open_index(ctx: Context, index, index_cache):
     table = read_index_table(index)
     o = ctx.options
     idx = load_index(table, ctx.family, o.max_len, o.max_target_len, bos=int(ctx.formatter.config.add_bos))
+    # made from these data files with this tokenizer (when the index recorded them), else refused
+    idx.check_origin(ctx.source, ctx.formatter.tokenizer, str(index) if isinstance(index, (str, os.PathLike)) else None)
     if idx.settings is not None:
         theirs = {k: v for k, v in idx.settings.items() if k in settings and k != "source_fingerprint"}
         diff = {k: (v, settings[k]) for k, v in theirs.items() if settings[k] != v}
