@@ -11,8 +11,9 @@ tokenizer's content hash (`check_tokenizer`).
 A column checksum is a sha256 of the column's buffers with the rows ordered by their row key,
 where a row belongs in its file (the ``sample_id`` of an index row; the step, rank and micro-batch
 of a plan row): it does not depend on the order those are stored in, but changes when a value is
-edited or moved to another row, and it is computed over whole buffers, never a Python loop over rows. The record catches edits and damage, not forgery: anyone who edits a file
-can also recompute its record.
+edited or moved to another row, and it is computed over whole buffers, never a Python loop over
+rows. The records catch edits and damage, not forgery: anyone who edits a file can also recompute
+its record.
 """
 
 from __future__ import annotations

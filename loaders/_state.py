@@ -28,7 +28,8 @@ def check_state(state: dict, expected: dict, kinds: tuple[str, ...], source=None
     if state.get("type") not in kinds:
         raise StateError(f"state of type {state.get('type')!r} cannot be loaded here (expected {kinds})")
     keys = SLOT_KEYS if state["type"] == "slot" else GLOBAL_KEYS
-    if source is not None and state.get("files") is not None and state.get("fingerprint") != expected.get("fingerprint"):
+    files_changed = state.get("fingerprint") != expected.get("fingerprint") and state.get("files") is not None
+    if source is not None and files_changed:
         changes = changed_files(state["files"], source)
         if changes:
             raise StateError(f"state of source {state.get('name')!r} was saved with a different file list or dataset: "

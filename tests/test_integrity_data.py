@@ -74,7 +74,8 @@ def test_same_size_edit_of_a_jsonl_and_a_gz_stream_names_the_file(tmp_path):
     size = (tmp_path / "train.jsonl").stat().st_size
     write_jsonl(data, _same_counts(recs))
     assert (tmp_path / "train.jsonl").stat().st_size == size  # same size: only the content tells
-    with pytest.raises(LoaderStateError, match=re.escape(f"{data} changed (size {size} -> {size} bytes, version sha256:")):
+    same_size = re.escape(f"{data} changed (size {size} -> {size} bytes, version sha256:")
+    with pytest.raises(LoaderStateError, match=same_size):
         DataLoader(data, global_batch_tokens=TOKENS, mode="indexed", **PLAN).load_state_dict(state)
 
     gz = tmp_path / "stream.jsonl.gz"

@@ -37,7 +37,8 @@ def _scale(column, factor=2, row=None, value=None):
             col = col * factor
         else:
             col[row] = value
-        return t.set_column(t.column_names.index(column), t.schema.field(column), pa.array(col, t.schema.field(column).type))
+        field = t.schema.field(column)
+        return t.set_column(t.column_names.index(column), field, pa.array(col, field.type))
     return edit
 
 
@@ -106,3 +107,14 @@ def test_edited_metadata_and_dropped_column_are_refused(built, tmp_path):
     # rewritten through write_index, the same edit is a new, valid index
     write_index(read_index_table(built["index"]).drop_columns(["label_tokens"]), gone)
     assert len(read_index(gone)) == 150
+
+
+def test_edited_index_cache_is_rebuilt_with_a_warning(built, tmp_path, caplog):
+    cache = tmp_path / "cache.parquet"
+    kw = dict(index_cache=str(cache), global_batch_tokens=2000, mode="indexed", **PLAN)
+    want = [s.plan.fingerprint() for s in DataLoader(built["data"], **kw).steps()]
+    tampered(cache, cache, _scale("input_tokens"))
+    with caplog.at_level("WARNING", logger="dynabatch"):
+        again = [s.plan.fingerprint() for s in DataLoader(built["data"], **kw).steps()]
+    assert f"{cache}: column input_tokens does not match" in caplog.text and "rebuilding the index cache" in caplog.text
+    assert again == want and len(read_index_table(cache)) == 150  # the cache is whole again

@@ -40,7 +40,8 @@ def _set(column, fn):
     def edit(t):
         col = t.column(column).to_numpy().copy()
         col = fn(col, t)
-        return t.set_column(t.column_names.index(column), t.schema.field(column), pa.array(col, t.schema.field(column).type))
+        field = t.schema.field(column)
+        return t.set_column(t.column_names.index(column), field, pa.array(col, field.type))
     return edit
 
 

@@ -11,17 +11,8 @@ import pytest
 from dynabatch import DataLoader, LoaderStateError
 from dynabatch.loader.state import load_loader_state, save_loader_state
 
-from test_dataloader_data import PLAN, ids_of, records, write_jsonl, write_parquet
-
-TOKENS = 2000
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("state_integrity")
-    recs = records(120, seed=5)
-    return {"parquet": write_parquet(d / "t.parquet", recs, row_group_size=24), "jsonl": write_jsonl(d / "t.jsonl", recs),
-            "index": str(d / "index.parquet")}
+from test_dataloader_data import PLAN, ids_of
+from test_dataloader_facade import TOKENS, data  # noqa: F401  (the facade's small Parquet/JSONL data fixture)
 
 
 def _loader(data, fmt):
@@ -50,7 +41,7 @@ def _edit(path, fn, name):
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_saved_state_round_trips_and_edits_are_refused_naming_file_and_field(data, fmt, tmp_path):
+def test_saved_state_round_trips_and_edits_are_refused_naming_file_and_field(data, fmt, tmp_path):  # noqa: F811
     path, head = _saved(data, fmt, tmp_path)
     want = [ids_of(s) for s in _loader(data, fmt)]
     dl = _loader(data, fmt)
@@ -86,7 +77,7 @@ def test_saved_state_round_trips_and_edits_are_refused_naming_file_and_field(dat
         _loader(data, fmt).load_state_dict(bare)
 
 
-def test_empty_truncated_and_non_json_state_files_name_the_file(data, tmp_path):
+def test_empty_truncated_and_non_json_state_files_name_the_file(data, tmp_path):  # noqa: F811
     path, _ = _saved(data, "parquet", tmp_path)
     raw = path.read_bytes()
     cases = {"empty.json": b"", "blank.json": b"  \n", "truncated.json": raw[: len(raw) // 2], "junk.json": b"\x00\xff"}
@@ -101,7 +92,7 @@ def test_empty_truncated_and_non_json_state_files_name_the_file(data, tmp_path):
         load_loader_state(tmp_path / "missing.json")
 
 
-def test_save_is_atomic_and_leaves_no_temporary_file(data, tmp_path, monkeypatch):
+def test_save_is_atomic_and_leaves_no_temporary_file(data, tmp_path, monkeypatch):  # noqa: F811
     path, _ = _saved(data, "parquet", tmp_path)
     before = path.read_bytes()
     dl = _loader(data, "parquet")

@@ -64,8 +64,8 @@ def test_tokenizer_replaced_at_the_same_path_is_refused_and_the_cache_rebuilt(da
     msg = str(e.value)
     assert msg.startswith(f"{index} was made with the tokenizer tokenizers:{path} (content sha256:"), msg
     assert f"but the one in use is tokenizers:{path} (content sha256:" in msg and "re-scan the data" in msg
-    with pytest.raises(LoaderStateError, match=rf"the DataLoader state was made with a tokenizer of content sha256:\w+, "
-                                               rf"but the one in use is tokenizers:{path}"):
+    with pytest.raises(LoaderStateError, match=rf"the DataLoader state was made with a tokenizer of content "
+                                               rf"sha256:\w+, but the one in use is tokenizers:{path}"):
         DataLoader(data, mode="indexed", **kw).load_state_dict(saved)
     # a loader with an index cache rebuilds it, and its batches carry the new tokenizer's ids
     cache = tmp_path / "cache.parquet"

@@ -16,8 +16,8 @@ from .table import (DATA_FILES_KEY, FINGERPRINT_KEY, INTEGRITY_KEY, LABEL_COLUMN
 from .tokens import TOKEN_CACHE_BUDGET, TokenCache, encode_all, token_cache_bytes
 
 __all__ = [
-    "DATA_FILES_KEY", "FINGERPRINT_KEY", "INTEGRITY_KEY", "LABEL_COLUMN", "SCAN_KEY", "SETTINGS_KEY", "TOKEN_CACHE_BUDGET",
-    "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig", "ScanResult",
+    "DATA_FILES_KEY", "FINGERPRINT_KEY", "INTEGRITY_KEY", "LABEL_COLUMN", "SCAN_KEY", "SETTINGS_KEY",
+    "TOKEN_CACHE_BUDGET", "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig", "ScanResult",
     "TokenCache", "check_ids_in_data", "check_index", "derived_labels", "encode_all", "index_settings",
     "read_index", "read_index_table", "scan_dataset", "scan_parts", "scan_source", "token_cache_bytes",
     "tokenizer_spec", "write_index",

@@ -1,11 +1,11 @@
 """`DataLoader` state dicts: their nested layout, how they are checked and how ranks' states merge.
 
 A DataLoader state is a JSON-serializable dict ``{"format": "dynabatch.loader_state", "version":
-3, "mode": <mode>, <mode>: <the mode's state>, "integrity": {"fields": {...}}}``; the mode object (`dynabatch.loader.modes`)
-makes and loads the inner state alone (``mode.state_dict()`` / ``mode.load_state_dict()``), the way
-torchdata nodes nest their children's states. Every mode state holds an ``identity`` (dataset
-fingerprint and the options that decide the batches; a state is refused by a loader whose identity
-differs), the ``layout`` (``rank``, ``world_size``, ``num_workers``) and the position: ``epoch``,
+3, "mode": <mode>, <mode>: <the mode's state>, "integrity": {"fields": {...}}}``; the mode object
+(`dynabatch.loader.modes`) makes and loads the inner state alone (``mode.state_dict()`` /
+``mode.load_state_dict()``), the way torchdata nodes nest their children's states. Every mode state
+holds an ``identity`` (dataset fingerprint, the data files and tokenizer hash, `origin_identity`,
+and the options that decide the batches; a state is refused by a loader whose identity differs), the ``layout`` (``rank``, ``world_size``, ``num_workers``) and the position: ``epoch``,
 ``step``, ``step_in_epoch``, ``microbatch`` (micro-batches of that step this rank has yielded) and
 ``consumed`` (their sample ids); ``fresh`` marks the start of an epoch. They are cheap: positions
 and ids, never sample contents (except for sources without random access).
