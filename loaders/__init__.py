@@ -17,6 +17,7 @@ from ._errors import (
     TruncatedFileError,
 )
 from ._access import open_access, split_sample_ids
+from ._fingerprints import changed_files, file_fingerprints
 from ._fs import Storage, is_url
 from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
@@ -66,6 +67,8 @@ __all__ = [
     "TruncatedFileError",
     "WebDatasetSource",
     "WorkUnit",
+    "changed_files",
+    "file_fingerprints",
     "merge_states",
     "normalized_sample",
     "open_access",

@@ -25,7 +25,7 @@ class HFDatasetReader(ShardReader):
         self._arrow = dataset.with_format("arrow")
         self._fp = getattr(dataset, "_fingerprint", None) or ""
         self.name = name or _dataset_name(dataset)
-        self.shards = [ShardInfo(0, self.name, "", len(dataset))]
+        self.shards = [ShardInfo(0, self.name, "", len(dataset), version=self._fp)]
 
     @property
     def default_name(self) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from torch.utils.data import IterableDataset
 
 from ._errors import ErrorPolicy
+from ._fingerprints import file_fingerprints
 from ._iterator import SlotIterator
 from ._schema import Schema
 from ._sharding import Layout, WorkUnit, cap_units, deal, shuffle_units, split_ranges, whole_shards
@@ -228,6 +229,7 @@ class Source(_Stateful):
         return {
             "name": self.name,
             "fingerprint": self.fingerprint(),
+            "files": file_fingerprints(self),
             "num_shards": self.num_shards,
             "num_rows": self.num_rows,
             "seed": self.seed,
@@ -300,7 +302,7 @@ class Source(_Stateful):
         return copy.deepcopy(self._initial_state(self.layout()))
 
     def _check(self, state: dict) -> None:
-        check_state(state, self._settings(), ("slot", "global"))
+        check_state(state, self._settings(), ("slot", "global"), self)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a ``state_dict()`` of the same slot, or from ``merge_states(...)``.

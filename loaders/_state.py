@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ._errors import StateError
+from ._fingerprints import changed_files
 from ._sharding import WorkUnit, merge_ranges
 
 STATE_VERSION = 1
@@ -19,13 +20,20 @@ SLOT_KEYS = ("fingerprint", "seed", "shuffle", "shuffle_buffer", "units_per_slot
 GLOBAL_KEYS = ("fingerprint", "seed", "cap")
 
 
-def check_state(state: dict, expected: dict, kinds: tuple[str, ...]) -> None:
-    """Raise ``StateError`` unless ``state`` is of one of ``kinds`` and matches ``expected``."""
+def check_state(state: dict, expected: dict, kinds: tuple[str, ...], source=None) -> None:
+    """Raise ``StateError`` unless ``state`` is of one of ``kinds`` and matches ``expected``; a
+    change of ``source``'s files is named by file (`changed_files`)."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise StateError(f"not a loaders state dict (version {STATE_VERSION}): {str(state)[:80]}")
     if state.get("type") not in kinds:
         raise StateError(f"state of type {state.get('type')!r} cannot be loaded here (expected {kinds})")
     keys = SLOT_KEYS if state["type"] == "slot" else GLOBAL_KEYS
+    files_changed = state.get("fingerprint") != expected.get("fingerprint") and state.get("files") is not None
+    if source is not None and files_changed:
+        changes = changed_files(state["files"], source)
+        if changes:
+            raise StateError(f"state of source {state.get('name')!r} was saved with a different file list or dataset: "
+                             f"{'; '.join(changes)}; resume with the data the state was saved with, or start anew")
     for key in keys:
         if state.get(key) != expected.get(key):
             what = {
@@ -96,6 +104,8 @@ def merge_states(states: list[dict]) -> dict:
         errors.update(s["errors"])
     remaining = merge_ranges([r for s in states for r in slot_remaining(s)])
     out = {k: first[k] for k in (*SLOT_KEYS, "name", "num_shards", "num_rows", "epoch")}
+    if "files" in first:
+        out["files"] = first["files"]
     out.update(version=STATE_VERSION, type="global", remaining=[r.to_list() for r in remaining],
                errors=dict(errors), from_layout=[world_size, num_workers])
     return out

@@ -25,7 +25,9 @@ class ShardInfo:
     ``None`` when unknown (streaming HF datasets). ``boundaries`` are cheap split points
     (Parquet row-group starts). ``seekable`` is False when reading from position p costs
     reading everything before p (gzip, zstd, streaming). ``path`` is a local path or a URL;
-    ``version`` is a remote file's version tag (ETag, checksum or modification time; "" locally).
+    ``version`` tells the file's content apart: a remote file's version tag (ETag, checksum or
+    modification time), a local file's content digest (`loaders._fs.content_digest`), a HF
+    dataset's fingerprint.
     """
 
     index: int

@@ -16,6 +16,6 @@ def test_dataloader_page_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     for expected in ("streaming dp padded", "[0, 6, 11]", "indexed 9", "(2, 8) [6, 5]", "True", "200 200",
                      "world size (data-parallel ranks) is 2 in the plan but 4 here", "Step 0 1 True",
-                     "['format', 'indexed', 'mode', 'version']"):
+                     "['format', 'indexed', 'integrity', 'mode', 'version']"):
         assert expected in out, expected
     assert "False" not in out

@@ -70,7 +70,7 @@ def test_state_nests_the_mode_state_and_a_mode_alone_round_trips(data, fmt):
     for _ in range(3):
         next(it)
     state = json.loads(json.dumps(dl.state_dict()))
-    assert set(state) == {"format", "version", "mode", name} and state["mode"] == name
+    assert set(state) == {"format", "version", "mode", name, "integrity"} and state["mode"] == name
     inner = state[name]
     assert {"identity", "layout", "epoch", "step", "microbatch", "consumed"} <= set(inner)
     if name == "streaming":

@@ -111,16 +111,28 @@ def test_check_refuses_tampered_plan(work, tmp_path):
     real = Shapes.from_arrow(pq.read_table(work["index"])).fingerprint()
     run.check(dataset_fingerprint=real, num_ranks=RANKS, num_stages=STAGES,
               options={"global_batch_tokens": GBT, "seed": SEED, "tokenizer": "bytes"})
+    from dynabatch.planfile import format as fmt
+
     table = pq.read_table(work["plan"])
     meta = dict(table.schema.metadata)
     meta[b"dynabatch.dataset_fingerprint"] = b"0123456789abcdef"
     tampered = tmp_path / "tampered.parquet"
     pq.write_table(table.replace_schema_metadata(meta), tampered)
+    with pytest.raises(PlanMismatchError, match="metadata entry dynabatch.dataset_fingerprint does not match"):
+        load_run_plan(tampered)  # edited after writing: its integrity record refuses it
+
+    def written(meta, ranks):  # the same metadata as a writer would have written it (a fresh integrity record)
+        meta = {k: v for k, v in meta.items() if k != fmt.INTEGRITY_KEY.encode()}
+        meta.update({k.encode(): v.encode() for k, v in fmt.integrity_metadata(
+            table.replace_schema_metadata(meta), ranks).items()})
+        pq.write_table(table.replace_schema_metadata(meta), tampered)
+
+    written(meta, RANKS)
     bad = load_run_plan(tampered)
     with pytest.raises(ValueError, match=r"dataset fingerprint is 0123456789abcdef in the plan but " + real):
         bad.check(dataset_fingerprint=real, num_ranks=RANKS, num_stages=STAGES)
     meta[b"dynabatch.num_ranks"] = b"16"  # a plan made for another world size
-    pq.write_table(table.replace_schema_metadata(meta), tampered)
+    written(meta, 16)
     with pytest.raises(ValueError) as e:
         load_run_plan(tampered).check(dataset_fingerprint=real, num_ranks=RANKS, num_stages=STAGES)
     assert "dataset fingerprint" in str(e.value)

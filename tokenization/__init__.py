@@ -15,6 +15,7 @@ from ._adapters import (
     load_tokenizer,
 )
 from ._chat import ChatRenderer, ChatTemplate, ChatTemplateWarning, resolve_chat
+from ._fingerprint import tokenizer_fingerprint
 from ._format import EncodedSample, FormatConfig, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
@@ -77,4 +78,5 @@ __all__ = [
     "scan_shapes",
     "scan_stats",
     "task_names_of",
+    "tokenizer_fingerprint",
 ]

@@ -10,14 +10,14 @@
 
 from .scan import (ScanConfig, ScanResult, check_ids_in_data, index_settings, scan_dataset, scan_parts, scan_source,
                    tokenizer_spec)
-from .table import (FINGERPRINT_KEY, INTEGRITY_KEY, LABEL_COLUMN, SCAN_KEY, SETTINGS_KEY, TOKEN_COLUMNS,
+from .table import (DATA_FILES_KEY, FINGERPRINT_KEY, INTEGRITY_KEY, LABEL_COLUMN, SCAN_KEY, SETTINGS_KEY, TOKEN_COLUMNS,
                     TOKEN_SETTINGS_KEY, LengthIndex, LengthIndexError, check_index, derived_labels, read_index,
                     read_index_table, write_index)
 from .tokens import TOKEN_CACHE_BUDGET, TokenCache, encode_all, token_cache_bytes
 
 __all__ = [
-    "FINGERPRINT_KEY", "INTEGRITY_KEY", "LABEL_COLUMN", "SCAN_KEY", "SETTINGS_KEY", "TOKEN_CACHE_BUDGET",
-    "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig", "ScanResult",
+    "DATA_FILES_KEY", "FINGERPRINT_KEY", "INTEGRITY_KEY", "LABEL_COLUMN", "SCAN_KEY", "SETTINGS_KEY",
+    "TOKEN_CACHE_BUDGET", "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig", "ScanResult",
     "TokenCache", "check_ids_in_data", "check_index", "derived_labels", "encode_all", "index_settings",
     "read_index", "read_index_table", "scan_dataset", "scan_parts", "scan_source", "token_cache_bytes",
     "tokenizer_spec", "write_index",

@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..core.shapes import Shapes
-from .table import (FINGERPRINT_KEY, INDEX_FORMAT, SCAN_KEY, SETTINGS_KEY, TOKEN_COLUMNS, TOKEN_SETTINGS_KEY,
-                    LengthIndex, LengthIndexError, write_index)
+from .table import (DATA_FILES_KEY, FINGERPRINT_KEY, INDEX_FORMAT, SCAN_KEY, SETTINGS_KEY, TOKEN_COLUMNS,
+                    TOKEN_SETTINGS_KEY, LengthIndex, LengthIndexError, write_index)
 
 FAMILIES = ("decoder", "encoder_decoder")
 VISION_POLICIES = ("fixed", "tiling")
@@ -228,8 +228,10 @@ class ScanResult:
         """The index as a `LengthIndex` (Shapes, task names, where it came from), ready for planning."""
         from tokenization import task_names_of
 
+        files = self.table.schema.metadata.get(DATA_FILES_KEY)
         return LengthIndex(Shapes.from_arrow(self.table), task_names_of(self.table), self.meta["data"], True,
-                           {k: v for k, v in self.meta.items() if k not in ("data", "loader_errors")})
+                           {k: v for k, v in self.meta.items() if k not in ("data", "loader_errors")},
+                           data_files=json.loads(files) if files is not None else None)
 
     def summary(self) -> dict:
         """JSON-able figures: samples, skipped (by kind), truncated, tasks, token totals, timing."""
@@ -274,7 +276,7 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     backend's defaults: environment credentials, ``FSSPEC_S3_ENDPOINT_URL``...).
     """
     import loaders
-    from tokenization import load_tokenizer, resolve_chat
+    from tokenization import load_tokenizer, resolve_chat, tokenizer_fingerprint
 
     from ..engines import default_workers
 
@@ -302,8 +304,10 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
         del options["image_token_id"]
     options["tokenizer"] = spec if isinstance(spec, str) else tok.name
     options["chat_template"] = chat.record()  # which rendering, not the template's text
+    options["tokenizer_hash"] = tokenizer_fingerprint(tok)
     scan_meta = {"format": INDEX_FORMAT, "version": 1, "data": data_paths, **options, "loader_errors": errors}
-    table = _finish(table, {SCAN_KEY: json.dumps(scan_meta, sort_keys=True).encode()})
+    table = _finish(table, {SCAN_KEY: json.dumps(scan_meta, sort_keys=True).encode(),
+                            DATA_FILES_KEY: json.dumps(loaders.file_fingerprints(source)).encode()})
     return ScanResult(table, time.perf_counter() - t0, engine, workers, num_parts)
 
 
@@ -336,9 +340,12 @@ def check_ids_in_data(index: LengthIndex, name: str) -> None:
 
 def index_settings(formatter, vision, source=None) -> dict:
     """The tokenization settings an index depends on (a rebuilt index must match them)."""
+    from tokenization import tokenizer_fingerprint
+
     cfg = formatter.config
     out = {
         "tokenizer": getattr(formatter.tokenizer, "name", type(formatter.tokenizer).__name__),
+        "tokenizer_hash": tokenizer_fingerprint(formatter.tokenizer),
         "vocab_size": int(getattr(formatter.tokenizer, "vocab_size", 0)),
         "family": cfg.family, "max_input_tokens": cfg.max_input_tokens, "max_target_tokens": cfg.max_target_tokens,
         "max_total_tokens": cfg.max_total_tokens, "truncation_side": cfg.truncation_side, "add_bos": cfg.add_bos,
@@ -382,8 +389,10 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
                   keep_ids=keep_tokens, ids_budget=token_budget, progress=progress,
                   progress_total=getattr(source, "num_rows", None), progress_desc="dynabatch: length index")
     table, _ = scan_parts(source, formatter.tokenizer, kwargs, workers=1)
+    import loaders
+
     settings = json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode()
-    meta = {SETTINGS_KEY: settings}
+    meta = {SETTINGS_KEY: settings, DATA_FILES_KEY: json.dumps(loaders.file_fingerprints(source)).encode()}
     if all(c in table.column_names for c in TOKEN_COLUMNS):
         meta[TOKEN_SETTINGS_KEY] = settings
     return _finish(table, meta)

@@ -11,13 +11,18 @@ and the token-cache columns `TOKEN_COLUMNS`. Schema metadata (bytes keys, JSON v
     dynabatch.index_settings       tokenization settings of a DataLoader-built index
     dynabatch.token_settings       settings the token-cache columns were made with
     dynabatch.dataset_fingerprint  `Shapes.fingerprint()` of the index
+    dynabatch.data_files           the data files the index was made from (`loaders.file_fingerprints`)
     dynabatch.index_integrity      written by `write_index`: ``samples`` (rows), ``sample_id_checksum``
-                                   (sha256 of the sorted ids) and ``sample_id_sum`` (mod 2**64)
+                                   (sha256 of the sorted ids), ``sample_id_sum`` (mod 2**64),
+                                   ``columns`` (a checksum of every other column, keyed by sample id:
+                                   `dynabatch.integrity.column_checksums`) and ``metadata`` (a
+                                   digest of every other ``dynabatch.*`` entry)
 
 Every reader path (`read_index`, `read_index_table`) refuses, naming the file and the sample id, an
 index whose ids repeat, whose token counts are negative, or whose rows no longer match the
-integrity record (a row removed, added or changed after writing); samples with no tokens at all
-are reported (a warning).
+integrity record (a row removed, added or changed after writing), and naming the file and the
+column (or metadata entry) one whose values were edited (``input_tokens`` doubled, a count set to
+2**31-1...); samples with no tokens at all are reported (a warning).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 from tokenization import ID_COLUMNS, LABEL_COLUMN, SCAN_STATS_KEY, TASK_NAMES_KEY, task_names_of  # noqa: F401
 
+from .. import integrity
 from ..core.shapes import Shapes
 
 logger = logging.getLogger("dynabatch")
@@ -45,6 +51,8 @@ SETTINGS_KEY = b"dynabatch.index_settings"
 #: JSON of the tokenization settings the cached token ids were made with.
 TOKEN_SETTINGS_KEY = b"dynabatch.token_settings"
 INTEGRITY_KEY = b"dynabatch.index_integrity"
+#: JSON list of the data files the index was made from (`loaders.file_fingerprints`).
+DATA_FILES_KEY = b"dynabatch.data_files"
 #: Token-cache columns (``large_list<int32>``): input ids, then labels (decoder) or target ids.
 TOKEN_COLUMNS = ID_COLUMNS
 INDEX_FORMAT = "dynabatch.length_index"
@@ -65,8 +73,9 @@ class LengthIndex:
     ``scanned`` (tokenized just now), ``scan_options`` (``dynabatch.scan`` metadata),
     ``label_tokens`` (loss labels per sample: exact when the index has the column,
     ``exact_labels``; else derived from ``target_tokens`` when a family was given, see
-    `derived_labels`; else None), ``settings`` (``dynabatch.index_settings``) and
-    ``given_fingerprint`` (fingerprint in the order the rows were given).
+    `derived_labels`; else None), ``settings`` (``dynabatch.index_settings``),
+    ``given_fingerprint`` (fingerprint in the order the rows were given) and ``data_files``
+    (`loaders.file_fingerprints` of the data it was made from; None when not recorded).
     """
 
     shapes: Shapes
@@ -78,6 +87,7 @@ class LengthIndex:
     exact_labels: bool = False
     settings: dict | None = None
     given_fingerprint: str | None = None
+    data_files: list | None = None
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -93,6 +103,28 @@ class LengthIndex:
         task numberings scanners use (task ids do not change plans)."""
         return frozenset({self.fingerprint, self.given_fingerprint or self.fingerprint,
                           *_task_variants(self.shapes)})
+
+    @property
+    def tokenizer_hash(self) -> str | None:
+        """`tokenization.tokenizer_fingerprint` of the tokenizer that counted the index (None when
+        not recorded: indexes of older releases, or plain length tables)."""
+        return (self.settings or {}).get("tokenizer_hash") or self.scan_options.get("tokenizer_hash")
+
+    @property
+    def tokenizer_name(self) -> str | None:
+        """The name or spec of the tokenizer that counted the index, when recorded."""
+        return (self.settings or {}).get("tokenizer") or self.scan_options.get("tokenizer")
+
+    def check_origin(self, source, tokenizer, where: str | None = None) -> None:
+        """Refuse (`LengthIndexError`, naming the index file ``where`` and the data file or both
+        tokenizers) to serve a loader reading ``source`` with ``tokenizer`` when the index recorded
+        other data files or another tokenizer (`dynabatch.integrity.check_data_files`, `check_tokenizer`)."""
+        where = where or (self.paths[0] if len(self.paths) == 1 else "the length index")
+        integrity.check_data_files(LengthIndexError, where, self.data_files, source,
+                                   "re-scan the data (dynabatch scan), or read the data the index was made from")
+        integrity.check_tokenizer(LengthIndexError, where, self.tokenizer_hash, self.tokenizer_name, tokenizer,
+                                  "re-scan the data with this tokenizer (dynabatch scan --tokenizer ...), or give the "
+                                  "loader the tokenizer the index was made with")
 
     def positions(self, sample_ids) -> np.ndarray:
         """Positions of ``sample_ids`` in the (sorted) index; KeyError for ids not in it."""
@@ -116,6 +148,8 @@ class LengthIndex:
             meta[SCAN_KEY] = json.dumps(self.scan_options, sort_keys=True).encode()
         if self.settings is not None:
             meta[SETTINGS_KEY] = json.dumps(self.settings, sort_keys=True).encode()
+        if self.data_files is not None:
+            meta[DATA_FILES_KEY] = json.dumps(self.data_files).encode()
         return table.replace_schema_metadata(meta)
 
 
@@ -149,13 +183,27 @@ def derived_labels(shapes: Shapes, family: str, max_len=None, max_target_len=Non
 
 # -- integrity --------------------------------------------------------------------------------
 
-def integrity_record(sample_ids) -> dict:
-    """What `write_index` records of the ``sample_id`` column (independent of row order)."""
+def integrity_record(sample_ids, table: pa.Table | None = None) -> dict:
+    """What `write_index` records of the ``sample_id`` column (independent of row order) and, given
+    the ``table``, of its other columns and metadata (see the module docstring)."""
     ids = np.sort(np.asarray(sample_ids, np.int64))
     with np.errstate(over="ignore"):
         total = int(ids.astype(np.uint64).sum(dtype=np.uint64))
-    return {"samples": len(ids), "sample_id_checksum": hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16],
-            "sample_id_sum": total}
+    rec = {"samples": len(ids), "sample_id_checksum": hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16],
+           "sample_id_sum": total}
+    if table is not None:
+        rec.update(columns=_column_checksums(table),
+                   metadata=integrity.metadata_digests(table.schema.metadata, skip=(INTEGRITY_KEY.decode(),)))
+    return rec
+
+
+def _column_checksums(table: pa.Table) -> dict[str, str]:
+    """Checksums of every column but ``sample_id``, each row keyed by its sample id."""
+    ids = table.column("sample_id").to_numpy(zero_copy_only=False).astype(np.int64)
+    return integrity.column_checksums(table, ids, skip=("sample_id",))
+
+
+_RESCAN = "re-scan the data (dynabatch scan), or use the index exactly as it was written"
 
 
 def check_index(table: pa.Table, name: str) -> None:
@@ -170,10 +218,19 @@ def check_index(table: pa.Table, name: str) -> None:
                                "row?); a plan names samples by id, so ids must be unique")
     raw = (table.schema.metadata or {}).get(INTEGRITY_KEY)
     if raw is not None:
-        want, got = json.loads(raw), integrity_record(s)
-        if want["samples"] != got["samples"] or want["sample_id_checksum"] != got["sample_id_checksum"]:
+        try:
+            want, got = json.loads(raw), integrity_record(s)
+            same = want["samples"] == got["samples"] and want["sample_id_checksum"] == got["sample_id_checksum"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise LengthIndexError(f"{name}: its {INTEGRITY_KEY.decode()} record cannot be read ({e}); "
+                                   f"{_RESCAN}") from None
+        if not same:
             raise LengthIndexError(f"{name}: {_edit(want, got, s)}; the index was changed after it was written: "
                                    "re-scan the data (dynabatch scan)")
+        if "columns" in want:  # indexes of older releases record the sample ids only
+            integrity.check(LengthIndexError, name, "column", want["columns"], _column_checksums(table), _RESCAN)
+            integrity.check(LengthIndexError, name, "metadata entry", want.get("metadata", {}),
+                            integrity.metadata_digests(table.schema.metadata, skip=(INTEGRITY_KEY.decode(),)), _RESCAN)
     total = np.zeros(len(ids), np.int64)
     for c in ("input_tokens", "target_tokens", "vision_tokens"):
         if c in table.column_names:
@@ -287,8 +344,9 @@ def read_index(source, *, family: str | None = None, max_len: int | None = None,
     elif family is not None:
         labels = derived_labels(shapes, family, max_len, max_target_len, bos)
     settings = json.loads(meta[SETTINGS_KEY]) if SETTINGS_KEY in meta else None
+    files = json.loads(meta[DATA_FILES_KEY]) if DATA_FILES_KEY in meta else None
     return LengthIndex(shapes, task_names_of(table), paths, False, json.loads(meta.get(SCAN_KEY, b"{}")), labels,
-                       exact, settings, given.fingerprint() if order is not None else None)
+                       exact, settings, given.fingerprint() if order is not None else None, files)
 
 
 def _sorted(ids: np.ndarray) -> bool:
@@ -301,7 +359,7 @@ def write_index(index, path) -> None:
     The same table gives the same bytes."""
     table = index.to_table() if isinstance(index, LengthIndex) else _load(index)[0]
     meta = dict(table.schema.metadata or {})
-    meta[INTEGRITY_KEY] = json.dumps(integrity_record(table.column("sample_id").to_numpy())).encode()
+    meta[INTEGRITY_KEY] = json.dumps(integrity_record(table.column("sample_id").to_numpy(), table)).encode()
     table = table.replace_schema_metadata(meta)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

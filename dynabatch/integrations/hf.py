@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import glob
 import inspect
-import json
 import math
 import os
 
@@ -40,6 +39,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..loader.collate import model_inputs
+from ..loader.state import load_loader_state, save_loader_state
 from ..loader.step import Step
 from .accumulation import step_backward
 
@@ -254,9 +254,7 @@ class DynabatchTrainer(Trainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, LOADER_STATE_NAME.format(rank=self.train_loader.rank))
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.train_loader.state_dict(), f)
-        os.replace(path + ".tmp", path)
+        save_loader_state(self.train_loader.state_dict(), path)  # atomic, with its integrity record
         super()._save_checkpoint(model, trial)
 
     def _load_loader_state(self, checkpoint: str) -> None:
@@ -268,10 +266,7 @@ class DynabatchTrainer(Trainer):
                 f"{checkpoint} holds no dynabatch loader state ({LOADER_STATE_NAME.format(rank=loader.rank)}): it was "
                 "not saved by DynabatchTrainer, and skipping batches would not resume a dynabatch loader exactly. "
                 "Start a new run, or load the loader's state_dict() yourself and train without resume_from_checkpoint")
-        states = []
-        for p in paths:
-            with open(p) as f:
-                states.append(json.load(f))
+        states = [load_loader_state(p) for p in paths]  # checked: names the file of an edited or damaged state
         mine = [s for p, s in zip(paths, states) if p == own]
         same_world = mine and mine[0][mine[0]["mode"]]["layout"]["world_size"] == loader.world_size
         loader.load_state_dict(mine[0] if same_world else states)

@@ -12,7 +12,7 @@ Names are imported lazily (torch is only needed once the loader is used)."""
 _NAMES = {
     "DataLoader": "dataloader", "build_index": "dataloader", "Step": "step", "LoaderSettings": "options",
     "Mode": "modes", "IndexedMode": "modes", "ReplayMode": "modes", "StreamingMode": "modes",
-    "LoaderStateError": "state", "merge_states": "state",
+    "LoaderStateError": "state", "merge_states": "state", "load_loader_state": "state", "save_loader_state": "state",
 }
 __all__ = sorted(_NAMES)
 

@@ -1,11 +1,11 @@
 """`DataLoader` state dicts: their nested layout, how they are checked and how ranks' states merge.
 
 A DataLoader state is a JSON-serializable dict ``{"format": "dynabatch.loader_state", "version":
-2, "mode": <mode>, <mode>: <the mode's state>}``; the mode object (`dynabatch.loader.modes`)
-makes and loads the inner state alone (``mode.state_dict()`` / ``mode.load_state_dict()``), the way
-torchdata nodes nest their children's states. Every mode state holds an ``identity`` (dataset
-fingerprint and the options that decide the batches; a state is refused by a loader whose identity
-differs), the ``layout`` (``rank``, ``world_size``, ``num_workers``) and the position: ``epoch``,
+3, "mode": <mode>, <mode>: <the mode's state>, "integrity": {"fields": {...}}}``; the mode object
+(`dynabatch.loader.modes`) makes and loads the inner state alone (``mode.state_dict()`` /
+``mode.load_state_dict()``), the way torchdata nodes nest their children's states. Every mode state
+holds an ``identity`` (dataset fingerprint, the data files and tokenizer hash, `origin_identity`,
+and the options that decide the batches; a state is refused by a loader whose identity differs), the ``layout`` (``rank``, ``world_size``, ``num_workers``) and the position: ``epoch``,
 ``step``, ``step_in_epoch``, ``microbatch`` (micro-batches of that step this rank has yielded) and
 ``consumed`` (their sample ids); ``fresh`` marks the start of an epoch. They are cheap: positions
 and ids, never sample contents (except for sources without random access).
@@ -18,16 +18,31 @@ and ids, never sample contents (except for sources without random access).
 
 `merge_states` combines the states of *all* ranks of a run into one state that loads on any
 world size (and, streaming, any number of workers): it lists what nobody has consumed yet.
+
+``integrity`` (`dynabatch.integrity.field_digests`: a digest of every field, e.g.
+``indexed.step_in_epoch``, ``indexed.identity.seed``) is written by `wrap` and checked whenever a
+state is loaded or merged: a state edited or damaged after it was saved (an ``epoch``,
+``step_in_epoch``, ``exclude`` or ``consumed`` changed by hand) is refused naming the fields.
+`save_loader_state` writes a state atomically (temporary file, fsync, rename); `load_loader_state`
+reads one, naming the file in every error (empty, truncated, not JSON, edited).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import numpy as np
 
+from .. import integrity
+
 STATE_FORMAT = "dynabatch.loader_state"
-STATE_VERSION = 2
+STATE_VERSION = 3
+INTEGRITY = "integrity"
+#: what to do when a state is refused as edited or damaged
+_FIX = ("resume from the state file exactly as it was saved, or start the epoch anew (set_epoch(epoch) without "
+        "load_state_dict)")
 
 
 class LoaderStateError(ValueError):
@@ -35,16 +50,74 @@ class LoaderStateError(ValueError):
 
 
 def wrap(mode: str, mode_state: dict) -> dict:
-    """The DataLoader state holding ``mode_state`` under the key ``mode``."""
-    return {"format": STATE_FORMAT, "version": STATE_VERSION, "mode": mode, mode: mode_state}
+    """The DataLoader state holding ``mode_state`` under the key ``mode``, with its integrity record."""
+    state = {"format": STATE_FORMAT, "version": STATE_VERSION, "mode": mode, mode: mode_state}
+    state[INTEGRITY] = {"fields": integrity.field_digests(json.loads(json.dumps(state)))}
+    return state
 
 
-def _check_outer(state) -> None:
+def _check_outer(state, where: str = "the DataLoader state") -> None:
+    """Refuse what is not a DataLoader state of this version, or one whose fields do not match its
+    integrity record; messages start with ``where`` (the file it was read from)."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise LoaderStateError(f"not a dynabatch DataLoader state: {str(state)[:80]}")
+        raise LoaderStateError(f"{where} is not a dynabatch DataLoader state: {str(state)[:80]}")
     if state.get("version") != STATE_VERSION:
-        raise LoaderStateError(f"DataLoader state version {state.get('version')} is not supported "
-                               f"(this dynabatch reads {STATE_VERSION})")
+        raise LoaderStateError(f"{where}: DataLoader state version {state.get('version')} is not supported (this "
+                               f"dynabatch reads {STATE_VERSION}, whose states carry an integrity record); resume "
+                               "with the dynabatch that saved it, or start the epoch anew")
+    rec = state.get(INTEGRITY)
+    if not isinstance(rec, dict) or not isinstance(rec.get("fields"), dict):
+        raise LoaderStateError(f"{where} has no integrity record (its '{INTEGRITY}' field is missing or damaged), so "
+                               f"its position cannot be trusted; {_FIX}")
+    body = json.loads(json.dumps({k: v for k, v in state.items() if k != INTEGRITY}))  # as a file holds it
+    integrity.check(LoaderStateError, where, "field", rec["fields"], integrity.field_digests(body), _FIX)
+
+
+def save_loader_state(state: dict, path) -> None:
+    """Write a DataLoader state (`DataLoader.state_dict`) to ``path`` as JSON, atomically: a
+    temporary file in the same folder, flushed and fsynced, then renamed over ``path``; a crash
+    leaves the old file or the new one, never a part."""
+    _check_outer(state)
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    try:  # the rename itself survives a power loss once the folder is synced
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_loader_state(path) -> dict:
+    """Read a DataLoader state written by `save_loader_state` (or any JSON dump of a
+    `DataLoader.state_dict`), checked (`LoaderStateError` naming the file when it is empty,
+    truncated, not JSON, or edited: see the module docstring). Load it with ``load_state_dict``."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        raise LoaderStateError(f"{path}: the DataLoader state file is empty (a save that did not finish?); resume "
+                               "from an earlier checkpoint, or start the epoch anew")
+    try:
+        state = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoaderStateError(f"{path}: the DataLoader state file is not valid JSON ({e}; {len(raw)} bytes: truncated "
+                               "or damaged); resume from an earlier checkpoint, or start the epoch anew") from None
+    _check_outer(state, str(path))
+    return state
 
 
 def unwrap(state, mode: str) -> dict:
@@ -56,11 +129,27 @@ def unwrap(state, mode: str) -> dict:
     return state[mode]
 
 
-def check_identity(state: dict, identity: dict) -> None:
-    """Raise `LoaderStateError` unless a mode state was saved with ``identity``."""
+def origin_identity(source, tokenizer) -> dict:
+    """The identity entries every mode state carries: ``data_files`` (`loaders.file_fingerprints`
+    of ``source``) and ``tokenizer_hash`` (`tokenization.tokenizer_fingerprint`)."""
+    import loaders
+    from tokenization import tokenizer_fingerprint
+
+    return {"data_files": loaders.file_fingerprints(source), "tokenizer_hash": tokenizer_fingerprint(tokenizer)}
+
+
+def check_identity(state: dict, identity: dict, source=None, tokenizer=None) -> None:
+    """Raise `LoaderStateError` unless a mode state was saved with ``identity``; a change of the
+    data files of ``source`` is named by file, another ``tokenizer`` by its name and both hashes."""
     if not isinstance(state, dict) or "identity" not in state:
         raise LoaderStateError(f"not a DataLoader mode state: {str(state)[:80]}")
     saved = state["identity"]
+    fix = "resume with the data and tokenizer the state was saved with, or start the epoch anew"
+    if saved.get("data_files") != identity.get("data_files"):
+        integrity.check_data_files(LoaderStateError, "the DataLoader state", saved.get("data_files"), source, fix)
+    if saved.get("tokenizer_hash") != identity.get("tokenizer_hash") and tokenizer is not None:
+        integrity.check_tokenizer(LoaderStateError, "the DataLoader state", saved.get("tokenizer_hash"), None,
+                                  tokenizer, fix)
     for key in sorted(set(saved) | set(identity)):
         if saved.get(key) != identity.get(key):
             raise LoaderStateError(f"the state was saved with {key}={saved.get(key)!r}, but this DataLoader has "

@@ -130,6 +130,10 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
         fmt.INDEX_KEY: json.dumps({"paths": index.paths, "samples": len(shapes), "scanned": index.scanned,
                                    "scan": index.scan_options}, sort_keys=True),
     }
+    if getattr(index, "data_files", None) is not None:  # what the plan depends on, checked by the replay loader
+        meta[fmt.DATA_FILES_KEY] = json.dumps(index.data_files)
+    if getattr(index, "tokenizer_hash", None) is not None:
+        meta[fmt.TOKENIZER_HASH_KEY] = index.tokenizer_hash
     table = plans_to_arrow(plans, meta)
     return RunPlan(_with_sample_columns(table, shapes, cost, config, per_epoch))
 
@@ -148,7 +152,7 @@ def _with_sample_columns(table: pa.Table, shapes: Shapes, cost: CostModel, confi
     main, dec, _ = cost.sample_dims(shapes, config.max_len, config.max_target_len)
     tok = (main + dec)[pos]
     table = table.append_column("sample_tokens", pa.array(tok.astype(np.int32)))
-    cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID, fmt.EPOCH)}
-    meta = {k.decode(): v.decode() for k, v in meta.items()}
-    meta.update(fmt.integrity_metadata(cols, int(meta[fmt.NUM_RANKS_KEY])))  # now with distinct ids per epoch
+    meta = {k.decode(): v.decode() for k, v in meta.items() if k.decode() != fmt.INTEGRITY_KEY}
+    table = table.replace_schema_metadata(meta)
+    meta.update(fmt.integrity_metadata(table, int(meta[fmt.NUM_RANKS_KEY])))  # now with the sample columns
     return table.replace_schema_metadata(meta)

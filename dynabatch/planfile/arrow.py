@@ -153,7 +153,7 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
     merged[fmt.SCHEDULE_KEY] = plans[0].schedule if len(set(schedules.values())) == 1 else "auto"
     merged[fmt.STEP_SCHEDULE_KEY] = json.dumps(schedules)
     merged.update(metadata or {})
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
-    cols = {c: table.column(c).to_numpy() for c in (fmt.STEP, fmt.RANK, fmt.MICROBATCH, fmt.SAMPLE_ID)}
-    merged.update(fmt.integrity_metadata(cols, world))
+    merged.pop(fmt.INTEGRITY_KEY, None)
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(merged)
+    merged.update(fmt.integrity_metadata(table, world))
     return table.replace_schema_metadata(merged)

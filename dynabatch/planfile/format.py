@@ -63,7 +63,15 @@ Metadata keys (all strings; JSON where noted):
                                    the same sum mod 2**32 per step and rank, little-endian uint32,
                                    [steps, num_ranks]) with ``step_rank_counts`` (base64 of zlib of
                                    uint32 rows per step and rank), so a mismatch names the step
-                                   and rank.
+                                   and rank; ``columns``: a checksum of every other column
+                                   (`dynabatch.integrity.column_checksums`, rows ordered by step,
+                                   rank and micro-batch, however they are stored) and ``metadata``: a
+                                   digest of every other ``dynabatch.*`` entry, so an edited
+                                   ``input_len``, ``time_s``, ``row``, ... or option is named.
+    dynabatch.data_files           JSON list of the planned data files (`loaders.file_fingerprints`
+                                   of the index), when the index recorded them
+    dynabatch.tokenizer_hash       `tokenization.tokenizer_fingerprint` of the tokenizer that counted
+                                   the index, when recorded
 """
 
 from __future__ import annotations
@@ -73,7 +81,9 @@ import json
 import zlib
 
 import numpy as np
+import pyarrow as pa
 
+from .. import integrity
 from ..core.batchplan import MB_FIELDS
 
 #: Version of the row format (`BatchPlan.to_arrow`).
@@ -102,6 +112,8 @@ TASK_NAMES_KEY = "dynabatch.task_names"
 INDEX_KEY = "dynabatch.index"
 CREATED_BY_KEY = "dynabatch.created_by"
 INTEGRITY_KEY = "dynabatch.integrity"
+DATA_FILES_KEY = "dynabatch.data_files"
+TOKENIZER_HASH_KEY = "dynabatch.tokenizer_hash"
 
 #: Keys every step of a multi-step table shares (`plans_to_arrow` refuses plans that differ; the
 #: schedule may differ per step, see ``dynabatch.step_schedule``).
@@ -140,29 +152,18 @@ REQUIRED_COLUMNS = (STEP, RANK, MICROBATCH, SAMPLE_ID)
 
 # -- integrity -----------------------------------------------------------------------------------------
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LOW32 = np.uint64(0xFFFFFFFF)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
-    return x
 
 
 def placement_hashes(step, rank, microbatch, sample_id) -> np.ndarray:
     """One 64-bit hash per row of (step, rank, micro-batch, sample id); summed (mod 2**64) they give a
     checksum that does not depend on row order but changes when a row is deleted, duplicated or edited."""
     with np.errstate(over="ignore"):
-        x = np.asarray(sample_id, np.int64).astype(np.uint64) * _GOLDEN
+        x = np.asarray(sample_id, np.int64).astype(np.uint64) * integrity.GOLDEN
         x += np.asarray(step, np.int64).astype(np.uint64) * _M1
         x += np.asarray(rank, np.int64).astype(np.uint64) * _M2
         x += np.asarray(microbatch, np.int64).astype(np.uint64)
-        return _mix(_mix(x))
+        return integrity.mix(integrity.mix(x))
 
 
 def step_rank_sums(step, rank, hashes: np.ndarray, first_step: int, num_steps: int,
@@ -183,8 +184,7 @@ def step_rank_sums(step, rank, hashes: np.ndarray, first_step: int, num_steps: i
 
 def checksum(hashes: np.ndarray) -> int:
     """The file-level checksum: the row hashes summed mod 2**64."""
-    with np.errstate(over="ignore"):
-        return int(np.sum(hashes, dtype=np.uint64))
+    return integrity.sum64(hashes)
 
 
 def distinct_count(values: np.ndarray) -> int:
@@ -221,9 +221,26 @@ def _unb64(text: str, dtype: str, compressed: bool = False) -> np.ndarray:
     return np.frombuffer(zlib.decompress(raw) if compressed else raw, dtype=dtype)
 
 
-def integrity_record(columns: dict, num_ranks: int) -> dict:
-    """The ``dynabatch.integrity`` record of a table's columns (numpy arrays named as in `COLUMNS`:
-    ``step``, ``rank``, ``microbatch``, ``sample_id`` and, when present, ``epoch``)."""
+def column_checksums(table: pa.Table) -> dict[str, str]:
+    """Checksums of every column but the placement (`REQUIRED_COLUMNS`, which the placement hashes
+    cover), the rows ordered by step, rank and micro-batch (their order within a micro-batch, the
+    sample order, counts)."""
+    step, rank, mb = (table.column(c).to_numpy().astype(np.int64) for c in (STEP, RANK, MICROBATCH))
+    key = step - (int(step.min()) if len(step) else 0)
+    key = (key * (int(rank.max(initial=0)) + 1) + rank) * (int(mb.max(initial=0)) + 1) + mb
+    return integrity.column_checksums(table, key, skip=REQUIRED_COLUMNS)
+
+
+def metadata_digests(metadata) -> dict[str, str]:
+    """Digests of a plan's ``dynabatch.*`` metadata entries but the integrity record itself."""
+    return integrity.metadata_digests(metadata, skip=(INTEGRITY_KEY,))
+
+
+def integrity_record(table: pa.Table, num_ranks: int) -> dict:
+    """The ``dynabatch.integrity`` record of a plan table (its columns named as in `COLUMNS`, and
+    its metadata but this record)."""
+    columns = {c: table.column(c).to_numpy() for c in (STEP, RANK, MICROBATCH, SAMPLE_ID, EPOCH)
+               if c in table.column_names}
     step = np.asarray(columns[STEP], np.int64)
     hashes = placement_hashes(step, columns[RANK], columns[MICROBATCH], columns[SAMPLE_ID])
     first = int(step.min()) if len(step) else 0
@@ -240,12 +257,15 @@ def integrity_record(columns: dict, num_ranks: int) -> dict:
     }
     if columns.get(EPOCH) is not None:
         rec["distinct_samples"] = distinct_per_epoch(columns[EPOCH], columns[SAMPLE_ID])
+    rec["columns"] = column_checksums(table)
+    rec["metadata"] = metadata_digests(table.schema.metadata)
     return rec
 
 
-def integrity_metadata(columns: dict, num_ranks: int) -> dict[str, str]:
-    """``{INTEGRITY_KEY: JSON of integrity_record(...)}``, ready to merge into a table's metadata."""
-    return {INTEGRITY_KEY: json.dumps(integrity_record(columns, num_ranks), sort_keys=True)}
+def integrity_metadata(table: pa.Table, num_ranks: int) -> dict[str, str]:
+    """``{INTEGRITY_KEY: JSON of integrity_record(...)}``, ready to merge into the table's metadata
+    (made last: it covers every other entry)."""
+    return {INTEGRITY_KEY: json.dumps(integrity_record(table, num_ranks), sort_keys=True)}
 
 
 def decode_step_rank_checksums(record: dict) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Integrity of a plan file: the one `PlanMismatchError`, and the check that refuses rows edited
 after writing (a sample placed twice in an epoch, rows deleted, added or changed), naming the step
-and rank. The record itself (`integrity_metadata`, checksums) is defined in `format`."""
+and rank, and values or metadata edited (naming the column or entry). The record itself
+(`integrity_metadata`, checksums) is defined in `format`, the column checksums in
+`dynabatch.integrity`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 
 import numpy as np
 
+from .. import integrity
 from . import format as fmt
 
 _SHOW = 3  # problems of one kind named in a message
@@ -88,3 +91,8 @@ def verify_rows(where: str, metadata: dict, table, steps, rank, ids, epoch_rows)
     if problems:
         raise PlanMismatchError(f"{where} was changed after it was written: " + "; ".join(problems)
                                 + "; re-create it with `dynabatch plan`")
+    if "columns" in rec:  # plans of older releases record the placements only
+        fix = "re-plan with `dynabatch plan` (or use the plan file exactly as it was written)"
+        integrity.check(PlanMismatchError, where, "column", rec["columns"], fmt.column_checksums(table), fix)
+        integrity.check(PlanMismatchError, where, "metadata entry", rec.get("metadata", {}),
+                        fmt.metadata_digests(metadata), fix)

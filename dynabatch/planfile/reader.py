@@ -262,6 +262,27 @@ class RunPlan:
         return self._raw_options.get("tokenizer")
 
     @property
+    def data_files(self) -> list | None:
+        """The planned data files (`loaders.file_fingerprints` of the index), None when not recorded."""
+        raw = self.metadata.get(fmt.DATA_FILES_KEY)
+        return None if raw is None else json.loads(raw)
+
+    @property
+    def tokenizer_hash(self) -> str | None:
+        """`tokenization.tokenizer_fingerprint` of the tokenizer that counted the planned index, when recorded."""
+        return self.metadata.get(fmt.TOKENIZER_HASH_KEY)
+
+    def check_origin(self, source, tokenizer) -> None:
+        """Refuse (`PlanMismatchError`, naming the plan file and the data file or both tokenizers) to
+        replay the plan over ``source`` with ``tokenizer`` when it recorded other data files or
+        another tokenizer."""
+        from .. import integrity
+
+        fix = "re-plan with `dynabatch plan` for this data and tokenizer, or use those the plan was made from"
+        integrity.check_data_files(PlanMismatchError, self.name, self.data_files, source, fix)
+        integrity.check_tokenizer(PlanMismatchError, self.name, self.tokenizer_hash, self.tokenizer, tokenizer, fix)
+
+    @property
     def family(self) -> str | None:
         """``decoder`` or ``encoder_decoder``, when recorded."""
         return self._raw_options.get("family")

@@ -58,7 +58,8 @@ class Mode(ABC):
 
     def __init__(self, ctx: Context, identity: dict):
         self.ctx = ctx
-        self.identity = identity
+        # every mode's state also depends on the data files' content and the tokenizer (checked by name)
+        self.identity = {**identity, **lstate.origin_identity(ctx.source, ctx.formatter.tokenizer)}
         self.epoch = 0
         self._resume: dict | None = None  # where the next iteration starts (internal form)
         self._loaded: dict | None = None  # the state last loaded, until iteration starts
@@ -212,7 +213,7 @@ class Mode(ABC):
         if isinstance(state, (list, tuple)):
             state = (lstate.merge_mode_states(self.name, list(state)) if len(state) > 1 or self.ctx.world_size != 1
                      else state[0])
-        lstate.check_identity(state, self.identity)
+        lstate.check_identity(state, self.identity, self.ctx.source, self.ctx.formatter.tokenizer)
         state = copy.deepcopy(state)
         self.close()
         self._pos = None

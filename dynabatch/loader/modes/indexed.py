@@ -23,6 +23,7 @@ from ..ahead import fork_available
 from ..indexed_steps import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
                        WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
                        token_cache_bytes, write_index_table)
+from ...index import LengthIndexError
 from ..processes import WorkerInit, start_workers, warm_kernels
 from ..records import ReadyStep
 from ..stream_planner import _identity
@@ -60,6 +61,8 @@ def open_index(ctx: Context, index, index_cache):
     table = read_index_table(index)
     o = ctx.options
     idx = load_index(table, ctx.family, o.max_len, o.max_target_len, bos=int(ctx.formatter.config.add_bos))
+    # made from these data files with this tokenizer (when the index recorded them), else refused
+    idx.check_origin(ctx.source, ctx.formatter.tokenizer, str(index) if isinstance(index, (str, os.PathLike)) else None)
     if idx.settings is not None:
         theirs = {k: v for k, v in idx.settings.items() if k in settings and k != "source_fingerprint"}
         diff = {k: (v, settings[k]) for k, v in theirs.items() if settings[k] != v}
@@ -98,8 +101,12 @@ def _token_cache(ctx: Context, index, table, settings) -> TokenCache | None:
 
 def _scan_index(ctx: Context, index_cache, settings, keep_tokens: bool = False):
     if index_cache is not None and os.path.exists(index_cache):
-        table = read_index_table(index_cache)
-        raw = (table.schema.metadata or {}).get(b"dynabatch.index_settings")
+        try:
+            table = read_index_table(index_cache)
+        except LengthIndexError as e:  # a cache edited or damaged since it was written is made again
+            logger.warning("%s: rebuilding the index cache", e)
+            table = None
+        raw = (table.schema.metadata or {}).get(b"dynabatch.index_settings") if table is not None else None
         if raw is not None and json.loads(raw) == settings:
             return table
         logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)

@@ -18,6 +18,7 @@ class ReplayMode(IndexedMode):
 def build_replay(ctx: Context, run, explicit: dict, index=None, index_cache=None) -> ReplayMode:
     """Check ``run`` (a `dynabatch.planfile.RunPlan`) against the data and the job
     (`PlanMismatchError`) and replay it."""
+    run.check_origin(ctx.source, ctx.formatter.tokenizer)
     idx, _, tokens = open_index(ctx, index, index_cache)
     o = ctx.options
     run.check(dataset_fingerprint=idx.fingerprints, num_ranks=ctx.world_size, num_stages=o.num_stages,
