@@ -50,12 +50,13 @@ def build(config, seed: int = 0, dtype=torch.float64):
     return build_model(config, empty=False, dtype=dtype)
 
 
-def grad_gap(model, ref) -> tuple[float, float]:
+def grad_gap(model, ref, layers=None) -> tuple[float, float]:
     """(largest |grad - reference grad|, largest |reference grad|) over every parameter of the layered
-    ``model`` against the Hugging Face model ``ref``, matched by state-dict name."""
+    ``model``'s ``layers`` (default all) against the Hugging Face model ``ref``, matched by state-dict name."""
     named = dict(ref.named_parameters())
     diff = scale = 0.0
-    for i, layer in enumerate(model.layers):
+    for i in (range(len(model.layers)) if layers is None else layers):
+        layer = model.layers[i]
         for path, key in model.param_keys(i).items():
             p, q = layer.get_parameter(path), named[key]
             if p.is_meta:

@@ -188,3 +188,37 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     state = {k: v for k, v in hf.state_dict().items()}
     model = from_hf(hf.config, weights=state, dtype=torch.float32)
     assert torch.equal(model.layers[1].block.mlp.up_proj.weight, hf.model.layers[0].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
+    """Each stage (loaded alone from a folder) saves its part; merge_stages writes a save_pretrained folder
+    whose from_pretrained model gives the same logits; a missing part or disagreeing tied copies are named."""
+    from dynabatch.pipeline.hf import hf_inputs, merge_stages, save_stage
+
+    cfg = t5_config() if family == "t5" else decoder_config("llama", tie_word_embeddings=True)
+    hf = build(cfg, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "src")
+    n = len(from_hf(hf).layers)
+    bounds = [0, 2, n]
+    for s in range(2):
+        layers = range(bounds[s], bounds[s + 1])
+        save_stage(from_hf(tmp_path / "src", layers=layers), layers, tmp_path / "ckpt", s, 2)
+    out = merge_stages(tmp_path / "ckpt", tmp_path / "merged")
+    back = type(hf).from_pretrained(out)
+    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 5 if family == "t5" else 0),
+                                     torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(**hf_inputs(batch)).logits, back(**hf_inputs(batch)).logits)
+    # a tied copy that was updated on one stage only
+    save_stage(from_hf(tmp_path / "src", layers=range(0, 2)), range(0, 2), tmp_path / "bad", 0, 2)
+    other = from_hf(tmp_path / "src", layers=range(2, n))
+    tie = next(iter(other.tied_parameters().values()))
+    with torch.no_grad():
+        other.layers[tie[-1][0]].get_parameter(tie[-1][1]).add_(1.0)
+    save_stage(other, range(2, n), tmp_path / "bad", 1, 2)
+    with pytest.raises(ValueError, match="differs between stage 0 and stage 1"):
+        merge_stages(tmp_path / "bad", tmp_path / "m2")
+    (tmp_path / "ckpt" / "stage-00001-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lacks stage part\(s\) \['stage-00001-of-00002.safetensors'\]"):
+        merge_stages(tmp_path / "ckpt", tmp_path / "m3")

@@ -12,9 +12,12 @@ See docs/pipeline_hf.md.
 """
 
 from .build import adapt, build_model, from_hf
+from .checkpoint import merge_stages, save_stage
 from .common import HFLayeredModel, UnsupportedModel
 from .reference import hf_inputs, hf_reference_step
+from .ties import TiedGradients, tie_stages
 from .weights import WeightSource, materialize, parameter_bytes
 
 __all__ = ["from_hf", "adapt", "build_model", "HFLayeredModel", "UnsupportedModel", "hf_inputs", "hf_reference_step",
-           "WeightSource", "materialize", "parameter_bytes"]
+           "WeightSource", "materialize", "parameter_bytes", "TiedGradients", "tie_stages",
+           "save_stage", "merge_stages"]
