@@ -20,6 +20,7 @@ from ._access import open_access, split_sample_ids
 from ._fs import Storage, is_url
 from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
+from ._optional import optional_module
 from ._open import (
     ArrowSource,
     HFIterableSource,
@@ -70,6 +71,7 @@ __all__ = [
     "normalized_sample",
     "open_access",
     "open_source",
+    "optional_module",
     "requeue_samples",
     "split_sample_ids",
 ]
