@@ -44,6 +44,10 @@ class GpuBenchConfig:
     recompute_fraction: float = 0.5  # device activation limit = this x dp's largest planned peak
     multimodel_steps: int = 3
     lr: float = 1e-4
+    #: activation bytes one micro-batch may hold (the planner's ``memory_limit``): the device also holds every
+    #: arm's weights and optimizer state, which the preset's default limit does not know of; None: the default
+    microbatch_memory_bytes: float | None = 12 * 2**30
+    loader_workers: int = 2  # DataLoader worker processes per training arm (tokenization off the step's path)
     seed: int = 0
     attn_implementation: str = "sdpa"  # the Hugging Face attention the model runs ("flex_attention", "eager")
     data: tuple = ()  # JSONL files; () = the shared FLAN sample where present, else generated
@@ -56,7 +60,8 @@ class GpuBenchConfig:
     def options(self, method: str = "dp") -> PlanOptions:
         """The planning options of one arm: ``method`` on one stage, one rank, full steps only."""
         return PlanOptions(method=method, global_batch_tokens=self.global_batch_tokens, max_len=self.max_len,
-                           num_stages=1, num_ranks=1, drop_last=True, seed=self.seed)
+                           num_stages=1, num_ranks=1, drop_last=True, seed=self.seed,
+                           memory_limit=self.microbatch_memory_bytes)
 
 
 def bench_config(device: str, *, quick: bool = False, **over) -> GpuBenchConfig:
@@ -71,7 +76,8 @@ def bench_config(device: str, *, quick: bool = False, **over) -> GpuBenchConfig:
     else:
         cfg = GpuBenchConfig(device, quick, llama=dict(LLAMA_CPU), global_batch_tokens=1024, max_len=128,
                              steps=3, warmup=1, profile_rows=(1, 8), profile_lengths=(32, 128), profile_repeats=1,
-                             cost_microbatches=4, recompute_steps=2, multimodel_steps=2, lr=1e-3,
+                             cost_microbatches=4, recompute_steps=2, multimodel_steps=2, lr=1e-3, loader_workers=0,
+                             microbatch_memory_bytes=None,
                              generated_samples=300)
         if quick:
             cfg = replace(cfg, steps=2, generated_samples=120, global_batch_tokens=768)
@@ -103,7 +109,8 @@ class ModelFactory:
         config._attn_implementation = cfg.attn_implementation  # sdpa by default: no flash-attn package assumed
         self.dtype = torch.bfloat16 if cfg.cuda else torch.float32
         torch.manual_seed(cfg.seed)
-        self.base = build_model(config, empty=False, dtype=self.dtype).to(cfg.device)
+        with torch.device(cfg.device):  # initialized where it trains (0.6 B random draws are slow on a CPU)
+            self.base = build_model(config, empty=False, dtype=self.dtype)
         self.attn_implementation = config._attn_implementation
         self.parameters = sum(p.numel() for p in self.base.parameters())
 

@@ -47,7 +47,8 @@ class Arm:
         self.cfg, self.method = cfg, method
         model = factory.fresh()
         self.loader = dynabatch.DataLoader(list(data), options=options or cfg.options(PLANNER_METHOD.get(method, method)),
-                                           index=index, mode="indexed", cost_model=cost, world_size=1, rank=0)
+                                           index=index, mode="indexed", cost_model=cost, world_size=1, rank=0,
+                                           num_workers=cfg.loader_workers)
         self._it = iter(self.loader.steps())
         self.runner = PipelineRunner.from_model(model, ctx, [0, len(model.layers)],
                                                 config=RunnerConfig(schedule="1f1b", recompute=recompute))
@@ -140,12 +141,16 @@ def train_section(ctx, cfg, factory, data, index, cost, *, tick=None) -> dict:
 def recompute_section(ctx, cfg, factory, data, index, cost, planned_peak: float, *, tick=None) -> dict:
     """``dp`` adaptive under an activation limit vs full recomputation (module docstring)."""
     from ..core.cost import CostModel
+    from ..pipeline import MicroBatchShape
     from ..pipeline.memory import measured_stage_memory
 
     limit = cfg.recompute_fraction * planned_peak
     cost = CostModel.from_dict(cost.to_dict())  # its own memory model; the training section's stays as it was
     model = factory.fresh()
-    cost.stage_memory_model = measured_stage_memory(model, [0, len(model.layers)], cost, device=cfg.device)
+    shapes = [MicroBatchShape("padded", r, L, 0) for r in cfg.profile_rows for L in cfg.profile_lengths
+              if r * L <= cfg.global_batch_tokens // 2]  # the profile's grid, at most half a global batch
+    cost.stage_memory_model = measured_stage_memory(model, [0, len(model.layers)], cost, shapes=shapes,
+                                                    device=cfg.device)
     del model
     arms = {}
     for policy in ("adaptive", "full"):
