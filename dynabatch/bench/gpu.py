@@ -29,6 +29,8 @@ import tempfile
 import time
 import traceback
 
+from .gpu_setup import SKIP_NO_CUDA
+
 SECTIONS = ("environment", "cost_model", "training", "recompute", "multimodel")
 #: wall-clock budgets of the GPU forms (seconds): reported beside the run's own wall time
 WALL_BUDGET_S = {"full": 480.0, "quick": 180.0}
@@ -96,15 +98,12 @@ def run_gpu_bench(*, quick: bool = False, out_dir: str | None = None, device: st
     wall = time.perf_counter() - t_start
     budget = WALL_BUDGET_S["quick" if quick else "full"]
     result["wall_s"] = wall
-    result["wall_budget_s"] = budget if cfg.cuda else SKIP_CPU
-    result["within_budget"] = bool(wall <= budget) if cfg.cuda else SKIP_CPU
+    result["wall_budget_s"] = budget if cfg.cuda else SKIP_NO_CUDA
+    result["within_budget"] = bool(wall <= budget) if cfg.cuda else SKIP_NO_CUDA
     if out_dir:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
     return result
-
-
-SKIP_CPU = "skipped: no CUDA"
 
 
 def _run_model_sections(cfg, sections: dict, result: dict, keep: str, tmp: str, tick) -> None:
@@ -173,54 +172,62 @@ def _status(sec: dict | None) -> str | None:
     return None if sec.get("status") == "ok" else sec["status"]
 
 
+def _environment_lines(env: dict) -> list[str]:
+    lines = [f"  device {env['device']}  gpu {env['gpu']}  memory {_gib(env.get('gpu_memory_bytes', 'n/a'))}  "
+             f"torch {env['torch']}  cuda {env['cuda']}  transformers {env['transformers']}"]
+    return lines + [f"  {name:<26} {k['status']}" for name, k in env["attention"].items()]
+
+
+def _cost_lines(cm: dict) -> list[str]:
+    lines = [f"  preset {cm['preset']}: MAPE per micro-batch {cm['mape_preset']:.1%} over {cm['microbatches']} "
+             f"FLAN-like micro-batches; profiled model {cm['mape_profiled']:.1%} (saved: {cm['cost_model_path']})",
+             f"  {'layer':<12} {'forward s':>10} {'backward s':>11}"]
+    return lines + [f"  {r['kind'] + ' ' + str(r['layer']):<12} {r['forward_s']:10.4f} {r['backward_s']:11.4f}"
+                    for r in cm["per_layer"]]
+
+
+def _training_lines(tr: dict) -> list[str]:
+    lines = [f"  {'method':<13} {'tokens/s':>10} {'vs pack':>8} {'data wait':>9} {'peak':>11} "
+             f"{'activations / planned':>22}"]
+    for m, r in tr["methods"].items():
+        ratio = r.get("activation_over_planned")
+        lines.append(f"  {m:<13} {r['tokens_per_s']:10.0f} {r['ratio_to_pack']:8.2f} {r['data_wait_share']:9.2%} "
+                     f"{_gib(r['peak_bytes']):>11} {(f'{ratio:.2f}' if ratio is not None else SKIP_NO_CUDA):>22}")
+    return lines
+
+
+def _recompute_lines(rc: dict) -> list[str]:
+    return [f"  activation limit {_gib(rc['activation_limit_bytes'])}: planned {_gib(rc['planned_activation_bytes'])}, "
+            f"saved for backward {_gib(rc['measured_saved_bytes'])} (within: {rc['saved_within_limit']})",
+            f"  device limit {_gib(rc['device_limit_bytes'])}; "
+            f"max_memory_allocated {_gib(rc['max_memory_allocated'])}; "
+            f"fits: {rc['fits']}; step time adaptive / full: {rc['step_time_vs_full']:.3f}"]
+
+
+def _multimodel_lines(mm: dict) -> list[str]:
+    hidden = mm["hidden_copy_share"]
+    return [f"  {mm['models']} models, budget {_gib(mm['budget_bytes'])} (shard {_gib(mm['shard_bytes'])}): "
+            f"{mm['spills']} spills, {mm['loads']} loads, {_gib(mm['moved_bytes'])} moved; pinned: "
+            f"{mm['pinned_host_copies']}; copy hidden: {f'{hidden:.1%}' if isinstance(hidden, float) else hidden}",
+            f"  bit-identical to each alone: {mm['bit_identical_to_alone']}; step s: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in mm["step_s"].items())]
+
+
+#: each section's lines in the text report (after its "[name] status" header)
+_LINES = {"environment": _environment_lines, "cost_model": _cost_lines, "training": _training_lines,
+          "recompute": _recompute_lines, "multimodel": _multimodel_lines}
+
+
 def format_table(result: dict) -> str:
-    """The text report of `run_gpu_bench`."""
-    s = result["sections"]
+    """The text report of `run_gpu_bench`: one block per section, its skipped/failed line instead where so."""
     lines = [f"dynabatch bench gpu ({result['form']}), {result['wall_s']:.0f} s wall "
              f"(budget {result['wall_budget_s']}, within: {result['within_budget']})"]
-    env = s.get("environment", {})
-    lines.append(f"\n[environment] {_status(env) or ''}")
-    if not _status(env):
-        lines.append(f"  device {env['device']}  gpu {env['gpu']}  memory {_gib(env.get('gpu_memory_bytes', 'n/a'))}  "
-                     f"torch {env['torch']}  cuda {env['cuda']}  transformers {env['transformers']}")
-        for name, k in env["attention"].items():
-            lines.append(f"  {name:<26} {k['status']}")
-    cm = s.get("cost_model")
-    lines.append(f"\n[cost model] {_status(cm) or ''}")
-    if not _status(cm):
-        lines.append(f"  preset {cm['preset']}: MAPE per micro-batch {cm['mape_preset']:.1%} over {cm['microbatches']} "
-                     f"FLAN-like micro-batches; profiled model {cm['mape_profiled']:.1%} (saved: {cm['cost_model_path']})")
-        lines.append(f"  {'layer':<12} {'forward s':>10} {'backward s':>11}")
-        for r in cm["per_layer"]:
-            lines.append(f"  {r['kind'] + ' ' + str(r['layer']):<12} {r['forward_s']:10.4f} {r['backward_s']:11.4f}")
-    tr = s.get("training")
-    lines.append(f"\n[training] {_status(tr) or ''}")
-    if not _status(tr):
-        lines.append(f"  {'method':<13} {'tokens/s':>10} {'vs pack':>8} {'data wait':>9} {'peak':>11} "
-                     f"{'activations / planned':>22}")
-        for m, r in tr["methods"].items():
-            ratio = r.get("activation_over_planned")
-            lines.append(f"  {m:<13} {r['tokens_per_s']:10.0f} {r['ratio_to_pack']:8.2f} {r['data_wait_share']:9.2%} "
-                         f"{_gib(r['peak_bytes']):>11} {(f'{ratio:.2f}' if ratio is not None else SKIP_CPU):>22}")
-    rc = s.get("recompute")
-    lines.append(f"\n[recompute] {_status(rc) or ''}")
-    if not _status(rc):
-        lines.append(f"  activation limit {_gib(rc['activation_limit_bytes'])}: planned "
-                     f"{_gib(rc['planned_activation_bytes'])}, saved for backward {_gib(rc['measured_saved_bytes'])} "
-                     f"(within: {rc['saved_within_limit']})")
-        lines.append(f"  device limit "
-                     f"{_gib(rc['device_limit_bytes'])}; max_memory_allocated {_gib(rc['max_memory_allocated'])}; "
-                     f"fits: {rc['fits']}; step time adaptive / full: {rc['step_time_vs_full']:.3f}")
-    mm = s.get("multimodel")
-    lines.append(f"\n[multimodel] {_status(mm) or ''}")
-    if not _status(mm):
-        hidden = mm["hidden_copy_share"]
-        lines.append(f"  {mm['models']} models, budget {_gib(mm['budget_bytes'])} (shard {_gib(mm['shard_bytes'])}): "
-                     f"{mm['spills']} spills, {mm['loads']} loads, {_gib(mm['moved_bytes'])} moved; pinned: "
-                     f"{mm['pinned_host_copies']}; copy hidden: "
-                     f"{f'{hidden:.1%}' if isinstance(hidden, float) else hidden}")
-        lines.append(f"  bit-identical to each alone: {mm['bit_identical_to_alone']}; step s: "
-                     + ", ".join(f"{k} {v:.3f}" for k, v in mm["step_s"].items()))
+    for name in SECTIONS:
+        sec = result["sections"].get(name)
+        why = _status(sec)
+        lines.append(f"\n[{name.replace('_', ' ')}] {why or ''}")
+        if why is None:
+            lines += _LINES[name](sec)
     return "\n".join(lines)
 
 

@@ -18,6 +18,8 @@ import platform
 import sys
 import time
 
+from .gpu_setup import SKIP_NO_CUDA
+
 #: (heads, tokens, head dim) of the probe tensors
 PROBE_HEADS, PROBE_TOKENS, PROBE_DIM = 4, 256, 64
 
@@ -47,7 +49,7 @@ def environment(device: str) -> dict:
                     multiprocessors=int(props.multi_processor_count), capability=f"{props.major}.{props.minor}",
                     cudnn=torch.backends.cudnn.version())
     else:
-        info["gpu"] = "skipped: no CUDA"
+        info["gpu"] = SKIP_NO_CUDA
     return info
 
 

@@ -22,8 +22,7 @@ import time
 
 import numpy as np
 
-from .gpu_setup import sync
-from .gpu_train import SKIP_NO_CUDA
+from .gpu_setup import SKIP_NO_CUDA, sync
 
 LR_FACTORS = (1.0, 0.3)
 

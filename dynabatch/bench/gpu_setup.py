@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from ..core.options import PlanOptions
 
+#: what a GPU-only row says on a machine without CUDA
+SKIP_NO_CUDA = "skipped: no CUDA"
 #: Llama-style ~0.6 B parameters (embeddings untied, 32000-token vocabulary): the GPU run's model
 LLAMA_GPU = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=20,
                  num_attention_heads=12, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096)

@@ -6,9 +6,9 @@ Training section: every method of `GPU_METHODS` trains its own copy of the same 
 the same global batches (the DataLoader's indexed mode cuts global batches by tokens with the same
 seed whatever the method), one step each in a rotating order so that drift hits every method alike.
 ``dp``/``dp_varlen`` plan with the profiled cost model of the cost section; ``dp_varlen`` and
-``pack`` (`PLANNER_METHOD`) send packed rows (``cu_seqlens``) through the model's own attention. Per method: real (unpadded)
-tokens/s over the timed steps' wall seconds (``PipelineRunner.step`` with the optimizer, device
-synchronized), the ratio to ``pack``, the share of wall time spent waiting for the DataLoader, and
+``pack`` (`PLANNER_METHOD`) send packed rows (``cu_seqlens``) through the model's own attention. Per
+method: real (unpadded) tokens/s over the timed steps' wall seconds (``PipelineRunner.step`` with the
+optimizer, device synchronized), the ratio to ``pack``, the share of wall time spent waiting for the DataLoader, and
 on CUDA the activation bytes measured (``torch.cuda.max_memory_allocated`` minus the bytes held
 before the step: weights, gradients, optimizer state) against the plan's prediction.
 
@@ -25,14 +25,13 @@ import time
 
 import numpy as np
 
-from .gpu_setup import real_tokens, sync
+from .gpu_setup import SKIP_NO_CUDA, real_tokens, sync
 
 GPU_METHODS = ("dp", "dp_varlen", "pack", "token_budget", "pad")
 #: the planner's method of each arm where it differs from its name: a Hugging Face model must not attend
 #: across samples (the adapter refuses rows of several samples), so ``pack`` runs the packing baseline's
 #: varlen form (its bins as packed rows with ``cu_seqlens``), which is how such models train packed data
 PLANNER_METHOD = {"pack": "pack_varlen"}
-SKIP_NO_CUDA = "skipped: no CUDA"
 
 
 class Arm:
@@ -46,7 +45,8 @@ class Arm:
 
         self.cfg, self.method = cfg, method
         model = factory.fresh()
-        self.loader = dynabatch.DataLoader(list(data), options=options or cfg.options(PLANNER_METHOD.get(method, method)),
+        options = options or cfg.options(PLANNER_METHOD.get(method, method))
+        self.loader = dynabatch.DataLoader(list(data), options=options,
                                            index=index, mode="indexed", cost_model=cost, world_size=1, rank=0,
                                            num_workers=cfg.loader_workers)
         self._it = iter(self.loader.steps())
