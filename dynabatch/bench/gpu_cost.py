@@ -50,7 +50,7 @@ def _mape(pred, meas) -> float:
 def cost_section(cfg, factory, data, index, out_dir: str) -> tuple[dict, object]:
     """Run the section (module docstring); returns (its result, the profiled `CostModel`)."""
     from ..pipeline import batch_shapes, profile_layers, stage_cost_model
-    from ..pipeline.profile import _device_profile, profile_cost_model
+    from ..pipeline.profile import _device_profile, profile_cost_model  # the one device -> preset mapping
 
     model = factory.fresh()
     preset = _device_profile(cfg.device).name
