@@ -147,7 +147,7 @@ def recompute_section(ctx, cfg, factory, data, index, cost, planned_peak: float,
     cost = CostModel.from_dict(cost.to_dict())  # its own memory model; the training section's stays as it was
     model = factory.fresh()
     shapes = [MicroBatchShape("padded", r, L, 0) for r in cfg.profile_rows for L in cfg.profile_lengths
-              if r * L <= cfg.global_batch_tokens // 2]  # the profile's grid, at most half a global batch
+              if r * L <= cfg.global_batch_tokens]  # the profile's grid (a micro-batch is at most a global batch)
     cost.stage_memory_model = measured_stage_memory(model, [0, len(model.layers)], cost, shapes=shapes,
                                                     device=cfg.device)
     del model
