@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.multimodel import add_bench_multimodel_command  # `dynabatch bench multimodel`
 
     add_bench_multimodel_command(bench_sub)
+    from .bench.gpu import add_bench_gpu_command  # `dynabatch bench gpu`
+
+    add_bench_gpu_command(bench_sub)
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
     from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
 

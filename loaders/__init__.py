@@ -21,6 +21,7 @@ from ._fingerprints import changed_files, file_fingerprints
 from ._fs import Storage, is_url
 from ._iterator import SlotIterator, normalized_sample
 from ._mixture import Mixture, MixtureIterator
+from ._optional import optional_module
 from ._open import (
     ArrowSource,
     HFIterableSource,
@@ -73,6 +74,7 @@ __all__ = [
     "normalized_sample",
     "open_access",
     "open_source",
+    "optional_module",
     "requeue_samples",
     "split_sample_ids",
 ]

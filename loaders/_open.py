@@ -11,6 +11,7 @@ from ._files import COMPRESSED_SUFFIXES, expand_paths
 from ._fs import Storage, is_url, local_form
 from ._hf import HFDatasetReader, HFIterableReader
 from ._jsonl import JsonArrayReader, JsonlReader
+from ._optional import optional_module
 from ._source import Source
 from ._webdataset import TAR_SUFFIXES, WebDatasetReader
 
@@ -118,7 +119,7 @@ def open_source(data, split: str | None = None, *, storage_options: dict | None 
     wants_files = storage_options is not None or cache_dir is not None
     saved = _saved_dataset_dir(data, storage)
     if saved is not None:
-        import datasets
+        datasets = optional_module("datasets", f"loading the saved Hugging Face dataset {saved}")
 
         options.setdefault("name", saved.rstrip("/").rsplit("/", 1)[-1])
         kw = {"storage_options": storage.options} if is_url(saved) else {}
@@ -179,8 +180,9 @@ def _records_dataset(records) -> datasets.Dataset:
     """An in-memory ``datasets.Dataset`` of a list of dicts: one column per key found in any record
     (in first-seen order; None where a record lacks it), unlike ``Dataset.from_list``, which keeps
     only the first record's keys."""
-    import datasets
     import pyarrow as pa
+
+    datasets = optional_module("datasets", "a list of records as input (an in-memory datasets.Dataset)")
 
     keys = list(dict.fromkeys(k for r in records for k in r))
     bad = [k for k in keys if not isinstance(k, str)]

@@ -19,13 +19,13 @@ import os
 import tarfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-from webdataset.tariterators import base_plus_ext
+from functools import lru_cache
 
 from ._errors import BadFieldError, CorruptFileError, MissingFieldError, TruncatedFileError
 from ._files import CheckedReader, DamagedStream, compression_of, decompression_errors, open_binary
 from ._fs import LOCAL, Storage
 from ._jsonl import parse_json_object
+from ._optional import optional_module
 from ._types import RawRecord, ShardInfo, ShardReader, shard_names
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -59,8 +59,14 @@ def _group(entries: Iterable[tuple[str, str, object]]) -> Iterator[tuple[str, li
         yield key, parts
 
 
+@lru_cache(maxsize=1)
+def _base_plus_ext():
+    """webdataset's member-name splitter (imported on first use: webdataset is optional)."""
+    return optional_module("webdataset.tariterators", "reading webdataset tar shards").base_plus_ext
+
+
 def _split(name: str) -> tuple[str | None, str]:
-    key, ext = base_plus_ext(name)
+    key, ext = _base_plus_ext()(name)
     return key, (ext or "").lower()
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loaders import optional_module
+
 from .load_config import BASELINE_TEXT_COLUMNS, LoadBenchError
 from .load_data import Prepared, quiet_datasets
 
@@ -40,7 +42,7 @@ def run_baseline_text(kind: str, prep: Prepared, tok, batch_size: int, workers: 
     ``cache_dir`` should be empty (a first run: nothing cached); ``load_dataset`` writes its
     Arrow copy of the data there.
     """
-    import datasets
+    datasets = optional_module("datasets", "bench load's datasets baseline")
 
     num_proc = workers if workers > 1 else None
     cache = str(cache_dir)
@@ -127,7 +129,7 @@ def _wds_count_batch(batch: list[dict], tok, policy) -> tuple[int, int]:
 
 def run_baseline_webdataset(prep: Prepared, tok, batch_size: int, workers: int):
     """``WebDataset().decode()`` + rendering + batched counting through ``WebLoader``. Returns (samples, tokens)."""
-    import webdataset as wds
+    wds = optional_module("webdataset", "bench load's webdataset baseline")
 
     from tokenization import DynamicTiling
 

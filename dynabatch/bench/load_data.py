@@ -15,6 +15,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loaders import optional_module
+
 from .load_config import (DEFAULT_TEXT_DATA, GENERATED_IMAGE_TEXT_SAMPLES, GENERATED_SHARDS,
                           GENERATED_TEXT_SAMPLES, TEXT_SOURCES, LoadBenchConfig, LoadBenchError)
 
@@ -130,7 +132,7 @@ def resolve_text(cfg: LoadBenchConfig, tmp: Path, progress: bool) -> tuple[list[
 
 def _head_tar(src: Path, dst: Path, samples: int) -> None:
     """Copy the first ``samples`` samples (runs of members sharing a key) of a tar shard."""
-    from webdataset.tariterators import base_plus_ext
+    base_plus_ext = optional_module("webdataset.tariterators", "bench load's webdataset shards").base_plus_ext
 
     keys = 0
     last = None
@@ -213,9 +215,10 @@ def prepare(cfg: LoadBenchConfig, tmp: Path, progress: bool = False) -> Prepared
         prep.text_files, prep.text_label = resolve_text(cfg, tmp, progress)
         prep.same_columns = _same_columns(prep.text_files)
         if {"parquet", "hf"} & set(cfg.sources):
-            import datasets
             import pyarrow as pa
             import pyarrow.parquet as pq
+
+            datasets = optional_module("datasets", "bench load's parquet/hf baselines")
 
             tables = _normalized_table(prep.text_files)
             out = tmp / "parquet"
@@ -236,7 +239,7 @@ def prepare(cfg: LoadBenchConfig, tmp: Path, progress: bool = False) -> Prepared
 @contextlib.contextmanager
 def quiet_datasets():
     """No datasets progress bars or info logs inside a timed run (they would be timed too)."""
-    import datasets
+    datasets = optional_module("datasets", "bench load's datasets baseline")
 
     was = datasets.is_progress_bar_enabled()
     level = datasets.logging.get_verbosity()

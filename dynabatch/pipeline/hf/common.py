@@ -1,0 +1,118 @@
+"""What every Hugging Face adapter shares: the `HFLayeredModel` record, the layer wrapper base that
+knows its parameters' Hugging Face names, the summed loss heads, and the refusal error.
+
+An adapter wraps the modules of a ``transformers`` model object (no copy): the layered model's
+parameters *are* the Hugging Face model's, so a tied weight (``lm_head.weight`` is
+``embed_tokens.weight``) is one Parameter object in every layer that uses it. Each wrapper lists
+the Hugging Face module prefix of each of its sub-modules (``sources``), from which `param_keys`
+names every parameter as the Hugging Face state dict does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import IGNORE_INDEX, LayeredModel
+
+
+class UnsupportedModel(TypeError):
+    """A model the adapters cannot split: the message names its class and what is missing."""
+
+
+class HFLayer(nn.Module):
+    """Base of the adapter layers: ``sources`` maps each attribute holding a Hugging Face module to
+    that module's name in the Hugging Face model (``model.layers.3``), so a parameter's local path
+    ``block.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight`` in the state dict."""
+
+    def __init__(self, sources: dict[str, nn.Module | None], prefixes: dict[str, str]):
+        super().__init__()
+        for attr, module in sources.items():
+            setattr(self, attr, module)
+        self.sources = dict(prefixes)
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, target tokens) of ``logits`` [rows, L, V] against ``labels`` [rows, L]
+    (-100 ignored), in float32 or wider as Hugging Face's losses are. ``shift``: causal LM (position
+    t predicts ``labels[t + 1]``, the label row padded with -100 as ``ForCausalLMLoss`` does)."""
+    if shift:
+        labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    target = labels.reshape(-1).long().to(logits.device)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (target != IGNORE_INDEX).sum()
+
+
+@dataclass
+class HFLayeredModel(LayeredModel):
+    """A `LayeredModel` made from a Hugging Face model by an adapter (`dynabatch.pipeline.hf`).
+
+    ``hf_config``: the Hugging Face config (``save_pretrained`` writes it back); ``family``:
+    ``decoder``, ``encoder_decoder`` or ``llava``; ``keys``: per layer, each parameter's local path
+    -> its Hugging Face state-dict names (the name ``save_pretrained`` keeps first, then aliases);
+    ``ties``: parameters held by several layers (see `tied_parameters`).
+    """
+
+    hf_config: object = field(default=None, repr=False)
+    family: str = ""
+    keys: list[dict[str, tuple[str, ...]]] = field(default_factory=list, repr=False)
+    ties: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+
+    def tied_parameters(self) -> dict[str, list[tuple[int, str]]]:
+        """Tie name (the Hugging Face state-dict name) -> [(global layer index, parameter path inside that
+        layer module)] for every parameter used by more than one layer: tied input/output embeddings,
+        T5's shared embedding and its relative attention bias tables (each stage holds a copy). Within one
+        process those layers hold the same Parameter object; across stages each stage's copy gets the
+        sum of the holders' gradients before an optimizer step (the runtime's job)."""
+        return {k: list(v) for k, v in self.ties.items()}
+
+    def param_keys(self, layer: int) -> dict[str, str]:
+        """Local parameter path of layer ``layer`` -> the Hugging Face state-dict name it is saved under."""
+        return {path: names[0] for path, names in self.keys[layer].items()}
+
+
+def name_parameters(hf_model: nn.Module, layers: list[HFLayer]) -> tuple[list[dict], dict]:
+    """(keys, ties) of `HFLayeredModel` for ``layers`` wrapping modules of ``hf_model``: each parameter's
+    Hugging Face names (first = the one ``named_parameters`` keeps for a shared tensor) and the
+    parameters several layers hold (by identity)."""
+    names: dict[int, list[str]] = {}
+    for name, p in hf_model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    keys, holders = [], {}
+    for i, layer in enumerate(layers):
+        mine = {}
+        for path, p in layer.named_parameters():
+            found = names.get(id(p))
+            if found is None:
+                raise UnsupportedModel(f"{type(hf_model).__name__}: layer {i} ({type(layer).__name__}) holds "
+                                       f"parameter {path} that is not a parameter of the model")
+            mine[path] = tuple(found)
+            holders.setdefault(found[0], []).append((i, path))
+        keys.append(mine)
+    ties = {k: v for k, v in holders.items() if len({i for i, _ in v}) > 1}
+    return keys, ties
+
+
+def model_dtype(hf_model: nn.Module) -> torch.dtype:
+    """The floating dtype of the model's parameters (the hidden states' dtype on every link)."""
+    for p in hf_model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def need(obj, path: str, what: str, model_name: str):
+    """Attribute ``path`` (dotted) of ``obj``, or `UnsupportedModel` naming the class and what is missing."""
+    cur = obj
+    for part in path.split("."):
+        if not hasattr(cur, part) or getattr(cur, part) is None:
+            raise UnsupportedModel(f"{model_name} is not a {what}: it has no `{path}`")
+        cur = getattr(cur, part)
+    return cur
+
+
+__all__ = ["HFLayeredModel", "HFLayer", "UnsupportedModel", "summed_cross_entropy", "name_parameters"]

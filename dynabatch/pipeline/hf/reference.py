@@ -1,0 +1,54 @@
+"""The one-process reference a pipeline run of a Hugging Face model is checked against: the model's own
+``forward`` on each micro-batch, the summed token loss, ``backward``, then the gradients divided by
+the step's target tokens (the runner's normalization, in the same order of operations)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..models import IGNORE_INDEX
+from .common import summed_cross_entropy
+
+#: Micro-batch keys the Hugging Face model's forward takes (the rest is dynabatch metadata).
+FORWARD_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "pixel_values")
+
+
+def hf_inputs(batch: dict, image_token_id: int | None = None) -> dict:
+    """The keyword arguments of the Hugging Face forward for a dynabatch micro-batch: packed rows pass
+    ``position_ids`` and no attention mask (the models then keep the samples apart), no KV cache;
+    a micro-batch without image tiles passes no ``pixel_values``."""
+    out = {k: batch[k] for k in FORWARD_KEYS if k in batch}
+    if "cu_seqlens" in batch:
+        out["position_ids"] = batch["position_ids"]
+        out.pop("attention_mask", None)
+    tiles = batch.get("image_tiles")
+    if "pixel_values" in out and (tiles is None or int(tiles.sum()) == 0):
+        out.pop("pixel_values")
+    return {**out, "use_cache": False}
+
+
+def hf_reference_step(hf_model: nn.Module, batches: Sequence[dict], *, image_token_id: int | None = None
+                      ) -> tuple[float, int]:
+    """Run ``batches`` through ``hf_model``'s own forward (summed cross-entropy over ``labels``, shifted
+    for causal LMs; placeholder positions ``image_token_id`` ignored), backward each, and divide the
+    gradients by all real target tokens. Returns (loss per token, target tokens)."""
+    seq2seq = bool(getattr(hf_model.config, "is_encoder_decoder", False))
+    for p in hf_model.parameters():
+        p.grad = None
+    total, n = 0.0, 0
+    for b in batches:
+        logits = hf_model(**hf_inputs(b)).logits
+        labels = b["labels"]
+        if image_token_id is not None:
+            labels = labels.masked_fill(b["input_ids"] == image_token_id, IGNORE_INDEX)
+        loss, ntok = summed_cross_entropy(logits, labels, shift=not seq2seq)
+        loss.backward()
+        total += float(loss.detach())
+        n += int(ntok)
+    for p in hf_model.parameters():
+        if p.grad is not None:
+            p.grad.div_(max(n, 1))
+    return total / max(n, 1), n

@@ -1,0 +1,124 @@
+"""Loading only some layers' weights into a layered model built on the meta device.
+
+`WeightSource` reads tensors by Hugging Face state-dict name from a ``save_pretrained`` folder
+(``model.safetensors``, or shards listed in ``model.safetensors.index.json``), read lazily with
+``safetensors.safe_open`` so a rank reads only its stage's tensors, or from an in-memory state
+dict. `materialize` replaces the meta parameters of the chosen layers by the loaded tensors,
+keeping one Parameter object for a tensor several of those layers share (tied weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .common import HFLayeredModel
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightSource:
+    """Tensors by Hugging Face state-dict name: a ``save_pretrained`` folder (safetensors, sharded or
+    not) or a state dict (``Mapping[str, Tensor]``). ``where`` names it in error messages."""
+
+    def __init__(self, source: str | Path | Mapping[str, torch.Tensor]):
+        self._handles: dict[str, object] = {}
+        if isinstance(source, Mapping):
+            self.state, self.files, self.where = source, {}, "the given state dict"
+            return
+        folder = Path(source)
+        self.state, self.where = None, str(folder)
+        if (folder / INDEX_FILE).is_file():
+            index = json.loads((folder / INDEX_FILE).read_text())
+            self.files = {k: folder / f for k, f in index["weight_map"].items()}
+        elif (folder / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / SINGLE_FILE), framework="pt") as f:
+                self.files = {k: folder / SINGLE_FILE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}: save the model with "
+                                    "save_pretrained(..., safe_serialization=True)")
+        for path in set(self.files.values()):
+            if not path.is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} in {folder} lists shard {path.name}, which is missing")
+
+    def name_of(self, names: Iterable[str]) -> str | None:
+        """The first of ``names`` (a parameter's state-dict name, then its aliases) this source holds."""
+        have = self.state if self.state is not None else self.files
+        return next((n for n in names if n in have), None)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor stored under ``name``."""
+        if self.state is not None:
+            return self.state[name]
+        from safetensors import safe_open
+
+        path = str(self.files[name])
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path].get_tensor(name)
+
+
+def _holders(layers: Iterable[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Parameter id -> every (module, attribute name) holding it among ``layers``."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen_modules: set[int] = set()
+    for layer in layers:
+        for module in layer.modules():
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            for name, p in module._parameters.items():
+                if p is not None:
+                    out.setdefault(id(p), []).append((module, name))
+    return out
+
+
+def materialize(model: HFLayeredModel, layers: range, source: WeightSource, device="cpu",
+                dtype: torch.dtype | None = None) -> None:
+    """Load layers ``layers`` of ``model`` (built on the meta device) from ``source`` onto ``device``.
+
+    Every parameter of those layers becomes a real tensor read under its Hugging Face name (or an
+    alias: ``lm_head.weight`` of a tied model is stored as ``model.embed_tokens.weight``); a tensor
+    held by several of these layers stays one Parameter. ``dtype`` (default: the meta parameter's)
+    converts floating tensors. A name the source lacks, or a tensor whose shape is not the one the
+    config gives, is a ValueError naming the layer, the parameter and the source."""
+    holders = _holders(model.layers[i] for i in layers)
+    done: dict[int, nn.Parameter] = {}
+    for i in layers:
+        for path, names in model.keys[i].items():
+            p = model.layers[i].get_parameter(path)
+            if id(p) in done or not p.is_meta:
+                continue
+            key = source.name_of(names)
+            if key is None:
+                raise ValueError(f"{model.name}: layer {i} parameter {path} ({names[0]}) is not in {source.where}; "
+                                 "the weights are not those of this model's config")
+            t = source.get(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{model.name}: {key} has shape {list(t.shape)} in {source.where} but the config gives "
+                                 f"{list(p.shape)} (layer {i}, {path}): the weights do not match the config")
+            want = dtype if (dtype is not None and t.is_floating_point()) else p.dtype
+            new = nn.Parameter(t.to(device=device, dtype=want).contiguous(), requires_grad=p.requires_grad)
+            done[id(p)] = new
+            for module, name in holders[id(p)]:
+                module._parameters[name] = new
+    for layer in (model.layers[i] for i in layers):
+        layer.to(device)  # buffers (rotary frequencies, ...) follow the parameters
+
+
+def parameter_bytes(layers: Iterable[nn.Module]) -> int:
+    """Bytes of the distinct materialized (non-meta) parameters of ``layers`` (a shared one counted once)."""
+    seen, total = set(), 0
+    for layer in layers:
+        for p in layer.parameters():
+            if id(p) not in seen and not p.is_meta:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total

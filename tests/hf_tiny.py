@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face configs (built from the ``transformers`` config classes, nothing downloaded)
+shared by the Hugging Face adapter tests and their gloo workers. No tests are defined here."""
+
+from __future__ import annotations
+
+import torch
+
+TEXT = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=4)
+
+
+def decoder_config(family: str, **over):
+    """A tiny causal-LM config of ``family`` (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3); sliding
+    windows of 4 tokens where the family has them, so the per-layer masks matter (not Gemma2: its eager
+    attention gives NaN on the padding rows when a query sees only padding in its window, in the Hugging
+    Face model itself)."""
+    import transformers as tf
+
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+           "gemma": tf.GemmaConfig, "gemma2": tf.Gemma2Config, "gemma3": tf.Gemma3TextConfig}[family]
+    kw = dict(TEXT)
+    if family in ("mistral", "gemma3"):
+        kw["sliding_window"] = 4
+    if family == "gemma3":
+        kw["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
+    if family == "qwen2":
+        kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    kw.update(over)
+    cfg = cls(**kw)
+    cfg._attn_implementation = "eager" if family == "gemma2" else over.get("attn_implementation", "sdpa")
+    return cfg
+
+
+def t5_config(**over):
+    """A tiny T5 config (2 encoder and 3 decoder blocks, 8 relative-position buckets, no dropout)."""
+    from transformers import T5Config
+
+    kw = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=4,
+              dropout_rate=0.0, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+              decoder_start_token_id=0, pad_token_id=0)
+    kw.update(over)
+    return T5Config(**kw)
+
+
+def build(config, seed: int = 0, dtype=torch.float64):
+    """The Hugging Face model of ``config``, seeded, in ``dtype``."""
+    from dynabatch.pipeline.hf import build_model
+
+    torch.manual_seed(seed)
+    return build_model(config, empty=False, dtype=dtype)
+
+
+def grad_gap(model, ref, layers=None) -> tuple[float, float]:
+    """(largest |grad - reference grad|, largest |reference grad|) over every parameter of the layered
+    ``model``'s ``layers`` (default all) against the Hugging Face model ``ref``, matched by state-dict name."""
+    named = dict(ref.named_parameters())
+    diff = scale = 0.0
+    for i in (range(len(model.layers)) if layers is None else layers):
+        layer = model.layers[i]
+        for path, key in model.param_keys(i).items():
+            p, q = layer.get_parameter(path), named[key]
+            if p.is_meta:
+                continue
+            diff = max(diff, float((p.grad - q.grad).abs().max()))
+            scale = max(scale, float(q.grad.abs().max()))
+    return diff, scale

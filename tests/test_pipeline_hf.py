@@ -1,0 +1,224 @@
+"""Hugging Face adapters in one process: the layered model's loss and every gradient equal the Hugging
+Face model's own forward/backward (float64) for padded and packed micro-batches; packed rows keep
+their samples apart; T5's boundary carries no quadratic tensor; ties are one Parameter; refusals
+name the class and what is missing; a stage loads only its weights from safetensors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_tiny import build, decoder_config, grad_gap, t5_config  # noqa: E402
+
+from dynabatch.pipeline import MicroBatchShape, sequential_step  # noqa: E402
+from dynabatch.pipeline.hf import UnsupportedModel, from_hf, hf_reference_step, parameter_bytes  # noqa: E402
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+PADDED = [MicroBatchShape("padded", 3, 10), MicroBatchShape("padded", 2, 13)]
+PACKED = [MicroBatchShape("packed", 3, 9, tokens=17), MicroBatchShape("packed", 2, 8, tokens=11)]
+
+
+def _batches(model, shapes, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [model.random_batch(s, gen) for s in shapes]
+
+
+def _check_equal(model, ref, batches):
+    loss, n = sequential_step(model.layers, batches)
+    ref_loss, ref_n = hf_reference_step(ref, batches)
+    assert n == ref_n > 0
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    diff, scale = grad_gap(model, ref)
+    assert scale > 0 and diff <= 1e-8 * scale, (diff, scale)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shapes", [PADDED, PACKED], ids=["padded", "packed"])
+def test_decoder_equals_hugging_face_forward_backward(family, shapes):
+    """Every decoder family (sliding windows, soft-capping, scaled embeddings, tied or not): loss and every
+    gradient of the layered model equal the Hugging Face model's own, float64."""
+    hf = build(decoder_config(family))
+    ref = copy.deepcopy(hf)
+    model = from_hf(hf)
+    assert len(model.layers) == hf.config.num_hidden_layers + 2
+    _check_equal(model, ref, _batches(model, shapes))
+
+
+def _unpack(batch):
+    """The padded twin of a packed micro-batch: one row per sample (labels keep their -100s)."""
+    cu = batch["cu_seqlens"].tolist()
+    L = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    rows = len(cu) - 1
+    ids = torch.zeros(rows, L, dtype=torch.long)
+    lab = torch.full((rows, L), -100, dtype=torch.long)
+    mask = torch.zeros(rows, L, dtype=torch.long)
+    for r, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        ids[r, :b - a] = batch["input_ids"][0, a:b]
+        lab[r, :b - a] = batch["labels"][0, a:b]
+        mask[r, :b - a] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_rows_do_not_attend_across_samples(family):
+    """A packed micro-batch gives the same loss as its samples padded one per row (a token attending to
+    another sample would change it); the state carries no [N, N] tensor."""
+    model = from_hf(build(decoder_config(family)))
+    packed = _batches(model, PACKED)
+    loss_p, n_p = sequential_step(model.layers, packed)
+    loss_u, n_u = sequential_step(model.layers, [_unpack(b) for b in packed])
+    assert n_p == n_u and loss_p == pytest.approx(loss_u, rel=1e-10)
+    state = model.layers[0](packed[0])
+    assert [list(t.shape) for t in state] == [[1, 17, 16], [1, 17], [4]]
+
+
+def test_t5_equals_hugging_face_and_sends_no_bias():
+    """T5 (eager and SDPA): loss and gradients equal the model's own; each block computes the relative bias
+    from its table, so the boundary is the hidden states and [R, L]/[R, T] masks, as measured."""
+    for impl in ("eager", "sdpa"):
+        cfg = t5_config()
+        cfg._attn_implementation = impl
+        hf = build(cfg)
+        ref = copy.deepcopy(hf)
+        model = from_hf(hf)
+        shapes = [MicroBatchShape("padded", 3, 10, 6), MicroBatchShape("padded", 2, 7, 9)]
+        batches = _batches(model, shapes)
+        batches[0]["decoder_attention_mask"] = (batches[0]["labels"] != -100).long()
+        _check_equal(model, ref, batches)
+    shape = MicroBatchShape("padded", 3, 40, 24)
+    batch = model.random_batch(shape, torch.Generator().manual_seed(0))
+    state = model.layers[0](batch)
+    for i, layer in enumerate(model.layers[1:-1], start=1):
+        state = layer(state)
+        specs = model.boundary(shape, i)
+        assert all(s.matches(t) for s, t in zip(specs, state)) and len(specs) == len(state)
+        sent = sum(t.numel() * t.element_size() for t in state)
+        assert sent == sum(s.nbytes for s in specs) == 3 * (40 + 24) * (16 * 8 + 8)
+
+
+def test_ties_are_one_parameter_and_listed():
+    """Tied Llama: the embedding and the head hold one Parameter, listed under its state-dict name; untied:
+    no tie. T5: the shared embedding and both relative bias tables, with every block as a holder."""
+    tied = from_hf(build(decoder_config("llama", tie_word_embeddings=True)))
+    ties = tied.tied_parameters()
+    assert ties == {"model.embed_tokens.weight": [(0, "embed.weight"), (4, "lm_head.weight")]}
+    assert tied.layers[0].embed.weight is tied.layers[4].lm_head.weight
+    assert from_hf(build(decoder_config("llama", tie_word_embeddings=False))).tied_parameters() == {}
+    t5 = from_hf(build(t5_config()))
+    ties = t5.tied_parameters()
+    enc = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    dec = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert set(ties) == {"shared.weight", enc, dec}
+    assert [i for i, _ in ties["shared.weight"]] == [0, 7]
+    assert [i for i, _ in ties[enc]] == [1, 2] and [i for i, _ in ties[dec]] == [4, 5, 6]
+    for name, holders in ties.items():
+        params = {id(t5.layers[i].get_parameter(path)) for i, path in holders}
+        assert len(params) == 1, name
+
+
+def test_other_models_are_refused_with_what_is_missing():
+    """A GPT-2 (no model.embed_tokens) and an nn.Sequential are refused naming the class and the missing part."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32))
+    with pytest.raises(UnsupportedModel, match=r"GPT2LMHeadModel\.transformer is not a decoder-only.*no `embed_tokens`"):
+        from_hf(gpt2)
+    with pytest.raises(UnsupportedModel, match="Sequential is not a transformers model"):
+        from_hf(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_packed_rows_layout_is_refused():
+    """Rows holding several samples (collate='packed_rows') would attend across samples: a clear error."""
+    model = from_hf(build(decoder_config("llama")))
+    batch = _batches(model, PADDED)[0]
+    batch["position_ids"] = torch.arange(10).expand(3, 10)
+    with pytest.raises(ValueError, match="packed_rows"):
+        model.layers[0](batch)
+
+
+def test_a_stage_loads_only_its_weights(tmp_path):
+    """A sharded save_pretrained folder: each stage materializes its layers only; its parameter bytes are its
+    share plus the tied embedding; the stages' loss equals the whole model's; bad folders are named."""
+    hf = build(decoder_config("llama", tie_word_embeddings=True, num_hidden_layers=4), dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    whole = from_hf(tmp_path)
+    total = parameter_bytes(whole.layers)
+    assert total == sum(p.numel() * 4 for p in hf.parameters())
+    bounds = [0, 3, 6]
+    ties = whole.tied_parameters()["model.embed_tokens.weight"]
+    assert [i for i, _ in ties] == [0, 5]
+    embed = hf.model.embed_tokens.weight.numel() * 4
+    batch = whole.random_batch(MicroBatchShape("padded", 2, 9), torch.Generator().manual_seed(0))
+    state = batch
+    for s in range(2):
+        layers = range(bounds[s], bounds[s + 1])
+        stage = from_hf(tmp_path, layers=layers)
+        got = parameter_bytes(stage.layers)
+        keys = {k for i in layers for k in whole.param_keys(i).values()}
+        want = sum(hf.get_parameter(k).numel() * 4 for k in keys)  # the stage's share, + the head's tied copy
+        assert got == want and abs(got - want) <= 0.1 * want and got < 0.75 * total
+        assert ("model.embed_tokens.weight" in keys) and (embed <= got)
+        for i in layers:
+            state = stage.layers[i](state) if i < 5 else stage.layers[i](state, batch)
+    loss, _ = sequential_step(whole.layers, [batch])
+    assert float(state[0].detach()) / int(state[1]) == pytest.approx(loss, rel=1e-6)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    (tmp_path / sorted(set(index["weight_map"].values()))[0]).unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        from_hf(tmp_path, layers=range(0, 3))
+
+
+def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
+    """A folder whose tensors have other shapes than its config gives, or lack a layer, is a clear error."""
+    hf = build(decoder_config("llama", num_hidden_layers=2), dtype=torch.float32)
+    hf.save_pretrained(tmp_path)
+    wider = decoder_config("llama", num_hidden_layers=2, intermediate_size=48)
+    with pytest.raises(ValueError, match=r"mlp\..*shape .* the config gives"):
+        from_hf(wider, weights=tmp_path)
+    deeper = decoder_config("llama", num_hidden_layers=3)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\..* is not in"):
+        from_hf(deeper, weights=tmp_path)
+    state = {k: v for k, v in hf.state_dict().items()}
+    model = from_hf(hf.config, weights=state, dtype=torch.float32)
+    assert torch.equal(model.layers[1].block.mlp.up_proj.weight, hf.model.layers[0].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
+    """Each stage (loaded alone from a folder) saves its part; merge_stages writes a save_pretrained folder
+    whose from_pretrained model gives the same logits; a missing part or disagreeing tied copies are named."""
+    from dynabatch.pipeline.hf import hf_inputs, merge_stages, save_stage
+
+    cfg = t5_config() if family == "t5" else decoder_config("llama", tie_word_embeddings=True)
+    hf = build(cfg, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "src")
+    n = len(from_hf(hf).layers)
+    bounds = [0, 2, n]
+    for s in range(2):
+        layers = range(bounds[s], bounds[s + 1])
+        save_stage(from_hf(tmp_path / "src", layers=layers), layers, tmp_path / "ckpt", s, 2)
+    out = merge_stages(tmp_path / "ckpt", tmp_path / "merged")
+    back = type(hf).from_pretrained(out)
+    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 5 if family == "t5" else 0),
+                                     torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(**hf_inputs(batch)).logits, back(**hf_inputs(batch)).logits)
+    # a tied copy that was updated on one stage only
+    save_stage(from_hf(tmp_path / "src", layers=range(0, 2)), range(0, 2), tmp_path / "bad", 0, 2)
+    other = from_hf(tmp_path / "src", layers=range(2, n))
+    tie = next(iter(other.tied_parameters().values()))
+    with torch.no_grad():
+        other.layers[tie[-1][0]].get_parameter(tie[-1][1]).add_(1.0)
+    save_stage(other, range(2, n), tmp_path / "bad", 1, 2)
+    with pytest.raises(ValueError, match="differs between stage 0 and stage 1"):
+        merge_stages(tmp_path / "bad", tmp_path / "m2")
+    (tmp_path / "ckpt" / "stage-00001-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lacks stage part\(s\) \['stage-00001-of-00002.safetensors'\]"):
+        merge_stages(tmp_path / "ckpt", tmp_path / "m3")
