@@ -32,7 +32,7 @@ from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistC
                       MultiModelRunner, MultiStepResult, P2P, PipelineAborted, PipelineRunner, Post, ProcResult,
                       ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor, adaptive_orders,
                       build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
-                      sequential_step, stage_orders)
+                      run_program, sequential_step, stage_orders, tie_stages)
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -46,4 +46,4 @@ __all__ = [
     "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
     "with_placeholders",
 ]
-__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties"]
+__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]

@@ -362,6 +362,9 @@ class ManyModels(Hooks):
     def starts(self, v: int) -> bool:
         return self.first
 
+    def group(self, v: int) -> int:
+        return self.model(v)
+
     def before_op(self, v: int, forward: bool) -> None:
         self.shards.use(self.model(v))
 
