@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
 
     _add_offline_commands(sub)
-    from .pipeline.profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
+    from .pipeline.measure.profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
 
     add_profile_command(sub)
     return parser

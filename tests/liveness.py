@@ -4,7 +4,7 @@
 session) only after ``idle_s`` seconds without progress, that is without a new byte on its stdout
 or stderr and without a touch of its heartbeat file (``$DYNABATCH_HEARTBEAT``, set for the child:
 `dynabatch.pipeline.launch_local` touches it while its ranks make progress, and
-`dynabatch.pipeline.launch.heartbeat` touches it from any loop). ``max_s`` is a generous overall
+`dynabatch.pipeline.runtime.launch.heartbeat` touches it from any loop). ``max_s`` is a generous overall
 cap, a last resort against a child that is busy forever. A loaded machine makes a test slower,
 never failed; a hang still fails within about ``idle_s``.
 """
@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 
-from dynabatch.pipeline.launch import HEARTBEAT_ENV
+from dynabatch.pipeline.runtime.launch import HEARTBEAT_ENV
 
 DEFAULT_IDLE_S = 120.0
 DEFAULT_MAX_S = 1800.0

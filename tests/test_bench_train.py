@@ -211,7 +211,7 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
     command still hands back what rank 0 wrote after its last round, marked partial."""
     import dynabatch.pipeline as pipeline
     from dynabatch.bench import train
-    from dynabatch.pipeline.launch import ProcResult
+    from dynabatch.pipeline.runtime.launch import ProcResult
 
     seen = {}
 

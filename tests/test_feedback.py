@@ -8,7 +8,7 @@ from dynabatch.core.cost import DeviceProfile, device_preset
 from dynabatch.core.feedback import FeedbackLoop, robust_fit
 from dynabatch.core.fit import fit_relative
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
-from dynabatch.pipeline.runner import StepTiming
+from dynabatch.pipeline.measure.timing import StepTiming
 
 CFG = gpt_tiny(hidden=64, layers=2).config
 # truth differs from the analytic CPU prior by factors 0.4..5 per feature

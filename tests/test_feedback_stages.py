@@ -13,7 +13,7 @@ from dynabatch import CostModel, Shapes, plan_microbatches
 from dynabatch.core.feedback import FeedbackLoop
 from dynabatch.core.fit import mape
 from dynabatch.core.stages import StageLayout
-from dynabatch.pipeline.runner import StepTiming
+from dynabatch.pipeline.measure.timing import StepTiming
 
 sys.path.insert(0, str(Path(__file__).parent))  # the launched workers import this file by path
 from test_feedback import CFG, DEVICE, TRUE_B, FakeStep, _slowed

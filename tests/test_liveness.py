@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks run this file by path
 from prelaunch import Prelaunch, job  # noqa: E402
 
-from dynabatch.pipeline.launch import heartbeat, launch_local  # noqa: E402
+from dynabatch.pipeline.runtime.launch import heartbeat, launch_local  # noqa: E402
 
 # a rank is silent while it imports torch (through dynabatch.pipeline: ~2 s, 5+ s on a loaded 2-core
 # machine): the idle timeouts that must not fire are well above that
@@ -78,7 +78,7 @@ def _nested():
         script = os.path.join(tmp, "nested.py")
         with open(script, "w") as f:
             f.write("import sys\n"
-                    "from dynabatch.pipeline.launch import launch_local\n"
+                    "from dynabatch.pipeline.runtime.launch import launch_local\n"
                     "print('ready', flush=True)\n"
                     f"(r,) = launch_local({__file__!r} + ':chatty', 1, args=({IDLE + 3}, 0.25), idle_timeout_s=60)\n"
                     "sys.exit(0 if r.returncode == 0 else 1)\n")

@@ -31,7 +31,7 @@ from dynabatch.core.multimodel_sim import (  # noqa: E402
 )
 from dynabatch.core.simulate import simulate_pipeline  # noqa: E402
 from dynabatch.pipeline import launch_local  # noqa: E402
-from dynabatch.pipeline.schedule import build_programs, check_programs  # noqa: E402
+from dynabatch.pipeline.runtime.schedule import build_programs, check_programs  # noqa: E402
 
 GPT = dict(vocab=64, hidden=16, layers=4, heads=2, max_positions=128)
 BOUNDS = [0, 3, 6]
@@ -159,7 +159,7 @@ def _train_once(mods, opts):
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_shard_bytes_predicted_before_the_state_exists_equal_measured(opt):
-    from dynabatch.pipeline.multimodel import shard_bytes
+    from dynabatch.pipeline.runtime.multimodel import shard_bytes
 
     mods, opts = _linear_shards(1, opt)
     before = shard_bytes(mods[0], opts[0], "cpu")
@@ -172,7 +172,7 @@ def test_shard_bytes_predicted_before_the_state_exists_equal_measured(opt):
 
 
 def test_shard_store_spills_and_loads_bit_for_bit_and_measures_bytes():
-    from dynabatch.pipeline.multimodel import ShardStore
+    from dynabatch.pipeline.runtime.multimodel import ShardStore
 
     mods, opts = _linear_shards(3)
     _train_once(mods, opts)
@@ -199,7 +199,7 @@ def test_shard_store_spills_and_loads_bit_for_bit_and_measures_bytes():
 
 
 def test_shard_store_budget():
-    from dynabatch.pipeline.multimodel import ShardStore, shard_bytes
+    from dynabatch.pipeline.runtime.multimodel import ShardStore, shard_bytes
 
     mods, opts = _linear_shards(3)
     full = sum(shard_bytes(mods[0], opts[0], "cpu"))
@@ -232,7 +232,7 @@ def _multi(ctx, K, factor, interleave, recorder=None, lrs=LRS):
     """K fresh gpt-tiny models (seeds 1..K) with AdamW at ``lrs``; budget ``factor`` x the largest shard
     of this stage (None: unlimited)."""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, make_model
-    from dynabatch.pipeline.multimodel import MultiModelRunner, shard_bytes
+    from dynabatch.pipeline.runtime.multimodel import MultiModelRunner, shard_bytes
 
     models = [make_model("gpt-tiny", **GPT, seed=1 + k) for k in range(K)]
     runners = [PipelineRunner.from_model(m, ctx, BOUNDS, RunnerConfig(schedule="1f1b")) for m in models]
@@ -399,7 +399,7 @@ def soak_worker(rank, world, port, steps):
     """K = 3, two-shard budget, ``steps`` small steps (1-2 micro-batches), alternating the update
     placement; returns the losses of model 0 and the moves."""
     from dynabatch.pipeline import init_pipeline
-    from dynabatch.pipeline.launch import heartbeat
+    from dynabatch.pipeline.runtime.launch import heartbeat
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=5)
     losses, spills, peak_ok = [], 0, True
@@ -428,7 +428,7 @@ def refit_worker(rank, world, port, steps_before, steps_after):
     whether both models equal training each alone. (`from_models` without a scale takes the
     parameter-count ratio: checked first.)"""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
-    from dynabatch.pipeline.multimodel import MultiModelRunner
+    from dynabatch.pipeline.runtime.multimodel import MultiModelRunner
 
     cfgs = [dict(GPT), dict(GPT, hidden=128, heads=4, layers=6)]
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
@@ -486,7 +486,7 @@ def feedback_worker(rank, world, port, steps):
     from dynabatch import CostModel
     from dynabatch.core.feedback import FeedbackLoop
     from dynabatch.pipeline import init_pipeline, make_model
-    from dynabatch.pipeline.multimodel import MultiModelRunner
+    from dynabatch.pipeline.runtime.multimodel import MultiModelRunner
 
     cfgs = [dict(GPT), {**GPT, "hidden": 128, "heads": 4}]
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)

@@ -248,7 +248,7 @@ def test_moves_per_step_are_the_runners():
     from test_pipeline_workers import replica_batches, synthetic_plan
 
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
-    from dynabatch.pipeline.multimodel import MultiModelRunner, shard_bytes
+    from dynabatch.pipeline.runtime.multimodel import MultiModelRunner, shard_bytes
 
     gpt = dict(vocab=64, hidden=16, layers=4, heads=2, max_positions=128)
     K = 4

@@ -6,7 +6,7 @@ import torch
 
 from dynabatch.pipeline import MicroBatchShape, PlanMismatch, check_batch, count_parameters, gpt_tiny, t5_tiny
 from dynabatch.pipeline.models import segment_ids
-from dynabatch.pipeline.runner import sequential_step
+from dynabatch.pipeline.runtime.reference import sequential_step
 
 SMALL = dict(vocab=97, hidden=32, heads=4, max_positions=64, seed=0)
 

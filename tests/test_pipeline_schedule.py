@@ -16,8 +16,8 @@ from dynabatch.pipeline import (
     check_programs,
     stage_orders,
 )
-from dynabatch.pipeline.comm import CommEvent
-from dynabatch.pipeline.schedule import naive_programs, peer_sequences, quantize_times
+from dynabatch.pipeline.runtime.comm import CommEvent
+from dynabatch.pipeline.runtime.schedule import naive_programs, peer_sequences, quantize_times
 from dynabatch.core.simulate import pipeline_schedule, simulate_pipeline
 
 

@@ -1,4 +1,4 @@
-"""Rank-side workers for the multi-process pipeline tests (run through `dynabatch.pipeline.launch`).
+"""Rank-side workers for the multi-process pipeline tests (run through `dynabatch.pipeline.runtime.launch`).
 
 Each worker is ``fn(rank, world_size, port, *args)`` and returns a JSON-serializable summary that
 the test process checks. No tests are defined here.
@@ -76,7 +76,7 @@ def several(rank, world, port, num_stages, calls):
     """``calls`` (``[worker name, args]`` of the workers below that take a context) one after the other
     in one process group of ``num_stages`` stages; their results in order. Each call is a sign of
     life to the launcher when it ends (a call itself prints nothing, as when it runs alone)."""
-    from dynabatch.pipeline.launch import heartbeat
+    from dynabatch.pipeline.runtime.launch import heartbeat
 
     out = []
     with _ctx(rank, world, port, num_stages) as ctx:

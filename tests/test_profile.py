@@ -9,7 +9,7 @@ import torch
 from dynabatch import CostModel
 from dynabatch.cli import main
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
-from dynabatch.pipeline.profile import profile_cost_model, profile_table
+from dynabatch.pipeline.measure.profile import profile_cost_model, profile_table
 
 
 def increasing_fraction(a, axis):

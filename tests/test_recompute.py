@@ -141,7 +141,7 @@ def grad_worker(rank, world, port):
     import torch
 
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, sequential_step
-    from dynabatch.pipeline.vlm import vlm_tiny
+    from dynabatch.pipeline.models.vlm import vlm_tiny
     from test_pipeline_workers import replica_batches, synthetic_plan
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10)
@@ -228,7 +228,7 @@ def memory_worker(rank, world, port, fractions):
 
     from dynabatch import DataLoader, datagen
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, stage_cost_model
-    from dynabatch.pipeline.memory import measured_stage_memory
+    from dynabatch.pipeline.measure.memory import measured_stage_memory
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
     bounds = [0, 3, 6]

@@ -276,7 +276,7 @@ def runner_follows_plan(rank, world, port, seed):
 
 def test_runner_follows_the_schedule_the_plan_records():
     from dynabatch.pipeline import launch_local
-    from dynabatch.pipeline.schedule import stage_orders
+    from dynabatch.pipeline.runtime.schedule import stage_orders
 
     res = launch_local(f"{Path(__file__)}:runner_follows_plan", 2, args=(11,), timeout_s=120)
     for r in res:

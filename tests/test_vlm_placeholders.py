@@ -33,7 +33,7 @@ from dynabatch.pipeline import (  # noqa: E402
     vision_calls,
     vlm_tiny,
 )
-from dynabatch.pipeline.vlm import merged_length, placeholder_mask, with_placeholders  # noqa: E402
+from dynabatch.pipeline.models.vlm import merged_length, placeholder_mask, with_placeholders  # noqa: E402
 from tokenization import (  # noqa: E402
     IGNORE_INDEX,
     DynamicTiling,
@@ -380,7 +380,7 @@ def _synthetic_twins(model, seed=0):
     are what ``model.random_batch`` makes for a model with ``image_token_id``."""
     from test_pipeline_vlm import SHAPES
 
-    from dynabatch.pipeline.vlm import vlm_random_batch
+    from dynabatch.pipeline.models.vlm import vlm_random_batch
 
     make = vlm_random_batch(TINY["vocab"], model.tile_tokens, model.tile_size)
     gen = torch.Generator().manual_seed(seed)

@@ -1,12 +1,12 @@
 """Optimizer-dependent weight prediction, weight stashing and their memory
-(`dynabatch.pipeline.weight_prediction`)."""
+(`dynabatch.pipeline.runtime.weight_prediction`)."""
 
 import copy
 
 import pytest
 import torch
 
-from dynabatch.pipeline.weight_prediction import WeightPredictor
+from dynabatch.pipeline.runtime.weight_prediction import WeightPredictor
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

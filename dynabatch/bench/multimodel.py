@@ -123,7 +123,7 @@ def run_k(ctx, cfg: MultiBenchConfig, K: int, steps, collation: str, cost, bound
 
     from ..core.multimodel_sim import simulate_multimodel
     from ..pipeline import MultiModelRunner, batch_shapes
-    from ..pipeline.multimodel import shard_bytes
+    from ..pipeline.runtime.shards import shard_bytes
 
     S = ctx.num_stages
     alone, alone_opt = _arm_models(cfg, ctx, K, bounds)

@@ -335,8 +335,8 @@ def train_methods(ctx, cfg: TrainBenchConfig, *, log=None, on_round=None) -> dic
     """Train every method for ``cfg.steps`` steps, interleaved step by step (the order rotates each
     step) so that a change in the machine's background load hits every method alike.
     ``on_round(k, runs)`` is called after round ``k`` (every method did step ``k``); each step
-    reports progress to the launcher (`dynabatch.pipeline.launch.heartbeat`)."""
-    from ..pipeline.launch import heartbeat
+    reports progress to the launcher (`dynabatch.pipeline.runtime.launch.heartbeat`)."""
+    from ..pipeline.runtime.launch import heartbeat
 
     runs = {}
     for m in cfg.methods:

@@ -7,7 +7,7 @@ batches, interleaved as every ``bench train`` run (`FLUSH_VARIANTS`):
 * ``dp/stale``, ``dp/stash``, ``dp/predict``: `PipelineRunner.run_steps` with
   ``RunnerConfig(flush=False)``, windows of ``flush_window`` steps run as one asynchronous 1F1B
   stream (a flush only between windows), and the weight handling of
-  `dynabatch.pipeline.weight_prediction.WeightPredictor`: plain stale weights, the forward's version
+  `dynabatch.pipeline.runtime.weight_prediction.WeightPredictor`: plain stale weights, the forward's version
   stashed for the backward, or the weights predicted from AdamW's own rule.
 
 No variant refits its cost model (every one plans with the same one). Reported: each variant's loss

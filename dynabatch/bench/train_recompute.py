@@ -11,7 +11,7 @@ same global batches, interleaved step by step as every ``bench train`` run (`REC
 
 The runs use equal block counts per stage (``--partition uniform``) so that every variant has the
 same stages, and the cost model's `StageMemory` is measured on those stages
-(`dynabatch.pipeline.memory.measured_stage_memory`, on the run's device). The recompute variants
+(`dynabatch.pipeline.measure.memory.measured_stage_memory`, on the run's device). The recompute variants
 are not refit online, so that every variant plans with the same cost model (a `FeedbackLoop` would
 refit the time without recomputation, see `dynabatch.core.feedback`).
 Reported per limit and variant: tokens/s, step time against ``dp+full``, each stage's largest
@@ -58,7 +58,7 @@ def parse_level(text: str) -> tuple[float, bool]:
 
 def measured_memory(model, bounds, cost, device) -> None:
     """Give ``cost`` the `StageMemory` measured on ``model``'s stages at ``bounds``."""
-    from ..pipeline.memory import measured_stage_memory
+    from ..pipeline.measure.memory import measured_stage_memory
 
     cost.stage_memory_model = measured_stage_memory(model, bounds, cost, device=device)
 

@@ -337,7 +337,7 @@ def model_size_overrides(model: str, items) -> dict:
 
     ctor = models.gpt_tiny if model == "gpt-tiny" else models.t5_tiny if model == "t5-tiny" else None
     if ctor is None:
-        from ..pipeline.vlm import vlm_tiny as ctor
+        from ..pipeline.models.vlm import vlm_tiny as ctor
     fixed = ("seed", "tile_size", "patch_size", "tile_tokens")  # vlm-tiny's tiling is the loader's vision policy
     names = sorted(k for k, p in inspect.signature(ctor).parameters.items()
                    if k not in fixed and (isinstance(p.default, int) and not isinstance(p.default, bool)

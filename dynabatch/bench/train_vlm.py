@@ -183,8 +183,8 @@ def modality_bounds(model, stages: int) -> list[int]:
 def layout_of(model, bounds) -> "object":
     """The `StageLayout` (ViT blocks and GPT blocks per stage) of the runner's split ``bounds``."""
     from ..core.stages import StageLayout
-    from ..pipeline.models import GPTBlock
-    from ..pipeline.vlm import ViTBlock
+    from ..pipeline.models.tiny import GPTBlock
+    from ..pipeline.models.vlm import ViTBlock
 
     S = len(bounds) - 1
     main = [sum(isinstance(m, GPTBlock) for m in model.layers[bounds[s]:bounds[s + 1]]) for s in range(S)]
@@ -297,7 +297,7 @@ def stage_computes(model, bounds, phi) -> np.ndarray:
     stage on a text-only micro-batch, whose vision layers return without computing (the patch
     embedding still lays out the language-side index tensors)."""
     from ..core.kernels.cost import FEATURES
-    from ..pipeline.vlm import VISION_LAYER_TYPES
+    from ..pipeline.models.vlm import VISION_LAYER_TYPES
 
     phi = np.atleast_2d(np.asarray(phi, np.float64))
     rows, tiles = phi[:, FEATURES.index("one")] > 0, phi[:, FEATURES.index("has_vis")] > 0

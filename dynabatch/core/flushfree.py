@@ -17,7 +17,7 @@ all-reduce is a barrier over the ranks; it and the optimizer step take ``update_
 Micro-batch ``i`` of a rank's stream then sees, on stage ``s``, `update_lag` updates between its
 forward and its backward (0 or 1 when a step has at least ``S - 1`` micro-batches per rank; more
 when it has fewer): the ``s_k`` of optimizer-dependent weight prediction
-(`dynabatch.pipeline.weight_prediction`), and the number of weight versions a stash holds.
+(`dynabatch.pipeline.runtime.weight_prediction`), and the number of weight versions a stash holds.
 In-flight activations are those of 1F1B (at most ``S - s`` micro-batches on stage ``s``).
 
 **Steady-state step time.** Step ``k`` is complete when every stage has applied its update

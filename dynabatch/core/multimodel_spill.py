@@ -2,7 +2,7 @@
 
 One stage device holds the K models' shards of that stage (a shard: a model's stage parameters,
 their gradients and the optimizer's state) within a byte budget; the others live in host memory.
-The policy, shared by the runner (`dynabatch.pipeline.shards.ShardStore`, driven by
+The policy, shared by the runner (`dynabatch.pipeline.runtime.shards.ShardStore`, driven by
 `dynabatch.pipeline.MultiModelRunner`) and the simulator (`spill_timing`, called by
 `dynabatch.core.multimodel_sim.simulate_multimodel`), so both make the same moves:
 

@@ -29,7 +29,7 @@ Layers of one stage are priced as equal shares of the stage (exact for a stage o
 for a stage mixing ViT and LLM layers the first ``k`` layers are the vision ones, priced at the
 stage's mean). `StageMemory` says how the bytes split: `StageMemory.analytic` from the cost model's
 layout (every byte in the layers, each recomputed layer keeping its ``dtype x hidden`` input per
-token); `dynabatch.pipeline.memory.measured_stage_memory` fits them from the bytes autograd saves
+token); `dynabatch.pipeline.measure.memory.measured_stage_memory` fits them from the bytes autograd saves
 in a real model's stages. Times are seconds, memory bytes.
 """
 

@@ -1,7 +1,7 @@
 """Pipeline schedules beyond the static orders: the memory-aware ``adaptive`` order and ``auto``.
 
 ``adaptive`` (DynaPipe-style) is the one definition the simulator (`simulate_pipeline`), the planner
-(`plan_microbatches`) and the runner (`dynabatch.pipeline.schedule.adaptive_orders`) share: list
+(`plan_microbatches`) and the runner (`dynabatch.pipeline.runtime.schedule.adaptive_orders`) share: list
 scheduling on per-stage forward/backward seconds in which a free stage runs its earliest-ready
 backward, else the next forward in micro-batch order while the stage's in-flight activation bytes
 stay within the memory limit (see `dynabatch.core.kernels.schedules.adaptive_kernel`).

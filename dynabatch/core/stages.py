@@ -6,7 +6,7 @@ ViT layers on each stage of the ``vlm`` preset). A `StageLayout` says how many m
 encoder / decoder-only), decoder and vision layers each stage holds; ``contiguous`` is the layout
 pipelines run (vision first, then the main stack, then the decoder), split so that the stages are
 balanced for a representative micro-batch (the analytic, torch-free counterpart of
-`dynabatch.pipeline.partition.balanced_partition`).
+`dynabatch.pipeline.models.partition.balanced_partition`).
 
 `stage_scale` turns a layout into multipliers ``scale[s, j]`` of the cost coefficients, so that
 micro-batch ``j`` with features ``phi[j]`` costs ``phi[j] @ (time_coef * scale[s])`` seconds and

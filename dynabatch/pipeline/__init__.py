@@ -1,61 +1,38 @@
 """Pipeline-parallel execution of dynabatch plans (``torch.distributed``: NCCL on GPUs, gloo on CPU).
 
-* `partition`: split an ordered list of layers into stages by simulated makespan (`balanced_partition`;
-  `search_partition` profiles the layers and agrees on one split across ranks).
-* `schedule`: per-stage op orders (GPipe, 1F1B, memory-aware adaptive) and NCCL-safe communication programs.
-* `comm`: process groups (`init_pipeline` -> `DistContext`) and point-to-point transfers (`P2P`).
-* `runner`: `PipelineRunner.step(plan, batches)` -> `StepResult` with a `StepTiming`; `run_steps` runs several
-  steps, flush-free with ``RunnerConfig(flush=False)`` (`weight_prediction`: `WeightPredictor`).
-* `failure`: a failing rank ends every rank with its error (`PipelineAborted`), no hang.
-* `bypass`: with ``RunnerConfig(bypass_idle_stages=True)`` a micro-batch skips the stages holding only its
-  idle layers (`Bypass`: vlm-tiny's text-only micro-batches never visit the vision stages).
-* `multimodel`: `MultiModelRunner` trains K models on the same micro-batches (one data pass), their stage
-  shards ordered longest-remaining-time-first and spilled to host memory under a device budget (`shards`).
-* `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
-  fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
-* `memory`: the activation bytes a stage keeps for backward (`SavedBytes`, metered per step by the
-  runner) and the recompute memory model fitted from them (`measured_stage_memory`).
-* `microbatches`: a loader step's shapes for the runner (`batch_shapes`), the mix a split is profiled
-  on (`representative`), the one-stage cost model of a split (`stage_cost_model`).
+Three subpackages, each importing only the ones listed before it:
+
+* `models`: what runs. `LayeredModel` (an ordered list of layers, its boundary `TensorSpec` s per
+  `MicroBatchShape`, parameters shared between layers), the tiny models ``gpt-tiny``, ``t5-tiny`` and
+  ``vlm-tiny`` (`make_model`), and the stage split (`balanced_partition`, `split_model` ->
+  `PipelineStage`).
+* `measure`: what is measured. `StepTiming`/`StepResult`, activation bytes (`SavedBytes`,
+  `measured_stage_memory`), per-layer costs (`profile_layers`, `search_partition`: one split agreed
+  across ranks), profiled cost models (`dynabatch profile`), the mix a split is profiled on.
+* `runtime`: how it runs. Per-stage op orders and NCCL-safe communication programs (`build_programs`),
+  one interpreter of a stage's program with hooks (`run_program`, `Hooks`), and on it:
+  `PipelineRunner.step(plan, batches)` (flushed steps), `run_steps` with ``RunnerConfig(flush=False)``
+  (flush-free streams; `WeightPredictor`), `MultiModelRunner` (K models on one data pass, shards
+  spilled under a device budget: `ShardStore`). Parameters shared between stages (`Ties`) are summed
+  over their stages before every update; `Bypass` skips a micro-batch's idle stages; `init_pipeline`
+  sets up the process groups, `PipelineAborted` ends every rank when one fails, `launch_local` runs N
+  local ranks.
 
 See docs/pipeline.md.
 """
 
-from .bypass import Bypass
-from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, check_peer_sequences, init_pipeline
-from .failure import PipelineAborted
-from .launch import ProcResult, free_port, launch_local
-from .memory import SavedBytes, measured_stage_memory
-from .microbatches import batch_shapes, representative, stage_cost_model
-from .models import MODELS, LayeredModel, count_parameters, gpt_tiny, make_model, segment_ids, t5_tiny
-from .partition import (
-    LayerCosts,
-    PipelineStage,
-    StagePartition,
-    balanced_partition,
-    partition_makespan,
-    profile_layers,
-    search_partition,
-    split_model,
-    uniform_partition,
-)
-from .runner import PipelineRunner, PlanMismatch, RunnerConfig, StepResult, StepTiming, check_batch, sequential_step
-from .schedule import (
-    SCHEDULES,
-    Compute,
-    Message,
-    Post,
-    ProgramError,
-    adaptive_orders,
-    build_programs,
-    check_programs,
-    stage_orders,
-)
-from .spec import MicroBatchShape, TensorSpec, plan_shapes
-from .weight_prediction import WeightPredictor
-from .multimodel import MultiModelRunner, MultiStepResult, ShardStore
-from .vlm import (VisionLanguageModel, merged_length, placeholder_mask, vision_calls, vlm_batch_shapes, vlm_tiny,
-                  with_placeholders)
+from .measure import (SavedBytes, StepResult, StepTiming, batch_shapes, measured_stage_memory, profile_layers,
+                      representative, search_partition, stage_cost_model)
+from .models import (MODELS, LayerCosts, LayeredModel, MicroBatchShape, PipelineStage, PlanMismatch, StagePartition,
+                     TensorSpec, VisionLanguageModel, balanced_partition, check_batch, count_parameters, gpt_tiny,
+                     make_model, merged_length, partition_makespan, placeholder_mask, plan_shapes, segment_ids,
+                     split_model, t5_tiny, uniform_partition, vision_calls, vlm_batch_shapes, vlm_tiny,
+                     with_placeholders)
+from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistContext, Hooks, Message,
+                      MultiModelRunner, MultiStepResult, P2P, PipelineAborted, PipelineRunner, Post, ProcResult,
+                      ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor, adaptive_orders,
+                      build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
+                      run_program, sequential_step, stage_orders, tie_stages)
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -69,4 +46,4 @@ __all__ = [
     "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
     "with_placeholders",
 ]
-__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass"]
+__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.batchplan import BatchPlan, MicroBatch
+from ...core.batchplan import BatchPlan, MicroBatch
 
 #: Collations the runner understands. ``packed_rows`` (rows of several samples padded to a fixed
 #: length) travels exactly like ``padded``.
@@ -127,9 +127,11 @@ def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
         need("labels", tgt)
 
 
-def _as_tuple(x) -> tuple:
+def as_tuple(x) -> tuple:
+    """A stage's state as a tuple (a one-tensor state may travel bare)."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A micro-batch dictionary with its tensors on ``device`` (copies are non-blocking)."""
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

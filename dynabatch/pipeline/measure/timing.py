@@ -60,7 +60,7 @@ class StepResult:
     weight_extra_bytes: float | None = None
 
 
-class _Clock:
+class Clock:
     """Times regions with CUDA events on GPU (resolved once per step) or ``perf_counter`` on CPU."""
 
     def __init__(self, device: torch.device):
@@ -68,6 +68,7 @@ class _Clock:
         self.pending: list[tuple[np.ndarray, int, object, object]] = []
 
     def start(self):
+        """A start mark (a CUDA event or ``perf_counter`` seconds)."""
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -75,6 +76,7 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, t0, out: np.ndarray, j: int) -> None:
+        """``out[j]`` = seconds since ``t0`` (on GPU once `resolve` runs)."""
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -83,6 +85,7 @@ class _Clock:
             out[j] = time.perf_counter() - t0
 
     def resolve(self) -> None:
+        """Fill in the pending GPU times (one device synchronization)."""
         if self.pending:
             torch.cuda.synchronize()
             for out, j, a, b in self.pending:

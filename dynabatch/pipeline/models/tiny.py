@@ -29,64 +29,17 @@ over the row (which is what packing to fixed rows costs without a variable-lengt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cost import ModelConfig
+from ...core.cost import ModelConfig
+from .layered import LayeredModel
 from .spec import MicroBatchShape, TensorSpec
 
-MODELS = ("gpt-tiny", "t5-tiny", "vlm-tiny")  # vlm-tiny: dynabatch.pipeline.vlm
+MODELS = ("gpt-tiny", "t5-tiny", "vlm-tiny")  # vlm-tiny: dynabatch.pipeline.models.vlm
 IGNORE_INDEX = -100
-
-
-@dataclass
-class LayeredModel:
-    """A model as an ordered list of layers plus what the runner needs to know about it.
-
-    ``kind`` is ``decoder`` or ``encoder_decoder`` (as in `dynabatch.core.cost.ModelConfig`);
-    ``boundary(shape, layer)`` gives the `TensorSpec`s of the state *after* layer ``layer`` for a
-    micro-batch of that `MicroBatchShape`; ``config`` describes the model for the cost model
-    (the whole model as one stage); ``random_batch(shape, generator)`` makes a synthetic micro-batch
-    of exactly that shape (for profiling and tests).
-    """
-
-    name: str
-    kind: str
-    layers: list[nn.Module]
-    boundary: Callable[[MicroBatchShape, int], tuple[TensorSpec, ...]]
-    config: ModelConfig
-    random_batch: Callable[..., dict] = field(repr=False, default=None)
-
-    def parameters(self):
-        """All parameters of all layers, in layer order."""
-        for layer in self.layers:
-            yield from layer.parameters()
-
-    def to(self, device) -> "LayeredModel":
-        """Move every layer to ``device`` (in place); returns self."""
-        for layer in self.layers:
-            layer.to(device)
-        return self
-
-    def idle_layers(self, shape: MicroBatchShape) -> int:
-        """How many leading layers return without computing for a micro-batch of ``shape`` (0 here;
-        vlm-tiny's vision layers for a micro-batch without image tiles). A runner with
-        ``RunnerConfig(bypass_idle_stages=True)`` skips the stages that hold only such layers."""
-        return 0
-
-    def enter(self, batch: dict, layer: int):
-        """The state at the input of layer ``layer`` for micro-batch ``batch``, whose layers before it
-        are idle (`idle_layers`): they run here, returning without computing, so the stage that
-        holds ``layer`` can start the micro-batch from its dictionary."""
-        state = self.layers[0](batch)
-        for m in self.layers[1:layer]:
-            state = m(state)
-        return state
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core.cost import CostModel, DeviceProfile, device_preset
-from .spec import MicroBatchShape
+from ...core.cost import CostModel, DeviceProfile, device_preset
+from ..models.spec import MicroBatchShape
 
 
 def _collation_of(batch: dict) -> str:

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..core.cost import CostModel, DeviceProfile, ProfiledTable, device_preset
+from ...core.cost import CostModel, DeviceProfile, ProfiledTable, device_preset
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -32,7 +32,7 @@ def _device_profile(device) -> DeviceProfile:
     `dynabatch.devices.gpu_preset` (the one mapping of GPU names to presets)."""
     import torch
 
-    from ..devices import gpu_preset
+    from ...devices import gpu_preset
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -53,8 +53,9 @@ def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     """
     import torch
 
-    from .partition import LayerCosts, balanced_partition, profile_layers
-    from .spec import MicroBatchShape
+    from ..models.partition import LayerCosts, balanced_partition
+    from .layers import profile_layers
+    from ..models.spec import MicroBatchShape
 
     enc_dec = model.kind == "encoder_decoder"
     tgrid = tuple(target_lengths) if target_lengths is not None else (DEFAULT_TARGET_LENGTHS if enc_dec else (0,))
@@ -122,7 +123,7 @@ def profile_cost_model(model, *, num_stages: int = 1, device="cpu", device_profi
 
 def add_profile_command(sub) -> None:
     """Register ``dynabatch profile`` on an argparse subparsers object."""
-    from .models import MODELS
+    from ..models import MODELS
 
     p = sub.add_parser("profile", help="time micro-batch shapes of a tiny model and save a cost model",
                        description="Time forward+backward of a grid of padded micro-batch shapes (rows x length "
@@ -149,8 +150,8 @@ def add_profile_command(sub) -> None:
 
 
 def _cmd_profile(args) -> int:
-    from ..core.cost import describe
-    from .models import make_model
+    from ...core.cost import describe
+    from ..models import make_model
 
     over = {}
     if args.hidden:

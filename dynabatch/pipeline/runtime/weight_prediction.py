@@ -77,12 +77,11 @@ SUPPORTED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _WORKSPACE = {"sgd": 4, "adam": 6, "adam_amsgrad": 7}
 
 
+from .update_rules import predict_adam, predict_sgd
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _scalar(x) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 class WeightPredictor:
@@ -265,81 +264,21 @@ class WeightPredictor:
     def _predict_one(self, p: torch.Tensor, s: int) -> None:
         """``p.data`` <- its value after ``s`` updates (``p.data`` is written without an autograd
         version bump; the optimizer state is only read)."""
-        group = self._group_of[id(p)]
-        state = self.optimizer.state.get(p, {})
         implied = self.gradient == "implied"
         if not implied and id(p) not in self._last_grad:
             return
-        w = p.data
-        lr = _scalar(group["lr"])
-        wd = _scalar(group["weight_decay"])
-        maximize = bool(group.get("maximize", False))
+        group, state = self._group_of[id(p)], self.optimizer.state.get(p, {})
+        last = None if implied else self._last_grad[id(p)]
         if self.kind == "sgd":
-            mu, damp, nesterov = _scalar(group["momentum"]), _scalar(group["dampening"]), bool(group["nesterov"])
-            buf = state.get("momentum_buffer")
-            buf = None if buf is None else buf.clone()
-            if implied:
-                if buf is None:
-                    return
-                g = buf * ((1.0 - mu) / (1.0 - damp)) if damp != 1.0 else torch.zeros_like(buf)
-                wd, maximize = 0.0, False  # the buffer already holds the effective gradient
-            else:
-                g = self._last_grad[id(p)]
-            for _ in range(s):
-                d = -g if maximize else g
-                if wd != 0:
-                    d = d.add(w, alpha=wd)
-                if mu != 0:
-                    if buf is None:
-                        buf = d.detach().clone()
-                    else:
-                        buf.mul_(mu).add_(d, alpha=1 - damp)
-                    d = d.add(buf, alpha=mu) if nesterov else buf
-                w.add_(d, alpha=-lr)
-            return
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        eps = _scalar(group["eps"])
-        amsgrad = bool(group.get("amsgrad", False))
-        decoupled = bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW))
-        if "step" in state:
-            t = _scalar(state["step"])
-            m, v = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
-            vmax = state["max_exp_avg_sq"].clone() if amsgrad else None
+            predict_sgd(p.data, group, state, last, s)
         else:
-            t, m, v = 0.0, torch.zeros_like(w), torch.zeros_like(w)
-            vmax = torch.zeros_like(w) if amsgrad else None
-        if implied:
-            if t == 0:
-                return
-            g = m / (1.0 - beta1 ** t)
-            maximize = False
-            coupled = 0.0  # the moments already hold any coupled decay
-        else:
-            g = self._last_grad[id(p)]
-            coupled = 0.0 if decoupled else wd
-        for _ in range(s):
-            t += 1
-            d = -g if maximize else g
-            if wd != 0 and decoupled:
-                w.mul_(1 - lr * wd)
-            if coupled != 0:
-                d = d.add(w, alpha=coupled)
-            m.lerp_(d, 1 - beta1)
-            v.mul_(beta2).addcmul_(d, d, value=1 - beta2)
-            step_size = lr / (1 - beta1 ** t)
-            bc2_sqrt = (1 - beta2 ** t) ** 0.5
-            if amsgrad:
-                torch.maximum(vmax, v, out=vmax)
-                denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
-            else:
-                denom = (v.sqrt() / bc2_sqrt).add_(eps)
-            w.addcdiv_(m, denom, value=-step_size)
+            predict_adam(p.data, group, state, last, s, adamw=type(self.optimizer) is torch.optim.AdamW)
 
     # -- the per-micro-batch interface of a runner -------------------------------------------------
     def saved_tensor_hooks(self, pack: Callable | None = None, unpack: Callable | None = None):
         """``torch.autograd.graph.saved_tensors_hooks`` that replace each saved tensor living in a
         parameter's storage by an alias with its own version counter (module doc), then apply the
-        optional inner ``pack``/``unpack`` (e.g. `dynabatch.pipeline.memory.SavedBytes`'s)."""
+        optional inner ``pack``/``unpack`` (e.g. `dynabatch.pipeline.measure.memory.SavedBytes`'s)."""
         ptrs = {p.untyped_storage().data_ptr() for p in self.params}
 
         def _pack(t):

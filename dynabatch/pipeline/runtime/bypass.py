@@ -4,7 +4,7 @@ heterogeneity-aware execution; with ``RunnerConfig(bypass_idle_stages=True)``).
 A model says how many of its leading layers return without computing for a micro-batch of a shape
 (`LayeredModel.idle_layers`: vlm-tiny's vision layers for a text-only micro-batch). The micro-batch's
 *entry* stage is the one holding its first layer that computes; the stages before it run no op and
-pass no message for it (`dynabatch.pipeline.schedule.build_programs` with ``entry``), and the entry
+pass no message for it (`dynabatch.pipeline.runtime.schedule.build_programs` with ``entry``), and the entry
 stage starts it from its dictionary (`LayeredModel.enter`, timed as that stage's forward). Every rank
 derives the same entries from the plan's shapes and the model's cut.
 """
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .spec import MicroBatchShape
+from ..models.spec import MicroBatchShape
 
 
 @dataclass(frozen=True)

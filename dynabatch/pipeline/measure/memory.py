@@ -72,7 +72,7 @@ def param_pointers(modules) -> set[int]:
 def default_grid(model) -> list:
     """Padded `MicroBatchShape` s spanning rows 1-8 and lengths 16-128 (targets 8-32 for
     encoder-decoder models): the grid `measured_stage_memory` fits on."""
-    from .spec import MicroBatchShape
+    from ..models.spec import MicroBatchShape
 
     targets = (8, 16, 32) if model.kind == "encoder_decoder" else (0,)
     return [MicroBatchShape("padded", r, L, T) for r in (1, 2, 4, 8) for L in (16, 32, 64, 128) for T in targets]
@@ -92,7 +92,7 @@ def layer_memory(model, shapes: Sequence, *, device="cpu", seed: int = 0) -> tup
         x = batch
         for i, layer in enumerate(layers):
             if i > 0:
-                x = _detach(x)
+                x = cut_graph(x)
                 m_in = SavedBytes(params)
                 m_in.keep(x)
                 inputs[i, g] = m_in.bytes
@@ -103,7 +103,7 @@ def layer_memory(model, shapes: Sequence, *, device="cpu", seed: int = 0) -> tup
     return saved, inputs
 
 
-def _detach(state):
+def cut_graph(state):
     """Cut the autograd graph at a layer boundary, so each layer is metered (and timed) alone."""
     def one(t):
         if isinstance(t, torch.Tensor):
@@ -116,7 +116,7 @@ def _detach(state):
 def _bounding_fit(phi: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least-squares-like coefficients (features never seen are 0), scaled up so that
     ``phi @ coef >= y`` on every row."""
-    from ..core.kernels.cost import NUM_FEATURES
+    from ...core.kernels.cost import NUM_FEATURES
 
     coef = np.zeros(NUM_FEATURES)
     if not np.any(y > 0):
@@ -138,7 +138,7 @@ def measured_stage_memory(model, bounds: Sequence[int], cost, *, shapes: Sequenc
     fitted in ``cost``'s features from the bytes its layers save on ``shapes`` (padded
     `MicroBatchShape` s, default `default_grid`); see the module docstring. Set it as
     ``cost.stage_memory_model`` for the planner to price recomputation of this model's stages."""
-    from ..core.recompute import StageMemory
+    from ...core.recompute import StageMemory
 
     shapes = default_grid(model) if shapes is None else list(shapes)
     b = [int(x) for x in bounds]

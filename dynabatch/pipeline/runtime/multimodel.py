@@ -31,7 +31,7 @@ stage parameters, their gradients and the optimizer's state for them). Per step:
   so its shard is resident once per step (Hydra); the counted tokens are checked against it at the
   end of the step. Without it, one all-reduce at the end of the step gives every model's count (as
   `PipelineRunner.step`), and the shards are updated one after another in LRTF order.
-* **Spilling** (`dynabatch.pipeline.shards.ShardStore`): with ``memory_budget_bytes`` (per stage device), a shard's bytes
+* **Spilling** (`dynabatch.pipeline.runtime.shards.ShardStore`): with ``memory_budget_bytes`` (per stage device), a shard's bytes
   (parameters + gradients + optimizer state; optimizer state predicted before it exists) must fit
   the budget (else `ValueError` naming the shard and its bytes). Shards not needed are kept in host
   memory (pinned on GPU) and brought back before their turn: the next shard in this stage's use
@@ -41,14 +41,20 @@ stage parameters, their gradients and the optimizer's state for them). Per step:
   same code path moves the tensors between the model and host copies, so the budget is accounted
   exactly (`ShardStore.resident_bytes` measures the tensors the models and optimizers hold on the
   device, each storage once) and checked after every operation. Activations are not part of the
-  budget (see `dynabatch.pipeline.memory` for those).
+  budget (see `dynabatch.pipeline.measure.memory` for those).
 
 ``refit_time_scale`` refits each model's ``time_scale`` from measured shard times (one all-reduce,
 so every rank keeps deriving the same order); ``refit_every=N`` calls it every N steps.
 `dynabatch.core.feedback.FeedbackLoop.record_step` takes a `MultiStepResult`: every model's measured
 micro-batch times, each divided by its ``time_scale``, refit the plan's cost model (``DataLoader.feedback``
-works unchanged), so the plan's seconds and the scales together follow what was measured. Bit-identity holds where the kernels are deterministic
-(CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``). Limits: one
+works unchanged), so the plan's seconds and the scales together follow what was measured. Bit-identity
+holds where the kernels are deterministic (CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``).
+
+The step runs on the one interpreter of a stage's program (`dynabatch.pipeline.runtime.interpreter`):
+`ManyModels` maps each virtual micro-batch to its model's stage module, makes the model's shard
+resident before each op (`dynabatch.pipeline.runtime.residency.StepShards`) and runs each model's
+update with `dynabatch.pipeline.runtime.update.update_stage`, which sums the gradients of parameters a
+model shares between stages (`dynabatch.pipeline.runtime.tied`) first. Limits: one
 pipeline replica (``num_replicas == 1``); flushed steps only (no flush-free streams); one scale per
 model (a model's stages are priced in the plan's per-stage proportions); module buffers are not
 spilled (the project's models have none); models must share the stage count (their cuts may differ).
@@ -63,16 +69,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from ..core.multimodel_sim import active_peak, lrtf_order, multimodel_orders
+from ...core.multimodel_sim import lrtf_order, multimodel_orders
+from ..measure.timing import Clock, StepResult, StepTiming
+from ..models.spec import check_batch
 from .comm import CommEvent, P2P
-from .guard import GuardedSteps
-from .runner import PipelineRunner, RunnerConfig
-from .spec import _as_tuple, _to_device, check_batch
-from .timing import StepResult, StepTiming, _Clock
-from .schedule import Message, Post, build_programs, quantize_times
-from .shards import ShardStore, _Residency, shard_bytes
+from .config import RunnerConfig
+from .guard import StepGuard
+from .interpreter import Feed, Hooks, check_links, run_program
+from .residency import StepShards
+from .runner import PipelineRunner, microbatch_counts
+from .schedule import build_programs, quantize_times
+from .shards import ShardStore, shard_bytes
+from .update import gather_timings, reduce_losses, update_stage
 
 __all__ = ["MultiModelRunner", "MultiStepResult", "ShardStore", "shard_bytes"]  # the last two from .shards
 
@@ -106,7 +115,7 @@ class MultiStepResult:
     copy_s: float = 0.0
 
 
-class MultiModelRunner(GuardedSteps):
+class MultiModelRunner:
     """Trains K models on the same micro-batches, one pipeline, one data pass (module docstring).
 
     ``runners[k]``: model ``k``'s `PipelineRunner` on this rank (its stage, boundary and recompute
@@ -122,8 +131,6 @@ class MultiModelRunner(GuardedSteps):
     needs to refit the cost model identically on every rank. ``refit_every``: call
     `refit_time_scale` on the last ``refit_every`` steps after every ``refit_every`` steps (None: only
     when called), so the LRTF order follows the measured shard times."""
-
-    _what = "the multi-model runner"
 
     def __init__(self, runners: Sequence[PipelineRunner], optimizers: Sequence, *,
                  memory_budget_bytes: float | None = None, interleave: bool = True,
@@ -164,7 +171,7 @@ class MultiModelRunner(GuardedSteps):
         self.refit_every = None if refit_every is None else int(refit_every)
         self._window: list[MultiStepResult] = []  # results since the last automatic refit
         self._programs: OrderedDict = OrderedDict()
-        self._in_comm = False
+        self.guard = StepGuard(ctx, "the multi-model runner", lambda: self.step_index)
 
     @classmethod
     def from_models(cls, models: Sequence, ctx, bounds, optimizer: Callable[[object, int], torch.optim.Optimizer], *,
@@ -207,7 +214,7 @@ class MultiModelRunner(GuardedSteps):
 
     def programs(self, plan, collation: str | None = None):
         """(this rank's program, the op orders [S, 2KM], the model order) for ``plan``."""
-        shapes = self.runners[0]._shapes(plan, collation)
+        shapes = self.runners[0].shapes(plan, collation)
         return self._program(np.array([sh.time_s for sh in shapes]), len(shapes))
 
     def refit_time_scale(self, results: Sequence[MultiStepResult], *, digits: int = 3) -> np.ndarray:
@@ -222,11 +229,11 @@ class MultiModelRunner(GuardedSteps):
         mine = mine.to(self.ctx.device)
 
         def reduce():
-            self._wait([dist.all_reduce(mine, async_op=True)], "in the all-reduce of measured shard times "
-                                                               "(waiting for every rank)", range(self.ctx.world_size))
+            self.guard.all_reduce(mine, "in the all-reduce of measured shard times (waiting for every rank)",
+                                  self.guard.everyone())
             return mine.cpu().numpy()
 
-        total = self._guarded(reduce)
+        total = self.guard.run(reduce)
         if not np.all(total > 0):
             raise ValueError(f"no measured time for some model: {total.tolist()} s")
         scale = total / total.max()
@@ -243,7 +250,7 @@ class MultiModelRunner(GuardedSteps):
         last backward on each stage (see the module doc); checked against the heads' count.
         Errors end every rank as in `PipelineRunner.step`. With ``refit_every`` the step that
         completes a window of that many steps then refits ``time_scale`` (the next step's order)."""
-        res = self._guarded(lambda: self._step(plan, batches, num_tokens, collation))
+        res = self.guard.run(lambda: self._step(plan, batches, num_tokens, collation))
         if self.refit_every is not None:
             self._window.append(res)
             if len(self._window) >= self.refit_every:  # the same step on every rank: a collective
@@ -251,211 +258,38 @@ class MultiModelRunner(GuardedSteps):
                 self.refit_time_scale(window)
         return res
 
-    def _step(self, plan, batches, num_tokens, collation):
+    def _step(self, plan, batches, num_tokens, collation) -> MultiStepResult:
         t_step = time.perf_counter()
-        ctx, mon, store = self.ctx, self.ctx.monitor, self.store
-        s, S, step_k, K = ctx.stage, ctx.num_stages, self.step_index, self.K
-        first, last = s == 0, s == S - 1
-        mon.set_state("busy", f"preparing multi-model step {step_k}")
-        shapes = self.runners[0]._shapes(plan, collation)
+        ctx, store, step_k, K = self.ctx, self.store, self.step_index, self.K
+        s, S = ctx.stage, ctx.num_stages
+        ctx.monitor.set_state("busy", f"preparing multi-model step {step_k}")
+        shapes = self.runners[0].shapes(plan, collation)
         M = len(shapes)
         if M == 0:
             raise ValueError(f"replica {ctx.replica} has no micro-batches in this step")
-        needs_data = first or last
+        needs_data = s == 0 or s == S - 1
         if needs_data and (batches is None or len(batches) != M):
             raise ValueError(f"stage {s} needs the {M} micro-batch dictionaries of this step, got "
                              f"{'None' if batches is None else len(batches)}")
         if needs_data:
             for j, (b, sh) in enumerate(zip(batches, shapes)):
                 check_batch(b, sh, f"step {step_k} micro-batch {j}")
-        times = np.array([sh.time_s for sh in shapes])
-        program, ops, order = self._program(times, M)
+        program, ops, order = self._program(np.array([sh.time_s for sh in shapes]), M)
         early = num_tokens is not None
-
-        # the use sequence of this stage's shards: (model, 'op' | 'update'); check the budget first
-        uses: list[tuple[int, str]] = []
-        left = np.full(K, M * 2)
-        for ins in program:
-            if not isinstance(ins, Post):
-                k = int(order[ins.microbatch // M])
-                uses.append((k, "op"))
-                left[k] -= 1
-                if early and left[k] == 0:
-                    uses.append((k, "update"))
-        if not early:
-            uses += [(int(k), "update") for k in order]
-        store.check_budget()
-        if store.budget is not None:
-            need, n = active_peak(ops[s], M, np.array([store.full_bytes(int(k)) for k in order], float),
-                                  updates_at_end=not early)
-            if need > store.budget:
-                raise ValueError(f"stage {s} (rank {ctx.rank}) must hold {n} shards at once under the "
-                                 f"{'interleaved' if self.interleave else 'model-after-model'} order ({int(need)} "
-                                 f"bytes) but the device memory budget is {int(store.budget)} bytes; raise "
-                                 f"memory_budget_bytes" + (" or use interleave=False" if self.interleave else ""))
-        plan_r = _Residency(uses, K, early)
-        spills0, loads0, pre0 = store.spills, store.loads, store.prefetches
-        moved0, copy0 = store.moved_bytes, store.copy_s
-        store.peak_bytes = store.observe()
-        cursor = [0]
-
-        def use(k: int, i: int) -> None:
-            """Shard k is used now (use i): make it resident; at the start of its window prefetch the
-            shard of the next window (one shard ahead) when it fits."""
-            if not store.resident[k]:
-                mon.set_state("busy", f"loading {self.names[k]}'s stage {s} (step {step_k})")
-                if not store.make_room(store.full_bytes(k), plan_r.active(i) | {k}, plan_r.next_use(i)):
-                    raise RuntimeError(f"internal error: no room for {self.names[k]} on stage {s}")
-                store.load(k)
-                store.observe()  # bytes change only at loads, first backwards and updates: measured there
-            store.ready(k)
-            nxt = plan_r.next_window(i)
-            if nxt is not None and not store.resident[nxt[1]]:
-                at, q = nxt
-                fut = plan_r.next_use(i)
-                keep = plan_r.active(i) | {q} | {r for r, t in fut.items() if t < at}
-                if store.make_room(store.full_bytes(q), keep, fut):
-                    mon.set_state("busy", f"prefetching {self.names[q]}'s stage {s} (step {step_k})")
-                    store.load(q, prefetch=True)
-                    store.observe()
-
-        boundary_in, boundary_out = {}, {}
-        for v in range(K * M):
-            k, j = int(order[v // M]), v % M
-            r = self.runners[k]
-            boundary_in[v] = tuple(r.boundary(shapes[j], r.stage.first_layer - 1)) if not first else None
-            boundary_out[v] = tuple(r.boundary(shapes[j], r.stage.last_layer)) if not last else None
-
-        def specs(m: Message):
-            if m.src == s:
-                return boundary_out[m.microbatch] if m.kind == "act" else \
-                    [sp for sp in boundary_in[m.microbatch] if sp.requires_grad]
-            return boundary_in[m.microbatch] if m.kind == "act" else \
-                [sp for sp in boundary_out[m.microbatch] if sp.requires_grad]
-
+        shards = StepShards(store, program, order, M, ops[s], early, interleave=self.interleave, names=self.names,
+                            monitor=ctx.monitor, stage=s, rank=ctx.rank, step=step_k)
+        hooks = ManyModels(self, shapes, batches if needs_data else None, order, shards,
+                           float(num_tokens) if early else None)
         self.p2p.step = step_k
         for r in self.runners:
             for p in r.stage.parameters():
                 p.grad = None
             r.stage.recompute = r.recompute_layers(plan)
         if self.check_plan and S > 1:
-            links = {}
-            for ins in program:
-                if isinstance(ins, Post):
-                    m = ins.message
-                    links.setdefault(m.dst if m.src == s else m.src, []).append((m, specs(m)))
-            self._in_comm = True
-            self.p2p.check_links(links)
-            self._in_comm = False
-
-        clock = _Clock(ctx.device)
-        fwd_s, bwd_s = np.zeros((K, M)), np.zeros((K, M))
-        wait_s = 0.0
-        inbox, outbox, sent, saved = {}, {}, [], {}
-        loss_sum = torch.zeros(K, dtype=torch.float64, device=ctx.device)
-        tokens = torch.zeros(K, dtype=torch.float64, device=ctx.device)
-        data = [_to_device(b, ctx.device) for b in batches] if needs_data else None
-        grads_made: set[int] = set()  # models whose backward ran on this stage this step
-
-        def update(k: int, n_tokens: float) -> None:
-            mon.set_state("busy", f"updating {self.names[k]}'s stage {s} (step {step_k})")
-            params = [p for p in self.runners[k].stage.parameters() if p.requires_grad]
-            grads = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            if grads:
-                torch._foreach_mul_(grads, 1.0 / max(n_tokens, 1.0))
-            self.optimizers[k].step()
-            for p in params:  # the gradients are spent: free them (they would be zeroed next step)
-                p.grad = None
-            store.observe()
-
-        for ins in program:
-            mon.raise_if_failed()
-            if isinstance(ins, Post):
-                m = ins.message
-                if m.src == s:
-                    tensors = outbox.pop(m)
-                    mon.set_state("busy", f"posting the send of {m.describe()} (multi-model step {step_k})")
-                    self._in_comm = True
-                    sent.append((m, self.p2p.send(m, tensors, specs(m))))
-                    self._in_comm = False
-                else:
-                    mon.set_state("busy", f"posting the receive of {m.describe()} (multi-model step {step_k})")
-                    self._in_comm = True
-                    inbox[m] = self.p2p.recv(m, specs(m))
-                    self._in_comm = False
-                continue
-            v = ins.microbatch
-            k, j = int(order[v // M]), v % M
-            stage = self.runners[k].stage
-            use(k, cursor[0])
-            cursor[0] += 1
-            what = f"micro-batch {j} of {self.names[k]} (virtual {v}) of multi-model step {step_k}"
-            if ins.forward:
-                if first:
-                    x, inputs = None, []
-                else:
-                    inputs, x, waited = self._take_input(inbox, Message(v, "act", s - 1, s), boundary_in[v], what)
-                    wait_s += waited
-                mon.set_state("busy", f"in forward of {what}")
-                t0 = clock.start()
-                out = stage(x, data[j] if needs_data else None)
-                clock.stop(t0, fwd_s[k], j)
-                if last:
-                    loss_j, ntok_j = out
-                    loss_sum[k] += loss_j.detach().to(torch.float64)
-                    tokens[k] += torch.as_tensor(ntok_j, device=ctx.device).to(torch.float64)
-                    saved[v] = (inputs, loss_j)
-                else:
-                    outs = _as_tuple(out)
-                    saved[v] = (inputs, outs)
-                    outbox[Message(v, "act", s, s + 1)] = [o.detach().contiguous() for o in outs]
-            else:
-                inputs, outs = saved.pop(v)
-                if last:
-                    mon.set_state("busy", f"in backward of {what}")
-                    t0 = clock.start()
-                    outs.backward()
-                    clock.stop(t0, bwd_s[k], j)
-                else:
-                    m = Message(v, "grad", s + 1, s)
-                    bufs, works = inbox.pop(m)
-                    peer = ctx.global_rank(s + 1)
-                    wait_s += self._wait(works, f"waiting for {m.describe()} from rank {peer} ({what})", [peer])
-                    grad_outs = [o for o, sp in zip(outs, boundary_out[v]) if sp.requires_grad]
-                    pairs = [(o, g) for o, g in zip(grad_outs, bufs) if o.requires_grad]
-                    mon.set_state("busy", f"in backward of {what}")
-                    t0 = clock.start()
-                    if pairs:
-                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-                    clock.stop(t0, bwd_s[k], j)
-                if not first:
-                    outbox[Message(v, "grad", s, s - 1)] = [
-                        (b.grad if b.grad is not None else torch.zeros_like(b)) for b, sp in zip(inputs, boundary_in[v])
-                        if sp.requires_grad]
-                if k not in grads_made:  # a model's first backward here allocates its gradients; the
-                    grads_made.add(k)      # others accumulate in place, so the bytes change only then
-                    store.observe()
-                if early and cursor[0] < len(uses) and uses[cursor[0]] == (k, "update"):
-                    update(k, float(num_tokens))
-                    cursor[0] += 1
-        for m, works in sent:
-            peer = ctx.global_rank(m.dst)
-            wait_s += self._wait(works, f"waiting for rank {peer} to take {m.describe()} (multi-model step "
-                                        f"{step_k})", [peer])
-        if inbox or outbox or saved:
-            raise RuntimeError(f"internal error: step ended with unmatched messages {list(inbox) + list(outbox)}")
-
-        mon.raise_if_failed()
-        stats = torch.stack([loss_sum, tokens])  # [2, K]: one all-reduce over every rank for every model
-        self._in_comm = True
-        self._wait([dist.all_reduce(stats, async_op=True)], f"in the loss all-reduce of multi-model step {step_k} "
-                                                            f"(waiting for every rank)", range(ctx.world_size))
-        self._in_comm = False
-        total_loss, counted = stats.cpu().numpy()
+            check_links(program, hooks, s, self.p2p, self.guard)
+        clock = Clock(ctx.device)
+        run = run_program(program, hooks, ctx=ctx, p2p=self.p2p, guard=self.guard, clock=clock, size=K * M, groups=K)
+        total_loss, counted = reduce_losses(self.guard, run.loss, run.tokens, f"multi-model step {step_k}")
         if early:
             bad = [k for k in range(K) if counted[k] != float(num_tokens)]
             if bad:
@@ -463,25 +297,89 @@ class MultiModelRunner(GuardedSteps):
                                  f"tokens for {self.names[bad[0]]} in step {step_k}: the updates used the wrong "
                                  f"normalizer")
         else:
-            while cursor[0] < len(uses):
-                k = uses[cursor[0]][0]
-                use(k, cursor[0])
-                cursor[0] += 1
-                update(k, float(counted[k]))
+            for k in shards.remaining():
+                shards.use(k)
+                hooks.update(k, float(counted[k]))
         clock.resolve()
         step_s = time.perf_counter() - t_step
+        position = np.argsort(order)  # model k ran as virtual micro-batches position[k] * M + j
         results = []
         for k in range(K):
             n = float(counted[k])
-            scale = 1.0 / max(n, 1.0)
-            timing = StepTiming(step_k, ctx.rank, s, ctx.replica, fwd_s[k].copy(), bwd_s[k].copy(), wait_s, step_s,
-                                None, 0.0, int(self.runners[k].stage.recompute))
+            sl = slice(int(position[k]) * M, (int(position[k]) + 1) * M)
+            timing = StepTiming(step_k, ctx.rank, s, ctx.replica, run.forward_s[sl].copy(), run.backward_s[sl].copy(),
+                                run.wait_s, step_s, None, 0.0, int(self.runners[k].stage.recompute))
             # every rank's timings: the same all-gather as the single-model runner's, model by model
-            every = self.runners[k]._gather(timing, plan, M) if self.gather_timing else None
-            results.append(StepResult(step_k, float(total_loss[k]) * scale, int(round(n)), timing, every))
+            every = gather_timings(self.guard, timing, microbatch_counts(plan, 1, M)) if self.gather_timing else None
+            results.append(StepResult(step_k, float(total_loss[k]) * (1.0 / max(n, 1.0)), int(round(n)), timing,
+                                      every))
             self.runners[k].step_index += 1
         self.step_index += 1
+        spills, loads, prefetches, moved, copy_s = shards.moves()
         return MultiStepResult(step_k, tuple(results), tuple(int(k) for k in order), int(store.peak_bytes),
-                               store.budget, store.spills - spills0, store.loads - loads0,
-                               store.prefetches - pre0, tuple(float(x) for x in self.time_scale),
-                               store.moved_bytes - moved0, store.copy_s - copy0)
+                               store.budget, spills, loads, prefetches, tuple(float(x) for x in self.time_scale),
+                               moved, copy_s)
+
+
+class ManyModels(Hooks):
+    """The interpreter hooks of a multi-model step: virtual micro-batch ``v = p * M + j`` is micro-batch
+    ``j`` of model ``order[p]``, run by that model's stage module; before each op the model's shard is
+    made resident (`StepShards.use`); after a model's last backward here its update runs when
+    ``num_tokens`` is known (early updates), and its first backward's gradients are measured."""
+
+    def __init__(self, runner: MultiModelRunner, shapes, batches, order: np.ndarray, shards: StepShards,
+                 num_tokens: float | None):
+        self.runner, self.order, self.shards, self.num_tokens = runner, order, shards, num_tokens
+        self.M = len(shapes)
+        self.s = runner.ctx.stage
+        self.first, self.last = self.s == 0, self.s == runner.ctx.num_stages - 1
+        self.feed = Feed(batches, runner.ctx.device, keep=True)
+        self.boundary: list[tuple] = []
+        for v in range(len(order) * self.M):
+            r = runner.runners[self.model(v)]
+            sh = shapes[v % self.M]
+            self.boundary.append((None if self.first else tuple(r.boundary(sh, r.stage.first_layer - 1)),
+                                  None if self.last else tuple(r.boundary(sh, r.stage.last_layer))))
+        self.grads_made: set[int] = set()  # models whose backward ran on this stage this step
+
+    def model(self, v: int) -> int:
+        """The model virtual micro-batch ``v`` belongs to."""
+        return int(self.order[v // self.M])
+
+    def module(self, v: int):
+        return self.runner.runners[self.model(v)].stage
+
+    def specs(self, v: int):
+        return self.boundary[v]
+
+    def describe(self, v: int) -> str:
+        return (f"micro-batch {v % self.M} of {self.runner.names[self.model(v)]} (virtual {v}) of multi-model step "
+                f"{self.runner.step_index}")
+
+    def batch(self, v: int) -> dict | None:
+        return self.feed.get(v % self.M) if self.first or self.last else None
+
+    def starts(self, v: int) -> bool:
+        return self.first
+
+    def group(self, v: int) -> int:
+        return self.model(v)
+
+    def before_op(self, v: int, forward: bool) -> None:
+        self.shards.use(self.model(v))
+
+    def after_backward(self, v: int) -> None:
+        k = self.model(v)
+        if k not in self.grads_made:  # a model's first backward here allocates its gradients; the
+            self.grads_made.add(k)      # others accumulate in place, so the bytes change only then
+            self.runner.store.observe()
+        if self.num_tokens is not None and self.shards.update_due(k):
+            self.update(k, self.num_tokens)
+
+    def update(self, k: int, n_tokens: float) -> None:
+        """Model ``k``'s update on this stage (its gradients are freed after)."""
+        r = self.runner
+        update_stage(r.guard, r.runners[k].trainable(), n_tokens, r.optimizers[k],
+                     f"{r.names[k]}'s stage {self.s} (multi-model step {r.step_index})", ties=r.runners[k].ties,
+                     free_grads=True)
+        r.store.observe()

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.options import SCHEDULES
-from ..core.schedules import adaptive_order
-from ..core.simulate import pipeline_schedule, simulate_pipeline
+from ...core.options import SCHEDULES
+from ...core.schedules import adaptive_order
+from ...core.simulate import pipeline_schedule, simulate_pipeline
 
 #: Integer time units of the largest micro-batch's forward in the witness simulation.
 TIME_LEVELS = 16

@@ -45,8 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cost import ModelConfig
-from .models import IGNORE_INDEX, MLP, GPTBlock, GPTHead, LayeredModel, _SelfAttentionBlock
+from ...core.cost import ModelConfig
+from .layered import LayeredModel
+from .tiny import IGNORE_INDEX, MLP, GPTBlock, GPTHead, _SelfAttentionBlock
 from .spec import MicroBatchShape, TensorSpec
 
 

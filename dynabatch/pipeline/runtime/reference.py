@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .partition import PipelineStage
-from .spec import _to_device
+from ..models.partition import PipelineStage
+from ..models.spec import to_device
 
 
 def sequential_step(layers: Sequence[nn.Module], batches: Sequence[dict], *, device=None) -> tuple[float, int]:
@@ -19,7 +19,7 @@ def sequential_step(layers: Sequence[nn.Module], batches: Sequence[dict], *, dev
     whole = PipelineStage(list(layers), 0, len(layers))
     if device is not None:
         whole.to(device)
-        batches = [_to_device(b, torch.device(device)) for b in batches]
+        batches = [to_device(b, torch.device(device)) for b in batches]
     for p in whole.parameters():
         p.grad = None
     total, n = 0.0, 0

@@ -40,7 +40,7 @@ HEARTBEAT_ENV = "DYNABATCH_HEARTBEAT"
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 # a rank's first sign of life is its start (before the slow imports), the next ones its imports done
 _CHILD = ("import os; p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close(); "
-          "import sys; from dynabatch.pipeline.launch import _main; sys.exit(_main(sys.argv[1:]))")
+          "import sys; from dynabatch.pipeline.runtime.launch import _main; sys.exit(_main(sys.argv[1:]))")
 _last_beat = [0.0]
 
 
@@ -218,7 +218,7 @@ def _main(argv: list[str]) -> int:
     try:
         value = fn(int(rank), int(world), int(port), *json.loads(payload))
     except BaseException:
-        waits = sys.modules.get("dynabatch.pipeline.waits")
+        waits = sys.modules.get("dynabatch.pipeline.runtime.waits")
         if waits is not None and waits.abandoned():  # see waits.exit_if_abandoned
             import traceback
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .failure import FailureMonitor
 from .schedule import Message
-from .spec import TensorSpec
+from ..models.spec import TensorSpec
 
 HEADER_LEN = 64
 _PLAN_MAGIC = 0x5DB2
@@ -140,7 +140,7 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     when CUDA is available, gloo otherwise; ``device`` to ``cuda:LOCAL_RANK`` or ``cpu``.
     ``timeout_s`` (seconds) is the liveness timeout: a rank that makes no progress for that long
     while others wait on it (or whose heartbeat stops) ends every rank with an error naming it and
-    what it was doing (see `dynabatch.pipeline.failure`); with gloo the process-group timeout is set
+    what it was doing (see `dynabatch.pipeline.runtime.failure`); with gloo the process-group timeout is set
     well above it (a backstop), with NCCL it is ``timeout_s``. ``abort_after_s`` bounds how long a
     rank may stay blocked after another rank failed. If a default process group already exists it is
     reused.
