@@ -1,7 +1,7 @@
 """``dynabatch bench gpu``, cost-model section: the device preset's analytic predictions against what
 the bench's Llama model measures on this device, and the profiled cost model saved beside the results.
 
-1. `dynabatch.pipeline.profile.profile_cost_model` times forward+backward of a grid of padded shapes
+1. `dynabatch.pipeline.measure.profile.profile_cost_model` times forward+backward of a grid of padded shapes
    layer by layer (the ``dynabatch profile`` machinery) and the result is written to
    ``cost_model.json`` (`CostModel.save`; `CostModel.load` reads it, the DataLoader takes it).
 2. FLAN-like micro-batches: the first ``cost_microbatches`` micro-batches ``dp`` cuts from the bench
@@ -50,7 +50,7 @@ def _mape(pred, meas) -> float:
 def cost_section(cfg, factory, data, index, out_dir: str) -> tuple[dict, object]:
     """Run the section (module docstring); returns (its result, the profiled `CostModel`)."""
     from ..pipeline import batch_shapes, profile_layers, stage_cost_model
-    from ..pipeline.profile import _device_profile, profile_cost_model  # the one device -> preset mapping
+    from ..pipeline.measure.profile import _device_profile, profile_cost_model  # the one device -> preset mapping
 
     model = factory.fresh()
     preset = _device_profile(cfg.device).name

@@ -14,7 +14,7 @@ before the step: weights, gradients, optimizer state) against the plan's predict
 
 Recompute section: ``dp`` with ``recompute="adaptive"`` under an activation limit (a fraction of
 the largest activation peak ``dp`` planned in the training section; the cost model's memory
-measured on the model, `dynabatch.pipeline.memory.measured_stage_memory`) against ``recompute=
+measured on the model, `dynabatch.pipeline.measured_stage_memory`) against ``recompute=
 "full"`` on the same batches: the device limit is the state bytes plus that activation limit, and
 ``torch.cuda.max_memory_allocated`` must stay within it; step time adaptive / full.
 """
