@@ -14,14 +14,17 @@ dynabatch plans micro-batches of variable-length samples so that every micro-bat
 the same, spreads them evenly over data-parallel ranks and pipeline stages, and compares the
 result with the usual ways of batching (padding, length grouping, token budgets, packing).
 
-Start here:
+Start here (in a fresh clone: datagen writes the data the later commands read):
   dynabatch demo                       generate FLAN-like and image+text shards, plan and stream them
-  dynabatch bench plan                 all planning methods on the same global batches
+  dynabatch datagen --out data --text 20000 --image-text 500   write generated sample shards to data/
+  dynabatch bench plan --model t5 --data data/text             all planning methods on the same global batches
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
-  dynabatch datagen --out DIR --text 20000 --image-text 500   write generated sample shards
-  dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz --json
-  dynabatch plan DATA --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
-  dynabatch inspect plan.parquet --plot plan.png                                  what it predicts
+  dynabatch plan data/text --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
+  dynabatch inspect plan.parquet --plot plan.png                                       what it predicts
+
+Optional: the project's own machines also hold real FLANv2/NIv2, LLaVA and OmniBal samples in a
+shared/data/ folder beside the clone (not in the repository), e.g.
+  dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz
 """
 
 BENCH_PLAN_EPILOG = """\
@@ -47,10 +50,11 @@ data (--data, files or directories):
       including 256 per tile).
 
 examples:
-  dynabatch bench plan --model gpt --data ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz
-  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
+  dynabatch datagen --out data --text 20000 && dynabatch bench plan --model gpt --data data/text
   dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
   dynabatch bench plan --synthetic --global-batch-size 256 --memory-limit 8GiB --schedule gpipe
+  optional, on the project's machines (real data in shared/data/ beside the clone):
+  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
 """
 
 
