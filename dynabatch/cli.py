@@ -61,6 +61,7 @@ examples:
 
 
 def _add_bench_plan(sub) -> None:
+    from .bench.progress import add_progress_option
     from .core.cost import DEVICE_PRESETS, MODEL_PRESETS
     from .core.plan import METHODS
 
@@ -97,12 +98,13 @@ def _add_bench_plan(sub) -> None:
                         "pipeline depths (default 4 8): flushed vs flush-free step time, the fill/drain share removed")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="write bars per method and a per-rank timeline")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_option(p, "a bar of the configurations planned (methods x knob values)")
     p.set_defaults(func=_cmd_bench_plan)
 
 
 def _cmd_bench_plan(args) -> int:
     from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
+    from .bench.progress import show_progress
     from .core.cost import CostModel
     from .core.shape_sources import read_shapes, synthetic_shapes
 
@@ -125,7 +127,7 @@ def _cmd_bench_plan(args) -> int:
     cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data,
                           layout=args.layout)
     cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages, layout=args.layout)
-    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=not args.no_progress and not args.json,
+    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=show_progress(args),
                                    reference=args.reference)
     if args.plot:
         plot(result, plans, args.plot)
