@@ -14,14 +14,17 @@ dynabatch plans micro-batches of variable-length samples so that every micro-bat
 the same, spreads them evenly over data-parallel ranks and pipeline stages, and compares the
 result with the usual ways of batching (padding, length grouping, token budgets, packing).
 
-Start here:
+Start here (in a fresh clone: datagen writes the data the later commands read):
   dynabatch demo                       generate FLAN-like and image+text shards, plan and stream them
-  dynabatch bench plan                 all planning methods on the same global batches
+  dynabatch datagen --out data --text 20000 --image-text 500   write generated sample shards to data/
+  dynabatch bench plan --model t5 --data data/text             all planning methods on the same global batches
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
-  dynabatch datagen --out DIR --text 20000 --image-text 500   write generated sample shards
-  dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz --json
-  dynabatch plan DATA --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
-  dynabatch inspect plan.parquet --plot plan.png                                  what it predicts
+  dynabatch plan data/text --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
+  dynabatch inspect plan.parquet --plot plan.png                                       what it predicts
+
+Optional: the project's own machines also hold real FLANv2/NIv2, LLaVA and OmniBal samples in a
+shared/data/ folder beside the clone (not in the repository), e.g.
+  dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz
 """
 
 BENCH_PLAN_EPILOG = """\
@@ -47,16 +50,18 @@ data (--data, files or directories):
       including 256 per tile).
 
 examples:
-  dynabatch bench plan --model gpt --data ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz
-  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
+  dynabatch datagen --out data --text 20000 && dynabatch bench plan --model gpt --data data/text
   dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
   dynabatch bench plan --synthetic --global-batch-size 256 --memory-limit 8GiB --schedule gpipe
+  optional, on the project's machines (real data in shared/data/ beside the clone):
+  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
 """
 
 
 
 
 def _add_bench_plan(sub) -> None:
+    from .bench.progress import add_progress_option
     from .core.cost import DEVICE_PRESETS, MODEL_PRESETS
     from .core.plan import METHODS
 
@@ -93,12 +98,13 @@ def _add_bench_plan(sub) -> None:
                         "pipeline depths (default 4 8): flushed vs flush-free step time, the fill/drain share removed")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="write bars per method and a per-rank timeline")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_option(p, "a bar of the configurations planned (methods x knob values)")
     p.set_defaults(func=_cmd_bench_plan)
 
 
 def _cmd_bench_plan(args) -> int:
     from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
+    from .bench.progress import show_progress
     from .core.cost import CostModel
     from .core.shape_sources import read_shapes, synthetic_shapes
 
@@ -121,7 +127,7 @@ def _cmd_bench_plan(args) -> int:
     cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data,
                           layout=args.layout)
     cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages, layout=args.layout)
-    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=not args.no_progress and not args.json,
+    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=show_progress(args),
                                    reference=args.reference)
     if args.plot:
         plot(result, plans, args.plot)

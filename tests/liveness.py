@@ -2,9 +2,12 @@
 
 ``run_live(cmd, idle_s=...)`` kills the child (and everything it started: it runs in its own
 session) only after ``idle_s`` seconds without progress, that is without a new byte on its stdout
-or stderr and without a touch of its heartbeat file (``$DYNABATCH_HEARTBEAT``, set for the child:
+or stderr, without a touch of its heartbeat file (``$DYNABATCH_HEARTBEAT``, set for the child:
 `dynabatch.pipeline.launch_local` touches it while its ranks make progress, and
-`dynabatch.pipeline.runtime.launch.heartbeat` touches it from any loop). ``max_s`` is a generous overall
+`dynabatch.pipeline.runtime.launch.heartbeat` touches it from any loop) and without using
+``CPU_PROGRESS_SHARE x idle_s`` seconds of CPU time (the child itself: importing torch, tearing
+it down, 30 s and 19 s of silence on a loaded 2-core machine; the rule of
+`dynabatch.pipeline.runtime.launch_local`). ``max_s`` is a generous overall
 cap, a last resort against a child that is busy forever. A loaded machine makes a test slower,
 never failed; a hang still fails within about ``idle_s``.
 """
@@ -18,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from dynabatch.pipeline.runtime.launch import HEARTBEAT_ENV
+from dynabatch.pipeline.runtime.launch import CPU_PROGRESS_SHARE, HEARTBEAT_ENV, process_cpu_s
 
 DEFAULT_IDLE_S = 120.0
 DEFAULT_MAX_S = 1800.0
@@ -65,7 +68,7 @@ def run_live(cmd, *, idle_s: float = DEFAULT_IDLE_S, max_s: float = DEFAULT_MAX_
              for s, c in ((proc.stdout, out), (proc.stderr, err))]
     for t in pumps:
         t.start()
-    reason, seen_beat = None, 0
+    reason, seen_beat, seen_cpu, seen_last = None, 0, 0.0, t0
     try:
         while proc.poll() is None:
             now = time.monotonic()
@@ -73,8 +76,11 @@ def run_live(cmd, *, idle_s: float = DEFAULT_IDLE_S, max_s: float = DEFAULT_MAX_
                 mtime = os.stat(beat).st_mtime_ns
             except OSError:
                 mtime = 0
-            if mtime != seen_beat:
+            cpu = process_cpu_s(proc.pid) or 0.0
+            if mtime != seen_beat or cpu - seen_cpu >= CPU_PROGRESS_SHARE * idle_s:
                 seen_beat, last[0] = mtime, now
+            if last[0] != seen_last:  # progress since the last look: CPU time counts from here
+                seen_cpu, seen_last = cpu, last[0]
             if now - last[0] > idle_s:
                 reason = f"no progress (output or heartbeat) for {idle_s:g} s"
                 break

@@ -19,9 +19,10 @@ def test_bench_multimodel_json_and_table(tmp_path):
     common = [sys.executable, "-m", "dynabatch.cli", "bench", "multimodel", "--stages", "2", "--steps", "3",
               "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "256",
               "--data", *map(str, paths), "--timeout", "60"]
-    out = run_live(common + ["--k", "2", "--json"], idle_s=120)
+    out = run_live(common + ["--k", "2", "--json", "--progress"], idle_s=120)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
+    assert "bench multimodel" not in out.stderr  # --json: no bar even with --progress
     (r,) = res["ks"]
     assert r["K"] == 2 and r["steps_timed"] == 2 and r["identical"] is True
     assert r["together_s"] > 0 and r["sequential_s"] > 0
@@ -33,8 +34,9 @@ def test_bench_multimodel_json_and_table(tmp_path):
     for row in r["per_step"]:
         assert len(row["single_s"]) == 2 and row["tokens"] > 0
 
-    out = run_live(common + ["--k", "3", "--budget-shards", "1.2", "--no-interleave"], idle_s=120)
+    out = run_live(common + ["--k", "3", "--budget-shards", "1.2", "--no-interleave", "--progress"], idle_s=120)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "bench multimodel (K=(3,))" in out.stderr and "3/3" in out.stderr  # the bar of the steps trained
     table = out.stdout
     assert "model after model" in table and "spills" in table, table
     row = [ln for ln in table.splitlines() if ln.strip().startswith("3 ")]

@@ -32,7 +32,7 @@ def _bench_json(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
          "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096", "--max-len", "512",
          "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
-         "--out", str(tmp_path / "result.json")], idle_s=120)
+         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120)
 
 
 BENCH_WEIGHT = {"_bench_json": 11, "_bench_flush_free": 11}  # about their seconds (others: 8): the longest first
@@ -58,6 +58,7 @@ def test_bench_train_json(tmp_path):
     out, tmp_path = LAUNCHES.result(bench_job(_bench_json, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
+    assert "bench train (" not in out.stderr  # --json: no bar even with --progress
     assert res["partial"] is False and res["status"] == "complete" and res["stopped_by"] is None
     assert json.loads((tmp_path / "result.json").read_text()) == res  # --out holds the same document
     assert set(res) >= {"config", "methods"}
@@ -99,16 +100,19 @@ def _bench_adaptive(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--schedule",
-         "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=120)
+         "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--progress",
+         "--out", str(tmp_path / "adaptive.json")], idle_s=120)
 
 
 @pytest.mark.slow
 @LAUNCHES.plan(lambda tmp: [bench_job(_bench_adaptive, tmp)])
 def test_bench_train_runs_the_adaptive_schedule(tmp_path):
     """--schedule adaptive: the planner orders and simulates the memory-bounded order the runner runs."""
-    out, _ = LAUNCHES.result(bench_job(_bench_adaptive, tmp_path))
+    out, folder = LAUNCHES.result(bench_job(_bench_adaptive, tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout)
+    res = json.loads((folder / "adaptive.json").read_text())
+    # --progress: a bar of every method's steps on stderr (2 methods x 3 steps), the table on stdout
+    assert "bench train (gpt-tiny, 2 methods)" in out.stderr and "6/6" in out.stderr and "dp" in out.stdout
     assert res["config"]["options"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
     assert all(m["steps"] == 3 and m["tokens_per_s"] > 0 for m in res["methods"].values())
 

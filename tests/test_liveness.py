@@ -11,6 +11,7 @@ selected tests' runs start together in the background when the module's first te
 times are taken inside each run.
 """
 
+import atexit
 import os
 import sys
 import tempfile
@@ -24,10 +25,21 @@ from prelaunch import Prelaunch, job  # noqa: E402
 
 from dynabatch.pipeline.runtime.launch import heartbeat, launch_local  # noqa: E402
 
-# a rank is silent while it imports torch (through dynabatch.pipeline: ~2 s, 5+ s on a loaded 2-core
-# machine): the idle timeouts that must not fire are well above that
+# a rank prints nothing while it imports torch (through dynabatch.pipeline: ~2 s, 30 s at load 14-20 on
+# 2 cores) or tears it down (19 s there): its CPU time is its progress then (see launch_local)
 IDLE = 12.0
 LAUNCHES = Prelaunch(parallel=6)
+SPIN_ENV = "LIVENESS_TEST_SPIN_AT_IMPORT"
+
+
+def _spin(seconds: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        pass
+
+
+if os.environ.get(SPIN_ENV):  # a rank of test_cpu_time_is_progress_...: its import of this module computes
+    _spin(float(os.environ[SPIN_ENV]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,6 +110,38 @@ def test_ranks_that_make_progress_are_not_killed_past_the_timeout():
     assert b.stdout.strip().startswith("DYNABATCH_RESULT")  # no output: the heartbeat alone kept it alive
 
 
+def spinning(rank, world, port, where, seconds):
+    """Print nothing; spin the CPU for ``seconds`` seconds in this function (``where="function"``) or
+    in the interpreter's teardown (``"exit"``: an atexit handler); ``"import"``: this module's import
+    did (`SPIN_ENV`)."""
+    if where == "function":
+        _spin(seconds)
+    elif where == "exit":
+        atexit.register(_spin, seconds)
+    return where
+
+
+def _spinning(where, seconds, idle=3.0):
+    env = {SPIN_ENV: str(seconds)} if where == "import" else None
+    return launch_local(f"{__file__}:spinning", 1, args=(where, seconds), idle_timeout_s=idle, env=env)
+
+
+SPINS = {"import": 5.0, "exit": 5.0, "function": 60.0}
+
+
+@LAUNCHES.plan(lambda: [job(("spin", w), _spinning, w, s, weight=6) for w, s in SPINS.items()])
+def test_cpu_time_is_progress_outside_the_worker_function_only():
+    """A rank computing silently while it imports (torch: 30 s on a loaded 2-core machine) or tears
+    its interpreter down (19 s) outlives the idle timeout; one spinning silently inside its worker
+    function (a hung loop) is killed about ``idle`` seconds after it began."""
+    for where in ("import", "exit"):
+        (r,) = LAUNCHES.result(job(("spin", where), _spinning, where, SPINS[where]))
+        assert r.returncode == 0 and not r.timed_out and r.result == where, (where, r.stderr[-2000:])
+        assert r.wall_s > SPINS[where] and r.stdout.startswith("DYNABATCH_RESULT")  # silent otherwise
+    (f,) = LAUNCHES.result(job(("spin", "function"), _spinning, "function", SPINS["function"]))
+    assert f.timed_out and f.timeout_reason == "idle" and f.result is None and f.stdout == ""
+
+
 def _silent(idle):
     t0 = time.time()
     res = launch_local(f"{__file__}:silent", 2, args=(300,), idle_timeout_s=idle)
@@ -141,8 +185,8 @@ def test_silent_ranks_are_killed_soon_after_their_last_sign_of_life():
     starts = [float(r.stdout.split()[1]) for r in res if r.stdout.startswith("started")]
     last_sign = max(starts, default=t0)
     # killed after idle seconds of silence (not before), with a margin for a loaded machine
+    assert len(starts) == 2  # both started (their imports were progress), then went silent
     assert idle - 0.5 <= t_end - last_sign < idle + 15, (t0, starts, t_end)
-    assert t_end - t0 < 60
 
 
 @LAUNCHES.plan(lambda: [job("max_wall", _max_wall, weight=6)])

@@ -152,7 +152,7 @@ def add_bench_load_command(bench_sub) -> None:
     p.add_argument("--batch-size", type=int, default=1024,
                    help="samples per tokenizer call on both paths (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated data (default 0)")
-    add_output_options(p, "hide the progress bars")
+    add_output_options(p, "bars of the data preparation and the timed runs")
     p.set_defaults(func=_cmd_bench_load)
 
 

@@ -2,7 +2,7 @@
 
 Per-second rates, the one-line summary of a library failing deep inside a timed run, and the
 command-line plumbing: registering the subcommand, the ``--data``, ``--json`` and
-``--no-progress`` options, and running it (one-line error, no traceback, on bad input; JSON or the table on success).
+``--progress`` options, and running it (one-line error, no traceback, on bad input; JSON or the table on success).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 from typing import Callable
+
+from .progress import add_progress_option, show_progress
 
 
 def per_s(count: float, seconds: float) -> float:
@@ -39,10 +41,11 @@ def add_data_option(p, files: str, default: str) -> None:
                         "(relative to the repository root), else generated data")
 
 
-def add_output_options(p, progress_help: str) -> None:
-    """``--json`` (one JSON document instead of the table) and ``--no-progress``."""
+def add_output_options(p, progress_what: str) -> None:
+    """``--json`` (one JSON document instead of the table) and ``--progress`` / ``--no-progress``
+    (`dynabatch.bench.progress`)."""
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--no-progress", action="store_true", help=progress_help)
+    add_progress_option(p, progress_what)
 
 
 def run_command(args, make_config: Callable, run: Callable, format_table: Callable[[dict], str]) -> int:
@@ -52,7 +55,7 @@ def run_command(args, make_config: Callable, run: Callable, format_table: Callab
     and ``tokenization.SampleError`` are ValueErrors: they print one line, no traceback, and 1.
     """
     try:
-        result = run(make_config(), progress=not args.no_progress and not args.json)
+        result = run(make_config(), progress=show_progress(args))
     except (ValueError, ImportError, OSError) as e:
         print(f"dynabatch: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1

@@ -350,7 +350,7 @@ def add_bench_loader_command(bench_sub) -> None:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                    help=f"among {' '.join(METHODS)} (default: all)")
     p.add_argument("--seed", type=int, default=0, help="shuffle / global-batch seed (default 0)")
-    add_output_options(p, "hide the progress bar")
+    add_output_options(p, "a bar of the samples loaded (every method and worker count)")
     p.set_defaults(func=_cmd_bench_loader)
 
 

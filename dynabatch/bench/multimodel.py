@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from ..core.options import PlanOptions
+from .progress import add_progress_option, rank_tick, show_progress, watch_ticks
 
 #: learning-rate multipliers of the K models (a sweep around ``lr``); K <= len(LR_FACTORS)
 LR_FACTORS = (1.0, 0.3, 3.0, 0.1, 0.5, 2.0, 0.2, 5.0)
@@ -123,6 +124,7 @@ def run_k(ctx, cfg: MultiBenchConfig, K: int, steps, collation: str, cost, bound
 
     from ..core.multimodel_sim import simulate_multimodel
     from ..pipeline import MultiModelRunner, batch_shapes
+    from ..pipeline.runtime.launch import heartbeat
     from ..pipeline.runtime.shards import shard_bytes
 
     S = ctx.num_stages
@@ -152,6 +154,9 @@ def run_k(ctx, cfg: MultiBenchConfig, K: int, steps, collation: str, cost, bound
                      "tokens": int(np.sum(step.plan.mb_real_tokens)),
                      "peak_resident_bytes": res.peak_resident_bytes, "spills": res.spills, "loads": res.loads,
                      "prefetches": res.prefetches, "moved_bytes": res.moved_bytes, "copy_s": res.copy_s})
+        heartbeat()  # a step is progress for the launcher (each rank: the others may wait on it)
+        if ctx.rank == 0:
+            rank_tick()
     identical = True
     for k in range(K):  # each shard back on the device (spilling the others), compared with the model alone
         multi.store.make_room(multi.store.full_bytes(k), {k}, {})
@@ -210,6 +215,7 @@ def worker(rank: int, world_size: int, port: int, payload: dict):
 
     import dynabatch
     from ..pipeline import init_pipeline, make_model, stage_cost_model
+    from ..pipeline.runtime.launch import heartbeat
     from .train import uniform_bounds
 
     cfg = MultiBenchConfig.from_payload(payload)
@@ -226,6 +232,7 @@ def worker(rank: int, world_size: int, port: int, payload: dict):
                                       cost_model=cost, world_size=1, rank=0, plan_ahead=0)
         steps = []
         for step in loader.steps():
+            heartbeat()
             steps.append(step)
             if len(steps) == cfg.steps:
                 break
@@ -241,8 +248,9 @@ def worker(rank: int, world_size: int, port: int, payload: dict):
     return out if rank == 0 else None
 
 
-def run_multimodel_bench(cfg: MultiBenchConfig, *, generated_samples: int = 2000) -> dict:
-    """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result."""
+def run_multimodel_bench(cfg: MultiBenchConfig, *, generated_samples: int = 2000, progress: bool = False) -> dict:
+    """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result.
+    ``progress``: a bar of the steps trained (each K's) on stderr."""
     from ..pipeline import count_parameters, launch_local, make_model
     from .train import TrainBenchConfig, build_data
 
@@ -256,8 +264,10 @@ def run_multimodel_bench(cfg: MultiBenchConfig, *, generated_samples: int = 2000
         built = build_data(TrainBenchConfig(model=cfg.model, data=cfg.data, options=cfg.options), tmp,
                            generated_samples)
         cfg = replace(cfg, data=built.data, index=built.index, scan_s=time.perf_counter() - t0)
-        procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(cfg.to_payload(),),
-                             idle_timeout_s=cfg.timeout_s, threads_per_proc=cfg.threads_per_proc)
+        with watch_ticks(os.path.join(tmp, "progress"), cfg.steps * len(cfg.ks), f"bench multimodel (K={cfg.ks})",
+                         "step", progress) as env:
+            procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(cfg.to_payload(),),
+                                 idle_timeout_s=cfg.timeout_s, threads_per_proc=cfg.threads_per_proc, env=env)
     failed = [p for p in procs if p.returncode != 0 or p.timed_out]
     if failed:
         raise RuntimeError("bench multimodel failed: " + "; ".join(
@@ -350,6 +360,7 @@ def add_bench_multimodel_command(bench_sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="liveness timeout: stop when no rank made progress for this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    add_progress_option(p, "a bar of the steps trained")
     p.set_defaults(func=_cmd_bench_multimodel)
 
 
@@ -371,7 +382,7 @@ def _cmd_bench_multimodel(args) -> int:
                            interleave=not args.no_interleave, timeout_s=args.timeout,
                            model_sizes=sizes)
     try:
-        result = run_multimodel_bench(cfg)
+        result = run_multimodel_bench(cfg, progress=show_progress(args))
     except ValueError as e:
         print(f"dynabatch bench multimodel: {e}", file=sys.stderr)
         return 2

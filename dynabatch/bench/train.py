@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.options import PlanOptions
+from .progress import rank_tick, watch_ticks
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
@@ -152,6 +153,7 @@ class MethodRun:
         from ..core.feedback import FeedbackLoop
         from ..pipeline import (PipelineRunner, RunnerConfig, make_model, representative, search_partition,
                                 stage_cost_model)
+        from ..pipeline.runtime.launch import heartbeat
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
         base_method, self.flush_kind = split_flush(method)  # "dp/predict": dp, flush-free with prediction
@@ -183,9 +185,11 @@ class MethodRun:
             list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=self.cost, feedback=self.feedback,
             world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, **vlm.get("loader", {}))
         self._it = iter(self.loader.steps())
+        heartbeat()  # set-up phases are progress for the launcher (a minute each on a loaded machine)
         t0 = time.perf_counter()
         self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
         self._first_data_s = time.perf_counter() - t0
+        heartbeat()
         if self.vlm is not None:
             self.partition, bounds = None, self.vlm["bounds"]
         elif cfg.partition == "searched" and self._first and self.recompute is None:
@@ -197,6 +201,7 @@ class MethodRun:
             self.partition = None
             bounds = uniform_bounds(model, ctx.num_stages)
         self.bounds = [int(b) for b in bounds]
+        heartbeat()
         self.runner = PipelineRunner.from_model(model, ctx, bounds, config=RunnerConfig(
             **{"schedule": cfg.options.schedule, "gather_timing": True, "bypass_idle_stages": cfg.bypass_idle_stages,
                **runner_options(self.flush_kind)}))
@@ -373,11 +378,15 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     torch.set_num_threads(cfg.threads_per_proc)
     verbose = bool(cfg_dict.get("_verbose")) and rank == 0
 
-    def log(method, row):
-        print(f"[{method}] step {row['step']:3d} loss {row['loss']:.3f} real tokens {row['real_tokens']} "
-              f"mbs {row['microbatches']} predicted {row['predicted_s'] * 1e3:.0f} ms measured "
-              f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
-              file=sys.stderr, flush=True)
+    def log(method, row):  # rank 0: a bar unit per step of a method (bench.progress), the --verbose line
+        if rank != 0:
+            return
+        rank_tick()
+        if verbose:
+            print(f"[{method}] step {row['step']:3d} loss {row['loss']:.3f} real tokens {row['real_tokens']} "
+                  f"mbs {row['microbatches']} predicted {row['predicted_s'] * 1e3:.0f} ms measured "
+                  f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
+                  file=sys.stderr, flush=True)
 
     partial_path, config = cfg_dict.get("_partial"), cfg_dict.get("_config") or {}
     last_write = [-1e9]
@@ -397,7 +406,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     out = {}
     with init_pipeline(num_stages=cfg.options.num_stages, rank=rank, world_size=world_size, master_port=port,
                        backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
-        out = train_methods(ctx, cfg, log=log if verbose else None, on_round=on_round)
+        out = train_methods(ctx, cfg, log=log, on_round=on_round)
     return out if rank == 0 else None
 
 
@@ -426,9 +435,9 @@ def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -
 
 
 def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000,
-                    out: str | None = None) -> dict:
+                    out: str | None = None, progress: bool = False) -> dict:
     """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result
-    (``"partial": false``). ``out``: a JSON file kept up to date after every round of steps (partial,
+    (``"partial": false``). ``progress``: a bar of the steps trained (every method's) on stderr. ``out``: a JSON file kept up to date after every round of steps (partial,
     ``"status": "running"``) and holding the final or stopped result at the end. A run that does
     not finish (SIGINT/SIGTERM, liveness timeout, ``max_wall_s``, a failed rank) raises
     `TrainBenchStopped` with the partial result of the steps done so far."""
@@ -455,9 +464,11 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
             model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
             config = _result_config(cfg, index_s, count_parameters(model))
             payload = {**cfg.to_payload(), "_verbose": verbose, "_partial": partial_path, "_config": config}
-            procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,),
-                                 idle_timeout_s=cfg.timeout_s, max_wall_s=cfg.max_wall_s,
-                                 threads_per_proc=cfg.threads_per_proc)
+            with watch_ticks(os.path.join(tmp, "progress"), cfg.steps * len(cfg.methods),
+                             f"bench train ({cfg.model}, {len(cfg.methods)} methods)", "step", progress) as env:
+                procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,),
+                                     idle_timeout_s=cfg.timeout_s, max_wall_s=cfg.max_wall_s,
+                                     threads_per_proc=cfg.threads_per_proc, env=env)
         except _Stop as e:
             stop = e
         partial = _read_json(partial_path)

@@ -122,9 +122,9 @@ def predicted_peak(cfg, steps: int = PEAK_STEPS) -> float:
 
 
 def run_recompute_bench(cfg, levels, *, verbose: bool = False, generated_samples: int = 2000,
-                        out: str | None = None) -> dict:
+                        out: str | None = None, progress: bool = False) -> dict:
     """`RECOMPUTE_VARIANTS` at every level of ``levels`` (`parse_level` strings): one ``bench train``
-    run per level (see the module docstring). Returns ``{"config", "levels": [...]}``."""
+    run per level (see the module docstring; ``progress``: its bar). Returns ``{"config", "levels": [...]}``."""
     import tempfile
 
     from .train import build_data, run_train_bench
@@ -138,7 +138,7 @@ def run_recompute_bench(cfg, levels, *, verbose: bool = False, generated_samples
         for (value, rel), text in zip(parsed, levels):
             limit = value * peak if rel else value
             run = replace(cfg, data=resolved.data, options=cfg.options.replace(device_memory_limit=limit))
-            res = run_train_bench(run, verbose=verbose, generated_samples=generated_samples)
+            res = run_train_bench(run, verbose=verbose, generated_samples=generated_samples, progress=progress)
             methods = res["methods"]
             full = methods["dp+full"]["tokens_per_s"]
             for m in methods.values():

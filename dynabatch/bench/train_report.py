@@ -19,6 +19,8 @@ import signal
 
 import numpy as np
 
+from .progress import add_progress_option, show_progress
+
 
 def _ratios(methods: dict) -> dict:
     """dp's tokens/s over every other method's (``dp_vs_<method>``) and over the best of them; with the
@@ -311,6 +313,7 @@ def add_bench_train_command(bench_sub) -> None:
                         "\"partial\": true until the run completes); a run stopped early (SIGINT/SIGTERM, a "
                         "timeout) leaves its partial result here and on stdout")
     p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
+    add_progress_option(p, "a bar of the steps trained (every method's)")
     p.set_defaults(func=_cmd_bench_train)
 
 
@@ -396,7 +399,8 @@ def _cmd_bench_train(args) -> int:
             return 2
         try:
             doc = run_recompute_bench(cfg, args.device_memory_limit, verbose=args.verbose,
-                                      generated_samples=args.generated_samples, out=args.out)
+                                      generated_samples=args.generated_samples, out=args.out,
+                                      progress=show_progress(args))
         except TrainBenchStopped as e:
             print(f"dynabatch {e}", file=sys.stderr)
             return e.exit_code
@@ -406,7 +410,8 @@ def _cmd_bench_train(args) -> int:
         print(json.dumps(doc, default=float) if args.json else format_recompute_table(doc))
         return 0
     try:
-        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out)
+        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out,
+                                 progress=show_progress(args))
     except TrainBenchStopped as e:
         if e.result is not None:
             print(json.dumps(e.result, default=float) if args.json else format_table(e.result), flush=True)

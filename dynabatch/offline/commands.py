@@ -251,8 +251,11 @@ def add_commands(sub) -> None:
                        epilog=INSPECT_EPILOG, formatter_class=fmt)
     p.add_argument("plan", metavar="PLAN.parquet", help="a file written by dynabatch plan")
     p.add_argument("--plot", metavar="OUT.png",
-                   help="write the five-panel PNG here (micro-batch shapes, step times, rank balance, per-stage "
-                        "busy time, the step's timeline)")
+                   help="write the PNG here (micro-batch shapes, step times beside pack and the lower bound, "
+                        "rank balance, padding efficiency, per-stage busy time, the step's timeline)")
+    p.add_argument("--index", nargs="+", metavar="INDEX", default=None,
+                   help="the length index the plan was made from, for the plot's pack baseline and lower bound "
+                        "(default: the plan's own index files when they still exist)")
     p.add_argument("--step", type=int, default=None, help="step to detail and draw (default: the slowest)")
     p.add_argument("--top-tasks", type=int, default=10, help="tasks listed in the token share (default 10)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -429,7 +432,8 @@ def _recompute_summary(run) -> dict | None:
 
 
 def _cmd_inspect(args) -> int:
-    from ..planfile.inspect import format_summary, plot_plan, summarize_plan
+    from ..planfile.inspect import format_summary, summarize_plan
+    from ..planfile.plot import index_shapes, plot_plan
     from ..planfile.reader import load_run_plan
 
     run = load_run_plan(args.plan)
@@ -437,7 +441,8 @@ def _cmd_inspect(args) -> int:
         raise ValueError(f"--step {args.step} is not in {args.plan} (steps 0..{run.num_steps - 1})")
     s = summarize_plan(run, step=args.step, top_tasks=args.top_tasks)
     if args.plot:
-        plot_plan(run, args.plot, step=s["step_detail"]["step"] if s["step_detail"] else None)
+        plot_plan(run, args.plot, step=s["step_detail"]["step"] if s["step_detail"] else None,
+                  shapes=index_shapes(run, args.index))
     if args.json:
         print(json.dumps(s, indent=1, default=float))
         return 0

@@ -1,8 +1,8 @@
 """`dynabatch inspect`: what a run plan file predicts, as a text table and a PNG.
 
-`summarize_plan(run)` computes the figures (JSON-able dict), `format_summary` prints them,
-`plot_plan` draws five panels. Everything is read from the plan file itself: micro-batch shapes
-and predicted costs from its rows (per-stage seconds from its ``stage_time_s`` column when the plan
+`summarize_plan(run)` computes the figures (JSON-able dict), `format_summary` prints them
+(`dynabatch.planfile.plot` draws them). Everything is read from the plan file itself: micro-batch
+shapes and predicted costs from its rows (per-stage seconds from its ``stage_time_s`` column when the plan
 has per-stage predictions, else every stage costs ``time_s``), per-rank simulated times from
 ``dynabatch.rank_time_s``, each step's concrete schedule from ``dynabatch.step_schedule``, the task
 of each placement from its ``task_id`` column and ``dynabatch.task_names``. `step_timeline`
@@ -392,78 +392,3 @@ def _stage_busy_text(b: dict) -> list[str]:
     lines += ["  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows]
     lines.append("(run: busy seconds of the mean rank over all steps / the rest of the predicted run time)")
     return lines
-
-
-def plot_plan(run: RunPlan, path: str | None, step: int | None = None, max_points: int = 20000,
-              rank: int | None = None):
-    """Five panels: micro-batch shapes (rows vs padded length, coloured by predicted time);
-    predicted iteration time of every step; per-rank simulated time (run mean and the chosen step);
-    per-stage busy / idle time of the drawn rank (`stage_busy`); and the chosen step's pipeline
-    timeline on ``rank`` (default: its slowest), drawn from `step_timeline`'s simulated op times
-    (per-stage seconds, the step's concrete schedule). Default step: the slowest. Writes the PNG to
-    ``path`` (None: no file) and returns the (closed) matplotlib Figure; its axes ``timeline`` and
-    ``stage_busy`` are found by ``gid``, the timeline's boxes as `draw_simulated_timeline` names them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-
-    from ..plots import draw_simulated_timeline, draw_stage_busy
-
-    mb = microbatch_columns(run)
-    it = run.iteration_times_s()
-    rt = run.rank_times_s()
-    if step is None:
-        step = int(run.steps[int(np.argmax(it))])
-    fig = plt.figure(figsize=(15, 13.5))
-    grid = fig.add_gridspec(3, 2, height_ratios=(1, 1, 1.1))
-    ax = fig.add_subplot(grid[0, 0])
-    n = len(mb["rows"])
-    pick = np.random.default_rng(0).choice(n, max_points, replace=False) if n > max_points else np.arange(n)
-    t_ms = np.maximum(mb["time_s"][pick] * 1e3, 1e-3)
-    sc = ax.scatter(mb["length"][pick], mb["rows"][pick], c=t_ms, s=8, cmap="viridis", norm=LogNorm(), alpha=0.7)
-    fig.colorbar(sc, ax=ax, label="predicted fwd+bwd ms per stage" + (" (slowest)" if "stage_time_s" in
-                                                                       run.table.column_names else ""))
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("padded length (tokens)")
-    ax.set_ylabel("rows (sequences)")
-    ax.set_title(f"micro-batch shapes ({n} micro-batches{', sampled' if n > max_points else ''})")
-    ax = fig.add_subplot(grid[0, 1])
-    ax.plot(run.steps, it * 1e3, lw=0.8, color="tab:blue", label="predicted iteration time")
-    for end in np.cumsum(run.steps_per_epoch)[:-1]:
-        ax.axvline(end - 0.5, color="gray", ls=":", lw=1)
-    ax.axvline(step, color="tab:red", lw=1, label=f"step {step}")
-    ax.set_xlabel("step (dotted: epoch boundaries)")
-    ax.set_ylabel("ms")
-    ax.set_title("predicted iteration time per step (slowest rank)")
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(grid[1, 0])
-    plan = run.step(step)
-    x = np.arange(run.num_ranks)
-    ax.bar(x - 0.2, rt.mean(axis=0) * 1e3 if rt.size else np.zeros(run.num_ranks), 0.4, label="mean over the run")
-    ax.bar(x + 0.2, plan.rank_time_s * 1e3, 0.4, label=f"step {step}")
-    ax.set_xlabel("data-parallel rank")
-    ax.set_ylabel("simulated pipeline time (ms)")
-    ax.set_title("per-rank cost")
-    ax.legend(fontsize=8)
-    tl = step_timeline(run, step, rank)
-    r = tl["rank"]
-    busy = stage_busy(run, step, mb)
-    ax = fig.add_subplot(grid[1, 1], gid="stage_busy")
-    draw_stage_busy(ax, tl["busy_s"], tl["idle_s"], tl["utilization"], busy["run"]["utilization"])
-    kind = "per-stage predictions" if tl["per_stage"] else "uniform layout: all stages equal"
-    ax.set_title(f"step {step}: rank {r} busy vs idle per stage ({kind}); % = utilisation")
-    ax = fig.add_subplot(grid[2, :], gid="timeline")
-    draw_simulated_timeline(ax, tl["start_s"], tl["end_s"], tl["microbatches"])
-    ax.set_title(f"step {step}: rank {r} timeline ({tl['schedule']}, {len(tl['microbatches'])} micro-batches, "
-                 f"{'per-stage' if tl['per_stage'] else 'equal'} stage costs, simulated "
-                 f"{tl['makespan_s'] * 1e3:.1f} ms)")
-    fig.suptitle(f"{run.path or 'run plan'}: {run.method} ({run.collation}), {run.num_ranks} ranks x "
-                 f"{run.num_stages} stages, {run.num_steps} steps", fontsize=11)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return fig

@@ -10,9 +10,14 @@ marked ``timed_out`` only when *none* of them made progress for ``idle_timeout_s
 old keyword ``timeout_s`` means the same). Progress is anything a rank shows the outside world:
 a byte written to its stdout or stderr, a rank exiting, or a call to `heartbeat` (which touches
 the file named by the ``DYNABATCH_HEARTBEAT`` environment variable; a worker that computes for a
-long time without printing calls it once per step). A slow machine therefore only makes a run
-slower, never failed, while a hang (every rank blocked) is still killed within about
-``idle_timeout_s``. ``max_wall_s`` is an optional whole-run cap, a last resort only.
+long time without printing calls it once per step). Outside the worker function (the interpreter's
+start and the imports of torch and dynabatch before it, the interpreter's teardown after it: 30 s
+and 19 s, silent, measured on a 2-core machine at load 14-20) a rank's CPU time is progress too:
+CPU seconds of ``CPU_PROGRESS_SHARE x idle_timeout_s`` since the last sign of life count as one
+(`process_cpu_s`, Linux). Inside the worker function CPU time is not progress, so a rank spinning
+in a hung loop is killed.
+A slow machine therefore only makes a run slower, never failed, while a hang (every rank blocked)
+is still killed within about ``idle_timeout_s``. ``max_wall_s`` is an optional whole-run cap, a last resort only.
 
 Liveness nests: while its ranks make progress, `launch_local` itself calls `heartbeat`, so a
 process that runs ``launch_local`` under a parent watching ``DYNABATCH_HEARTBEAT`` (another
@@ -42,6 +47,10 @@ DEFAULT_IDLE_TIMEOUT_S = 120.0
 _CHILD = ("import os; p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close(); "
           "import sys; from dynabatch.pipeline.runtime.launch import _main; sys.exit(_main(sys.argv[1:]))")
 _last_beat = [0.0]
+# where CPU time is progress (see the module doc), this share of one core over the idle timeout is a
+# sign of life: a process importing or tearing down torch uses 3%+ of a core even on a 2-core machine
+# shared by 8 sessions (autogroup scheduling), a loop polling hung ranks 0.7% (launch_local, measured)
+CPU_PROGRESS_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,25 @@ def heartbeat(min_interval_s: float = 0.2) -> None:
         pass
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc/PID/stat``; None
+    where there is no such file (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def _mark_phase(path: str | None) -> None:
+    """Append one byte to the heartbeat file: its size is the rank's phase for the launcher (0: starting,
+    1: in the worker function, 2: done with it), its mtime the last heartbeat."""
+    if path:
+        with open(path, "ab") as f:
+            f.write(b".")
+
+
 def _resolve(target: str):
     where, _, name = target.rpartition(":")
     if not where or not name:
@@ -116,11 +144,13 @@ def _resolve(target: str):
     return getattr(mod, name)
 
 
-def _mtime_ns(path: str) -> int:
+def _beat_state(path: str) -> tuple[int, int]:
+    """(mtime ns, size) of a rank's heartbeat file; (0, 0) before the rank made it."""
     try:
-        return os.stat(path).st_mtime_ns
+        st = os.stat(path)
     except OSError:
-        return 0
+        return 0, 0
+    return st.st_mtime_ns, st.st_size
 
 
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
@@ -155,7 +185,8 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
                                            env={**base_env, HEARTBEAT_ENV: beats[r]}), out, err))
-        seen = [(0, 0, 0)] * nprocs
+        seen = [(0, 0, 0, 0)] * nprocs
+        cpu_seen = [0.0] * nprocs  # CPU seconds of each rank at the last progress
         last_progress = time.monotonic()
         while len(ended) < nprocs:
             now = time.monotonic()
@@ -164,12 +195,16 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
                 if r not in ended and p.poll() is not None:
                     ended[r] = now - t0
                     progress = True
-                state = (os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size, _mtime_ns(beats[r]))
+                state = (os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size, *_beat_state(beats[r]))
                 if state != seen[r]:
                     seen[r] = state
                     progress = True
+                elif r not in ended and state[3] != 1:  # starting or tearing down: CPU time is progress
+                    cpu = process_cpu_s(p.pid)
+                    progress |= cpu is not None and cpu - cpu_seen[r] >= CPU_PROGRESS_SHARE * idle
             if progress:
                 last_progress = now
+                cpu_seen = [process_cpu_s(p.pid) or 0.0 for p, _, _ in procs]
                 heartbeat()  # our own launcher sees us alive while our ranks are
             elif now - last_progress > idle:
                 reason = "idle"
@@ -215,9 +250,11 @@ def _main(argv: list[str]) -> int:
     heartbeat(0.0)  # dynabatch (torch) imported
     fn = _resolve(target)
     heartbeat(0.0)  # the target's module imported
+    _mark_phase(os.environ.get(HEARTBEAT_ENV))  # in the worker function: CPU time is no progress
     try:
         value = fn(int(rank), int(world), int(port), *json.loads(payload))
     except BaseException:
+        _mark_phase(os.environ.get(HEARTBEAT_ENV))
         waits = sys.modules.get("dynabatch.pipeline.runtime.waits")
         if waits is not None and waits.abandoned():  # see waits.exit_if_abandoned
             import traceback
@@ -225,6 +262,7 @@ def _main(argv: list[str]) -> int:
             traceback.print_exc()
             waits.exit_if_abandoned(1)
         raise
+    _mark_phase(os.environ.get(HEARTBEAT_ENV))  # done: the teardown's CPU time is progress again
     if value is not None:
         sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
         sys.stdout.flush()

@@ -1,0 +1,88 @@
+"""`dynabatch.bench.progress`: long benches show a bar on a terminal (or with --progress), nothing extra
+under --json; rank processes move the launcher's bar (bench train / multimodel)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from dynabatch.bench import load_common
+from dynabatch.bench.progress import rank_tick, show_progress, watch_ticks
+from dynabatch.cli import main
+from dynabatch.pipeline import launch_local
+
+
+class _Tty:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("json_out, flag, tty, shown", [
+    (False, None, True, True), (False, None, False, False),  # auto: a terminal only
+    (False, True, False, True), (False, False, True, False),  # --progress / --no-progress
+    (True, True, True, False), (True, None, True, False)])  # --json: never
+def test_show_progress(monkeypatch, json_out, flag, tty, shown):
+    monkeypatch.setattr(sys, "stderr", _Tty(tty))
+    assert show_progress(argparse.Namespace(json=json_out, progress=flag)) is shown
+
+
+def ticking(rank, world, port, n):
+    """A rank that does ``n`` units (rank 0 ticks each)."""
+    for _ in range(n):
+        if rank == 0:
+            rank_tick()
+    return n
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_rank_ticks_move_the_launchers_bar(tmp_path, capsys, show):
+    path = str(tmp_path / "progress")
+    with watch_ticks(path, 7, "ticks test", "step", show, poll_s=0.05) as env:
+        res = launch_local(f"{__file__}:ticking", 2, args=(7,), idle_timeout_s=120, env=env)
+    assert [r.result for r in res] == [7, 7], res[0].stderr[-2000:]
+    err = capsys.readouterr().err
+    if show:
+        assert "ticks test" in err and "7/7" in err
+        assert open(path).read() == "\n" * 7  # rank 0's ticks only
+    else:
+        assert err == "" and not (tmp_path / "progress").exists()  # the ranks wrote nothing
+
+
+SMALL = ["bench", "plan", "--synthetic", "--samples", "2000", "--batches", "2", "--methods", "dp", "pack"]
+
+
+def test_bench_plan_bar_when_forced_and_not_under_json(capsys):
+    assert main([*SMALL, "--progress"]) == 0
+    out = capsys.readouterr()
+    assert "bench plan (gpt)" in out.err and "config" in out.err and "dp" in out.out
+    assert main([*SMALL, "--progress", "--json"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and json.loads(out.out)["methods"].keys() == {"dp", "pack"}
+
+
+def test_load_and_loader_benches_pass_the_choice_on(capsys):
+    """bench load / loader (`load_common.run_command`) give their runs ``progress=show_progress(args)``."""
+    seen = []
+
+    def run(cfg, progress):
+        seen.append(progress)
+        return {"ok": 1}
+
+    for argv, want in ((["--progress"], True), (["--no-progress"], False), (["--progress", "--json"], False)):
+        p = argparse.ArgumentParser()
+        load_common.add_output_options(p, "bars")
+        assert load_common.run_command(p.parse_args(argv), lambda: None, run, lambda r: "table") == 0
+        assert seen[-1] is want
+    capsys.readouterr()
