@@ -387,3 +387,41 @@ def test_trainer_under_ddp_two_ranks(data_path, tmp_path):
     with torch.no_grad():
         mean = float(f64_loss(tiny_llama(), big_batch(step), step.target_tokens))
     assert abs(res[0]["loss"] - mean) < 1e-6 * mean
+
+
+def test_streaming_run_resumes_under_the_trainer(data_path, tmp_path):
+    """A streaming loader's checkpoints resume under the Trainer (issue 25.1: the state of a whole
+    step was read as one step short): a chain of runs stopped at step 5 (the last step of the
+    loader's epoch 0) and at step 7 (mid-epoch 1) trains exactly the steps of an unbroken run and
+    ends with its weights."""
+    import pyarrow.parquet as pq
+
+    jsonl = tmp_path / "own.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(data_path).to_pylist()))
+
+    def run(out, model, resume=None, stop=None):
+        args = transformers.TrainingArguments(output_dir=str(out), max_steps=12, save_strategy="steps",
+                                              save_steps=1, use_cpu=True, report_to=[], disable_tqdm=True,
+                                              logging_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
+                                              learning_rate=LR)
+        trainer = RecordingTrainer(model=model, args=args, train_loader=make_loader(str(jsonl)),
+                                   callbacks=[StopAt(stop)] if stop else [],
+                                   optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", tiny_llama())
+    assert full.train_loader.mode == "streaming" and [s for s, _ in full.seen] == list(range(12))
+    out = tmp_path / "broken"
+    first = run(out, tiny_llama(), stop=5)
+    state = json.loads((out / "checkpoint-5" / LOADER_STATE_NAME.format(rank=0)).read_text())
+    assert (state["mode"], state["streaming"]["epoch"]) == ("streaming", 0)  # epoch 0 holds steps 0-4
+    second = run(out, tiny_llama(seed=1), resume=str(out / "checkpoint-5"), stop=7)
+    state = json.loads((out / "checkpoint-7" / LOADER_STATE_NAME.format(rank=0)).read_text())
+    assert state["streaming"]["epoch"] == 1 and state["streaming"]["step_in_epoch"] == 1  # mid-epoch
+    rest = run(out, tiny_llama(seed=2), resume=str(out / "checkpoint-7"))
+    assert [s for s, _ in second.seen] == [5, 6] and [s for s, _ in rest.seen] == list(range(7, 12))
+    assert first.seen + second.seen + rest.seen == full.seen  # nothing repeated, nothing skipped
+    assert rest.state.global_step == 12
+    assert rel(params(rest.model), params(full.model)) < 1e-12

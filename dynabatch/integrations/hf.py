@@ -204,17 +204,22 @@ class DynabatchTrainer(Trainer):
         a.pop("self")
         n = steps_in_epoch(self.train_loader, a["epoch"])
         self._epoch_shift = 0.0
+        resumed = self._resume_point is not None and self._resume_point[0] == a["epoch"]
         if n is not None:
-            done = 0
-            if self._resume_point is not None and self._resume_point[0] == a["epoch"]:
-                done = self._resume_point[1]
-                self._epoch_shift = done / n
+            done = self._resume_point[1] if resumed else 0
+            self._epoch_shift = done / n
             a["steps_in_epoch"], a["num_update_steps_per_epoch"] = n, n - done
         self._resume_point = None
+        before = self.state.global_step
         try:
-            return super()._run_epoch(**a)
+            out = super()._run_epoch(**a)
         finally:
             self._epoch_shift = 0.0
+        if resumed and n is None and self.state.global_step == before:
+            # a streaming state saved after the last step of its epoch resumes into an epoch with no
+            # step left (its length is unknown until then); Trainer takes that for the end of the data
+            self.control.should_training_stop = False
+        return out
 
     # -- one step --------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -288,9 +293,10 @@ class DynabatchTrainer(Trainer):
         self._load_loader_state(resume_from_checkpoint)
         s = self.train_loader.state_dict()
         pos = s[s["mode"]]
-        if int(pos["step"]) != int(self.state.global_step):
-            raise ValueError(f"the loader state in {resume_from_checkpoint} is at step {pos['step']} but the Trainer "
-                             f"state at global step {self.state.global_step}: not the same run")
+        done = self.train_loader.mode_object.next_step()  # a streaming state stays at its last step's start
+        if done != int(self.state.global_step):
+            raise ValueError(f"the loader state in {resume_from_checkpoint} has trained {done} steps but the Trainer "
+                             f"state {self.state.global_step} (global step): not the same run")
         epoch = int(pos["epoch"])
         self._resume_point = (epoch, 0 if pos.get("fresh") else int(pos["step_in_epoch"]))
         return epoch, 0
