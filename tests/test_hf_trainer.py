@@ -425,3 +425,67 @@ def test_streaming_run_resumes_under_the_trainer(data_path, tmp_path):
     assert first.seen + second.seen + rest.seen == full.seen  # nothing repeated, nothing skipped
     assert rest.state.global_step == 12
     assert rel(params(rest.model), params(full.model)) < 1e-12
+
+
+KILL_CHILD = r'''
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[4])
+import test_hf_trainer as t
+
+out, kill_at, events = sys.argv[2], int(sys.argv[3]), []
+WRITES = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
+
+def hook(event, args):
+    """Count the file-system writes of the save of step 4 (anything under a 'checkpoint-4' path);
+    SIGKILL this process just before the kill_at-th one."""
+    if event == "open":
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+    else:
+        path, writes = (args[0] if args else ""), event in WRITES
+    if writes and "checkpoint-4" in str(path):
+        events.append(f"{event} {path}")
+        if len(events) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+t.train(sys.argv[1], out, t.tiny_llama(), save_strategy="steps", save_steps=2, max_steps=4)
+with open(os.path.join(out, "events.json"), "w") as f:
+    json.dump(events, f)
+'''
+
+
+def test_checkpoints_are_complete_or_absent_after_a_kill(data_path, tmp_path):
+    """SIGKILL at every file-system write of a checkpoint save (issue 27.6: the loader state was
+    written first, so a kill left a folder without the model that get_last_checkpoint picked):
+    the last checkpoint is then the previous one or the whole new one, and resuming from it ends
+    with the weights of an unbroken run."""
+    import signal
+    import subprocess
+    import sys
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    script = tmp_path / "child.py"
+    script.write_text(KILL_CHILD)
+
+    def child(out, kill_at):
+        return subprocess.run([sys.executable, str(script), data_path, str(out), str(kill_at),
+                               os.path.dirname(os.path.abspath(__file__))], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+    count = child(tmp_path / "count", 0)
+    assert count.returncode == 0, count.stdout[-3000:]
+    events = json.loads((tmp_path / "count" / "events.json").read_text())
+    assert len(events) >= 4, events  # the save's folders, files and the rename
+    full = train(data_path, tmp_path / "full", tiny_llama(), max_steps=6)
+    for k in sorted({2, len(events) // 2, len(events) - 1, len(events)}):  # staging, mid-way, rename, after
+        out = tmp_path / f"kill{k}"
+        run = child(out, k)
+        assert run.returncode == -signal.SIGKILL, (k, events[k - 1], run.stdout[-3000:])
+        last = get_last_checkpoint(str(out))
+        assert os.path.basename(last) in ("checkpoint-2", "checkpoint-4"), (k, events[k - 1], last)
+        rest = train(data_path, out, tiny_llama(seed=1), resume=last, max_steps=6, save_strategy="steps", save_steps=2)
+        assert [s for s, _ in rest.seen] == list(range(int(last.rsplit("-", 1)[1]), 6)), (k, events[k - 1])
+        assert rel(params(rest.model), params(full.model)) < 1e-12, (k, events[k - 1])
+        assert get_last_checkpoint(str(out)).endswith("checkpoint-6") and not list(out.glob("tmp-*"))
