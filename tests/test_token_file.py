@@ -44,6 +44,7 @@ def test_the_cache_is_memory_mapped_and_its_private_file_goes_with_the_loader(pa
     assert isinstance(tc.input_ids, np.memmap) and isinstance(tc.second, np.memmap)
     assert os.path.dirname(tc.path) == str(tmp_path / "cache") and os.path.exists(tc.path)
     ref = list(DataLoader(path, global_batch_tokens=1500, cache_tokens=False).microbatches())
+    monkeypatch.setattr("dynabatch.index.tokens.RELEASE_BYTES", 64)  # pages released every few samples
     got = list(dl.microbatches())
     assert [m["input_ids"].tolist() for m in got] == [m["input_ids"].tolist() for m in ref]
     clone = pickle.loads(pickle.dumps(tc))  # spawned workers: the path travels, not the ids

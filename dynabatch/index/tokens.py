@@ -6,6 +6,7 @@ pass, `encode_to_file`, and memory-mapped) or from an index table's token column
 
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 
@@ -19,6 +20,8 @@ from .token_file import TokenFileError, TokenFileWriter, read_token_file
 
 #: Default memory budget of the token cache (bytes of int32 ids held in memory).
 TOKEN_CACHE_BUDGET = 2 << 30
+#: Bytes of ids gathered from a token file between two releases of its mapped pages (`TokenCache.gather`).
+RELEASE_BYTES = 64 << 20
 
 
 class TokenCache:
@@ -36,6 +39,7 @@ class TokenCache:
         self.second_offsets = np.asarray(second_offsets, np.int64)
         self.rows = rows  # index position -> row of the offsets (None: the same)
         self.path = path  # the memory-mapped token file, if any
+        self._gathered = 0
         self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
                                   index.shapes.sample_id[-1] == len(index) - 1))
 
@@ -77,9 +81,23 @@ class TokenCache:
             pos = self.rows[pos]
         flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
         if self.second_offsets is self.input_offsets:
-            return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
-        second, slen = self._take(self.second, self.second_offsets, pos)
+            second, slen = self._take(self.second, self.input_offsets, pos)[0], lengths
+        else:
+            second, slen = self._take(self.second, self.second_offsets, pos)
+        if self.path is not None:
+            self._gathered += flat.nbytes + second.nbytes
+            if self._gathered >= RELEASE_BYTES:
+                self._release()
         return flat, lengths, second, slen
+
+    def _release(self) -> None:
+        """Unmap the file pages read so far from this process: they count in its RSS until then
+        and would add up to the whole file over an epoch; they stay in the page cache (a later
+        read is a minor fault, not a disk read)."""
+        self._gathered = 0
+        mm = getattr(self.input_ids, "_mmap", None)
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def label_counts(self, sample_ids, family: str) -> np.ndarray:
         """Loss labels of these samples from the cached ids (`tokenization.count_labels`)."""
