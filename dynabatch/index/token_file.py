@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 import tempfile
 
@@ -60,7 +59,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
         h.update(b"".join(k + struct.pack("<q", v) for k, v in sorted(ranks.items(), key=lambda kv: kv[1])))
         h.update(json.dumps(sorted(tokenizer._enc._special_tokens.items())).encode())
     else:  # the built-in byte tokenizer, or an object whose content is its class and name
-        h.update(f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{getattr(tokenizer, 'name', '')}".encode())
+        kind = type(tokenizer)
+        h.update(f"{kind.__module__}.{kind.__qualname__}:{getattr(tokenizer, 'name', '')}".encode())
     specials = [getattr(tokenizer, k, None) for k in ("vocab_size", "pad_id", "bos_id", "eos_id")]
     h.update(json.dumps(specials).encode())
     return h.hexdigest()
@@ -187,10 +187,3 @@ def read_token_file(path: str, *, settings: dict, tokenizer: str):
     arrays = np.fromfile(path, np.int64, count=3 * n + 2, offset=start)
     ids, in_off, sec_off = arrays[:n], arrays[n:2 * n + 1], arrays[2 * n + 1:]
     return ids, values[:a], in_off, values[a:], sec_off
-
-
-def copy_token_file(src: str, dst: str) -> None:
-    """Copy a token file to ``dst`` atomically."""
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)

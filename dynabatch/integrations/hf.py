@@ -340,8 +340,8 @@ class DynabatchTrainer(Trainer):
         pos = s[s["mode"]]
         done = self.train_loader.mode_object.next_step()  # a streaming state stays at its last step's start
         if done != int(self.state.global_step):
-            raise ValueError(f"the loader state in {resume_from_checkpoint} has trained {done} steps but the Trainer "
-                             f"state {self.state.global_step} (global step): not the same run")
+            raise ValueError(f"the loader state in {resume_from_checkpoint} has trained {done} steps but the "
+                             f"Trainer state {self.state.global_step} (global step): not the same run")
         epoch = int(pos["epoch"])
         self._resume_point = (epoch, 0 if pos.get("fresh") else int(pos["step_in_epoch"]))
         return epoch, 0
