@@ -66,7 +66,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", boom)
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", boom)
     for index in (table, tmp_path / "idx.parquet"):
         dl = DataLoader(path, index=index, global_batch_tokens=1500)
         assert dl.token_cache is not None and len(list(dl.microbatches())) > 0
@@ -78,17 +78,22 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
     first = list(DataLoader(path, index_cache=cache, global_batch_tokens=1500).microbatches())
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     dl = DataLoader(path, index_cache=cache, global_batch_tokens=1500)
     assert dl.token_cache is not None
     assert_same(first, list(dl.microbatches()))
 
 
-def test_budget_turns_the_default_off(path, monkeypatch):
-    monkeypatch.setattr(indexed, "TOKEN_CACHE_BUDGET", 100)
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.TOKEN_CACHE_BUDGET", 100)
-    assert DataLoader(path, global_batch_tokens=1500).token_cache is None
-    assert DataLoader(path, global_batch_tokens=1500, cache_tokens=True).token_cache is not None
+def test_disk_space_turns_the_default_off(path, monkeypatch):
+    """The token cache is a file: before a tokenization pass that would not fit on the disk, the
+    default (cache_tokens=None) goes without it; cache_tokens=True keeps it."""
+    import collections
+
+    plain = build_index(path)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.shutil.disk_usage", lambda p: usage(100, 100, 100))
+    assert DataLoader(path, index=plain, global_batch_tokens=1500).token_cache is None
+    assert DataLoader(path, index=plain, global_batch_tokens=1500, cache_tokens=True).token_cache is not None
 
 
 def test_planning_processes_workers_and_threads_agree(path):

@@ -387,3 +387,105 @@ def test_trainer_under_ddp_two_ranks(data_path, tmp_path):
     with torch.no_grad():
         mean = float(f64_loss(tiny_llama(), big_batch(step), step.target_tokens))
     assert abs(res[0]["loss"] - mean) < 1e-6 * mean
+
+
+def test_streaming_run_resumes_under_the_trainer(data_path, tmp_path):
+    """A streaming loader's checkpoints resume under the Trainer (issue 25.1: the state of a whole
+    step was read as one step short): a chain of runs stopped at step 5 (the last step of the
+    loader's epoch 0) and at step 7 (mid-epoch 1) trains exactly the steps of an unbroken run and
+    ends with its weights."""
+    import pyarrow.parquet as pq
+
+    jsonl = tmp_path / "own.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(data_path).to_pylist()))
+
+    def run(out, model, resume=None, stop=None):
+        args = transformers.TrainingArguments(output_dir=str(out), max_steps=12, save_strategy="steps",
+                                              save_steps=1, use_cpu=True, report_to=[], disable_tqdm=True,
+                                              logging_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
+                                              learning_rate=LR)
+        trainer = RecordingTrainer(model=model, args=args, train_loader=make_loader(str(jsonl)),
+                                   callbacks=[StopAt(stop)] if stop else [],
+                                   optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", tiny_llama())
+    assert full.train_loader.mode == "streaming" and [s for s, _ in full.seen] == list(range(12))
+    out = tmp_path / "broken"
+    first = run(out, tiny_llama(), stop=5)
+    state = json.loads((out / "checkpoint-5" / LOADER_STATE_NAME.format(rank=0)).read_text())
+    assert (state["mode"], state["streaming"]["epoch"]) == ("streaming", 0)  # epoch 0 holds steps 0-4
+    second = run(out, tiny_llama(seed=1), resume=str(out / "checkpoint-5"), stop=7)
+    state = json.loads((out / "checkpoint-7" / LOADER_STATE_NAME.format(rank=0)).read_text())
+    assert state["streaming"]["epoch"] == 1 and state["streaming"]["step_in_epoch"] == 1  # mid-epoch
+    rest = run(out, tiny_llama(seed=2), resume=str(out / "checkpoint-7"))
+    assert [s for s, _ in second.seen] == [5, 6] and [s for s, _ in rest.seen] == list(range(7, 12))
+    assert first.seen + second.seen + rest.seen == full.seen  # nothing repeated, nothing skipped
+    assert rest.state.global_step == 12
+    assert rel(params(rest.model), params(full.model)) < 1e-12
+
+
+KILL_CHILD = r'''
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[4])
+import test_hf_trainer as t
+
+out, kill_at, events = sys.argv[2], int(sys.argv[3]), []
+WRITES = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
+
+def hook(event, args):
+    """Count the file-system writes of the save of step 4 (anything under a 'checkpoint-4' path);
+    SIGKILL this process just before the kill_at-th one."""
+    if event == "open":
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+    else:
+        path, writes = (args[0] if args else ""), event in WRITES
+    if writes and "checkpoint-4" in str(path):
+        events.append(f"{event} {path}")
+        if len(events) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+t.train(sys.argv[1], out, t.tiny_llama(), save_strategy="steps", save_steps=2, max_steps=4)
+with open(os.path.join(out, "events.json"), "w") as f:
+    json.dump(events, f)
+'''
+
+
+def test_checkpoints_are_complete_or_absent_after_a_kill(data_path, tmp_path):
+    """SIGKILL at every file-system write of a checkpoint save (issue 27.6: the loader state was
+    written first, so a kill left a folder without the model that get_last_checkpoint picked):
+    the last checkpoint is then the previous one or the whole new one, and resuming from it ends
+    with the weights of an unbroken run."""
+    import signal
+    import subprocess
+    import sys
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    script = tmp_path / "child.py"
+    script.write_text(KILL_CHILD)
+
+    def child(out, kill_at):
+        return subprocess.run([sys.executable, str(script), data_path, str(out), str(kill_at),
+                               os.path.dirname(os.path.abspath(__file__))], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+    count = child(tmp_path / "count", 0)
+    assert count.returncode == 0, count.stdout[-3000:]
+    events = json.loads((tmp_path / "count" / "events.json").read_text())
+    assert len(events) >= 4, events  # the save's folders, files and the rename
+    full = train(data_path, tmp_path / "full", tiny_llama(), max_steps=6)
+    for k in sorted({2, len(events) // 2, len(events) - 1, len(events)}):  # staging, mid-way, rename, after
+        out = tmp_path / f"kill{k}"
+        run = child(out, k)
+        assert run.returncode == -signal.SIGKILL, (k, events[k - 1], run.stdout[-3000:])
+        last = get_last_checkpoint(str(out))
+        assert os.path.basename(last) in ("checkpoint-2", "checkpoint-4"), (k, events[k - 1], last)
+        rest = train(data_path, out, tiny_llama(seed=1), resume=last, max_steps=6, save_strategy="steps", save_steps=2)
+        assert [s for s, _ in rest.seen] == list(range(int(last.rsplit("-", 1)[1]), 6)), (k, events[k - 1])
+        assert rel(params(rest.model), params(full.model)) < 1e-12, (k, events[k - 1])
+        assert get_last_checkpoint(str(out)).endswith("checkpoint-6") and not list(out.glob("tmp-*"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -217,6 +217,7 @@ def scan_shapes(
     keep_ids: bool = False,
     ids_budget: int | None = None,
     image_token_id: int | None = None,
+    ids_sink: Callable[..., None] | None = None,
 ) -> pa.Table:
     """Token counts of every sample as a length table (see `SHAPE_SCHEMA`).
 
@@ -240,7 +241,10 @@ def scan_shapes(
     ``label_config`` (a `FormatConfig` of the same family: how the samples are formatted for
     training, e.g. with other max lengths) adds the `LABEL_COLUMN`: each sample's loss labels
     under it (see `count_labels`); with ``keep_ids`` also its token ids under it (`ID_COLUMNS`),
-    unless they pass ``ids_budget`` bytes (the table then has no id columns). The samples are
+    unless they pass ``ids_budget`` bytes (the table then has no id columns); ``ids_sink`` (with
+    ``label_config``, instead of ``keep_ids``) receives them batch by batch, nothing is kept:
+    ``ids_sink(sample_ids, input_ids, input_lengths, second_ids, second_lengths)`` (flat int32 ids,
+    int64 lengths; second: labels, or target ids for encoder-decoder). The samples are
     tokenized once; only those that ``label_config`` cuts are formatted a second time. Vision
     tokens count towards the max lengths (`FormatConfig`): a sample whose vision tokens the max
     lengths (the scan's, or ``label_config``'s) leave no room for is refused: it raises, or with
@@ -329,7 +333,9 @@ def scan_shapes(
                 parts[col].append(values[~refused])
             if label_config is not None:
                 parts[LABEL_COLUMN].append(count_labels(ids[2], ids[3], family))
-                if keep_ids:
+                if ids_sink is not None:
+                    ids_sink(plan.sample_id[~refused], *ids)
+                elif keep_ids:
                     kept.append(ids)
                     kept_bytes += ids[0].nbytes + ids[2].nbytes + 16 * len(ids[1])
                     keep_ids = ids_budget is None or kept_bytes <= ids_budget

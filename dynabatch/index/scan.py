@@ -365,7 +365,8 @@ def index_settings(formatter, vision, source=None) -> dict:
 
 
 def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_error: str = "raise",
-                keep_tokens: bool = False, token_budget: int | None = None, progress: bool | None = None) -> pa.Table:
+                keep_tokens: bool = False, token_budget: int | None = None, progress: bool | None = None,
+                token_sink=None) -> pa.Table:
     """The length table of a whole `loaders.Source` for the DataLoader (`scan_parts`, in this process).
 
     The Shapes columns hold *full* token counts (as ``dynabatch scan`` writes them for the same
@@ -374,19 +375,22 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
     sample they refuse (its vision tokens alone pass them) has no row (``on_error="skip"``; else it
     raises). The metadata records the tokenization settings (`index_settings`). ``keep_tokens`` (text only)
     also keeps every sample's token ids under ``formatter`` in the `TOKEN_COLUMNS` (the token
-    cache), unless they pass ``token_budget`` bytes. ``progress``: a tqdm bar of scanned samples
-    (None: only when stderr is a terminal).
+    cache), unless they pass ``token_budget`` bytes; ``token_sink`` (text only) instead receives them
+    batch by batch (`tokenization.scan_shapes`' ``ids_sink``, e.g. a `TokenFileWriter.add`), and the
+    table keeps none. ``progress``: a tqdm bar of scanned samples (None: only when stderr is a terminal).
     """
     if getattr(source, "max_samples_per_epoch", None) is not None:
         raise ValueError("the indexed mode plans every sample of the source; a source with max_samples_per_epoch "
                          "(a per-epoch cap) only works in the streaming mode (mode='streaming')")
     cfg = formatter.config
     full = replace(cfg, max_input_tokens=None, max_target_tokens=None, max_total_tokens=None)
-    keep_tokens = keep_tokens and vision is None and formatter.vision is None
+    text = vision is None and formatter.vision is None
+    keep_tokens = keep_tokens and text and token_sink is None
     kwargs = dict(family=cfg.family, vision=formatter.vision, batch_size=batch_size, truncation_side=full.truncation_side,
                   add_bos=full.add_bos, chat_template=full.chat_template, pretokenized=full.pretokenized,
                   on_error=on_error, label_config=cfg,
-                  keep_ids=keep_tokens, ids_budget=token_budget, progress=progress,
+                  keep_ids=keep_tokens, ids_budget=token_budget, ids_sink=token_sink if text else None,
+                  progress=progress,
                   progress_total=getattr(source, "num_rows", None), progress_desc="dynabatch: length index")
     table, _ = scan_parts(source, formatter.tokenizer, kwargs, workers=1)
     import loaders

@@ -1,9 +1,14 @@
 """The token cache: every sample's token ids after formatting and truncation, by length-index
 position, so the DataLoader collates a step without reading or tokenizing its records again. It
-comes from an index's token columns (`dynabatch.index.TOKEN_COLUMNS`, kept by the scan with
-``keep_tokens``) or from one tokenization pass (`encode_all`)."""
+comes from a token file (`dynabatch.index.token_file`: written by the scan or by one tokenization
+pass, `encode_to_file`, and memory-mapped) or from an index table's token columns
+(`dynabatch.index.TOKEN_COLUMNS`, kept in memory by ``build_index(cache_tokens=True)``)."""
 
 from __future__ import annotations
+
+import mmap
+import os
+import weakref
 
 import numpy as np
 import pyarrow as pa
@@ -11,9 +16,12 @@ from tokenization import count_labels, ragged_take
 
 from .scan import natural_order
 from .table import TOKEN_COLUMNS, LengthIndex
+from .token_file import TokenFileError, TokenFileWriter, read_token_file
 
 #: Default memory budget of the token cache (bytes of int32 ids held in memory).
 TOKEN_CACHE_BUDGET = 2 << 30
+#: Bytes of ids gathered from a token file between two releases of its mapped pages (`TokenCache.gather`).
+RELEASE_BYTES = 64 << 20
 
 
 class TokenCache:
@@ -22,14 +30,32 @@ class TokenCache:
     encoder-decoder ones). ``gather`` returns a micro-batch's concatenated ids without reading or
     tokenizing the records again; the collated tensors are exactly those of the uncached path."""
 
-    def __init__(self, index: "LengthIndex", input_ids, input_offsets, second, second_offsets):
+    def __init__(self, index: "LengthIndex", input_ids, input_offsets, second, second_offsets, rows=None,
+                 path: str | None = None):
         self.index = index
-        self.input_ids = np.asarray(input_ids, np.int32)
+        self.input_ids = input_ids if isinstance(input_ids, np.memmap) else np.asarray(input_ids, np.int32)
         self.input_offsets = np.asarray(input_offsets, np.int64)
-        self.second = np.asarray(second, np.int32)
+        self.second = second if isinstance(second, np.memmap) else np.asarray(second, np.int32)
         self.second_offsets = np.asarray(second_offsets, np.int64)
+        self.rows = rows  # index position -> row of the offsets (None: the same)
+        self.path = path  # the memory-mapped token file, if any
+        self._gathered = 0
         self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
                                   index.shapes.sample_id[-1] == len(index) - 1))
+
+    def __getstate__(self) -> dict:
+        """Pickled (spawned workers) by the file's path, not its ids: the child maps the same file."""
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state["input_ids"] = state["second"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.path is not None:
+            a, b = int(self.input_offsets[-1]), int(self.second_offsets[-1])
+            values = np.memmap(self.path, np.int32, mode="r", shape=(a + b,)) if a + b else np.zeros(0, np.int32)
+            self.input_ids, self.second = values[:a], values[a:]
 
     @property
     def nbytes(self) -> int:
@@ -51,11 +77,27 @@ class TokenCache:
         """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
         order: int32 arrays and int64 lengths (``positions``: their index positions, if known)."""
         pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
+        if self.rows is not None:
+            pos = self.rows[pos]
         flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
         if self.second_offsets is self.input_offsets:
-            return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
-        second, slen = self._take(self.second, self.second_offsets, pos)
+            second, slen = self._take(self.second, self.input_offsets, pos)[0], lengths
+        else:
+            second, slen = self._take(self.second, self.second_offsets, pos)
+        if self.path is not None:
+            self._gathered += flat.nbytes + second.nbytes
+            if self._gathered >= RELEASE_BYTES:
+                self._release()
         return flat, lengths, second, slen
+
+    def _release(self) -> None:
+        """Unmap the file pages read so far from this process: they count in its RSS until then
+        and would add up to the whole file over an epoch; they stay in the page cache (a later
+        read is a minor fault, not a disk read)."""
+        self._gathered = 0
+        mm = getattr(self.input_ids, "_mmap", None)
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def label_counts(self, sample_ids, family: str) -> np.ndarray:
         """Loss labels of these samples from the cached ids (`tokenization.count_labels`)."""
@@ -100,6 +142,49 @@ class TokenCache:
         return cls(index, inp, off, second, off if same else soff)
 
 
+    @classmethod
+    def from_file(cls, index: "LengthIndex", path: str, *, settings: dict, tokenizer: str,
+                  owned: bool = False) -> "TokenCache | None":
+        """The token file at ``path`` memory-mapped (checked by `read_token_file` against
+        ``settings`` and the ``tokenizer`` fingerprint: `TokenFileError` naming it otherwise); None
+        when it lacks samples of ``index``. ``owned``: a private file, deleted with this cache."""
+        ids, inp, off, second, soff = read_token_file(path, settings=settings, tokenizer=tokenizer)
+        rows = None
+        want = index.shapes.sample_id
+        if len(ids) != len(want) or not np.array_equal(ids, want):
+            order = np.argsort(ids, kind="stable")
+            found = np.minimum(np.searchsorted(ids[order], want), max(len(ids) - 1, 0))
+            if not len(ids) or not np.array_equal(ids[order][found], want):
+                return None
+            rows = order[found]
+        tc = cls(index, inp, off, second, soff, rows=rows, path=str(path))
+        if owned:
+            weakref.finalize(tc, _remove_owned, str(path), os.getpid())
+        return tc
+
+
+def _remove_owned(path: str, pid: int) -> None:
+    """Delete a private token file, from the process that made it only (forked workers share it)."""
+    if os.getpid() == pid and os.path.exists(path):
+        os.unlink(path)
+
+
+def encode_to_file(source, formatter, path: str, meta: dict, *, batch_size: int = 512, on_error: str = "raise",
+                   progress: bool | None = None) -> str:
+    """One tokenization pass over ``source`` (natural order) under ``formatter`` into the token file
+    ``path`` (footer: ``meta``), batch by batch: the cache of an index that came without one."""
+    family = formatter.config.family
+    writer = TokenFileWriter(path)
+    try:
+        for encs in _encoded_batches(source, formatter, batch_size, on_error, progress):
+            inp, off, second, soff = _flat_columns(encs, family)
+            writer.add([e.sample_id for e in encs], inp, np.diff(off), second, np.diff(soff))
+    except BaseException:
+        writer.discard()
+        raise
+    return writer.finish(meta)
+
+
 def _flat_columns(encs, family: str):
     """Flat int32 ids and int64 offsets of input ids and labels / target ids of EncodedSamples."""
     def flat(arrays):
@@ -122,29 +207,29 @@ def token_cache_bytes(shapes, family: str) -> int:
     return int(4 * (2 * (inp + tgt) if family == "decoder" else inp + tgt) + 16 * len(shapes))
 
 
-def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise",
-               progress: bool | None = None) -> dict:
-    """``{sample_id: EncodedSample}`` of a whole source under ``formatter`` (one tokenization pass,
-    natural order): the token cache of an index that came without one. ``progress``: a tqdm bar
-    of samples (None: only on a terminal)."""
+def _encoded_batches(source, formatter, batch_size: int, on_error: str, progress: bool | None):
+    """Lists of `EncodedSample` of a whole source in natural order, ``batch_size`` samples read at a
+    time (a tqdm bar of samples; ``progress`` None: only on a terminal)."""
     from tqdm.auto import tqdm
 
-    src = natural_order(source)
-    out: dict = {}
     batch: list[dict] = []
     with tqdm(total=getattr(source, "num_rows", None), desc="dynabatch: tokenize (token cache)", unit="sample",
               disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
-        def flush():
-            out.update((int(e.sample_id), e) for e in formatter.encode_batch(batch, on_error=on_error) if e is not None)
-            bar.update(len(batch))
-            batch.clear()
-
-        for sample in src:
+        for sample in natural_order(source):
             batch.append(sample)
             if len(batch) >= batch_size:
-                flush()
+                yield [e for e in formatter.encode_batch(batch, on_error=on_error) if e is not None]
+                bar.update(len(batch))
+                batch = []
         if batch:
-            flush()
-    return out
+            yield [e for e in formatter.encode_batch(batch, on_error=on_error) if e is not None]
+            bar.update(len(batch))
 
 
+def encode_all(source, formatter, *, batch_size: int = 512, on_error: str = "raise",
+               progress: bool | None = None) -> dict:
+    """``{sample_id: EncodedSample}`` of a whole source under ``formatter`` (one tokenization pass,
+    natural order), in memory (the DataLoader writes a token file instead: `encode_to_file`).
+    ``progress``: a tqdm bar of samples (None: only on a terminal)."""
+    return {int(e.sample_id): e for encs in _encoded_batches(source, formatter, batch_size, on_error, progress)
+            for e in encs}

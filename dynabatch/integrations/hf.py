@@ -15,7 +15,8 @@ the loader each epoch, and the logged ``loss`` is the mean loss per target token
 streaming-mode loader has no length: ``max_steps`` is required and ``state.epoch`` follows Trainer's
 convention for iterable data (``max_steps`` steps per "epoch").
 
-Checkpoints hold the loader's ``state_dict()`` (``dynabatch_loader_rank{r}.json`` per rank);
+Checkpoints hold the loader's ``state_dict()`` (``dynabatch_loader_rank{r}.json`` per rank) and are
+complete or absent: written into ``tmp-checkpoint-N/`` and renamed ``checkpoint-N`` when whole;
 ``train(resume_from_checkpoint=...)`` loads it and continues exactly after the last trained step
 instead of Trainer's ``skip_first_batches`` (``ignore_data_skip`` is forced on). A checkpoint
 without that file is refused.
@@ -33,10 +34,12 @@ import glob
 import inspect
 import math
 import os
+import shutil
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..loader.collate import model_inputs
 from ..loader.state import load_loader_state, save_loader_state
@@ -45,11 +48,25 @@ from .accumulation import step_backward
 
 #: Trainer internals this subclass overrides (present in transformers 5.x); checked at construction so
 #: that another version fails with a clear message instead of silently skipping an override.
-_TRAINER_HOOKS = ("_run_epoch", "_init_training_state", "_save_checkpoint", "_track_num_input_tokens",
-                  "set_initial_training_values", "get_batch_samples", "training_step")
+_TRAINER_HOOKS = ("_run_epoch", "_init_training_state", "_save_checkpoint", "_get_output_dir",
+                  "_track_num_input_tokens", "set_initial_training_values", "get_batch_samples", "training_step")
 
 #: File name of a rank's loader state inside a checkpoint folder.
 LOADER_STATE_NAME = "dynabatch_loader_rank{rank}.json"
+#: Prefix of the folder a checkpoint is written into before it is renamed ``checkpoint-N``.
+STAGING_PREFIX = "tmp-"
+
+
+def _publish(staged: str, final: str) -> None:
+    """Rename the complete folder ``staged`` to ``final`` (an older ``final`` of the same step is
+    moved aside first and removed after: a kill in between leaves that step absent, never half)."""
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(os.path.dirname(staged), "old")  # inside the staging folder: removed with it
+        os.replace(final, old)
+    os.replace(staged, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def steps_in_epoch(loader, epoch: int) -> int | None:
@@ -144,6 +161,7 @@ class DynabatchTrainer(Trainer):
         self.train_loader = train_loader
         self._epoch_shift = 0.0
         self._resume_point: tuple[int, int] | None = None
+        self._staging_dir: str | None = None  # set while _save_checkpoint writes
         self.callback_handler.callbacks.insert(0, _ResumedEpochCallback(self))
         self._check_setup()
 
@@ -204,17 +222,22 @@ class DynabatchTrainer(Trainer):
         a.pop("self")
         n = steps_in_epoch(self.train_loader, a["epoch"])
         self._epoch_shift = 0.0
+        resumed = self._resume_point is not None and self._resume_point[0] == a["epoch"]
         if n is not None:
-            done = 0
-            if self._resume_point is not None and self._resume_point[0] == a["epoch"]:
-                done = self._resume_point[1]
-                self._epoch_shift = done / n
+            done = self._resume_point[1] if resumed else 0
+            self._epoch_shift = done / n
             a["steps_in_epoch"], a["num_update_steps_per_epoch"] = n, n - done
         self._resume_point = None
+        before = self.state.global_step
         try:
-            return super()._run_epoch(**a)
+            out = super()._run_epoch(**a)
         finally:
             self._epoch_shift = 0.0
+        if resumed and n is None and self.state.global_step == before:
+            # a streaming state saved after the last step of its epoch resumes into an epoch with no
+            # step left (its length is unknown until then); Trainer takes that for the end of the data
+            self.control.should_training_stop = False
+        return out
 
     # -- one step --------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -249,13 +272,43 @@ class DynabatchTrainer(Trainer):
         self.state.num_input_tokens_seen += self.accelerator.gather(n).sum().item()
 
     # -- checkpoints -------------------------------------------------------------------------------
+    def _get_output_dir(self, trial):
+        """Trainer's run folder, or the staging folder while `_save_checkpoint` writes into it."""
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial=trial)
+
     def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint plus this rank's loader state (``LOADER_STATE_NAME``)."""
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, LOADER_STATE_NAME.format(rank=self.train_loader.rank))
-        save_loader_state(self.train_loader.state_dict(), path)  # atomic, with its integrity record
-        super()._save_checkpoint(model, trial)
+        """Trainer's checkpoint plus every rank's loader state (``LOADER_STATE_NAME``), complete or
+        absent: all of it is written under ``tmp-checkpoint-N/`` (which ``get_last_checkpoint`` does
+        not match) and renamed to ``checkpoint-N`` once every rank has written its part; a save
+        killed midway leaves only the staging folder (removed by the next save)."""
+        run_dir = super()._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        stage, final = os.path.join(run_dir, f"{STAGING_PREFIX}{name}"), os.path.join(run_dir, name)
+        staged = os.path.join(stage, name)
+        if self.args.should_save:  # what saves killed midway left behind
+            for left in glob.glob(os.path.join(run_dir, f"{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-*")):
+                shutil.rmtree(left, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = stage
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        os.makedirs(staged, exist_ok=True)
+        # atomic, with its integrity record
+        save_loader_state(self.train_loader.state_dict(), os.path.join(staged, LOADER_STATE_NAME.format(
+            rank=self.train_loader.rank)))
+        if self.state.best_model_checkpoint == staged:  # Trainer recorded the folder it wrote
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            _publish(staged, final)
+            os.rmdir(stage)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def _load_loader_state(self, checkpoint: str) -> None:
         loader = self.train_loader
@@ -283,9 +336,10 @@ class DynabatchTrainer(Trainer):
         self._load_loader_state(resume_from_checkpoint)
         s = self.train_loader.state_dict()
         pos = s[s["mode"]]
-        if int(pos["step"]) != int(self.state.global_step):
-            raise ValueError(f"the loader state in {resume_from_checkpoint} is at step {pos['step']} but the Trainer "
-                             f"state at global step {self.state.global_step}: not the same run")
+        done = self.train_loader.mode_object.next_step()  # a streaming state stays at its last step's start
+        if done != int(self.state.global_step):
+            raise ValueError(f"the loader state in {resume_from_checkpoint} has trained {done} steps but the "
+                             f"Trainer state {self.state.global_step} (global step): not the same run")
         epoch = int(pos["epoch"])
         self._resume_point = (epoch, 0 if pos.get("fresh") else int(pos["step_in_epoch"]))
         return epoch, 0

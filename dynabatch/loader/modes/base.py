@@ -136,6 +136,16 @@ class Mode(ABC):
             p["done"] = True
             p["next_step"] = ready.step.step + 1
 
+    def next_step(self) -> int:
+        """Global number of the first step not yet wholly consumed: every step before it was yielded
+        whole (a step yielded part-way, or one a resume starts part-way, is not counted)."""
+        if self._pos is not None:
+            return int(self._pos["next_step"])
+        r = self._resume
+        if r is None:
+            return int(self._epoch_start_step)
+        return int(r.get("step", 0)) + (1 if r.get("done") else 0)
+
     def close(self, wait: bool = True) -> None:
         """Stop background planning and workers of an unfinished iteration."""
         for fn in self._closers:

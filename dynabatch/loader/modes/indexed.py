@@ -12,18 +12,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import replace
 
 import numpy as np
 import torch
+from tokenization import tokenizer_fingerprint
 
 from .. import state as lstate
 from ..ahead import fork_available
-from ..indexed_steps import (TOKEN_CACHE_BUDGET, TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache,
-                       WorkerSplitDataset, encode_all, index_settings, load_index, read_index_table, scan_source,
-                       token_cache_bytes, write_index_table)
-from ...index import LengthIndexError
+from ...index import LengthIndexError, TokenFileWriter, encode_to_file
+from ..indexed_steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache, WorkerSplitDataset,
+                             index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
+                             write_index_table)
 from ..processes import WorkerInit, start_workers, warm_kernels
 from ..records import ReadyStep
 from ..stream_planner import _identity
@@ -51,13 +54,23 @@ class VersionedPlanner:
 
 
 def open_index(ctx: Context, index, index_cache):
-    """(length index, its table, token cache or None) of the loader's data (scans it without ``index``)."""
+    """(length index, its table, token cache or None) of the loader's data (scans it without ``index``).
+
+    The token cache is a memory-mapped file (`dynabatch.index.token_file`): ``<index_cache>.tokens``
+    beside an index cache (kept and checked on the next run), else a private file in the cache
+    folder (`token_cache_folder`) deleted when the loader is; the scan writes it as it goes."""
     s = ctx.settings
     settings = index_settings(ctx.formatter, ctx.vision, ctx.source)
     text = ctx.vision is None
     want = text and s.cache_tokens is not False
+    path, owned = (f"{index_cache}.tokens", False) if index_cache is not None else (None, True)
+    meta = {"settings": settings, "tokenizer": tokenizer_fingerprint(ctx.formatter.tokenizer)} if want else None
+    if want and path is None:
+        fd, path = tempfile.mkstemp(prefix=f"tokens-{os.getpid()}-", suffix=".bin", dir=token_cache_folder())
+        os.close(fd)
+        os.unlink(path)  # written (atomically) by the scan or the encoding pass
     if index is None:
-        index = _scan_index(ctx, index_cache, settings, keep_tokens=want)
+        index = _scan_index(ctx, index_cache, settings, path if want else None, meta)
     table = read_index_table(index)
     o = ctx.options
     idx = load_index(table, ctx.family, o.max_len, o.max_target_len, bos=int(ctx.formatter.config.add_bos))
@@ -71,35 +84,55 @@ def open_index(ctx: Context, index, index_cache):
                            "its token counts may not match the batches", diff)
     if s.cache_tokens and not text:
         logger.warning("cache_tokens=True is ignored with a vision policy (images are loaded per step)")
-    if want and s.cache_tokens is None:
-        need = token_cache_bytes(idx.shapes, ctx.family)
-        if need > TOKEN_CACHE_BUDGET:
+    if want and s.cache_tokens is None and not os.path.exists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        need, free = token_cache_bytes(idx.shapes, ctx.family), shutil.disk_usage(folder).free
+        if need > free:
             want = False
-            logger.info("token cache off: the ids of %d samples need up to %.1f GiB (budget %.1f GiB); pass "
-                        "cache_tokens=True to keep them anyway", len(idx), need / 2**30, TOKEN_CACHE_BUDGET / 2**30)
-    return idx, table, (_token_cache(ctx, idx, table, settings) if want else None)
+            logger.info("token cache off: the ids of %d samples need up to %.1f GiB on disk, %s has %.1f GiB free; "
+                        "pass cache_tokens=True to keep them anyway", len(idx), need / 2**30, folder, free / 2**30)
+    return idx, table, (_token_cache(ctx, idx, table, path, meta, owned) if want else None)
 
 
-def _token_cache(ctx: Context, index, table, settings) -> TokenCache | None:
-    """From the index table's token columns when made with these settings, else one tokenization pass."""
+def token_cache_folder() -> str:
+    """Folder of the loaders' private token files: ``$DYNABATCH_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/dynabatch`` (``~/.cache/dynabatch``); on disk, not a RAM-backed /tmp."""
+    folder = os.environ.get("DYNABATCH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dynabatch")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _token_cache(ctx: Context, index, table, path: str, meta: dict, owned: bool) -> TokenCache | None:
+    """From the index table's token columns when made with these settings (held in memory by the
+    caller already), else the token file ``path`` (written by the scan just now, or by an earlier run
+    beside the index cache), else one tokenization pass into it."""
     raw = (table.schema.metadata or {}).get(TOKEN_SETTINGS_KEY)
-    if raw is not None and json.loads(raw) == settings:
+    if raw is not None and json.loads(raw) == meta["settings"]:
         tc = TokenCache.from_table(index, table, ctx.family)
         if tc is not None:
             return tc
+    args = dict(settings=meta["settings"], tokenizer=meta["tokenizer"], owned=owned)
+    if os.path.exists(path):
+        tc = TokenCache.from_file(index, path, **args)
+        if tc is not None:
+            return tc
+        logger.info("token cache %s lacks samples of the length index: rebuilding it", path)
     t0 = time.perf_counter()
-    tc = TokenCache.from_encoded(index, encode_all(ctx.source, ctx.formatter, on_error=ctx.settings.on_error,
-                                                        progress=ctx.settings.progress),
-                                 ctx.family)
+    encode_to_file(ctx.source, ctx.formatter, path, meta, on_error=ctx.settings.on_error,
+                   progress=ctx.settings.progress)
+    tc = TokenCache.from_file(index, path, **args)
     if tc is None:
         logger.warning("token cache off: the data lacks samples of the length index (stale index?)")
     else:
-        logger.info("tokenized %d samples into the token cache (%.1f MiB) in %.1f s", len(index),
+        logger.info("tokenized %d samples into the token cache %s (%.1f MiB on disk) in %.1f s", len(index), path,
                     tc.nbytes / 2**20, time.perf_counter() - t0)
     return tc
 
 
-def _scan_index(ctx: Context, index_cache, settings, keep_tokens: bool = False):
+def _scan_index(ctx: Context, index_cache, settings, token_path: str | None, meta: dict | None):
+    """The index table: the index cache when made with ``settings``, else a scan (written to the
+    index cache; with ``token_path`` the scan also writes the token file there)."""
     if index_cache is not None and os.path.exists(index_cache):
         try:
             table = read_index_table(index_cache)
@@ -111,9 +144,18 @@ def _scan_index(ctx: Context, index_cache, settings, keep_tokens: bool = False):
             return table
         logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)
     t0 = time.perf_counter()
-    table = scan_source(ctx.source, ctx.formatter, vision=ctx.vision, on_error=ctx.settings.on_error,
-                        keep_tokens=keep_tokens, progress=ctx.settings.progress,
-                        token_budget=TOKEN_CACHE_BUDGET if ctx.settings.cache_tokens is None else None)
+    writer = TokenFileWriter(token_path) if token_path is not None else None
+    try:
+        table = scan_source(ctx.source, ctx.formatter, vision=ctx.vision, on_error=ctx.settings.on_error,
+                            progress=ctx.settings.progress, token_sink=writer.add if writer else None)
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    if writer is not None:
+        writer.finish(meta)
+    elif index_cache is not None and os.path.exists(f"{index_cache}.tokens"):
+        os.unlink(f"{index_cache}.tokens")  # the ids of the data the rebuilt index replaces
     logger.info("built the length index of %d samples in %.1f s (one tokenization pass; pass index= or "
                 "index_cache= to reuse it)", table.num_rows, time.perf_counter() - t0)
     if index_cache is not None:

@@ -2,7 +2,8 @@
 small collective (see `dynabatch.loader.stream_planner`); `StreamingMode` is its stateful iterator.
 
 Mode state (nested in the DataLoader's under ``"streaming"``): ``identity``, ``layout``, ``epoch``,
-``step``, ``step_in_epoch``, ``microbatch``, ``consumed``, ``fresh``, ``feed`` (the chunk feed:
+``step``, ``step_in_epoch``, ``microbatch``, ``consumed``, ``fresh``, ``done`` (every micro-batch of
+``step`` was yielded: the next step to yield is ``step + 1``), ``feed`` (the chunk feed:
 ``slots`` (slot -> ``loaders`` source state), ``rr``, ``exhausted``), ``buffer`` (``ids``, and
 ``encoded`` tokens for sources without random access) and ``shard_ranges`` of a mixture. A merged
 state holds ``global``: a ``loaders`` global state with the buffered, unconsumed ids put back.
@@ -135,8 +136,10 @@ class StreamingMode(Mode):
         buffer = {"ids": lstate._ids(snap["buffer_ids"])}
         if "buffer_encoded" in snap:
             buffer["encoded"] = snap["buffer_encoded"]
+        # the position stays at the step's start (its buffer snapshot) even when the step was yielded
+        # whole: the next step's snapshot may not be planned yet; ``done`` says the step is over
         return self._state(epoch=p["epoch"], step=p["step"], step_in_epoch=p["step_in_epoch"],
-                           microbatch=p["microbatch"], consumed=consumed,
+                           microbatch=p["microbatch"], consumed=consumed, done=bool(p["done"]),
                            feed={"slots": {str(k): v for k, v in snap["slots"].items()}, "rr": snap["rr"],
                                  "exhausted": snap["exhausted"]},
                            buffer=buffer, shard_ranges=self.shard_ranges)

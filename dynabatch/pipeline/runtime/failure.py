@@ -134,14 +134,19 @@ class FailureMonitor:
             note_daemon_calls()
             self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the watchdog thread."""
+    def stop(self, *, join_s: float | None = None) -> None:
+        """Stop the watchdog thread and an idle waiter thread, waiting ``join_s`` seconds for them
+        (default ``2 * poll_s + 1``: after a failure the watchdog may be stuck in a call to a dead
+        store host). A normal close waits until they are gone: a daemon thread whose store call (or
+        gloo wait) returns while the interpreter exits ends in pthread_exit through C++ frames,
+        which aborts the process (SIGABRT, "terminate called without an active exception")."""
+        join_s = 2 * self.poll_s + 1.0 if join_s is None else join_s
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.poll_s + 1.0)
+            self._thread.join(timeout=join_s)
         self._thread = None
         if self._waiter is not None and self._waiter.current is None:
-            self._waiter.close()
+            self._waiter.close(join_s=join_s)
             self._waiter = None
 
     def _heartbeat(self, store, now: float) -> None:
@@ -461,7 +466,8 @@ class FailureMonitor:
                 self._heartbeat(self.store, time.monotonic())
             except Exception:
                 pass
-        self.stop()
+        # the store host waits for every rank's check-in below, so the watchdog's calls still return
+        self.stop(join_s=self.timeout_s if self._failure is None else None)
         if self._failure is not None:
             return
         try:

@@ -106,5 +106,8 @@ class Waiter:
         self.jobs.put(job)
         return job
 
-    def close(self) -> None:
+    def close(self, join_s: float = 0.0) -> None:
+        """End the thread (idle: no wait in progress), waiting up to ``join_s`` seconds for it."""
         self.jobs.put(None)
+        if join_s > 0:
+            self.thread.join(timeout=join_s)
