@@ -98,6 +98,8 @@ def _orphan(mode: str, data: str, index: str) -> None:
         t.join()
         return
     kw = dict(global_batch_tokens=TOKENS, **PLAN)
+    if mode.endswith("_forkserver"):  # workers are children of the fork server, not of this process
+        mode, kw["multiprocessing_context"] = mode[:-len("_forkserver")], "forkserver"
     if mode == "indexed":
         dl = DataLoader(data, index=index, num_workers=2, **kw)
     elif mode == "plan_processes":
@@ -259,6 +261,10 @@ def _runnable(mode: str) -> bool:
         from dynabatch.loader.ahead import fork_available
 
         return fork_available()
+    if mode.endswith("_forkserver"):
+        import multiprocessing
+
+        return "forkserver" in multiprocessing.get_all_start_methods()
     return True
 
 
@@ -269,7 +275,8 @@ def _sigkill_run(mode: str, data: dict) -> dict:
     lines = _Lines(proc)
     children: set[int] = set()
     try:
-        ready = lines.wait_for("ready", STALL_S)
+        # a forkserver worker imports torch and loads the kernels itself before the first step
+        ready = lines.wait_for("ready", STALL_S * (3 if mode.endswith("_forkserver") else 1))
         if ready is None:
             return {"ready": None, "stderr": proc.stderr.read()[-3000:] if proc.poll() is not None else ""}
         time.sleep(1.0)  # let the workers fill their queues
@@ -291,7 +298,7 @@ def sigkill_job(mode, data):
 
 
 @linux_only
-@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread"])
+@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread", "indexed_forkserver"])
 @LAUNCHES.plan(lambda mode, data: [sigkill_job(mode, data)] if LINUX and _runnable(mode) else [])
 def test_children_die_with_a_sigkilled_parent(data, mode):
     """Point 8: SIGKILL the process iterating a loader: none of its children may outlive it (with
