@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_dataloader_data import PLAN, records, write_jsonl, write_parquet  # noqa: E402
 
 from dynabatch import DataLoader, PlanOptions  # noqa: E402
+from dynabatch.loader.settings import records_from_keywords
 
 TOKENS = 1200
 METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
@@ -51,15 +52,18 @@ def data(tmp_path_factory):
 
 def _loader(data, mode: str, **kw):
     if mode == "indexed":
-        return DataLoader(data["parquet"], global_batch_tokens=TOKENS, seed=3, **PLAN, **kw)
+        return DataLoader(data["parquet"], **records_from_keywords(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw))
     if mode == "dataset":
         import datasets
 
-        return DataLoader(datasets.Dataset.from_list(data["records"]), global_batch_tokens=TOKENS, seed=3, **PLAN,
-                          **kw)
+        return DataLoader(datasets.Dataset.from_list(data["records"]),
+                          **records_from_keywords(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw))
     if mode == "replay":
-        return DataLoader(data["parquet"], plan=data["plan"], cost_model="gpt", device="cpu", **kw)
-    return DataLoader(data["jsonl"], mode="streaming", global_batch_tokens=TOKENS, chunk_size=8, **PLAN, **kw)
+        return DataLoader(data["parquet"],
+                          **records_from_keywords(plan=data["plan"], cost_model="gpt", device="cpu", **kw))
+    return DataLoader(data["jsonl"],
+                      **records_from_keywords(mode="streaming", global_batch_tokens=TOKENS, chunk_size=8, **PLAN,
+                                              **kw))
 
 
 def _ids(batches) -> list[list[int]]:
