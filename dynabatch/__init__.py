@@ -43,7 +43,9 @@ __version__ = "0.1.0"
 
 # The DataLoader and collation need torch: imported on first use so `import dynabatch` stays light.
 _LAZY = {
-    "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "collate_padded": "loader.collate",
+    "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "Tokenization": "loader.settings",
+    "DataSource": "loader.settings", "Costing": "loader.settings", "Runtime": "loader.settings",
+    "collate_padded": "loader.collate",
     "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
     "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
     "TorchCollective": "loader.collective", "LoaderStateError": "loader.state", "Step": "loader.step",

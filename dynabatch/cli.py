@@ -109,7 +109,7 @@ def _cmd_bench_plan(args) -> int:
     from .core.shape_sources import read_shapes, synthetic_shapes
 
     try:
-        options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048)
+        options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048, max_target_len=512)
     except ValueError as e:
         print(f"dynabatch: error: {e}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ def _microbatch_table(plan, rank: int) -> str:
 
 def _text_demo(text_dir: Path, model: str, seed: int) -> None:
     from .loader.dataloader import DataLoader, build_index
+    from .loader.settings import Costing, DataSource, Runtime, Tokenization
 
     family = "encoder_decoder" if model == "t5" else "decoder"
     cost = CostModel.preset(model, num_stages=STAGES)
@@ -59,10 +60,9 @@ def _text_demo(text_dir: Path, model: str, seed: int) -> None:
           f"{dp.objective_s * 1e3:.0f} ms = {dp.objective_s / obj_lb:.2f}x the bound")
     print(f"rank 0's micro-batches in execution order:\n{_microbatch_table(dp, 0)}")
 
-    loader = DataLoader(str(text_dir), index=index, tokenizer="bytes", cost_model=cost, num_stages=STAGES,
-                        rank=0, world_size=RANKS, global_batch_tokens=options.global_batch_tokens,
-                        max_len=options.max_len, max_target_len=options.max_target_len, method=options.method,
-                        seed=options.seed, drop_last=options.drop_last, mode="indexed")
+    loader = DataLoader(str(text_dir), options=options,
+                        tokenization=Tokenization(tokenizer="bytes"), source=DataSource(index=index, mode="indexed"),
+                        costing=Costing(cost_model=cost), runtime=Runtime(rank=0, world_size=RANKS))
     try:
         step = next(iter(loader))
     finally:
@@ -83,12 +83,15 @@ def _image_text_demo(image_dir: Path, seed: int) -> None:
     from tokenization import DynamicTiling
 
     from .loader.dataloader import DataLoader
+    from .loader.settings import Costing, Tokenization
 
     # One rank cannot shard the optimizer state of a 26B model, so the H200's memory is needed.
     # (a CostModel, not device="h200": planning for other hardware than this machine's is the point)
     vlm = CostModel.preset("vlm", "h200", num_stages=STAGES)
-    loader = DataLoader(str(image_dir), tokenizer="bytes", cost_model=vlm, num_stages=STAGES,
-                        global_batch_tokens=BATCH_TOKENS, max_len=8192, vision=DynamicTiling(), seed=seed)
+    loader = DataLoader(str(image_dir), options=PlanOptions(num_stages=STAGES, global_batch_tokens=BATCH_TOKENS,
+                                                            max_len=8192, seed=seed),
+                        tokenization=Tokenization(tokenizer="bytes", vision=DynamicTiling()),
+                        costing=Costing(cost_model=vlm))
     try:
         step = next(iter(loader))
     finally:

@@ -3,6 +3,7 @@ the steps: python examples/hf_trainer.py [DATA.jsonl(.gz) with inputs/targets, o
 import sys, tempfile
 import datasets, tokenizers, torch, transformers
 import dynabatch
+from dynabatch import PlanOptions, Tokenization
 from dynabatch.datagen import text_records
 
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
@@ -14,7 +15,8 @@ bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
 bpe.train_from_iterator((r["inputs"] + r["targets"] for r in ds),
                         tokenizers.trainers.BpeTrainer(vocab_size=2000, special_tokens=["<pad>", "<eos>", "<unk>"]))
 tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
-loader = dynabatch.DataLoader(ds, tokenizer=tok, global_batch_tokens=16384, max_len=1024)
+loader = dynabatch.DataLoader(ds, options=PlanOptions(global_batch_tokens=16384, max_len=1024),
+                              tokenization=Tokenization(tokenizer=tok))
 model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
     vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=4, pad_token_id=tok.pad_token_id))

@@ -28,6 +28,7 @@ import tempfile
 import torch
 
 import dynabatch
+from dynabatch import Costing, DataSource, PlanOptions, Runtime
 from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import (PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, launch_local, make_model,
                                 representative, search_partition, stage_cost_model)
@@ -43,13 +44,15 @@ def worker(rank: int, world_size: int, port: int, args: dict):
         enc_dec = model.kind == "encoder_decoder"
         cost = stage_cost_model(model, stages, "cpu")          # analytic prior for one stage, refit online
         feedback = dynabatch.FeedbackLoop(cost, refit_every=2, forgetting=0.8)
-        loader = dynabatch.DataLoader(
-            args["data"], index=args["index"], cost_model=cost, feedback=feedback, num_stages=stages,
-            global_batch_tokens=args["batch_tokens"], max_len=args["max_len"],
-            max_target_len=args["max_target_len"] if enc_dec else None,
-            world_size=1, rank=0,        # one pipeline: both stages read the same micro-batches
-            plan_ahead=0,                # plan each step after the previous refit: identical on every rank
-            seed=args["seed"], drop_last=True)
+        loader = dynabatch.DataLoader(args["data"], feedback=feedback,
+                                      options=PlanOptions(num_stages=stages, global_batch_tokens=args["batch_tokens"],
+                                                          max_len=args["max_len"],
+                                                          max_target_len=args["max_target_len"] if enc_dec else None,
+                                                          seed=args["seed"], drop_last=True),
+                                      source=DataSource(index=args["index"]), costing=Costing(cost_model=cost),
+                                      # one pipeline: both stages read the same micro-batches; plan each step
+                                      # after the previous refit (plan_ahead=0): identical on every rank
+                                      runtime=Runtime(world_size=1, rank=0, plan_ahead=0))
         steps = loader.steps()
         first = next(steps)
         # the stage split: profile every layer on the first global batch's micro-batch mix, simulate

@@ -62,6 +62,13 @@ def _has(rec: dict, name: str) -> bool:
     return rec.get(name) is not None
 
 
+def _mapping_hint(rec: dict) -> str:
+    """How to name a record's own fields: the ``mapping`` option of the source."""
+    return (f"; the record has fields {sorted(rec)}: name yours with mapping={{'inputs': <field>, 'targets': "
+            "<field>} (open_source(..., mapping=...); dynabatch.DataLoader: "
+            "source=DataSource(source_options={'mapping': {...}}))")
+
+
 def _nonempty(value: str, name: str, where: str) -> str:
     if not value.strip():
         raise EmptyTextError(f"field {name!r} is empty", where=where, field=name)
@@ -135,6 +142,10 @@ class Schema:
                 if src == "source" and not _has(rec, "target"):
                     continue  # "source" alone is the dataset name in FLAN-style records
                 tgt = next((t for t in targets if _has(rec, t)), targets[0])
+                for name in (src, tgt):
+                    if not _has(rec, name):
+                        raise MissingFieldError(f"missing field {name!r} (a {src}/{tgt} record){_mapping_hint(rec)}",
+                                                where=where, field=name)
                 inputs = _text(rec, src, where)
                 used = {src, tgt}
                 if src == "instruction" and _text(rec, "input", where, required=False).strip():
@@ -152,7 +163,7 @@ class Schema:
             return Mapped("", ""), set()
         raise MissingFieldError(
             "no text fields: expected inputs/targets, instruction/response, input/output, "
-            "prompt/completion, source/target, conversations, caption, text or input_ids",
+            f"prompt/completion, source/target, conversations, caption, text or input_ids{_mapping_hint(rec)}",
             where=where, field="inputs")
 
     @staticmethod

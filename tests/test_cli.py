@@ -99,11 +99,13 @@ def test_plan_flags_build_plan_options_the_same_way_for_both_commands():
                            schedule="gpipe", memory_limit=16 * 2**30, seed=9, drop_last=True, max_caps=12)
     assert bench == expected
     assert offline == expected.replace(method="pad", method_options={"rows": 4})
-    # defaults: 64k tokens, 8 ranks x 4 stages, the model's max_len, and the last batch kept
+    # defaults: 64k tokens, 8 ranks x 4 stages, the caller's max_len (bench plan: the model's), no
+    # target truncation (PlanOptions' default, as the DataLoader's), and the last batch kept
     d = plan_options_from_args(_parsed(["plan", "x.parquet", "--out", "p.parquet"]), max_len=8192)
     assert (d.global_batch_tokens, d.global_batch_size, d.num_ranks, d.num_stages) == (65536, None, 8, 4)
     assert (d.max_len, d.max_target_len, d.method, d.drop_last, d.seed, d.memory_limit) == \
-           (8192, 512, "dp", False, 0, None)
+           (8192, None, "dp", False, 0, None)
+    assert d.max_target_len is PlanOptions().max_target_len
     assert d.drop_last is PlanOptions().drop_last  # one default for the CLI and the DataLoader
 
 

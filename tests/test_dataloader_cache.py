@@ -12,6 +12,8 @@ from dynabatch.loader.indexed_steps import TOKEN_COLUMNS
 from dynabatch.loader.records import PackedBatches
 
 from test_dataloader_data import records, write_parquet
+from dynabatch import DataSource, PlanOptions
+from dynabatch.loader.settings import records_from_keywords
 
 
 @pytest.fixture(scope="module")
@@ -42,20 +44,20 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['cost_model']}-{c['method']}-{c.get('max_len')}")
 def test_cached_and_uncached_batches_are_identical(path, case):
     kw = dict(global_batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
-    ref = DataLoader(path, cache_tokens=False, plan_processes=0, **kw)
+    ref = DataLoader(path, **records_from_keywords(cache_tokens=False, plan_processes=0, **kw))
     assert ref.token_cache is None
     want = list(ref.microbatches())
-    cached = DataLoader(path, cache_tokens=True, **kw)  # its own scan keeps the ids
+    cached = DataLoader(path, **records_from_keywords(cache_tokens=True, **kw))  # its own scan keeps the ids
     assert cached.token_cache is not None
     assert_same(want, list(cached.microbatches()))
     family = "encoder_decoder" if case["cost_model"] == "t5" else "decoder"
     lens = dict(family=family, max_len=case.get("max_len"), max_target_len=case.get("max_target_len"))
     table = build_index(path, cache_tokens=True, **lens)
     assert all(c in table.column_names for c in TOKEN_COLUMNS)
-    assert_same(want, list(DataLoader(path, index=table, **kw).microbatches()))
+    assert_same(want, list(DataLoader(path, **records_from_keywords(index=table, **kw)).microbatches()))
     plain = build_index(path, **lens)  # no ids in the index: the loader tokenizes once when built
     assert not any(c in plain.column_names for c in TOKEN_COLUMNS)
-    dl = DataLoader(path, index=plain, **kw)
+    dl = DataLoader(path, **records_from_keywords(index=plain, **kw))
     assert dl.token_cache is not None
     assert_same(want, list(dl.microbatches()))
 
@@ -68,18 +70,18 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
 
     monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", boom)
     for index in (table, tmp_path / "idx.parquet"):
-        dl = DataLoader(path, index=index, global_batch_tokens=1500)
+        dl = DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index=index))
         assert dl.token_cache is not None and len(list(dl.microbatches())) > 0
     # other tokenization settings: the cached ids do not apply, so they are made again
     with pytest.raises(AssertionError, match="tokenized again"):
-        DataLoader(path, index=table, global_batch_tokens=1500, max_len=30)
+        DataLoader(path, options=PlanOptions(global_batch_tokens=1500, max_len=30), source=DataSource(index=table))
 
 
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
-    first = list(DataLoader(path, index_cache=cache, global_batch_tokens=1500).microbatches())
+    first = list(DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=cache)).microbatches())
     monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
-    dl = DataLoader(path, index_cache=cache, global_batch_tokens=1500)
+    dl = DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=cache))
     assert dl.token_cache is not None
     assert_same(first, list(dl.microbatches()))
 
@@ -92,31 +94,32 @@ def test_disk_space_turns_the_default_off(path, monkeypatch):
     plain = build_index(path)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr("dynabatch.loader.modes.indexed.shutil.disk_usage", lambda p: usage(100, 100, 100))
-    assert DataLoader(path, index=plain, global_batch_tokens=1500).token_cache is None
-    assert DataLoader(path, index=plain, global_batch_tokens=1500, cache_tokens=True).token_cache is not None
+    opts = PlanOptions(global_batch_tokens=1500)
+    assert DataLoader(path, options=opts, source=DataSource(index=plain)).token_cache is None
+    assert DataLoader(path, options=opts, source=DataSource(index=plain, cache_tokens=True)).token_cache is not None
 
 
 def test_planning_processes_workers_and_threads_agree(path):
     kw = dict(global_batch_tokens=1200, method="dp", seed=1)
-    ref = list(DataLoader(path, plan_processes=0, cache_tokens=False, **kw).microbatches())
-    assert_same(ref, list(DataLoader(path, plan_processes=2, **kw).microbatches()))
-    assert_same(ref, list(DataLoader(path, plan_processes=1, plan_ahead=1, **kw).microbatches()))
-    assert_same(ref, list(DataLoader(path, num_workers=2, **kw).microbatches()))
-    steps = list(DataLoader(path, num_workers=2, **kw).steps())
+    ref = list(DataLoader(path, **records_from_keywords(plan_processes=0, cache_tokens=False, **kw)).microbatches())
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(plan_processes=2, **kw)).microbatches()))
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(plan_processes=1, plan_ahead=1, **kw)).microbatches()))
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(num_workers=2, **kw)).microbatches()))
+    steps = list(DataLoader(path, **records_from_keywords(num_workers=2, **kw)).steps())
     assert sum(len(s) for s in steps) == len(ref)
     with pytest.raises(ValueError, match="plan_processes"):
-        DataLoader(path, plan_processes=-1, **kw)
+        DataLoader(path, **records_from_keywords(plan_processes=-1, **kw))
 
 
 def test_resume_with_planning_processes(path):
     kw = dict(global_batch_tokens=1200, seed=2, plan_processes=2)
-    full = list(DataLoader(path, **kw).microbatches())
-    dl = DataLoader(path, **kw)
+    full = list(DataLoader(path, **records_from_keywords(**kw)).microbatches())
+    dl = DataLoader(path, **records_from_keywords(**kw))
     it = dl.microbatches()
     head = [next(it) for _ in range(5)]
     state = dl.state_dict()
     dl.close()
-    again = DataLoader(path, **kw)
+    again = DataLoader(path, **records_from_keywords(**kw))
     again.load_state_dict(state)
     assert_same(full, head + list(again.microbatches()))
 
@@ -143,6 +146,6 @@ def test_index_file_with_a_removed_row_is_refused(path, tmp_path):
     bad = tmp_path / "edited.parquet"
     pq.write_table(pa.concat_tables([table.slice(0, 7), table.slice(8)]), bad)
     with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
-        DataLoader(path, index=bad, global_batch_tokens=1500)
+        DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index=bad))
     with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
-        DataLoader(path, index_cache=bad, global_batch_tokens=1500)
+        DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=bad))

@@ -14,6 +14,7 @@ import loaders
 from dynabatch import DataLoader
 
 from test_dataloader_data import PLAN, assert_exactly_once, uneven_jsonl
+from dynabatch.loader.settings import records_from_keywords
 
 STOP_STEP = 3
 
@@ -26,7 +27,8 @@ def _rank_main(rank, world, phase, tmp, pattern):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store{phase}", rank=rank, world_size=world)
     try:
         # rank and world size come from torch.distributed; the collective is a gloo all_reduce
-        dl = DataLoader(_source(pattern), global_batch_tokens=2000, num_workers=2, chunk_size=16, **PLAN)
+        dl = DataLoader(_source(pattern),
+                        **records_from_keywords(global_batch_tokens=2000, num_workers=2, chunk_size=16, **PLAN))
         assert (dl.rank, dl.world_size) == (rank, world) and dl.mode == "streaming"
         out = {"ids": [], "structure": []}
         if phase == 2:

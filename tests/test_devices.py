@@ -15,6 +15,8 @@ import dynabatch.devices as devices
 from dynabatch import CostModel, DataLoader, datagen, device_preset, model_preset
 from dynabatch.core.cost import DEVICE_PRESETS, GPU_PRESETS, FEATURES
 from dynabatch.devices import DeviceMismatchWarning, Hardware, check_device, loader_cost_model, resolve_device
+from dynabatch import PlanOptions, Tokenization
+from dynabatch.loader.settings import records_from_keywords
 
 GiB = 2**30
 ONE, N_MAIN = FEATURES.index("one"), FEATURES.index("n_main")
@@ -132,13 +134,13 @@ def test_the_loader_warns_about_an_explicit_mismatch_but_offline_planning_does_n
     mock_cuda(monkeypatch, None)
     kw = dict(global_batch_tokens=8192, tokenizer="bytes", max_len=512)
     with pytest.warns(DeviceMismatchWarning, match="device='h100'"):
-        loader = DataLoader(flan_like, device="h100", **kw)
+        loader = DataLoader(flan_like, **records_from_keywords(device="h100", **kw))
     assert (loader.cost.model.name, loader.cost.device.name) == ("gpt", "h100")  # still planned as asked
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         CostModel.preset("gpt", "h100")  # planning for other hardware is the point offline
         CostModel.preset("t5")
-        DataLoader(flan_like, cost_model=CostModel.preset("gpt", "h200"), **kw)  # a CostModel: its own device
+        DataLoader(flan_like, **records_from_keywords(cost_model=CostModel.preset("gpt", "h200"), **kw))  # a CostModel: its own device
     assert not device_warnings(record)
 
 
@@ -166,7 +168,8 @@ def test_the_default_loader_on_a_machine_without_gpu_plans_for_the_cpu(monkeypat
     mock_cuda(monkeypatch, None)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        loader = DataLoader(flan_like, global_batch_tokens=8192, tokenizer="bytes", max_len=512)
+        loader = DataLoader(flan_like, options=PlanOptions(global_batch_tokens=8192, max_len=512),
+                            tokenization=Tokenization(tokenizer="bytes"))
     assert loader.settings.device == "auto"
     assert (loader.cost.device.name, loader.cost.model.name) == ("cpu", "gpt-tiny")
     assert not device_warnings(record)
@@ -210,8 +213,9 @@ def test_cpu_plans_batch_several_rows_on_flan_like_text(flan_like, cost_model, m
     2.9 for t5-tiny), still with little padding. The old cpu guess planned 1.6 rows here with its
     default gpt, and 3.8 / 1.4 rows for gpt-tiny / t5-tiny."""
     kw = {} if cost_model is None else {"cost_model": cost_model}
-    loader = DataLoader(flan_like, device="cpu", global_batch_tokens=16384, tokenizer="bytes", max_len=512,
-                        max_target_len=256, **kw)
+    loader = DataLoader(flan_like,
+                        **records_from_keywords(device="cpu", global_batch_tokens=16384, tokenizer="bytes",
+                                                max_len=512, max_target_len=256, **kw))
     mean_rows, padding_efficiency = _plan_stats(loader)
     assert mean_rows >= min_rows
     assert padding_efficiency >= 0.85

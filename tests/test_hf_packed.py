@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (H
 import dynabatch
 from dynabatch.loader.collate import IGNORE_INDEX, collate_packed, collate_padded, count_label_tokens, model_inputs
 from tokenization import EncodedSample, Formatter
+from dynabatch import Costing, PlanOptions, Tokenization
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # float64 model; eager attention takes its softmax in float32
 
@@ -118,8 +119,9 @@ def test_dataloader_packed_steps_on_llama(tmp_path):
         recs.append({"inputs": f"q{i} {body}", "targets": "" if i % 4 == 3 else "y" * int(rng.integers(1, 9))})
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    loader = dynabatch.DataLoader(str(path), tokenizer="bytes", collate="packed", cost_model="gpt", device="cpu",
-                                  num_stages=2, global_batch_tokens=600, max_len=128)
+    loader = dynabatch.DataLoader(str(path), options=PlanOptions(num_stages=2, global_batch_tokens=600, max_len=128),
+                                  tokenization=Tokenization(tokenizer="bytes"),
+                                  costing=Costing(collate="packed", cost_model="gpt", device="cpu"))
     fmt = Formatter("bytes", family="decoder")
     model = tiny_llama("sdpa")
     seen, multi_sample, multi_mb = [], 0, 0

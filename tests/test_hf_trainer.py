@@ -18,6 +18,7 @@ accelerate = pytest.importorskip("accelerate", reason="needs accelerate (Hugging
 
 import dynabatch
 from dynabatch.integrations import LOADER_STATE_NAME, DynabatchTrainer, step_backward
+from dynabatch.loader.settings import records_from_keywords
 
 GBT = 400  # global batch in tokens: the data below gives 4 steps in epoch 0 and 5 in epoch 1
 LR = 0.1
@@ -39,8 +40,10 @@ def data_path(tmp_path_factory):
 
 
 def make_loader(path, collate="padded", **kw):
-    return dynabatch.DataLoader(path, tokenizer="bytes", global_batch_tokens=GBT, device="cpu", collate=collate,
-                                cost_model="gpt", num_stages=2, max_len=128, **kw)
+    return dynabatch.DataLoader(path,
+                                **records_from_keywords(tokenizer="bytes", global_batch_tokens=GBT, device="cpu",
+                                                        collate=collate, cost_model="gpt", num_stages=2, max_len=128,
+                                                        **kw))
 
 
 def tiny_llama(seed=0):

@@ -22,6 +22,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from prelaunch import Prelaunch, job  # noqa: E402
+from dynabatch.loader.settings import records_from_keywords
 
 ROOT = os.path.dirname(HERE)
 PLAN = dict(cost_model="gpt", device="cpu", num_stages=2)
@@ -67,8 +68,9 @@ def _stress(data: str, index: str, world: int, steps: int) -> None:
 
     def rank(r: int) -> None:
         try:
-            dl = DataLoader(data, index=index, world_size=world, rank=r, num_workers=2, global_batch_tokens=TOKENS,
-                            seed=r, **PLAN)
+            dl = DataLoader(data,
+                            **records_from_keywords(index=index, world_size=world, rank=r, num_workers=2,
+                                                    global_batch_tokens=TOKENS, seed=r, **PLAN))
             for b in dl.microbatches():
                 _say("batch", r, b["step"], b["microbatch"])
                 if b["step"] >= steps:
@@ -98,12 +100,14 @@ def _orphan(mode: str, data: str, index: str) -> None:
         t.join()
         return
     kw = dict(global_batch_tokens=TOKENS, **PLAN)
+    if mode.endswith("_forkserver"):  # workers are children of the fork server, not of this process
+        mode, kw["multiprocessing_context"] = mode[:-len("_forkserver")], "forkserver"
     if mode == "indexed":
-        dl = DataLoader(data, index=index, num_workers=2, **kw)
+        dl = DataLoader(data, **records_from_keywords(index=index, num_workers=2, **kw))
     elif mode == "plan_processes":
-        dl = DataLoader(data, index=index, num_workers=0, plan_processes=2, **kw)
+        dl = DataLoader(data, **records_from_keywords(index=index, num_workers=0, plan_processes=2, **kw))
     else:
-        dl = DataLoader(data, mode="streaming", num_workers=2, chunk_size=64, **kw)
+        dl = DataLoader(data, **records_from_keywords(mode="streaming", num_workers=2, chunk_size=64, **kw))
     it = iter(dl)
     next(it)
     _say("ready", os.getpid())
@@ -211,7 +215,7 @@ def data(tmp_path_factory):
     parquet = write_parquet(d / "train.parquet", recs, row_group_size=24)
     jsonl = write_jsonl(d / "train.jsonl", recs)
     index = str(d / "index.parquet")
-    DataLoader(parquet, index_cache=index, global_batch_tokens=TOKENS, **PLAN)  # writes the length index once
+    DataLoader(parquet, **records_from_keywords(index_cache=index, global_batch_tokens=TOKENS, **PLAN))  # writes the length index once
     return {"parquet": parquet, "jsonl": jsonl, "index": index}
 
 
@@ -259,6 +263,10 @@ def _runnable(mode: str) -> bool:
         from dynabatch.loader.ahead import fork_available
 
         return fork_available()
+    if mode.endswith("_forkserver"):
+        import multiprocessing
+
+        return "forkserver" in multiprocessing.get_all_start_methods()
     return True
 
 
@@ -269,7 +277,8 @@ def _sigkill_run(mode: str, data: dict) -> dict:
     lines = _Lines(proc)
     children: set[int] = set()
     try:
-        ready = lines.wait_for("ready", STALL_S)
+        # a forkserver worker imports torch and loads the kernels itself before the first step
+        ready = lines.wait_for("ready", STALL_S * (3 if mode.endswith("_forkserver") else 1))
         if ready is None:
             return {"ready": None, "stderr": proc.stderr.read()[-3000:] if proc.poll() is not None else ""}
         time.sleep(1.0)  # let the workers fill their queues
@@ -291,7 +300,7 @@ def sigkill_job(mode, data):
 
 
 @linux_only
-@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread"])
+@pytest.mark.parametrize("mode", ["indexed", "streaming", "plan_processes", "streaming_thread", "indexed_forkserver"])
 @LAUNCHES.plan(lambda mode, data: [sigkill_job(mode, data)] if LINUX and _runnable(mode) else [])
 def test_children_die_with_a_sigkilled_parent(data, mode):
     """Point 8: SIGKILL the process iterating a loader: none of its children may outlive it (with

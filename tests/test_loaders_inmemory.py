@@ -13,6 +13,7 @@ import pytest
 from conftest_loaders import records
 
 import loaders
+from dynabatch import Costing, PlanOptions
 
 ROWS = records(29, "m")
 
@@ -87,7 +88,7 @@ def test_dataloader_reads_a_list_of_dicts_in_the_indexed_mode():
     import dynabatch
 
     rows = [{"text": f"sample {i} " + "word " * (i % 7)} for i in range(37)]
-    loader = dynabatch.DataLoader(rows, global_batch_size=8, device="cpu")
+    loader = dynabatch.DataLoader(rows, options=PlanOptions(global_batch_size=8), costing=Costing(device="cpu"))
     assert loader.mode == "indexed" and len(loader) == 5
     got = _delivered(loader)
     assert Counter(got) == Counter(range(37))
@@ -97,11 +98,13 @@ def test_dataloader_still_reads_datasets_objects():
     import dynabatch
 
     ds = datasets.Dataset.from_list([{"text": f"row {i}"} for i in range(21)])
-    indexed = dynabatch.DataLoader(ds, global_batch_size=8, device="cpu")
-    streamed = dynabatch.DataLoader(ds.to_iterable_dataset(num_shards=2), global_batch_tokens=4096, device="cpu")
+    indexed = dynabatch.DataLoader(ds, options=PlanOptions(global_batch_size=8), costing=Costing(device="cpu"))
+    streamed = dynabatch.DataLoader(ds.to_iterable_dataset(num_shards=2),
+                                    options=PlanOptions(global_batch_tokens=4096), costing=Costing(device="cpu"))
     assert (indexed.mode, streamed.mode) == ("indexed", "streaming")
     assert Counter(_delivered(indexed)) == Counter(range(21))
-    from_list = dynabatch.DataLoader([{"text": f"row {i}"} for i in range(21)], global_batch_size=8, device="cpu")
+    from_list = dynabatch.DataLoader([{"text": f"row {i}"} for i in range(21)],
+                                     options=PlanOptions(global_batch_size=8), costing=Costing(device="cpu"))
     assert Counter(_delivered(from_list)) == Counter(range(21))
     assert sorted(_delivered(streamed)) == sorted(x["sample_id"] for x in loaders.open_source(ds.to_iterable_dataset(
         num_shards=2)))

@@ -22,6 +22,7 @@ from conftest_loaders import (image_bytes, records, slot_ids, wds_text_samples, 
                               write_tar)
 
 import loaders
+from dynabatch import Costing, DataSource, PlanOptions
 
 BUCKET = "dynabatch-test"
 SIZES = [37, 5, 61]
@@ -292,8 +293,9 @@ def _delivered(loader) -> list[int]:
 def test_dataloader_streams_s3_jsonl_exactly_once(s3):
     import dynabatch
 
-    loader = dynabatch.DataLoader(s3.url("jsonl/*.jsonl.gz"), source_options={"storage_options": s3.opts},
-                                  global_batch_tokens=4096, device="cpu", mode="streaming")
+    loader = dynabatch.DataLoader(s3.url("jsonl/*.jsonl.gz"), options=PlanOptions(global_batch_tokens=4096),
+                                  source=DataSource(source_options={"storage_options": s3.opts}, mode="streaming"),
+                                  costing=Costing(device="cpu"))
     assert loader.mode == "streaming"
     want = [x["sample_id"] for x in loaders.open_source(_local(s3, "jsonl/*.jsonl.gz"))]
     got = _delivered(loader)
@@ -303,8 +305,9 @@ def test_dataloader_streams_s3_jsonl_exactly_once(s3):
 def test_dataloader_indexed_mode_on_s3_parquet(s3):
     import dynabatch
 
-    loader = dynabatch.DataLoader(s3.url("parquet/*.parquet"), source_options={"storage_options": s3.opts},
-                                  global_batch_size=8, device="cpu")
+    loader = dynabatch.DataLoader(s3.url("parquet/*.parquet"), options=PlanOptions(global_batch_size=8),
+                                  source=DataSource(source_options={"storage_options": s3.opts}),
+                                  costing=Costing(device="cpu"))
     assert loader.mode == "indexed" and len(loader) == -(-sum(SIZES) // 8)
     got = _delivered(loader)
     want = [x["sample_id"] for x in loaders.open_source(_local(s3, "parquet/*.parquet"))]

@@ -72,7 +72,8 @@ def test_plan_file_rows_and_metadata(work, capsys):
     assert opts["method"] == "dp" and opts["collation"] == "padded"
     assert (opts["global_batch_tokens"], opts["seed"], opts["epochs"]) == (GBT, SEED, EPOCHS)
     assert opts["tokenizer"] == "bytes" and opts["family"] == "decoder"
-    assert opts["max_len"] == 2048 and opts["max_target_len"] == 512
+    # not given: PlanOptions' defaults, the DataLoader's (no truncation)
+    assert opts["max_len"] is None and opts["max_target_len"] is None
     # steps are 0..n-1 across epochs; each epoch places every sample at most once
     assert run.steps.tolist() == list(range(run.num_steps)) and len(run.steps_per_epoch) == EPOCHS
     steps, epochs, ids = (table.column(c).to_numpy() for c in ("step", "epoch", "sample_id"))
@@ -92,8 +93,7 @@ def test_step_equals_replanning(work):
     run = load_run_plan(work["plan"])
     index = read_index(work["index"])
     cost = CostModel.preset("gpt", "a100-80gb", num_stages=STAGES)
-    opts = PlanOptions(num_ranks=RANKS, num_stages=STAGES, global_batch_tokens=GBT, seed=SEED, max_len=2048,
-                       max_target_len=512, drop_last=True)
+    opts = PlanOptions(num_ranks=RANKS, num_stages=STAGES, global_batch_tokens=GBT, seed=SEED, drop_last=True)
     k = run.steps_per_epoch[0] + 1  # second step of epoch 1: seed SEED + 1
     expected = plan_step(index.shapes, cost, opts, global_batches(index.shapes, cost, opts, 1)[1], k)
     got = run.step(k)

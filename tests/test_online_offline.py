@@ -18,6 +18,8 @@ from dynabatch import METHODS, DataLoader, build_index
 from dynabatch.cli import main
 from dynabatch.datagen import write_image_text_shards, write_text_shards
 from dynabatch.offline import load_run_plan
+from dynabatch import Costing, DataSource, PlanOptions, Runtime, Tokenization
+from dynabatch.loader.settings import records_from_keywords
 
 WORLD = 2  # DataLoader(rank=r, world_size=2) against a plan made with --ranks 2
 STAGES = 2
@@ -83,12 +85,15 @@ def _cli_plan(ds: dict, method: str, out, *, seed: int = SEED, drop_last: bool =
 def _loader_steps(ds: dict, method: str, rank: int, *, drop_last: bool = False) -> list[list[dict]]:
     """Every step of epoch 0 as rank ``rank`` of ``WORLD`` sees it: per micro-batch its sample ids
     and whether it is a placeholder."""
-    loader = DataLoader(ds["data"], index=ds["table"], tokenizer="bytes", cost_model=ds["model"], device=ds["device"],
-                        num_stages=STAGES, rank=rank, world_size=WORLD, global_batch_tokens=ds["global_batch_tokens"],
-                        max_len=ds["max_len"], max_target_len=ds["max_target_len"], method=method,
-                        method_options=METHOD_OPTIONS.get(method), memory_limit=ds["memory_limit"], seed=SEED,
-                        drop_last=drop_last, mode="indexed",
-                        vision=ds["vision"], cache_tokens=False)
+    loader = DataLoader(ds["data"],
+                        options=PlanOptions(num_stages=STAGES, global_batch_tokens=ds["global_batch_tokens"],
+                                            max_len=ds["max_len"], max_target_len=ds["max_target_len"], method=method,
+                                            method_options=METHOD_OPTIONS.get(method, {}),
+                                            memory_limit=ds["memory_limit"], seed=SEED, drop_last=drop_last),
+                        tokenization=Tokenization(tokenizer="bytes", vision=ds["vision"]),
+                        source=DataSource(index=ds["table"], mode="indexed", cache_tokens=False),
+                        costing=Costing(cost_model=ds["model"], device=ds["device"]),
+                        runtime=Runtime(rank=rank, world_size=WORLD))
     try:
         return [[{"step": int(mb["step"]), "ids": mb["sample_ids"].tolist(), "padding": bool(mb["is_padding"])}
                  for mb in step] for step in loader.steps()]
@@ -185,9 +190,9 @@ def test_a_last_step_smaller_than_the_world_is_written_and_replayed(datasets, tm
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             replay = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
-                      for step in DataLoader(ds["data"], plan=str(out), rank=r, **kw)]
+                      for step in DataLoader(ds["data"], **records_from_keywords(plan=str(out), rank=r, **kw))]
             online = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
-                      for step in DataLoader(ds["data"], global_batch_size=53, rank=r, **kw)]
+                      for step in DataLoader(ds["data"], **records_from_keywords(global_batch_size=53, rank=r, **kw))]
         assert replay == online
         counts.append([len(s) for s in replay])
         seen += [i for s in replay for _, ids, pad in s if not pad for i in ids]

@@ -23,6 +23,7 @@ from test_pipeline_dist import ok  # noqa: E402
 from test_pipeline_workers import replica_batches, synthetic_plan  # noqa: E402
 
 from dynabatch.pipeline import launch_local  # noqa: E402
+from dynabatch.loader.settings import records_from_keywords
 
 GPT = dict(vocab=64, hidden=16, layers=4, heads=2, max_positions=128)
 LAUNCHES = Prelaunch(parallel=2)
@@ -296,12 +297,12 @@ def test_loader_resume_is_exact_when_steps_are_taken_by_windows():
     records = datagen.text_records(200, seed=7)
     kw = dict(tokenizer="bytes", global_batch_tokens=3000, max_len=256, num_stages=2, rank=0, world_size=1,
               seed=3, cost_model="gpt-tiny", progress=False)
-    loader = DataLoader(records, **kw)
+    loader = DataLoader(records, **records_from_keywords(**kw))
     it = iter(loader)
     windows = [[next(it) for _ in range(3)] for _ in range(2)]
     state = loader.state_dict()
     rest = [next(it) for _ in range(3)]
-    again = DataLoader(records, **kw)
+    again = DataLoader(records, **records_from_keywords(**kw))
     again.load_state_dict(state)
     resumed = [s for _, s in zip(range(3), again)]
     ids = lambda steps: [[b["sample_ids"].tolist() for b in s] for s in steps]  # noqa: E731

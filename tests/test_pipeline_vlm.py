@@ -24,6 +24,7 @@ from dynabatch.pipeline import (
     vlm_tiny,
 )
 from dynabatch.pipeline.models import gpt_tiny
+from dynabatch.loader.settings import records_from_keywords
 
 TINY = dict(vocab=300, hidden=32, layers=2, heads=2, vision_hidden=16, vision_layers=2, vision_heads=2)
 SHAPES = [MicroBatchShape("padded", 3, 20, tiles=4), MicroBatchShape("padded", 2, 9),
@@ -147,8 +148,10 @@ def _loader_steps(tmp_path):
             for i, (_, _, data, _) in enumerate(datagen.image_text_samples(4, seed=0))]
     text = [{"inputs": f"say {i} words", "targets": "words " * (i + 1), "image": None} for i in range(4)]
     common = dict(vision=policy, load_pixels=True, cost_model=stage_cost_model(model, 2, "cpu"), num_stages=2, seed=0)
-    mixed = DataLoader(datasets.Dataset.from_list(imgs + text), global_batch_tokens=120, **common)
-    text_only = DataLoader(datasets.Dataset.from_list(text), global_batch_tokens=60, **common)
+    mixed = DataLoader(datasets.Dataset.from_list(imgs + text),
+                       **records_from_keywords(global_batch_tokens=120, **common))
+    text_only = DataLoader(datasets.Dataset.from_list(text),
+                           **records_from_keywords(global_batch_tokens=60, **common))
     return model, policy, [b for s in mixed.steps() for b in s] + [b for s in text_only.steps() for b in s]
 
 

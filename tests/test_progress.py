@@ -9,6 +9,7 @@ import re
 from dynabatch import DataLoader, build_index
 
 from test_dataloader_data import PLAN, records, write_parquet
+from dynabatch.loader.settings import records_from_keywords
 
 
 def _bars(err: str) -> dict[str, str]:
@@ -23,7 +24,7 @@ def _bars(err: str) -> dict[str, str]:
 
 def test_dataloader_index_build_shows_a_bar_of_every_sample(tmp_path, capsys):
     path = write_parquet(tmp_path / "t.parquet", records(300, seed=1))
-    dl = DataLoader(path, global_batch_tokens=2000, progress=True, **PLAN)
+    dl = DataLoader(path, **records_from_keywords(global_batch_tokens=2000, progress=True, **PLAN))
     assert len(dl) > 1
     bars = _bars(capsys.readouterr().err)
     assert "300/300" in bars["dynabatch: length index"]  # the token ids are kept by the same pass
@@ -33,7 +34,9 @@ def test_token_cache_pass_has_a_bar(tmp_path, capsys):
     path = write_parquet(tmp_path / "t.parquet", records(120, seed=2))
     index = build_index(path, max_len=None)  # an index without token columns: the loader tokenizes once more
     capsys.readouterr()
-    DataLoader(path, index=index, global_batch_tokens=2000, cache_tokens=True, progress=True, **PLAN)
+    DataLoader(path,
+               **records_from_keywords(index=index, global_batch_tokens=2000, cache_tokens=True, progress=True,
+                                       **PLAN))
     assert "120/120" in _bars(capsys.readouterr().err)["dynabatch: tokenize (token cache)"]
 
 
@@ -42,5 +45,5 @@ def test_build_index_bar_and_quiet_when_not_a_terminal(tmp_path, capsys):
     build_index(path, progress=True)
     assert "90/90" in _bars(capsys.readouterr().err)["dynabatch: length index"]
     build_index(path)  # default: a bar only on a terminal; pytest's captured stderr is not one
-    DataLoader(path, global_batch_tokens=2000, **PLAN)
+    DataLoader(path, **records_from_keywords(global_batch_tokens=2000, **PLAN))
     assert "dynabatch:" not in capsys.readouterr().err

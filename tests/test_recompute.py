@@ -18,6 +18,7 @@ from dynabatch.core.kernels.simulate import schedule_kernel
 from dynabatch.core.recompute import StageMemory, recompute_costs
 from dynabatch.pipeline import launch_local
 from test_pipeline_dist import ok as _ok  # noqa: E402 (every rank exited 0 without a timeout; their results)
+from dynabatch.loader.settings import records_from_keywords
 
 TINY = {"gpt-tiny": dict(vocab=64, hidden=16, layers=4, heads=2, max_positions=256),
         "t5-tiny": dict(vocab=64, hidden=16, encoder_layers=2, decoder_layers=2, heads=2, max_positions=128)}
@@ -240,13 +241,14 @@ def memory_worker(rank, world, port, fractions):
         records = datagen.text_records(48, seed=3)
         common = dict(tokenizer="bytes", collate="padded", global_batch_tokens=3000, max_len=256, num_stages=2,
                       cost_model=cost, rank=0, world_size=1, seed=0, progress=False)
-        base = DataLoader(records, **common, device_memory_limit=1e15)
+        base = DataLoader(records, **records_from_keywords(**common, device_memory_limit=1e15))
         steps = list(base)[:3]
         top = max(max(s.plan.options["stage_peak_bytes"]) for s in steps)
         runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule="1f1b"))
         for frac in fractions:
             limit = frac * top
-            loader = DataLoader(records, **common, recompute="adaptive", device_memory_limit=limit)
+            loader = DataLoader(records,
+                                **records_from_keywords(**common, recompute="adaptive", device_memory_limit=limit))
             level = {"limit": limit, "steps": []}
             for step, none_step in zip(list(loader)[:3], steps):
                 res = runner.step(step.plan, list(step))

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from tokenization import IGNORE_INDEX, ByteTokenizer, FormatConfig, Formatter, SampleError, scan_shapes
+from dynabatch import Costing, DataSource, PlanOptions
+from dynabatch.loader.settings import records_from_keywords
 
 PLAN = dict(cost_model="gpt", device="cpu", num_stages=2)
 
@@ -212,8 +214,9 @@ def test_dataloader_delivers_the_given_ids_and_labels(tmp_path, collate, mode, c
     import dynabatch
 
     rows = make_rows()
-    dl = dynabatch.DataLoader(write_jsonl(tmp_path / "tok.jsonl", rows), global_batch_tokens=300, max_len=24,
-                              collate=collate, mode=mode, **PLAN)
+    dl = dynabatch.DataLoader(write_jsonl(tmp_path / "tok.jsonl", rows),
+                              **records_from_keywords(global_batch_tokens=300, max_len=24, collate=collate, mode=mode,
+                                                      **PLAN))
     check_run(dl, rows, collate, "decoder", 24, caplog=caplog)
 
 
@@ -221,9 +224,10 @@ def test_dataloader_encoder_decoder_rows(tmp_path, caplog):
     import dynabatch
 
     rows = make_rows(30, seed=3, family="encoder_decoder")
-    dl = dynabatch.DataLoader(write_jsonl(tmp_path / "s2s.jsonl", rows), global_batch_tokens=300, collate="padded",
-                              max_len=20, max_target_len=6, mode="indexed", cost_model="t5", device="a100-80gb",
-                              num_stages=2)
+    dl = dynabatch.DataLoader(write_jsonl(tmp_path / "s2s.jsonl", rows),
+                              options=PlanOptions(global_batch_tokens=300, max_len=20, max_target_len=6, num_stages=2),
+                              source=DataSource(mode="indexed"),
+                              costing=Costing(collate="padded", cost_model="t5", device="a100-80gb"))
     assert dl.family == "encoder_decoder"
     check_run(dl, rows, "padded", "encoder_decoder", 20, 6, caplog=caplog)
 
@@ -235,7 +239,9 @@ def test_dataloader_hf_dataset_from_dict(tmp_path):
     rows = [r for r in make_rows(40, seed=5) if "labels" in r]
     ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
                                      "labels": [r["labels"] for r in rows]})
-    dl = dynabatch.DataLoader(ds, global_batch_tokens=250, collate="packed", num_workers=1, **PLAN)
+    dl = dynabatch.DataLoader(ds,
+                              **records_from_keywords(global_batch_tokens=250, collate="packed", num_workers=1,
+                                                      **PLAN))
     assert dl.mode == "indexed"
     check_run(dl, rows, "packed", "decoder", None)
 
@@ -250,10 +256,14 @@ def test_dataloader_pretokenized_keyword_prefers_the_ids_beside_a_text_column(tm
     ds = datasets.Dataset.from_dict({"text": [f"text of row {i}" for i in range(len(rows))],
                                      "input_ids": [r["input_ids"] for r in rows],
                                      "labels": [r["labels"] for r in rows]})
-    dl = dynabatch.DataLoader(ds, global_batch_tokens=250, collate="padded", pretokenized=True, **PLAN)
+    dl = dynabatch.DataLoader(ds,
+                              **records_from_keywords(global_batch_tokens=250, collate="padded", pretokenized=True,
+                                                      **PLAN))
     check_run(dl, rows, "padded", "decoder", None)
-    from_text = dynabatch.DataLoader(ds, global_batch_tokens=250, collate="padded", **PLAN)
+    from_text = dynabatch.DataLoader(ds, **records_from_keywords(global_batch_tokens=250, collate="padded", **PLAN))
     with pytest.raises(AssertionError):
         check_run(from_text, rows, "padded", "decoder", None)
     with pytest.raises(TypeError, match="not both"):
-        dynabatch.DataLoader(ds, global_batch_tokens=250, pretokenized=True, format_config=FormatConfig(), **PLAN)
+        dynabatch.DataLoader(ds,
+                             **records_from_keywords(global_batch_tokens=250, pretokenized=True,
+                                                     format_config=FormatConfig(), **PLAN))

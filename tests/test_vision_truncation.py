@@ -30,6 +30,8 @@ from tokenization import (
     scan_shapes,
     scan_stats,
 )
+from dynabatch import Costing, DataSource, PlanOptions, Tokenization
+from dynabatch.loader.settings import records_from_keywords
 
 POLICY = DynamicTiling(tile_size=56, patch_size=14, max_num=4)  # 4 tokens per tile
 SIZES = [(56, 56), (112, 56), (168, 56)]  # 1, 2+1, 3+1 tiles: 4, 12, 16 vision tokens
@@ -199,8 +201,9 @@ def test_dataloader_rows_never_pass_max_len(tmp_path, mode):
     planned = dict(zip(full.sample_id.tolist(), cost.sample_dims(full, max_len=cap)[0].tolist()))
     whole = build_index(data, vision=POLICY, on_error="skip")
     assert index.num_rows == whole.num_rows  # no image here passes max_len alone
-    loader = DataLoader(data, vision=POLICY, cost_model=cost, num_stages=2, max_len=cap, global_batch_tokens=200,
-                        on_error="skip", mode=mode, seed=0)
+    loader = DataLoader(data, options=PlanOptions(num_stages=2, max_len=cap, global_batch_tokens=200, seed=0),
+                        tokenization=Tokenization(vision=POLICY), source=DataSource(on_error="skip", mode=mode),
+                        costing=Costing(cost_model=cost))
     seen, vision_cut = [], 0
     for step in loader.steps():
         for mb in step:
@@ -241,7 +244,7 @@ def test_index_settings_record_image_token_id_and_vision(tmp_path):
                   global_batch_tokens=200, max_len=40, index_cache=str(cache), mode="indexed")
 
     def run():
-        loader = DataLoader(data, **common)
+        loader = DataLoader(data, **records_from_keywords(**common))
         next(iter(loader.steps()))  # the index is built (or read) when the loader starts
         loader.close()
 
@@ -284,13 +287,13 @@ def test_offline_scan_and_plan_take_image_token_id(tmp_path, capsys):
     assert main(["plan", data, "--image-token-id", str(IMG), *opts]) == 0
     assert load_run_plan(plan).dataset_fingerprint == want
     kw = dict(vision=DynamicTiling(), cost_model="vlm", device="h200", num_stages=4, seed=0, plan=str(plan))
-    loader = DataLoader(data, image_token_id=IMG, **kw)
+    loader = DataLoader(data, **records_from_keywords(image_token_id=IMG, **kw))
     ids = sorted(i for step in loader.steps() for mb in step if not mb["is_padding"]
                  for i in mb["sample_ids"].tolist())
     loader.close()
     assert ids == sorted(loader_index.column("sample_id").to_pylist())
     with pytest.raises(PlanMismatchError, match="dataset fingerprint"):
-        DataLoader(data, **kw)  # without placeholders the marker text is counted: other data
+        DataLoader(data, **records_from_keywords(**kw))  # without placeholders the marker text is counted: other data
 
     assert main(["plan", str(ph), "--image-token-id", str(IMG), *opts]) == 0  # the index's own id: fine
     capsys.readouterr()

@@ -43,6 +43,8 @@ from tokenization import (  # noqa: E402
     scan_shapes,
     scan_stats,
 )
+from dynabatch import PlanOptions, Tokenization
+from dynabatch.loader.settings import records_from_keywords
 
 IMG = 300  # the placeholder id: outside the byte tokenizer's ids (0..258) and outside TINY's vocab (300)
 POLICY = DynamicTiling(tile_size=56, patch_size=14, max_num=4)  # 4 tokens per tile
@@ -323,9 +325,9 @@ def _loaders(markers: bool, n_img: int = 5, tokens: int = 120):
                   seed=0, global_batch_tokens=tokens)
     out = []
     for tid in (IMG, None):
-        mixed = DataLoader(datasets.Dataset.from_list(rows), image_token_id=tid, **common)
-        alone = DataLoader(datasets.Dataset.from_list(text), image_token_id=tid,
-                           **{**common, "global_batch_tokens": 60})
+        mixed = DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=tid, **common))
+        alone = DataLoader(datasets.Dataset.from_list(text),
+                           **records_from_keywords(image_token_id=tid, **{**common, "global_batch_tokens": 60}))
         out.append([b for s in mixed.steps() for b in s] + [b for s in alone.steps() for b in s])
     return tuple(out)
 
@@ -367,8 +369,9 @@ def test_dataloader_puts_one_run_per_image_tile_tokens_long():
     from dynabatch import DataLoader
 
     with pytest.raises(TypeError, match="image_token_id= in format_config or as a keyword"):
-        DataLoader(datasets.Dataset.from_list([{"inputs": "a", "targets": "b"}]), global_batch_tokens=64,
-                   vision=POLICY, format_config=FormatConfig(), image_token_id=IMG)
+        DataLoader(datasets.Dataset.from_list([{"inputs": "a", "targets": "b"}]),
+                   options=PlanOptions(global_batch_tokens=64),
+                   tokenization=Tokenization(vision=POLICY, format_config=FormatConfig(), image_token_id=IMG))
 
 
 def _as_float64(b):
@@ -559,13 +562,13 @@ def test_index_cache_is_tied_to_image_token_id(tmp_path):
         t = pq.read_table(path)
         return json.loads(t.schema.metadata[b"dynabatch.index_settings"]), t.column("input_tokens").to_pylist()
 
-    DataLoader(datasets.Dataset.from_list(rows), image_token_id=IMG, **common)
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=IMG, **common))
     settings, with_ph = index()
     assert settings["image_token_id"] == IMG
     stamp = path.stat().st_mtime_ns
-    DataLoader(datasets.Dataset.from_list(rows), image_token_id=IMG, **common)  # reused as it is
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=IMG, **common))  # reused as it is
     assert index() == (settings, with_ph) and path.stat().st_mtime_ns == stamp
-    DataLoader(datasets.Dataset.from_list(rows), **common)
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(**common))
     settings, without = index()
     assert "image_token_id" not in settings
     assert [b - a for a, b in zip(with_ph, without)] == [len("<image>")] * 3

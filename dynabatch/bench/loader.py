@@ -13,8 +13,8 @@ masked on prompts, truncated to ``max_len``), each at ``num_workers`` 0 and 2 by
   style): the batch's samples are concatenated, greedily in order, into rows of ``max_len``
   tokens (a sample never straddles two rows), ``position_ids`` restarting at 0 per sample,
   rows right-padded to ``max_len``.
-* ``dynabatch_padded``: ``dynabatch.DataLoader(collate="padded")`` (method ``dp``).
-* ``dynabatch_packed``: ``dynabatch.DataLoader(collate="packed")`` (method ``dp_varlen``).
+* ``dynabatch_padded``: ``dynabatch.DataLoader(costing=Costing(collate="padded"))`` (method ``dp``).
+* ``dynabatch_packed``: ``dynabatch.DataLoader(costing=Costing(collate="packed"))`` (method ``dp_varlen``).
 
 ``B`` = round(``global_batch_tokens`` / mean sample length after truncation), so a baseline batch holds
 about as many real tokens as dynabatch's global batch (``global_batch_tokens``; one rank, so the global
@@ -65,8 +65,8 @@ REFERENCE = "torch_pad"
 METHOD_PATHS = {
     "torch_pad": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + pad-to-batch-max collate",
     "torch_pack": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + packing collate (rows of max_len)",
-    "dynabatch_padded": "dynabatch.DataLoader(collate='padded', method='dp'), indexed mode, prebuilt index + token cache",
-    "dynabatch_packed": "dynabatch.DataLoader(collate='packed', method='dp_varlen'), indexed mode, prebuilt index + "
+    "dynabatch_padded": "dynabatch.DataLoader(costing=Costing(collate='padded')), method dp, indexed mode, prebuilt index + token cache",
+    "dynabatch_packed": "dynabatch.DataLoader(costing=Costing(collate='packed')), method dp_varlen, indexed mode, prebuilt index + "
                         "token cache",
 }
 
@@ -197,10 +197,13 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             cost = CostModel.preset(cfg.cost_model, cfg.device, num_stages=cfg.options.num_stages)
             # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
             # their first call; a training job pays that once per process, not per epoch.
+            from ..loader.settings import Costing, DataSource, Runtime, Tokenization
+
             for collate in ("padded", "packed"):
-                warm = dynabatch.DataLoader(jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed",
-                                            cost_model=cost, options=cfg.loader_options(collate), rank=0,
-                                            world_size=1)
+                warm = dynabatch.DataLoader(jsonl_source(files), options=cfg.loader_options(collate),
+                                            tokenization=Tokenization(tokenizer=fmt.tokenizer),
+                                            source=DataSource(index=index, mode="indexed"),
+                                            costing=Costing(cost_model=cost), runtime=Runtime(rank=0, world_size=1))
                 next(iter(warm.steps()))
                 del warm
             dyna_setup = time.perf_counter() - t0
@@ -217,10 +220,11 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
                 return torch.utils.data.DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers,
                                                    collate_fn=collate, generator=g), 0.0
             t0 = time.perf_counter()
-            dl = dynabatch.DataLoader(
-                jsonl_source(files), tokenizer=fmt.tokenizer, index=index, mode="indexed", cost_model=cost,
-                options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
-                rank=0, world_size=1, num_workers=workers)
+            dl = dynabatch.DataLoader(jsonl_source(files),
+                                      options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
+                                      num_workers=workers, tokenization=Tokenization(tokenizer=fmt.tokenizer),
+                                      source=DataSource(index=index, mode="indexed"),
+                                      costing=Costing(cost_model=cost), runtime=Runtime(rank=0, world_size=1))
             return dl, time.perf_counter() - t0
 
         runs = []
@@ -310,8 +314,8 @@ ids, per method and per --workers value, on one rank (world_size 1, no torch.dis
   torch_pad         pre-tokenized samples -> torch DataLoader(batch_size=B, shuffle=True,
                     num_workers=W) + a collate padding to the batch max (DataCollatorWithPadding)
   torch_pack        same, with a packing collate: rows of --max-len, position_ids per sample
-  dynabatch_padded  dynabatch.DataLoader(collate="padded"), method dp, planning in the loop
-  dynabatch_packed  dynabatch.DataLoader(collate="packed"), method dp_varlen
+  dynabatch_padded  dynabatch.DataLoader(costing=Costing(collate="padded")), method dp, planning in the loop
+  dynabatch_packed  dynabatch.DataLoader(costing=Costing(collate="packed")), method dp_varlen
 B = round(--global-batch-tokens / mean sample length), so both sides put about as many tokens in a step.
 Setup is not timed for either side (reported as setup_s): the baselines tokenize every sample up
 front, dynabatch builds its length index and token cache up front (build_index(cache_tokens=True),

@@ -228,8 +228,12 @@ def worker(rank: int, world_size: int, port: int, payload: dict):
         enc_dec = model.kind == "encoder_decoder"
         opts = cfg.options.replace(num_ranks=1, max_target_len=cfg.options.max_target_len if enc_dec else None)
         t0 = time.perf_counter()
-        loader = dynabatch.DataLoader(list(cfg.data), options=opts, index=cfg.index, mode="indexed",
-                                      cost_model=cost, world_size=1, rank=0, plan_ahead=0)
+        from ..loader.settings import Costing, DataSource, Runtime
+
+        loader = dynabatch.DataLoader(list(cfg.data), options=opts,
+                                      source=DataSource(index=cfg.index, mode="indexed"),
+                                      costing=Costing(cost_model=cost),
+                                      runtime=Runtime(world_size=1, rank=0, plan_ahead=0))
         steps = []
         for step in loader.steps():
             heartbeat()

@@ -181,9 +181,13 @@ class MethodRun:
                                    num_stages=ctx.num_stages, num_ranks=ctx.num_replicas,
                                    max_target_len=cfg.options.max_target_len if enc_dec else None)
         opts = variant_options(opts, self.recompute) if self.recompute else opts
+        from ..loader.settings import Costing, DataSource, Runtime, Tokenization
+
         self.loader = dynabatch.DataLoader(
-            list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=self.cost, feedback=self.feedback,
-            world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0, **vlm.get("loader", {}))
+            list(cfg.data), options=opts, feedback=self.feedback, source=DataSource(index=cfg.index, mode="indexed"),
+            costing=Costing(cost_model=self.cost), runtime=Runtime(world_size=ctx.num_replicas, rank=ctx.replica,
+                                                                   plan_ahead=0),
+            tokenization=Tokenization(**vlm.get("tokenization", {})))
         self._it = iter(self.loader.steps())
         heartbeat()  # set-up phases are progress for the launcher (a minute each on a loaded machine)
         t0 = time.perf_counter()

@@ -112,8 +112,11 @@ def predicted_peak(cfg, steps: int = PEAK_STEPS) -> float:
     enc_dec = model.kind == "encoder_decoder"
     opts = cfg.options.replace(method="dp", num_ranks=1, recompute="none", device_memory_limit=1e300,
                                max_target_len=cfg.options.max_target_len if enc_dec else None)
-    loader = dynabatch.DataLoader(list(cfg.data), options=opts, index=cfg.index, mode="indexed", cost_model=cost,
-                                  world_size=1, rank=0, plan_ahead=0)
+    from ..loader.settings import Costing, DataSource, Runtime
+
+    loader = dynabatch.DataLoader(list(cfg.data), options=opts, source=DataSource(index=cfg.index, mode="indexed"),
+                                  costing=Costing(cost_model=cost),
+                                  runtime=Runtime(world_size=1, rank=0, plan_ahead=0))
     try:
         peaks = [max(s.plan.options["stage_peak_bytes"]) for s, _ in zip(loader, range(steps))]
     finally:

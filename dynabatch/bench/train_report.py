@@ -297,7 +297,7 @@ def add_bench_train_command(bench_sub) -> None:
     p.add_argument("--refit-every", type=int, default=2)
     p.add_argument("--save-cost-model", metavar="PATH",
                    help="write dp's refit cost model as JSON; dynabatch.CostModel.load(PATH) reads it back, "
-                        "e.g. for DataLoader(cost_model=...) to start the next run from the measured costs")
+                        "e.g. for DataLoader(costing=Costing(cost_model=...)) to start the next run from the measured costs")
     p.add_argument("--seed", type=int, default=0)
     add_size_arguments(p, "model width (default 256; vlm-tiny 128)")
     p.add_argument("--generated-samples", type=int, default=2000,

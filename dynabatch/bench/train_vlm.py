@@ -211,7 +211,7 @@ def feedback_kwargs(method: str) -> tuple[dict, str]:
 
 
 def setup(model, cost, num_stages: int, cfg, method: str) -> dict:
-    """What a vlm-tiny method run needs: its planning method, stage bounds, loader and feedback keywords
+    """What a vlm-tiny method run needs: its planning method, stage bounds, `Tokenization` and feedback keywords
     (``dp``: ``cost`` gets the runner's layout in place)."""
     bounds = uniform_vlm_bounds(model, num_stages) if cfg.partition == "uniform" else modality_bounds(model, num_stages)
     if method == "dp":
@@ -219,7 +219,7 @@ def setup(model, cost, num_stages: int, cfg, method: str) -> dict:
     fb, mode = feedback_kwargs(method)
     return {"plan_method": "dp" if method == "dp-blind" else method, "bounds": bounds, "feedback": fb,
             "feedback_mode": mode if method in ("dp", "dp-blind") else None,
-            "loader": {"vision": vision_policy(), "load_pixels": True}}
+            "tokenization": {"vision": vision_policy(), "load_pixels": True}}
 
 
 def uniform_vlm_bounds(model, stages: int) -> list[int]:

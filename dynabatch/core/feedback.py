@@ -2,7 +2,7 @@
 
 Online, with the loader (the first-class loop)::
 
-    loader = DataLoader(..., cost_model=cost, feedback=FeedbackLoop(cost))
+    loader = DataLoader(..., costing=Costing(cost_model=cost), feedback=FeedbackLoop(cost))
     for step in loader.steps():                       # a Step: this rank's micro-batches + the plan
         result = runner.step(batch_shapes(step), step, optimizer=optimizer)
         loader.feedback(result)                       # record_step(step, result), then maybe_refit()

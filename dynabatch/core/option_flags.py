@@ -94,9 +94,11 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
                       help="samples of one step over all ranks, instead of --global-batch-tokens")
     g.add_argument("--max-len", type=int, default=None, metavar="L",
                    help="truncate each sample's main-stack tokens (decoder-only: the whole sequence; "
-                        "encoder-decoder: the input) to L (default 2048; 8192 for vlm)")
-    g.add_argument("--max-target-len", type=int, default=512, metavar="T",
-                   help="truncate an encoder-decoder sample's target (decoder) tokens to T (default 512, as FLAN)")
+                        "encoder-decoder: the input) to L (dynabatch plan: default none, as the DataLoader's "
+                        "max_len; bench plan: 2048, 8192 for vlm)")
+    g.add_argument("--max-target-len", type=int, default=None, metavar="T",
+                   help="truncate an encoder-decoder sample's target (decoder) tokens to T (dynabatch plan: default "
+                        "none, as the DataLoader's max_target_len; bench plan: 512, as FLAN)")
     if methods:
         g.add_argument("--method", choices=METHODS, default="dp",
                        help="planning method: dp (padded micro-batches), dp_varlen (packed varlen) or a "
@@ -141,10 +143,12 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
     return g
 
 
-def plan_options_from_args(args, *, max_len: int | None = None, method: str | None = None):
+def plan_options_from_args(args, *, max_len: int | None = None, max_target_len: int | None = None,
+                           method: str | None = None):
     """The `PlanOptions` of arguments parsed by a parser given `add_plan_options`.
 
-    ``max_len``: the default when ``--max-len`` is not given (it depends on the model);
+    ``max_len`` / ``max_target_len``: the defaults when ``--max-len`` / ``--max-target-len`` are not
+    given (None: `PlanOptions`' and the DataLoader's, no truncation; ``bench plan`` passes its own);
     ``method``: overrides ``--method`` (``dynabatch plan --collate`` picks the method). Raises
     ValueError (one line) on a method option the method does not take."""
 
@@ -159,7 +163,8 @@ def plan_options_from_args(args, *, max_len: int | None = None, method: str | No
         tokens = getattr(args, "_plan_defaults", {}).get("global_batch_tokens", 65536)
     return PlanOptions(global_batch_tokens=tokens, global_batch_size=size,
                        max_len=args.max_len if args.max_len is not None else max_len,
-                       max_target_len=args.max_target_len, method=method, method_options=knobs,
+                       max_target_len=args.max_target_len if args.max_target_len is not None else max_target_len,
+                       method=method, method_options=knobs,
                        num_stages=args.stages, num_ranks=args.ranks, schedule=args.schedule,
                        memory_limit=args.memory_limit, recompute=getattr(args, "recompute", "none"),
                        device_memory_limit=getattr(args, "device_memory_limit", None),

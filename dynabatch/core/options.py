@@ -215,7 +215,14 @@ class PlanOptions:
         """A copy with ``changes`` (deprecated names accepted with a warning)."""
         return dataclasses.replace(self, **renamed(changes, where="PlanOptions.replace"))
 
-    # -- serialization (plan-file metadata, loader states) ----------------------------------------
+    # -- serialization (plan-file metadata, loader states, spawned workers) ------------------------
+    def __reduce__(self):
+        # a mappingproxy does not pickle: spawn/forkserver workers get method_options as a dict,
+        # wrapped again by __post_init__
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["method_options"] = dict(self.method_options)
+        return _rebuild_options, (type(self), fields)
+
     def to_dict(self) -> dict:
         """Plain JSON-able dict of every field, plus ``collation`` (derived, for readers)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -244,3 +251,8 @@ class PlanOptions:
         if unknown:
             raise TypeError(f"{where}: unknown planning option(s) {unknown}; PlanOptions has {sorted(names)}")
         return cls(**kwargs)
+
+
+def _rebuild_options(cls, fields: dict) -> PlanOptions:
+    """Unpickle a `PlanOptions` (see ``PlanOptions.__reduce__``)."""
+    return cls(**fields)

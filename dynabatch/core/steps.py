@@ -45,6 +45,20 @@ def global_batches(shapes: Shapes, cost: CostModel, options: PlanOptions, epoch:
                                 shuffle=options.shuffle)
 
 
+def oversized_samples(shapes: Shapes, cost: CostModel, options: PlanOptions) -> str | None:
+    """A one-line warning when samples weigh more than the global batch in tokens (each such sample
+    then forms a step of its own, over ``global_batch_tokens``), else None."""
+    if options.global_batch_tokens is None or not len(shapes):
+        return None
+    tok = sample_tokens(shapes, cost, options)
+    over = int(np.count_nonzero(tok > options.global_batch_tokens))
+    if not over:
+        return None
+    return (f"global_batch_tokens={options.global_batch_tokens} is smaller than {over} of {len(shapes)} samples "
+            f"(after truncation; the longest has {int(tok.max())} tokens): each of them is a step of its own, over "
+            f"the budget; raise global_batch_tokens above {int(tok.max())} or lower max_len")
+
+
 def num_global_batches(num_samples: int, options: PlanOptions) -> int | None:
     """Steps of an epoch when it is known without cutting (batches in samples), else None."""
     if options.global_batch_size is None:

@@ -1,7 +1,7 @@
 """The `DataLoader` and what lies under it, in the data's order.
 
-`dataloader` (the facade) -> `options` (its keywords normalized into one `PlanOptions` and the
-loader settings) -> `modes/` (`IndexedMode`, `ReplayMode`, `StreamingMode`: stateful iterators over
+`dataloader` (the facade) -> `settings` (its typed settings records) and `options` (its
+arguments normalized into one `PlanOptions`) -> `modes/` (`IndexedMode`, `ReplayMode`, `StreamingMode`: stateful iterators over
 steps) driving their planners (`indexed_steps`, `replay_planner`, `stream_planner`) -> `records`
 (a rank's step plan, tokenized samples, ready steps) -> `collate` (model inputs) -> `step` (the
 `Step` that `DataLoader.steps` yields). `ahead` plans in the background, `state` nests and merges
@@ -10,7 +10,8 @@ the states, `collective` lets streaming ranks agree, `pixels` loads image tiles.
 Names are imported lazily (torch is only needed once the loader is used)."""
 
 _NAMES = {
-    "DataLoader": "dataloader", "build_index": "dataloader", "Step": "step", "LoaderSettings": "options",
+    "DataLoader": "dataloader", "build_index": "dataloader", "Step": "step", "LoaderSettings": "settings",
+    "Tokenization": "settings", "DataSource": "settings", "Costing": "settings", "Runtime": "settings",
     "Mode": "modes", "IndexedMode": "modes", "ReplayMode": "modes", "StreamingMode": "modes",
     "LoaderStateError": "state", "merge_states": "state", "load_loader_state": "state", "save_loader_state": "state",
 }

@@ -10,9 +10,10 @@ Each micro-batch is a dict of tensors shaped like the Hugging Face collators' ou
 ``predicted_time_s``, ``predicted_memory_bytes``, ``plan_time_s``, ``is_padding``, ``sample_ids``,
 ``epoch``); `DataLoader.microbatches` yields them one by one. Every rank yields the same number of
 steps and the same number of micro-batches per step. The constructor takes
-``torch.utils.data.DataLoader``'s arguments (`dynabatch.loader.torch_args`).
+``torch.utils.data.DataLoader``'s arguments (`dynabatch.loader.torch_args`), ``options`` (one
+`PlanOptions`) and the settings records of `dynabatch.loader.settings`.
 
-The loader is a thin facade: it normalizes its keywords once (`dynabatch.loader.options`: one
+The loader is a thin facade: it normalizes its arguments once (`dynabatch.loader.options`: one
 `PlanOptions` for every mode), opens the data and tokenizer, and delegates to one mode object
 (`dynabatch.loader.modes`: indexed, replay or streaming), a stateful iterator whose state nests in
 the loader's (``state_dict()[mode]``).
@@ -20,6 +21,7 @@ the loader's (``state_dict()[mode]``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -27,10 +29,12 @@ import torch
 from . import state as lstate
 from .indexed_steps import scan_source, write_index_table
 from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexed, build_replay
+from ..core.options import PlanOptions
 from .options import make_formatter, open_data, resolve
 from .step import Step
 from .records import CollateConfig
-from .torch_args import torch_keywords
+from .settings import Costing, DataSource, LoaderSettings, Runtime, Tokenization, Workers, refuse_old_keywords
+from .torch_args import refuse_torch_arguments, torch_planning
 
 
 def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: int | None = None,
@@ -56,57 +60,59 @@ def build_index(data, *, tokenizer="bytes", family: str = "decoder", max_len: in
     return table
 
 
+def warn_images_without_vision(source, peek: int = 16) -> None:
+    """Warn (one line) when the first ``peek`` records of ``source`` carry images while the loader
+    has no vision policy: the images would be dropped and the samples trained as text only."""
+    import itertools
+
+    try:
+        first = list(itertools.islice(iter(source.fresh()), peek))
+    except Exception:  # noqa: BLE001 - a peek only: reading errors surface where the data is read
+        return
+    with_images = [r for r in first if r.get("images")]
+    if with_images:
+        warnings.warn(f"{len(with_images)} of the first {len(first)} records carry images (e.g. "
+                      f"{with_images[0].get('key', with_images[0].get('sample_id'))!r}) but the loader has no vision "
+                      "policy: the images are dropped and the samples trained as text only; give a vision policy "
+                      "(Tokenization(vision=tokenization.DynamicTiling())) or a vision-language cost model "
+                      "(Costing(cost_model='vlm'))",
+                      UserWarning, stacklevel=4)
+
+
 class DataLoader:
     """Cost-balanced micro-batches of variable-length samples (see the module docstring).
 
-    Data and tokenization:
-        data: a ``loaders`` source or ``Mixture``, a ``datasets.Dataset``/``IterableDataset``, or a
-            path/glob/folder that ``loaders.open_source`` opens (``source_options``, ``split``).
-        tokenizer: a ``tokenization.load_tokenizer`` spec or tokenizer object (default ``"bytes"``).
-        family: ``"decoder"`` or ``"encoder_decoder"``; default from the cost model's kind.
-        add_bos, truncation_side, format_config: formatting (`tokenization.FormatConfig`).
-        chat_template: how ``messages`` records are rendered (`tokenization.FormatConfig.chat_template`):
-            None (default) the tokenizer's own Jinja chat template, loss on the assistant turns only
-            (else the plain ``User:/Assistant:`` format, with a `tokenization.ChatTemplateWarning`);
-            a Jinja template's text; ``"tokenizer"``; ``"plain"`` or a ``tokenization.ChatTemplate``.
-        pretokenized: rows carry ``input_ids`` (and optional ``labels``) instead of text; default
-            None takes a row's ids as given when it has no text field, True whenever it has them.
-        vision: a ``tokenization`` vision policy; default ``DynamicTiling()`` for a vision-language cost
-            model. Micro-batches then carry ``image_tiles`` and, with ``load_pixels=True``, ``pixel_values``.
-        image_token_id: None (default): ``input_ids`` hold text only, the model inserts its vision tokens;
-            a token id: LLaVA-style placeholders, each image's run of that id (one per vision token under
-            ``vision``) at its ``<image>`` marker or before the text, labels -100 there; the runs count
-            towards ``max_len`` and are never cut (`tokenization.FormatConfig.image_token_id`).
+    ``DataLoader(data, options=PlanOptions(global_batch_tokens=65536), tokenization=Tokenization(
+    tokenizer="tokenizer.json"), runtime=Runtime(rank=r, world_size=w))``; or torch's way,
+    ``DataLoader(data, 64, shuffle=True, num_workers=2)``.
 
-    Planning (one `PlanOptions`: pass ``options=PlanOptions(...)`` or its fields as keywords):
-        global_batch_tokens / global_batch_size: the global batch (all ranks) in tokens or samples
-            (``batch_tokens=`` / ``batch_size=`` are deprecated names, warned about for one release).
-        max_len / max_target_len: truncation in tokens, by the formatter and the planner alike.
-        num_stages, method (default from ``collate``), method_options, schedule, memory_limit, recompute,
-            device_memory_limit, seed, shuffle, drop_last: as in `PlanOptions` (``recompute="adaptive"``
-            with ``device_memory_limit``: per-stage recomputation chosen per step, in
-            ``step.plan.options["recompute_layers"]``; see docs/memory.md); ``num_ranks`` is the world size.
-        batch_size (torch's): samples per step on this rank (``global_batch_size = batch_size *
-            world_size``); torch's other arguments: see `dynabatch.loader.torch_args`.
-        cost_model: a `CostModel` or a preset name on ``device`` (default: a replayed plan file's,
-            else ``"gpt"`` on a GPU and ``"gpt-tiny"`` / ``"t5-tiny"`` on a CPU).
-        device: a device preset, or ``"auto"`` (default: from the CUDA device name, else the
-            measured ``cpu`` profile; see `dynabatch.devices`). collate: ``"padded"``, ``"packed"`` or ``"packed_rows"`` (default: the
-            method's). pad_to_multiple_of: default the cost model's ``pad_multiple``.
-        mode: ``"auto"``, ``"indexed"`` or ``"streaming"``; index / index_cache: the indexed mode's
-            length index (else the data is scanned once); cache_tokens: keep token ids in memory
-            (default: when they fit in 2 GiB); plan: a plan file to replay. progress: tqdm bars
-            while the index and token cache are built (None: only when stderr is a terminal).
-        plan_ahead: steps planned ahead; plan_processes: indexed mode without workers, plan in
-            forked processes; buffer_tokens, chunk_size: streaming lookahead and tokenizer batch;
-            collective: streaming only (default torch.distributed when initialized, else one rank).
-        feedback: a `dynabatch.core.feedback.FeedbackLoop` whose ``cost_model`` is this loader's
-            cost model object; see `feedback`.
+    data: a ``loaders`` source or ``Mixture``, a ``datasets.Dataset``/``IterableDataset``, or a
+        path/glob/folder that ``loaders.open_source`` opens (`DataSource`'s ``source_options``, ``split``).
 
-    Distribution and loading:
-        rank, world_size: default from ``torch.distributed`` when initialized, else 0 / 1.
-        num_workers, pin_memory, prefetch_factor, timeout, multiprocessing_context: as for
-            ``torch.utils.data.DataLoader``.
+    torch's arguments (in torch's order; `dynabatch.loader.torch_args`):
+        batch_size: samples per step on this rank (``global_batch_size = batch_size * world_size``);
+            instead of ``options``' global batch.
+        shuffle, drop_last: `PlanOptions`' ``shuffle`` / ``drop_last`` (None: the options' value;
+            give them in ``options`` when you pass it).
+        num_workers, pin_memory, timeout (seconds), worker_init_fn, multiprocessing_context
+            (``"fork"``, ``"spawn"``, ``"forkserver"`` or a context), prefetch_factor,
+            persistent_workers: as for ``torch.utils.data.DataLoader`` (workers die with this process).
+        sampler, batch_sampler, collate_fn, generator, pin_memory_device, in_order: refused, with
+            what to use instead (dynabatch samples, batches and collates itself).
+
+    options: a `PlanOptions`, how steps are formed and planned (global batch in tokens or samples,
+        max_len / max_target_len, method, num_stages, schedule, memory limits, seed, shuffle,
+        drop_last...); ``num_ranks`` is the world size (leave it at 1). Defaults: `PlanOptions`'
+        (the same as ``dynabatch plan``'s), the method from ``costing.collate`` when not given.
+    tokenization: a `Tokenization` (tokenizer, family, format, chat template, vision policy, pixels).
+    source: a `DataSource` (source options, split, on_error, mode, length index, plan file to replay).
+    costing: a `Costing` (cost model, device, collation, padding multiple).
+    runtime: a `Runtime` (rank, world size, collective, plan_ahead, plan_processes, streaming lookahead).
+    feedback: a `dynabatch.core.feedback.FeedbackLoop` whose ``cost_model`` is this loader's cost
+        model object; see `feedback`.
+    **old_keywords: nothing is taken here: the loose keywords of earlier releases (``tokenizer=``,
+        ``global_batch_tokens=``, ``rank=``...) raise a TypeError naming the record each now
+        belongs to (`dynabatch.loader.settings.record_of`).
 
     Staleness of planned-ahead steps: a step is planned with the cost model as it is when it is
     planned (`Step.cost_version`). The planning thread runs ``plan_ahead`` steps ahead of the step
@@ -118,10 +124,27 @@ class DataLoader:
     was when they started.
     """
 
-    def __init__(self, data, *args, options=None, feedback=None, **kwargs):
+    def __init__(self, data, batch_size: int | None = None, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool | None = None, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, options: PlanOptions | None = None,
+                 tokenization: Tokenization | None = None, source: DataSource | None = None,
+                 costing: Costing | None = None, runtime: Runtime | None = None, feedback=None, **old_keywords):
+        refuse_old_keywords(old_keywords)
+        refuse_torch_arguments(sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
+                               generator=generator, pin_memory_device=pin_memory_device, in_order=in_order)
+        workers = Workers(num_workers, pin_memory, prefetch_factor, timeout, multiprocessing_context, worker_init_fn,
+                          persistent_workers)
+        settings = LoaderSettings.of(workers, tokenization=tokenization, source=source, costing=costing,
+                                     runtime=runtime)
+        planning = torch_planning(batch_size, shuffle, drop_last, settings.rank, settings.world_size)
+        self._build(data, resolve(settings, options, planning), feedback)
+
+    def _build(self, data, r, feedback) -> None:
+        """Open the data and tokenizer and pick the mode (see the module docstring)."""
         from tokenization import DynamicTiling
 
-        r = resolve(torch_keywords(args, kwargs, options), options)
         s = self.settings = r.settings
         self.options, self.cost, self.family = r.options, r.cost, r.family
         self.rank, self.world_size = r.rank, r.world_size
@@ -129,7 +152,8 @@ class DataLoader:
         vision = s.vision if s.vision is not None or self.cost.kind != "vision_language" else DynamicTiling()
         self.vision, self.load_pixels = vision, bool(s.load_pixels)
         if self.load_pixels and vision is None:
-            raise ValueError("load_pixels=True needs a vision policy (vision=DynamicTiling() or FixedResolution())")
+            raise ValueError("Tokenization(load_pixels=True) needs a vision policy (Tokenization(vision=DynamicTiling()) "
+                             "or FixedResolution())")
         o = self.options
         self.formatter = make_formatter(s.tokenizer, self.family, max_len=o.max_len, max_target_len=o.max_target_len,
                                         add_bos=s.add_bos, truncation_side=s.truncation_side,
@@ -142,18 +166,20 @@ class DataLoader:
             pad_to_multiple_of=self.pad_to_multiple_of, decoder_start_token_id=s.decoder_start_token_id,
             vision=vision, load_pixels=self.load_pixels, pixel_mean=tuple(s.pixel_mean), pixel_std=tuple(s.pixel_std))
         self.source = self.dataset = open_data(data, s.source_options, s.split)  # .dataset: torch compatibility
+        if vision is None:
+            warn_images_without_vision(self.source)
         mode = s.mode
         if mode == "auto":
             indexed = r.plan_file is not None or s.index is not None or getattr(self.source, "map_style", False)
             mode = "indexed" if indexed else "streaming"
         if mode == "streaming" and r.explicit.get("shuffle"):
-            raise ValueError("shuffle=True needs the indexed mode (a map-style dataset or index=); a streaming "
+            raise ValueError("shuffle=True needs the indexed mode (a map-style dataset or DataSource(index=)); a streaming "
                              "source is read in its own order: shuffle it at the source (e.g. "
                              "datasets.IterableDataset.shuffle, or the loaders source's shuffle options)")
         if mode == "indexed" and not (getattr(self.source, "supports_random_access", False)
                                       and not hasattr(self.source, "shard_ranges") and self.source.num_rows is not None):
             raise ValueError(f"{type(self.source).__name__} cannot be read by sample id (a mixture, or a source "
-                             "without random access or row counts); use mode='streaming'")
+                             "without random access or row counts); use DataSource(mode='streaming')")
         ctx = Context(o, self.cost, self.family, self.rank, self.world_size, s, self.formatter, self.source, collate,
                       vision)
         if r.plan_file is not None:
@@ -164,7 +190,8 @@ class DataLoader:
             self._mode = StreamingMode(ctx)
         if feedback is not None and getattr(feedback, "cost_model", None) is not self.cost:
             raise ValueError("feedback= must be a FeedbackLoop over this loader's cost model object (pass the same "
-                             "CostModel as cost_model=, and no pad_to_multiple_of= that differs from its pad_multiple)")
+                             "CostModel as costing=Costing(cost_model=...), and no Costing(pad_to_multiple_of=) that "
+                             "differs from its pad_multiple)")
         self._feedback, self._last_step = feedback, None
         uses_processes = self.num_workers > 0 or (isinstance(self._mode, IndexedMode) and self._mode.steps.plan_processes)
         if uses_processes and callable(getattr(self.cost, "share_memory", None)):

@@ -1,11 +1,7 @@
-"""The `DataLoader`'s keyword arguments, normalized once: `LoaderSettings` (data, tokenization,
-distribution, loading) and ONE `PlanOptions` (how steps are formed and planned) that every mode
-gets; `resolve` fills both from the keywords, a given ``options=`` record and a replayed plan file.
-
-Planning keywords are `PlanOptions` fields (``global_batch_tokens``, ``global_batch_size``,
-``max_len``, ``max_target_len``, ``method``, ``method_options``, ``num_stages``, ``schedule``,
-``memory_limit``, ``seed``, ``drop_last``, ...); the old names ``batch_tokens=`` / ``batch_size=``
-still work for one release with a DeprecationWarning. ``num_ranks`` is the loader's world size.
+"""The `DataLoader`'s arguments, normalized once: its settings records (`dynabatch.loader.settings`)
+and ONE `PlanOptions` (how steps are formed and planned) that every mode gets; `resolve` fills
+the options from ``options=``, torch's ``batch_size``/``shuffle``/``drop_last`` and a replayed
+plan file. ``num_ranks`` is the loader's world size.
 """
 
 from __future__ import annotations
@@ -16,80 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.cost import CostModel
-from ..core.options import DEPRECATED_NAMES, PlanOptions, check_int, default_method, method_collation, renamed
-from .pixels import IMAGENET_MEAN, IMAGENET_STD
+from ..core.options import PlanOptions, check_int, default_method, method_collation
+from .settings import LoaderSettings
 
-MODES = ("auto", "indexed", "streaming")
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanOptions) if f.name != "num_ranks")
-
-
-@dataclass
-class LoaderSettings:
-    """Every `DataLoader` keyword that is not a planning option (see `DataLoader` for each)."""
-
-    tokenizer: Any = "bytes"
-    cost_model: Any = None
-    device: str = "auto"  # a device preset, or "auto": this machine's (dynabatch.devices)
-    rank: int | None = None
-    world_size: int | None = None
-    num_workers: int = 0
-    pin_memory: bool = False
-    prefetch_factor: int | None = None
-    timeout: float = 0
-    multiprocessing_context: Any = None
-    worker_init_fn: Any = None
-    persistent_workers: bool = False
-    collate: str | None = None
-    pad_to_multiple_of: int | None = None
-    family: str | None = None
-    plan: Any = None
-    mode: str = "auto"
-    index: Any = None
-    index_cache: Any = None
-    vision: Any = None
-    load_pixels: bool = False
-    pixel_mean: tuple = IMAGENET_MEAN
-    pixel_std: tuple = IMAGENET_STD
-    add_bos: bool = False
-    truncation_side: str = "right"
-    format_config: Any = None
-    decoder_start_token_id: int | None = None
-    plan_ahead: int = 2
-    buffer_tokens: int | None = None
-    chunk_size: int = 64
-    collective: Any = None
-    on_error: str = "raise"
-    source_options: dict | None = None
-    split: str | None = None
-    cache_tokens: bool | None = None
-    plan_processes: int | None = None
-    progress: bool | None = None
-    pretokenized: bool | None = None
-    image_token_id: int | None = None
-    chat_template: Any = None  # tokenization.FormatConfig.chat_template (None: the tokenizer's, else plain + warning)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be 'auto', 'indexed' or 'streaming', got {self.mode!r}")
-        for name, minimum in (("num_workers", 0), ("plan_ahead", 0), ("plan_processes", 0), ("chunk_size", 1),
-                              ("buffer_tokens", 1), ("prefetch_factor", 1), ("pad_to_multiple_of", 1)):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=minimum,
-                                          optional=name not in ("num_workers", "plan_ahead", "chunk_size")))
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
-        if self.plan is not None and self.mode == "streaming":
-            raise ValueError("plan= replays a plan by sample id, which needs the indexed mode")
-
-    @property
-    def loader_kwargs(self) -> dict:
-        """Keywords for the ``torch.utils.data.DataLoader`` of the workers."""
-        kw = {"timeout": self.timeout, "multiprocessing_context": self.multiprocessing_context,
-              "worker_init_fn": self.worker_init_fn}
-        if self.num_workers > 0 and self.prefetch_factor is not None:
-            kw["prefetch_factor"] = self.prefetch_factor
-        if self.num_workers > 0 and self.persistent_workers:
-            kw["persistent_workers"] = True
-        return kw
 
 
 @dataclass
@@ -113,32 +39,42 @@ def resolve_layout(rank, world_size) -> tuple[int, int]:
 
     check_int("world_size", world_size)
     check_int("rank", rank, minimum=0)
+    if rank is None and world_size is not None and world_size > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"world_size={world_size} without rank=: say which rank this process is (rank=0.."
+                             f"{world_size - 1}), or initialize torch.distributed (init_process_group) and leave both "
+                             "unset")
+        rank = dist.get_rank()
+    if rank is not None and world_size is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is not a rank of world_size={world_size} (0..{world_size - 1})")
     layout = Layout.resolve(rank=rank, world_size=world_size, worker_id=0, num_workers=1)
     return layout.rank, layout.world_size
 
 
-def resolve(kwargs: dict, options: PlanOptions | None) -> Resolved:
-    """Split and normalize the DataLoader's keywords (TypeError for an unknown one)."""
-    kwargs = renamed(kwargs, where="DataLoader", stacklevel=4)
-    planning = {k: kwargs.pop(k) for k in list(kwargs) if k in PLAN_FIELDS}
-    names = {f.name for f in dataclasses.fields(LoaderSettings)}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise TypeError(f"DataLoader got unexpected keyword argument(s) {unknown}")
-    s = LoaderSettings(**kwargs)
+def resolve(s: LoaderSettings, options: PlanOptions | None, torch_planning: dict) -> Resolved:
+    """The one `PlanOptions`, the cost model and the family of a DataLoader's arguments
+    (``torch_planning``: the `PlanOptions` fields torch's arguments gave, `torch_args.torch_planning`)."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise TypeError(f"options= must be a PlanOptions, got {type(options).__name__}")
+    planning = dict(torch_planning)
     if options is not None:
-        if not isinstance(options, PlanOptions):
-            raise TypeError(f"options= must be a PlanOptions, got {type(options).__name__}")
-        given = {k: v for k, v in planning.items() if v is not None}
-        if given:
-            raise TypeError(f"give the planning options either in options= or as keywords, not both ({sorted(given)})")
+        # a field at PlanOptions' default is not stated: the method then follows costing.collate, and a
+        # replayed plan file decides it
+        default = PlanOptions()
         planning = {k: getattr(options, k) for k in PLAN_FIELDS}
+        planning["method"] = None if options.method == default.method else options.method
+        if s.plan is not None:
+            planning = {k: v for k, v in planning.items() if v != getattr(default, k)}
+        _merge_torch(planning, torch_planning)
     rank, world_size = resolve_layout(s.rank, s.world_size)
     if options is not None and options.num_ranks not in (1, world_size):
         raise ValueError(f"options.num_ranks={options.num_ranks} but the loader's world size is {world_size}; the "
                          "loader plans for its world size (leave num_ranks at 1 or set it to the world size)")
     method, collate = planning.pop("method", None), s.collate
-    explicit = {"method": method, "collation": collate, "family": s.family, "shuffle": planning.get("shuffle"),
+    # shuffle counts as stated when torch's shuffle= gives it (PlanOptions' default is True either way)
+    explicit = {"method": method, "collation": collate, "family": s.family, "shuffle": torch_planning.get("shuffle"),
                 **{k: planning.get(k) for k in ("global_batch_tokens", "global_batch_size", "max_len",
                                                  "max_target_len")}}
     plan_file, cost_model, family = None, s.cost_model, s.family
@@ -169,13 +105,28 @@ def resolve(kwargs: dict, options: PlanOptions | None) -> Resolved:
         try:
             opts.require_batch()
         except ValueError:
-            raise ValueError("give the global batch size either in tokens (global_batch_tokens=) or in samples "
-                             "(global_batch_size=), not both or neither") from None
+            raise ValueError("give the global batch size: options=PlanOptions(global_batch_tokens=...) (tokens) or "
+                             "options=PlanOptions(global_batch_size=...) (samples), or torch's batch_size= (samples "
+                             "per rank)") from None
     cost = _cost_model(cost_model, s.device, opts.num_stages, s.pad_to_multiple_of, family)
     family = family or ("encoder_decoder" if cost.kind == "encoder_decoder" else "decoder")
     if family not in ("decoder", "encoder_decoder"):
         raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
     return Resolved(s, opts, cost, family, rank, world_size, plan_file, explicit)
+
+
+def _merge_torch(planning: dict, torch_planning: dict) -> None:
+    """Torch's ``batch_size`` fills the global batch of an ``options`` without one; torch's
+    ``shuffle``/``drop_last`` beside ``options`` must agree with it (TypeError otherwise)."""
+    for name, value in torch_planning.items():
+        if name == "global_batch_size":
+            if planning.get("global_batch_tokens") is not None or planning.get("global_batch_size") is not None:
+                raise TypeError("batch_size= (samples per step on each rank) and options= both give the step size; "
+                                "give one")
+            planning[name] = value
+        elif planning.get(name) != value:
+            raise TypeError(f"{name}={value} but options.{name}={planning.get(name)}: give it in one place "
+                            f"(options=PlanOptions({name}={value}))")
 
 
 def _cost_model(cost_model, device: str, num_stages: int, pad_to_multiple_of, family: str | None = None) -> CostModel:
@@ -238,5 +189,4 @@ def open_data(data, source_options: dict | None, split):
     return loaders.open_source(data, split=split, **dict(source_options or {}))
 
 
-__all__ = ["DEPRECATED_NAMES", "LoaderSettings", "PLAN_FIELDS", "Resolved", "make_formatter", "open_data", "resolve",
-           "resolve_layout"]
+__all__ = ["PLAN_FIELDS", "Resolved", "make_formatter", "open_data", "resolve", "resolve_layout"]

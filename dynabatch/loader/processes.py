@@ -17,9 +17,13 @@ streaming modes with ``num_workers > 0``) and its own planning processes (`Proce
   pipe that a sibling keeps open would then live (and hold its memory) forever. Every child calls
   `watch_parent` first thing: on Linux, when it was forked from the main thread, the kernel kills
   it when its parent dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``; the signal follows the *thread*
-  that forked, hence main thread only); in every case a daemon thread polls ``os.getppid()`` and
-  kills the child once it changes (the portable fallback, and the guard for children forked from
-  other threads).
+  that forked, hence main thread only); in every case a daemon thread polls whether the parent
+  (its pid and start time) is still alive and kills the child once it is not (the portable
+  fallback, the guard for children forked from other threads, and the only watch under
+  ``forkserver``, whose workers are children of the fork server).
+* **spawn and forkserver.** Workers started that way get the loader's objects pickled (the
+  `PlanOptions`, the planner, the tokenizer, `WorkerInit`), import the packages afresh and compile
+  (or load from numba's cache) their kernels themselves; nothing here relies on forked memory.
 """
 
 from __future__ import annotations
@@ -147,11 +151,36 @@ def _die() -> None:
         os._exit(1)
 
 
-def watch_parent(parent_pid: int, forked_from_main: bool = False) -> None:
-    """Make this child process die when ``parent_pid`` (its parent) does (see the module docstring)."""
-    if forked_from_main:
+def process_start(pid: int) -> str | None:
+    """An id of the process ``pid``'s life (Linux: its start time in clock ticks since boot, from
+    ``/proc``), so that a recycled pid reads as another process; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]  # field 22 (starttime); the name may hold spaces
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else: a recycled pid
+        return False
+    return start is None or process_start(pid) == start
+
+
+def watch_parent(parent_pid: int, forked_from_main: bool = False, parent_start: str | None = None) -> None:
+    """Make this child process die when ``parent_pid`` (the process that started it) does (see the
+    module docstring). Under ``forkserver`` the child's OS parent is the fork server, not
+    ``parent_pid``: then only the poll of ``parent_pid`` (and ``parent_start``, its
+    `process_start`) tells, not ``os.getppid()`` nor the kernel's parent-death signal."""
+    direct = os.getppid() == parent_pid
+    if forked_from_main and direct:
         _set_pdeathsig()
-    if os.getppid() != parent_pid:  # the parent died before we got here
+    if not _alive(parent_pid, parent_start):  # the parent died before we got here
         _die()
 
     def poll():
@@ -159,7 +188,7 @@ def watch_parent(parent_pid: int, forked_from_main: bool = False) -> None:
 
         while True:
             time.sleep(PARENT_POLL_S)
-            if os.getppid() != parent_pid:
+            if (direct and os.getppid() != parent_pid) or not _alive(parent_pid, parent_start):
                 _die()
 
     threading.Thread(target=poll, name="dynabatch-parent-watch", daemon=True).start()
@@ -176,10 +205,11 @@ class WorkerInit:
     def __init__(self, user_fn=None):
         self.user_fn = user_fn
         self.parent_pid = os.getpid()
+        self.parent_start = process_start(self.parent_pid)
         self.from_main = in_main_thread()
 
     def __call__(self, worker_id: int) -> None:
-        watch_parent(self.parent_pid, self.from_main)
+        watch_parent(self.parent_pid, self.from_main, self.parent_start)
         if self.user_fn is not None:
             self.user_fn(worker_id)
 

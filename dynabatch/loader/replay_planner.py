@@ -1,4 +1,4 @@
-"""Replaying a plan file: ``DataLoader(..., plan="plan.parquet")`` runs exactly the steps, ranks,
+"""Replaying a plan file: ``DataLoader(..., source=DataSource(plan="plan.parquet"))`` runs exactly the steps, ranks,
 micro-batches and sample ids a plan file lists (written by ``dynabatch plan``, or any table of
 `plans_to_arrow`).
 

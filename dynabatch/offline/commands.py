@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..devices import OFFLINE_DEFAULT_DEVICE
+
 TOKENIZER_HELP = ("tokenizer that counts tokens: 'bytes' (default: built-in, one token per UTF-8 byte, an "
                   "OVER-estimate of subword counts, ~4x for English), a local tokenizer.json, a sentencepiece "
                   ".model, a local transformers folder, or a tiktoken encoding name (cl100k_base, "
@@ -77,7 +79,8 @@ the plan (--out, Parquet), one row per sample placement, grouped by step, rank, 
   task_id        the sample's task (index into dynabatch.task_names; only when the index has tasks)
   sample_tokens  the sample's own tokens after truncation
 metadata: dynabatch.dataset_fingerprint, dynabatch.cost_model (JSON), dynabatch.options (JSON:
-every PlanOptions field, collation, epochs, tokenizer, family), dynabatch.epochs, dynabatch.seed,
+every PlanOptions field, collation, epochs, tokenizer, family, and loader_default_differences: the
+options taken at this command's defaults where the DataLoader's differ), dynabatch.epochs, dynabatch.seed,
 dynabatch.steps_per_epoch, dynabatch.rank_time_s (simulated time of every rank at every step), schema versions.
 Read it with dynabatch.offline.load_run_plan(path): .step(k) -> BatchPlan, .check(...).
 
@@ -114,19 +117,35 @@ on its slowest rank (plain = forward, hatched = backward).
 """
 
 
+#: ``dynabatch plan``'s own defaults where the DataLoader's differ (`loader_default_differences`);
+#: its device is the one `dynabatch.devices` plans GPU-scale presets for when there is no GPU.
+PLAN_MODEL, PLAN_RANKS, PLAN_STAGES, PLAN_GLOBAL_BATCH_TOKENS = "gpt", 8, 4, 65536
+PLAN_DEVICE = OFFLINE_DEFAULT_DEVICE
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dynabatch: warning: {_one_line(message if isinstance(message, Warning) else category(message))}",
+          file=sys.stderr)
+
+
 def _guarded(fn):
     def run(args) -> int:
+        import warnings
+
         from ..core.plan import PlanningError
         from ..core.shape_sources import ShapeSourceError
         from ..engines import EngineError
 
         try:
-            return int(fn(args) or 0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("default", UserWarning)
+                warnings.showwarning = _one_line_warning  # restored on exit by catch_warnings
+                return int(fn(args) or 0)
         except (PlanningError, ShapeSourceError, EngineError, ValueError, OSError, ImportError) as e:
             print(f"dynabatch: error: {_one_line(e)}", file=sys.stderr)
             return 1
@@ -163,7 +182,7 @@ def _add_scan_options(p, for_plan: bool) -> None:
                         "(InternVL 448-px dynamic tiles, 256 tokens each)" +
                         (" (default: tiling for --model vlm)" if for_plan else ""))
     g.add_argument("--image-token-id", type=int, default=None, metavar="ID",
-                   help="count LLaVA-style image placeholders in the ids, as a DataLoader(image_token_id=ID) "
+                   help="count LLaVA-style image placeholders in the ids, as a DataLoader(tokenization=Tokenization(image_token_id=ID)) "
                         "formats them: each image's <image> marker (or, without markers, the text's start) becomes "
                         "a run of ID, one per vision token (needs --vision); default: no placeholders")
     g.add_argument("--chat-template", default=None, metavar="FILE|tokenizer|plain",
@@ -221,11 +240,11 @@ def add_commands(sub) -> None:
     _add_data(p, "DATA|INDEX", "a raw dataset (scanned first) or a length index")
     p.add_argument("--out", required=True, metavar="PLAN.parquet", help="where to write the plan")
     g = p.add_argument_group("cost model")
-    g.add_argument("--model", default="gpt", metavar="PRESET|COSTS.json",
-                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default gpt; gpt-tiny / t5-tiny for a "
-                        "CPU) or a saved cost model "
+    g.add_argument("--model", default=PLAN_MODEL, metavar="PRESET|COSTS.json",
+                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default {PLAN_MODEL}; gpt-tiny / t5-tiny "
+                        "for a CPU) or a saved cost model "
                         "JSON (CostModel.save, e.g. from profiling)")
-    g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
+    g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default=PLAN_DEVICE,
                    help="device preset for a --model preset (default a100-80gb, whatever this machine has: an "
                         "offline plan is for the cluster that trains; the DataLoader's device='auto' is not used "
                         "here)")
@@ -235,7 +254,7 @@ def add_commands(sub) -> None:
                         "holds per-stage predictions that dynabatch inspect draws")
     g = p.add_argument_group("run length")
     g.add_argument("--epochs", type=int, default=1, help="epochs to plan (default 1)")
-    add_plan_options(p)
+    add_plan_options(p, ranks=PLAN_RANKS, stages=PLAN_STAGES, global_batch_tokens=PLAN_GLOBAL_BATCH_TOKENS)
     g = p.add_argument_group("collation")
     g.add_argument("--collate", choices=("padded", "packed"), default=None,
                    help="padded rows (dp) or packed varlen sequences (dp_varlen); default: the method's own")
@@ -271,8 +290,13 @@ def _cmd_scan(args) -> int:
     cfg = ScanConfig(tokenizer=args.tokenizer or "bytes", family=args.family or "decoder", max_len=args.max_len,
                      max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error,
                      image_token_id=args.image_token_id, chat_template=_chat_template(args.chat_template))
-    result = scan_dataset(_data_args(args), cfg, engine=args.engine, workers=args.workers,
+    paths = _data_args(args)
+    result = scan_dataset(paths, cfg, engine=args.engine, workers=args.workers,
                           progress=not args.no_progress and not args.json)
+    if not result.table.num_rows:
+        skipped = result.summary()["skipped"]
+        raise ValueError(f"{' '.join(paths)} holds no samples" + (f" ({skipped} bad records skipped)" if skipped else "")
+                         + f"; nothing written to {args.out}")
     result.write(args.out)
     s = {**result.summary(), "out": str(args.out)}
     if args.json:
@@ -373,9 +397,9 @@ def _cmd_plan(args) -> int:
             skipped = result.summary()["skipped"]
             print(f"scanned {len(index.shapes)} samples with {tokenizer} in {scan_s:.1f} s"
                   + (f" ({skipped} skipped)" if skipped else ""), file=sys.stderr)
-    options = plan_options_from_args(args, max_len=8192 if cost.kind == "vision_language" else 2048,
-                                     method=_method(args))
-    cfg = RunPlanConfig(options, epochs=args.epochs, tokenizer=tokenizer, family=family)
+    options = plan_options_from_args(args, method=_method(args))  # PlanOptions' defaults: the DataLoader's
+    differ = loader_default_differences(args)
+    cfg = RunPlanConfig(options, epochs=args.epochs, tokenizer=tokenizer, family=family, loader_differences=differ)
     t1 = time.perf_counter()
     run = plan_run(index, cost, cfg, engine=args.engine, workers=args.workers, progress=not quiet)
     plan_s = time.perf_counter() - t1
@@ -395,6 +419,8 @@ def _cmd_plan(args) -> int:
         "scanned": scanned, "scan_s": round(scan_s, 3), "plan_s": round(plan_s, 3), "engine": args.engine,
         "workers": args.workers or default_workers(),
     }
+    if differ:
+        summary["loader_default_differences"] = differ
     recompute = _recompute_summary(run)
     if recompute:
         summary["recompute"] = recompute
@@ -406,6 +432,9 @@ def _cmd_plan(args) -> int:
           f"for {cost.model.name} on {cost.device.name}, {run.num_ranks} ranks x {run.num_stages} stages")
     print(f"predicted iteration time mean {it.mean() * 1e3:.1f} ms, max {it.max() * 1e3:.1f} ms; padding efficiency "
           f"{summary['padding_efficiency']:.3f}; max/mean rank {summary['rank_imbalance_mean']:.3f}")
+    if differ:
+        print("defaults of dynabatch plan that differ from the DataLoader's (give both the same value for the same "
+              "plan): " + "; ".join(f"{k}={v}" for k, v in differ.items()))
     if recompute:
         lim = recompute.get("device_memory_limit")
         print(f"recompute {recompute['policy']}: mean layers recomputed per stage "
@@ -417,6 +446,27 @@ def _cmd_plan(args) -> int:
           f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
     print(f"next: dynabatch inspect {args.out} --plot plan.png")
     return 0
+
+
+def loader_default_differences(args) -> dict[str, str]:
+    """The options ``dynabatch plan`` took at its own defaults where the DataLoader's differ
+    (name -> ``"<this command's value> (DataLoader: <its default>)"``): an offline plan is made for
+    the training cluster, the loader defaults to this machine and its own world size. Every other
+    planning option defaults to `PlanOptions`' value in both."""
+    from ..core.options import PlanOptions
+
+    out = {}
+    if args.model == PLAN_MODEL:
+        out["cost_model"] = f"{PLAN_MODEL!r} (DataLoader: None, i.e. 'gpt' on a GPU, 'gpt-tiny'/'t5-tiny' on a CPU)"
+    if args.device == PLAN_DEVICE:
+        out["device"] = f"{PLAN_DEVICE!r} (DataLoader: 'auto', this machine's device)"
+    if args.ranks == PLAN_RANKS:
+        out["num_ranks"] = f"{PLAN_RANKS} (DataLoader: its world size)"
+    if args.stages == PLAN_STAGES:
+        out["num_stages"] = f"{PLAN_STAGES} (DataLoader: {PlanOptions().num_stages})"
+    if args.global_batch_tokens is None and args.global_batch_size is None:
+        out["global_batch_tokens"] = f"{PLAN_GLOBAL_BATCH_TOKENS} (DataLoader: none, it must be given)"
+    return out
 
 
 def _recompute_summary(run) -> dict | None:

@@ -29,7 +29,7 @@ from ..core.cost import CostModel
 from ..core.options import PlanOptions
 from ..core.plan import PlanningError
 from ..core.shapes import Shapes
-from ..core.steps import global_batches, plan_step, sample_tokens
+from ..core.steps import global_batches, oversized_samples, plan_step, sample_tokens
 from ..engines import default_workers, map_parts
 from .inputs import Index, OfflineError
 from ..planfile import format as fmt
@@ -41,6 +41,9 @@ from ..planfile.reader import RunPlan
 class RunPlanConfig:
     """What to plan: the `PlanOptions` of every step, how many epochs, and how the index was
     tokenized (``tokenizer``, ``family``: recorded so a loader can check them).
+    ``loader_differences``: options taken at ``dynabatch plan``'s own defaults where the
+    DataLoader's differ (name -> text), recorded in the ``dynabatch.options`` metadata under
+    ``loader_default_differences``.
 
     ``RunPlanConfig(options, epochs=2)``; the flat keywords of earlier releases
     (``RunPlanConfig(num_ranks=8, global_batch_tokens=65536, ...)``) still work for one release with
@@ -51,9 +54,10 @@ class RunPlanConfig:
     epochs: int = 1
     tokenizer: str | None = None
     family: str | None = None
+    loader_differences: dict | None = None
 
     def __init__(self, options: PlanOptions | None = None, *, epochs: int = 1, tokenizer: str | None = None,
-                 family: str | None = None, **flat):
+                 family: str | None = None, loader_differences: dict | None = None, **flat):
         if flat:
             warnings.warn("RunPlanConfig(num_ranks=..., global_batch_tokens=..., ...) is deprecated: pass "
                           "RunPlanConfig(PlanOptions(...), epochs=...)", DeprecationWarning, stacklevel=2)
@@ -67,6 +71,7 @@ class RunPlanConfig:
         object.__setattr__(self, "epochs", int(epochs))
         object.__setattr__(self, "tokenizer", tokenizer)
         object.__setattr__(self, "family", family)
+        object.__setattr__(self, "loader_differences", dict(loader_differences) if loader_differences else None)
 
     def __getattr__(self, name):  # the planning options read through, e.g. config.num_ranks
         if name in {f.name for f in dataclasses.fields(PlanOptions)} | {"collation"}:
@@ -75,7 +80,10 @@ class RunPlanConfig:
 
     def metadata_options(self) -> dict:
         """The ``dynabatch.options`` metadata: the plan options plus the run's epochs and tokenization."""
-        return {**self.options.to_dict(), "epochs": self.epochs, "tokenizer": self.tokenizer, "family": self.family}
+        out = {**self.options.to_dict(), "epochs": self.epochs, "tokenizer": self.tokenizer, "family": self.family}
+        if self.loader_differences:
+            out["loader_default_differences"] = self.loader_differences
+        return out
 
 
 def _plan_chunk(context, chunk):
@@ -108,6 +116,14 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
         raise OfflineError(f"the data ({len(shapes)} samples, {tok} tokens after truncation) holds less than one "
                            f"full global batch ({config.global_batch_tokens or config.global_batch_size}); lower "
                            "--global-batch-tokens or keep the last batch")
+    warning = oversized_samples(shapes, cost, config.options)
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=2)
+    most = max(len(b) for _, _, b in steps)
+    if most < config.num_ranks:  # plan_step plans a batch of fewer samples than ranks on fewer ranks
+        raise OfflineError(f"every global batch holds at most {most} samples, fewer than the {config.num_ranks} ranks "
+                           f"asked for: the plan would be for {most} ranks; raise --global-batch-tokens/"
+                           "--global-batch-size or lower --ranks")
     workers = workers or default_workers()
     size = max(1, min(16, math.ceil(len(steps) / (8 * workers))))
     chunks = [steps[i:i + size] for i in range(0, len(steps), size)]

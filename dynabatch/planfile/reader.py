@@ -1,5 +1,5 @@
 """`RunPlan` and `load_run_plan`: the one reader of plan files (the format is in
-`dynabatch.planfile.format`), used by ``dynabatch inspect`` and by ``DataLoader(plan=...)``.
+`dynabatch.planfile.format`), used by ``dynabatch inspect`` and by ``DataLoader(source=DataSource(plan=...))``.
 
 Reading a plan::
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ class Context:
     family: str
     rank: int
     world_size: int
-    settings: Any  # dynabatch.loader.options.LoaderSettings
+    settings: Any  # dynabatch.loader.settings.LoaderSettings
     formatter: Any
     source: Any
     collate: CollateConfig
@@ -100,6 +101,7 @@ class Mode(ABC):
         self.close()
         self._loaded = None
         self._epoch_start_step = self._first_step()
+        resumed = self._resume is not None and not self._resume.get("fresh") and self._resume.get("epoch") == self.epoch
         gen = self._generate()
         last = time.perf_counter()
         finished = False
@@ -122,7 +124,7 @@ class Mode(ABC):
         finally:
             gen.close()
             if finished:
-                self._epoch_done()
+                self._epoch_done(resumed)
             else:
                 self.close()
 
@@ -176,9 +178,13 @@ class Mode(ABC):
                      self.ctx.rank, ready.step.step, ready.step.num_microbatches, ready.step.plan_time_s * 1e3,
                      ready.load_time_s * 1e3, wait * 1e3, interval * 1e3)
 
-    def _epoch_done(self) -> None:
+    def _epoch_done(self, resumed: bool = False) -> None:
         st, rank = self.stats, self.ctx.rank
         n = st["steps"]
+        if not n and not resumed:  # a resume after the epoch's last step rightly gives none
+            warnings.warn(f"rank {rank}: epoch {self.epoch} of the {self.name} mode gave no step: the data holds no "
+                          "samples (or fewer than one global batch with drop_last=True); check the paths/split",
+                          UserWarning, stacklevel=4)
         if n:
             later = max(n - 1, 1)
             logger.info("rank %d epoch %d done: %d steps, planning %.1f ms/step, loading %.1f ms/step, the training "

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..indexed_steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, T
                              index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
                              write_index_table)
 from ..processes import WorkerInit, start_workers, warm_kernels
+from ...core.steps import oversized_samples
 from ..records import ReadyStep
 from ..stream_planner import _identity
 from .base import Context, Mode
@@ -90,7 +92,7 @@ def open_index(ctx: Context, index, index_cache):
         if need > free:
             want = False
             logger.info("token cache off: the ids of %d samples need up to %.1f GiB on disk, %s has %.1f GiB free; "
-                        "pass cache_tokens=True to keep them anyway", len(idx), need / 2**30, folder, free / 2**30)
+                        "pass DataSource(cache_tokens=True) to keep them anyway", len(idx), need / 2**30, folder, free / 2**30)
     return idx, table, (_token_cache(ctx, idx, table, path, meta, owned) if want else None)
 
 
@@ -157,7 +159,7 @@ def _scan_index(ctx: Context, index_cache, settings, token_path: str | None, met
     elif index_cache is not None and os.path.exists(f"{index_cache}.tokens"):
         os.unlink(f"{index_cache}.tokens")  # the ids of the data the rebuilt index replaces
     logger.info("built the length index of %d samples in %.1f s (one tokenization pass; pass index= or "
-                "index_cache= to reuse it)", table.num_rows, time.perf_counter() - t0)
+                "index_cache= of DataSource to reuse it)", table.num_rows, time.perf_counter() - t0)
     if index_cache is not None:
         write_index_table(table, index_cache)
     return table
@@ -280,6 +282,27 @@ class IndexedMode(Mode):
 
 
 def build_indexed(ctx: Context, index=None, index_cache=None) -> IndexedMode:
-    """The indexed mode of a loader: length index (scanned when not given), planner, token cache."""
+    """The indexed mode of a loader: length index (scanned when not given), planner, token cache.
+    Raises ValueError when the data gives no step; warns when samples outweigh the global batch."""
     idx, _, tokens = open_index(ctx, index, index_cache)
-    return IndexedMode(ctx, idx, IndexedPlanner(idx, ctx.cost, ctx.options), tokens)
+    check_not_empty(ctx, len(idx))
+    planner = IndexedPlanner(idx, ctx.cost, ctx.options)
+    warning = oversized_samples(idx.shapes, ctx.cost, ctx.options)
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=4)
+    if planner.num_steps(0) == 0:
+        o = ctx.options
+        raise ValueError(f"the data ({len(idx)} samples) holds less than one full global batch "
+                         f"({o.global_batch_tokens or o.global_batch_size}) and drop_last=True: no step to train; "
+                         "lower the global batch or keep the last batch (drop_last=False)")
+    return IndexedMode(ctx, idx, planner, tokens)
+
+
+def check_not_empty(ctx: Context, samples: int) -> None:
+    """ValueError naming the data when its length index holds no sample (every sample skipped, or none)."""
+    if samples:
+        return
+    errors = getattr(ctx.source, "error_counts", None) or {}
+    skipped = f"; {sum(errors.values())} bad records skipped ({dict(errors)})" if errors else ""
+    raise ValueError(f"the data {getattr(ctx.source, 'name', type(ctx.source).__name__)!r} holds no samples"
+                     f"{skipped}: nothing to train on; check the paths/split (and on_error)")

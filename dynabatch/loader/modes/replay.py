@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..replay_planner import ReplayPlanner
 from .base import Context
-from .indexed import IndexedMode, open_index
+from .indexed import IndexedMode, check_not_empty, open_index
 
 
 class ReplayMode(IndexedMode):
@@ -20,6 +20,7 @@ def build_replay(ctx: Context, run, explicit: dict, index=None, index_cache=None
     (`PlanMismatchError`) and replay it."""
     run.check_origin(ctx.source, ctx.formatter.tokenizer)
     idx, _, tokens = open_index(ctx, index, index_cache)
+    check_not_empty(ctx, len(idx))
     o = ctx.options
     run.check(dataset_fingerprint=idx.fingerprints, num_ranks=ctx.world_size, num_stages=o.num_stages,
               options=explicit, sample_ids=idx.shapes.sample_id)
