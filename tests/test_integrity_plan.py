@@ -14,6 +14,7 @@ from dynabatch import DataLoader, PlanMismatchError, build_index, load_run_plan
 from dynabatch.cli import main
 
 from test_dataloader_data import PLAN, records, write_jsonl
+from dynabatch.loader.settings import records_from_keywords
 
 TOKENS = 3000
 
@@ -100,7 +101,7 @@ def test_edited_column_is_refused_by_reader_inspect_and_replay(planned, tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"column {column} does not match" in err and "edited.parquet" in err
     with pytest.raises(PlanMismatchError, match=f"column {column} does not match"):
-        DataLoader(planned["data"], plan=str(bad), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN)
+        DataLoader(planned["data"], **records_from_keywords(plan=str(bad), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN))
 
 
 def test_edited_metadata_is_refused_and_the_plan_as_written_replays(planned, tmp_path):
@@ -116,6 +117,5 @@ def test_edited_metadata_is_refused_and_the_plan_as_written_replays(planned, tmp
     meta[b"dynabatch.rank_time_s"] = b"{}"
     with pytest.raises(PlanMismatchError, match="metadata entry dynabatch.rank_time_s does not match"):
         load_run_plan(_write(planned, tmp_path, "times.parquet", meta=meta))
-    steps = list(DataLoader(planned["data"], plan=str(planned["plan"]), index=str(planned["index"]),
-                            global_batch_tokens=TOKENS, **PLAN))
+    steps = list(DataLoader(planned["data"], **records_from_keywords(plan=str(planned["plan"]), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN)))
     assert len(steps) == load_run_plan(planned["plan"]).num_steps

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from dynabatch.loader.settings import records_from_keywords
 from dynabatch import DataLoader, LoaderStateError
 from dynabatch.loader.state import load_loader_state, save_loader_state
 
@@ -19,7 +20,7 @@ def _loader(data, fmt):
     kw = dict(global_batch_tokens=TOKENS, **PLAN)
     if fmt == "parquet":
         kw["index_cache"] = data["index"]
-    return DataLoader(data[fmt], **kw)
+    return DataLoader(data[fmt], **records_from_keywords(**kw))
 
 
 def _saved(data, fmt, tmp_path, steps=2):

@@ -17,6 +17,7 @@ from tokenization import tokenizer_fingerprint
 from dynabatch.index.token_file import read_token_file
 
 from test_dataloader_data import records, write_parquet
+from dynabatch.loader.settings import records_from_keywords
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,11 @@ def word_tokenizer(path, shift: int = 0) -> str:
 
 def test_the_cache_is_memory_mapped_and_its_private_file_goes_with_the_loader(path, tmp_path, monkeypatch):
     monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
-    dl = DataLoader(path, global_batch_tokens=1500, cache_tokens=True)
+    dl = DataLoader(path, **records_from_keywords(global_batch_tokens=1500, cache_tokens=True))
     tc = dl.token_cache
     assert isinstance(tc.input_ids, np.memmap) and isinstance(tc.second, np.memmap)
     assert os.path.dirname(tc.path) == str(tmp_path / "cache") and os.path.exists(tc.path)
-    ref = list(DataLoader(path, global_batch_tokens=1500, cache_tokens=False).microbatches())
+    ref = list(DataLoader(path, **records_from_keywords(global_batch_tokens=1500, cache_tokens=False)).microbatches())
     monkeypatch.setattr("dynabatch.index.tokens.RELEASE_BYTES", 64)  # pages released every few samples
     got = list(dl.microbatches())
     assert [m["input_ids"].tolist() for m in got] == [m["input_ids"].tolist() for m in ref]
@@ -60,7 +61,7 @@ def test_the_cache_is_memory_mapped_and_its_private_file_goes_with_the_loader(pa
 
 def test_an_edited_or_truncated_file_is_refused(path, tmp_path):
     cache = tmp_path / "index.parquet"
-    first = DataLoader(path, index_cache=cache, global_batch_tokens=1500)
+    first = DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
     tokens = f"{cache}.tokens"
     assert first.token_cache.path == tokens
     del first
@@ -70,11 +71,11 @@ def test_an_edited_or_truncated_file_is_refused(path, tmp_path):
         f.seek(40)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(TokenFileError, match=f"token cache {tokens}: its content does not match"):
-        DataLoader(path, index_cache=cache, global_batch_tokens=1500)
+        DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
     with open(tokens, "r+b") as f:
         f.truncate(os.path.getsize(tokens) - 3)
     with pytest.raises(TokenFileError, match=f"token cache {tokens}: not a dynabatch token-cache file"):
-        DataLoader(path, index_cache=cache, global_batch_tokens=1500)
+        DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
 
 
 def test_a_replaced_tokenizer_is_not_reused(path, tmp_path):
@@ -84,11 +85,11 @@ def test_a_replaced_tokenizer_is_not_reused(path, tmp_path):
     tok = word_tokenizer(tmp_path / "tokenizer.json")
     cache = tmp_path / "index.parquet"
     kw = dict(tokenizer=tok, index_cache=cache, global_batch_tokens=1500)
-    old = [m["input_ids"].tolist() for m in DataLoader(path, **kw).microbatches()]
+    old = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
     word_tokenizer(tmp_path / "tokenizer.json", shift=5)
-    new = [m["input_ids"].tolist() for m in DataLoader(path, **kw).microbatches()]
+    new = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
     assert len(new) == len(old) and new != old
-    again = [m["input_ids"].tolist() for m in DataLoader(path, **kw).microbatches()]
+    again = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
     assert again == new
 
 

@@ -26,8 +26,8 @@ def flan_microbatches(cfg, data, index, cost, count: int) -> list[dict]:
     """The first ``count`` micro-batches ``dp`` plans from the bench data with ``cost``."""
     import dynabatch
 
-    loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), index=index, mode="indexed",
-                                  cost_model=cost, world_size=1, rank=0)
+    loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), source=dynabatch.DataSource(index=index, mode="indexed"),
+        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0))
     out: list[dict] = []
     try:
         for step in loader.steps():

@@ -67,8 +67,8 @@ def multimodel_section(ctx, cfg, factory, data, index, cost, *, tick=None) -> di
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), index=index, mode="indexed",
-                                      cost_model=cost, world_size=1, rank=0)
+        loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), source=dynabatch.DataSource(index=index, mode="indexed"),
+        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0))
         try:
             steps = [s for s, _ in zip(loader.steps(), range(cfg.multimodel_steps))]
             collation = loader.collation

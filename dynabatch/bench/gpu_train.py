@@ -47,7 +47,8 @@ class Arm:
         model = factory.fresh()
         options = options or cfg.options(PLANNER_METHOD.get(method, method))
         self.loader = dynabatch.DataLoader(list(data), options=options,
-                                           index=index, mode="indexed", cost_model=cost, world_size=1, rank=0,
+                                           source=dynabatch.DataSource(index=index, mode="indexed"),
+        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0),
                                            num_workers=cfg.loader_workers)
         self._it = iter(self.loader.steps())
         self.runner = PipelineRunner.from_model(model, ctx, [0, len(model.layers)],
