@@ -61,6 +61,23 @@ def grad_gap(model, ref, layers=None) -> tuple[float, float]:
             p, q = layer.get_parameter(path), named[key]
             if p.is_meta:
                 continue
+            if p.grad is None or q.grad is None:  # unused (LLaVA's ViT layers past the feature layer): both
+                assert p.grad is None and q.grad is None, (i, path)
+                continue
             diff = max(diff, float((p.grad - q.grad).abs().max()))
             scale = max(scale, float(q.grad.abs().max()))
     return diff, scale
+
+
+def llava_config(**over):
+    """A tiny LLaVA config: CLIP ViT (3 layers, 28 px tiles of 14 px patches: 4 patches + class token; the
+    features from layer 2 of 3), Llama text model, image placeholder id 63 (the last id)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=16)
+    text = LlamaConfig(**{**TEXT, "num_hidden_layers": 2})
+    kw = dict(vision_config=vision, text_config=text, image_token_id=63, vision_feature_layer=-2,
+              vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    kw.update(over)
+    return LlavaConfig(**kw)

@@ -222,3 +222,30 @@ def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
     (tmp_path / "ckpt" / "stage-00001-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"lacks stage part\(s\) \['stage-00001-of-00002.safetensors'\]"):
         merge_stages(tmp_path / "ckpt", tmp_path / "m3")
+
+
+def test_llava_equals_hugging_face_with_text_only_microbatches():
+    """LLaVA (CLIP features from layer 2 of 3, class token dropped): image+text and text-only micro-batches
+    with the image placeholders give the Hugging Face model's loss and gradients; the ViT layer past the
+    feature layer is held (saved) but gets no gradient there either; text-only ones compute no vision."""
+    from hf_tiny import llava_config
+
+    hf = build(llava_config())
+    ref = copy.deepcopy(hf)
+    model = from_hf(hf)
+    assert (len(model.layers), model.vision_layers, model.tile_tokens, model.image_token_id) == (8, 4, 4, 63)
+    shapes = [MicroBatchShape("padded", 3, 20, tiles=4), MicroBatchShape("padded", 2, 9),
+              MicroBatchShape("padded", 1, 12, tiles=2)]
+    batches = _batches(model, shapes)
+    assert model.batch_shapes(batches) == shapes
+    assert [model.idle_layers(s) for s in shapes] == [0, 4, 0]
+    _check_equal(model, ref, batches)
+    assert "model.vision_tower.encoder.layers.2.mlp.fc1.weight" in model.param_keys(3).values()
+    state = model.layers[0](batches[1])
+    assert list(state[0].shape) == [0, 5, 16]
+    for i in range(1, 4):
+        state = model.layers[i](state)
+        assert all(s.matches(t) for s, t in zip(model.boundary(shapes[1], i), state))
+    bad = dict(batches[0], image_tiles=batches[0]["image_tiles"] * 0)
+    with pytest.raises(ValueError, match="image_token_id"):
+        model.layers[0](bad)
