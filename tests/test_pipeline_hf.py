@@ -227,7 +227,7 @@ def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
 def test_llava_equals_hugging_face_with_text_only_microbatches():
     """LLaVA (CLIP features from layer 2 of 3, class token dropped): image+text and text-only micro-batches
     with the image placeholders give the Hugging Face model's loss and gradients; the ViT layer past the
-    feature layer is held (saved) but gets no gradient there either; text-only ones compute no vision."""
+    feature layer is held (saved) but frozen: no gradient there either; text-only ones compute no vision."""
     from hf_tiny import llava_config
 
     hf = build(llava_config())
@@ -241,6 +241,7 @@ def test_llava_equals_hugging_face_with_text_only_microbatches():
     assert [model.idle_layers(s) for s in shapes] == [0, 4, 0]
     _check_equal(model, ref, batches)
     assert "model.vision_tower.encoder.layers.2.mlp.fc1.weight" in model.param_keys(3).values()
+    assert not any(p.requires_grad for p in model.layers[3].unused2.parameters())
     state = model.layers[0](batches[1])
     assert list(state[0].shape) == [0, 5, 16]
     for i in range(1, 4):
@@ -249,3 +250,27 @@ def test_llava_equals_hugging_face_with_text_only_microbatches():
     bad = dict(batches[0], image_tiles=batches[0]["image_tiles"] * 0)
     with pytest.raises(ValueError, match="image_token_id"):
         model.layers[0](bad)
+
+
+def test_cli_profile_of_a_hugging_face_folder(tmp_path, capsys):
+    """`dynabatch profile --model hf:FOLDER` measures the real model's layers into a loadable cost model
+    (its ModelConfig from the Hugging Face config); hf:config.json works too; a bad spec is refused."""
+    from dynabatch.cli import main
+    from dynabatch.core.cost import CostModel
+
+    torch.set_num_threads(1)
+    hf = build(decoder_config("qwen3"), dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "m")
+    out = tmp_path / "c.json"
+    argv = ["profile", "--model", f"hf:{tmp_path / 'm'}", "--out", str(out), "--rows", "1", "2", "--lengths", "8",
+            "16", "--repeats", "1"]
+    assert main(argv) == 0
+    assert "written to" in capsys.readouterr().out
+    cost = CostModel.load(out)
+    assert cost.table.time_s.shape == (2, 2, 1) and (cost.table.time_s > 0).all()
+    assert (cost.model.hidden, cost.model.kv_dim, cost.model.layers) == (16, 8, 3)
+    assert main(argv[:2] + [f"hf:{tmp_path / 'm' / 'config.json'}"] + argv[3:]) == 0
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", "llama", "--out", str(out)])
+    assert main(["profile", "--model", f"hf:{tmp_path / 'nothing'}", "--out", str(out)]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -15,14 +15,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_tiny import build, decoder_config, grad_gap, t5_config  # noqa: E402
+from hf_tiny import build, decoder_config, grad_gap, llava_config, t5_config  # noqa: E402
 
 from dynabatch.pipeline import MicroBatchShape, PipelineRunner, RunnerConfig, init_pipeline, launch_local  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "adaptive"]
 
 
-def _shapes(collation: str, seq2seq: bool) -> list[MicroBatchShape]:
+def _shapes(collation: str, seq2seq: bool, vision: bool = False) -> list[MicroBatchShape]:
+    if vision:  # image+text and text-only
+        dims = [(3, 20, 4), (2, 9, 0), (1, 12, 2), (4, 7, 0)]
+        return [MicroBatchShape("padded", r, L, tiles=t, time_s=1e-3 * r * L, memory_bytes=1e3 * r * L)
+                for r, L, t in dims]
     if collation == "packed":
         dims = [(3, 9, 0, 17), (2, 8, 0, 11), (1, 6, 0, 6), (4, 5, 0, 14)]
     else:
@@ -32,12 +36,15 @@ def _shapes(collation: str, seq2seq: bool) -> list[MicroBatchShape]:
 
 
 def _config(family: str):
+    if family == "llava":
+        return llava_config()
     return t5_config() if family == "t5" else decoder_config(family, tie_word_embeddings=True)
 
 
-def hf_worker(rank, world, port, cases, schedules):
+def hf_worker(rank, world, port, cases, schedules, bypass=False):
     """Rank side: every ``[family, bounds, collation]`` case under every schedule; per case this stage's
-    largest gradient gap against the Hugging Face reference and the losses."""
+    largest gradient gap against the Hugging Face reference and the losses (``bypass``:
+    RunnerConfig(bypass_idle_stages=True), each micro-batch's entry stage and this stage's seconds)."""
     from dynabatch.pipeline.hf import TiedGradients, from_hf, hf_reference_step
 
     torch.set_default_dtype(torch.float64)
@@ -49,23 +56,25 @@ def hf_worker(rank, world, port, cases, schedules):
                 hf = build(_config(family), seed=1)
                 ref = copy.deepcopy(hf)
                 model = from_hf(hf)
-                runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule=schedule))
+                config = RunnerConfig(schedule=schedule, bypass_idle_stages=bypass)
+                runner = PipelineRunner.from_model(model, ctx, bounds, config)
                 ties = TiedGradients(model, bounds, ctx)
-                shapes = _shapes(collation, family == "t5")
+                shapes = _shapes(collation, family == "t5", family == "llava")
                 gen = torch.Generator().manual_seed(5)
                 batches = [model.random_batch(s, gen) for s in shapes]
-                res = runner.step(shapes, batches if ctx.stage in (0, world - 1) else None)
+                res = runner.step(shapes, batches if ctx.stage in (0, world - 1) or bypass else None)
                 ties.all_reduce()
                 ref_loss, ref_n = hf_reference_step(ref, batches)
                 diff, scale = grad_gap(model, ref, range(bounds[ctx.stage], bounds[ctx.stage + 1]))
                 out.append({"case": [family, collation, schedule], "loss": res.loss, "ref_loss": ref_loss,
                             "tokens": res.num_tokens, "ref_tokens": ref_n, "diff": diff, "scale": scale,
-                            "tied_here": sorted(ties.spans)})
+                            "tied_here": sorted(ties.spans), "entry": runner.entries(shapes).tolist(),
+                            "ran": (res.timing.forward_s + res.timing.backward_s).tolist(), "stage": ctx.stage})
     return out
 
 
-def _run(stages, cases):
-    res = launch_local(f"{__file__}:hf_worker", stages, args=(cases, SCHEDULES), idle_timeout_s=600)
+def _run(stages, cases, bypass=False):
+    res = launch_local(f"{__file__}:hf_worker", stages, args=(cases, SCHEDULES, bypass), idle_timeout_s=600)
     for r in res:
         assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-3000:]}"
         assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
@@ -92,3 +101,15 @@ def test_two_stages_equal_hugging_face_all_schedules():
 def test_three_stages_equal_hugging_face_all_schedules():
     """Mistral (sliding window) packed, tied Llama padded and T5 on 3 gloo stages, each schedule."""
     _run(3, [["mistral", [0, 2, 3, 5], "packed"], ["llama", [0, 1, 4, 5], "padded"], ["t5", [0, 2, 5, 8], "padded"]])
+
+
+def test_llava_text_only_microbatches_bypass_the_vision_stage():
+    """LLaVA on 2 stages cut after the projector, RunnerConfig(bypass_idle_stages=True): a text-only
+    micro-batch enters at stage 1 and runs nothing on the vision stage (0 s measured there); loss and every
+    gradient equal the Hugging Face model's own, for every schedule."""
+    results = _run(2, [["llava", [0, 4, 8], "padded"]], bypass=True)
+    for out in results:
+        for c in out:
+            assert c["entry"] == [0, 1, 0, 1], c
+            skipped = [e > c["stage"] for e in c["entry"]]
+            assert all((t == 0) == s for t, s in zip(c["ran"], skipped)), c

@@ -4,7 +4,8 @@
 Layers, vision first: ``[vision embedding, ViT layer x k, projector, merge, decoder layer x n, head]``
 where ``k`` is the ViT depth the model reads its features from (``vision_feature_layer``; the deeper
 ViT layers and the post-norm are held by the projector layer so checkpoints are complete, but never
-run, as in the Hugging Face model whose loss does not depend on them). The micro-batches are the
+run: the Hugging Face model's loss does not depend on them either, so they are frozen
+(``requires_grad=False``) and no optimizer step (weight decay included) changes them). The micro-batches are the
 `DataLoader`'s vision micro-batches with image placeholders (``image_token_id=`` the model's
 ``config.image_token_id``): ``input_ids``/``attention_mask``/``labels`` [R, L], ``image_tiles`` [R]
 (one tile per image) and ``pixel_values`` [T, 3, S, S]. The merge writes the projected features at
@@ -80,6 +81,8 @@ class Projector(HFLayer):
                  hidden: int):
         super().__init__({"projector": projector, **unused}, prefixes)
         self.drop_cls, self.hidden = drop_cls, hidden
+        for module in unused.values():
+            module.requires_grad_(False)
 
     def forward(self, state: tuple) -> tuple:
         feat = state[0]
