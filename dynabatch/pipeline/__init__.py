@@ -13,6 +13,8 @@
   shards ordered longest-remaining-time-first and spilled to host memory under a device budget (`shards`).
 * `models`: ``gpt-tiny`` and ``t5-tiny`` as layer lists; `vlm`: ``vlm-tiny`` (ViT -> projector -> GPT,
   fed by the DataLoader's image+text micro-batches); `launch`: run N local ranks.
+* `hf`: Hugging Face models as layered models (`from_hf`: Llama-family decoders, T5, LLaVA; each rank
+  loads only its stage; `TiedGradients`; `save_stage`/`merge_stages` checkpoints; docs/pipeline_hf.md).
 * `memory`: the activation bytes a stage keeps for backward (`SavedBytes`, metered per step by the
   runner) and the recompute memory model fitted from them (`measured_stage_memory`).
 * `microbatches`: a loader step's shapes for the runner (`batch_shapes`), the mix a split is profiled
@@ -54,6 +56,7 @@ from .schedule import (
 from .spec import MicroBatchShape, TensorSpec, plan_shapes
 from .weight_prediction import WeightPredictor
 from .multimodel import MultiModelRunner, MultiStepResult, ShardStore
+from .hf import HFLayeredModel, TiedGradients, UnsupportedModel, from_hf, hf_reference_step, merge_stages, save_stage
 from .vlm import (VisionLanguageModel, merged_length, placeholder_mask, vision_calls, vlm_batch_shapes, vlm_tiny,
                   with_placeholders)
 
@@ -70,3 +73,5 @@ __all__ = [
     "with_placeholders",
 ]
 __all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass"]
+__all__ += ["HFLayeredModel", "TiedGradients", "UnsupportedModel", "from_hf", "hf_reference_step", "merge_stages",
+            "save_stage"]
