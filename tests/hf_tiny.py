@@ -81,3 +81,15 @@ def llava_config(**over):
               vision_feature_select_strategy="default", projector_hidden_act="gelu")
     kw.update(over)
     return LlavaConfig(**kw)
+
+
+def bart_config(**over):
+    """A tiny BART config (2 encoder and 2 decoder layers, no dropout or layerdrop)."""
+    from transformers import BartConfig
+
+    kw = dict(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2,
+              scale_embedding=True)
+    kw.update(over)
+    return BartConfig(**kw)

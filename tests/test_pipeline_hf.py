@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_tiny import build, decoder_config, grad_gap, t5_config  # noqa: E402
+from hf_tiny import bart_config, build, decoder_config, grad_gap, t5_config  # noqa: E402
 
 from dynabatch.pipeline import MicroBatchShape, sequential_step  # noqa: E402
 from dynabatch.pipeline.hf import UnsupportedModel, from_hf, hf_reference_step, parameter_bytes  # noqa: E402
@@ -100,6 +100,21 @@ def test_t5_equals_hugging_face_and_sends_no_bias():
         assert all(s.matches(t) for s, t in zip(specs, state)) and len(specs) == len(state)
         sent = sum(t.numel() * t.element_size() for t in state)
         assert sent == sum(s.nbytes for s in specs) == 3 * (40 + 24) * (16 * 8 + 8)
+
+
+def test_bart_equals_hugging_face():
+    """BART (scaled embeddings, learned positions, a non-zero final_logits_bias buffer): loss and gradients
+    equal the model's own; the shared embedding is one tie over the embedding layer and the head."""
+    hf = build(bart_config())
+    with torch.no_grad():
+        hf.final_logits_bias.normal_()
+    ref = copy.deepcopy(hf)
+    model = from_hf(hf)
+    assert len(model.layers) == 6 and model.buffer_keys[-1] == {"final_logits_bias": "final_logits_bias"}
+    assert [i for i, _ in model.tied_parameters()["model.shared.weight"]] == [0, 5]
+    batches = _batches(model, [MicroBatchShape("padded", 3, 10, 6), MicroBatchShape("padded", 2, 7, 9)])
+    batches[0]["decoder_attention_mask"] = (batches[0]["labels"] != -100).long()
+    _check_equal(model, ref, batches)
 
 
 def test_ties_are_one_parameter_and_listed():
@@ -190,14 +205,17 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     assert torch.equal(model.layers[1].block.mlp.up_proj.weight, hf.model.layers[0].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "t5", "bart"])
 def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
     """Each stage (loaded alone from a folder) saves its part; merge_stages writes a save_pretrained folder
     whose from_pretrained model gives the same logits; a missing part or disagreeing tied copies are named."""
     from dynabatch.pipeline.hf import hf_inputs, merge_stages, save_stage
 
-    cfg = t5_config() if family == "t5" else decoder_config("llama", tie_word_embeddings=True)
+    cfg = {"t5": t5_config, "bart": bart_config}.get(family, lambda: decoder_config("llama", tie_word_embeddings=True))()
     hf = build(cfg, dtype=torch.float32)
+    if family == "bart":  # a persistent buffer travels through the stage parts too
+        with torch.no_grad():
+            hf.final_logits_bias.normal_()
     hf.save_pretrained(tmp_path / "src")
     n = len(from_hf(hf).layers)
     bounds = [0, 2, n]
@@ -206,7 +224,7 @@ def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
         save_stage(from_hf(tmp_path / "src", layers=layers), layers, tmp_path / "ckpt", s, 2)
     out = merge_stages(tmp_path / "ckpt", tmp_path / "merged")
     back = type(hf).from_pretrained(out)
-    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 5 if family == "t5" else 0),
+    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 0 if family == "llama" else 5),
                                      torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf(**hf_inputs(batch)).logits, back(**hf_inputs(batch)).logits)

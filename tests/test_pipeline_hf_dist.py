@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_tiny import build, decoder_config, grad_gap, llava_config, t5_config  # noqa: E402
+from hf_tiny import bart_config, build, decoder_config, grad_gap, llava_config, t5_config  # noqa: E402
 
 from dynabatch.pipeline import MicroBatchShape, PipelineRunner, RunnerConfig, init_pipeline, launch_local  # noqa: E402
 
@@ -38,6 +38,8 @@ def _shapes(collation: str, seq2seq: bool, vision: bool = False) -> list[MicroBa
 def _config(family: str):
     if family == "llava":
         return llava_config()
+    if family == "bart":
+        return bart_config()
     return t5_config() if family == "t5" else decoder_config(family, tie_word_embeddings=True)
 
 
@@ -59,7 +61,7 @@ def hf_worker(rank, world, port, cases, schedules, bypass=False):
                 config = RunnerConfig(schedule=schedule, bypass_idle_stages=bypass)
                 runner = PipelineRunner.from_model(model, ctx, bounds, config)
                 ties = TiedGradients(model, bounds, ctx)
-                shapes = _shapes(collation, family == "t5", family == "llava")
+                shapes = _shapes(collation, family in ("t5", "bart"), family == "llava")
                 gen = torch.Generator().manual_seed(5)
                 batches = [model.random_batch(s, gen) for s in shapes]
                 res = runner.step(shapes, batches if ctx.stage in (0, world - 1) or bypass else None)
@@ -88,10 +90,10 @@ def _run(stages, cases, bypass=False):
 
 
 def test_two_stages_equal_hugging_face_all_schedules():
-    """Tied Llama padded and packed, Qwen3 packed, T5 (shared embedding and bias tables on both stages) on
-    2 gloo stages: loss and every gradient equal the Hugging Face model's own, for each schedule."""
+    """Tied Llama padded and packed, Qwen3 packed, T5 (shared embedding and bias tables on both stages), BART
+    on 2 gloo stages: loss and every gradient equal the Hugging Face model's own, for each schedule."""
     results = _run(2, [["llama", [0, 2, 5], "padded"], ["llama", [0, 3, 5], "packed"], ["qwen3", [0, 1, 5], "packed"],
-                       ["t5", [0, 5, 8], "padded"]])
+                       ["t5", [0, 5, 8], "padded"], ["bart", [0, 2, 6], "padded"]])
     tied = {tuple(c["case"]): c["tied_here"] for c in results[0]}
     assert tied[("llama", "padded", "gpipe")] == ["model.embed_tokens.weight"]
     assert tied[("t5", "padded", "1f1b")] == ["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",

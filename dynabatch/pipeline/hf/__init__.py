@@ -1,5 +1,6 @@
 """Hugging Face models as pipeline `LayeredModel`s: decoder-only causal LMs (Llama, Mistral, Qwen2/3,
-Gemma), T5-family encoder-decoders and LLaVA-style vision-language models, recognized by structure.
+Gemma), T5-family and BART-style encoder-decoders and LLaVA-style vision-language models, recognized
+by structure.
 
 * `from_hf(source, layers=...)`: a model object, config or ``save_pretrained`` folder as an
   `HFLayeredModel` (only ``layers`` materialized: a rank's stage, read from safetensors);

@@ -4,8 +4,8 @@
 Layers: ``[embedding, decoder layer x n, head]`` where each middle layer wraps one Hugging Face
 decoder layer unchanged. Boundary state (shapes from the plan alone):
 
-* padded (one sample per row): ``(hidden [R, L, H], attention_mask [R, L] int64, position_ids
-  [R, L] int64)``;
+* padded (one sample per row): ``(hidden [R, L, H], attention_mask [R, L] int64)`` (positions
+  ``0..L-1``, as the model's forward takes them without ``position_ids``);
 * packed (``collate='packed'``, all samples in one row): ``(hidden [1, N, H], position_ids [1, N]
   int64, cu_seqlens [n + 1] int32)``.
 
@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from ...core.cost import ModelConfig
-from ..models import gpt_random_batch
-from ..spec import MicroBatchShape, TensorSpec
+from ..models import _gpt_boundary as decoder_boundary, gpt_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 
 WHAT = "decoder-only causal LM on the common layout (model.embed_tokens, model.layers, model.norm, " \
@@ -52,9 +51,10 @@ def layer_kinds(config, n: int) -> list[str]:
 
 def _unpack_state(state: tuple):
     """(hidden, attention_mask or None, position_ids, cu_seqlens or None) of a padded or packed state."""
-    if len(state) == 3 and state[2].dim() == 1:
+    if len(state) == 3:
         return state[0], None, state[1], state[2]
-    return state[0], state[1], state[2], None
+    h, mask = state
+    return h, mask, torch.arange(h.shape[1], device=h.device)[None], None
 
 
 def packed_kwargs(cu: torch.Tensor | None, attn_implementation: str) -> dict:
@@ -86,9 +86,7 @@ class DecoderEmbedding(HFLayer):
             raise ValueError(f"{self.model_name}: rows holding several samples (collate='packed_rows') would attend "
                              "across samples in a Hugging Face model; use collate='packed' (varlen) or 'padded'")
         mask = batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask.long()
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return h, mask, pos
+        return h, torch.ones_like(ids) if mask is None else mask.long()
 
 
 class DecoderBlock(HFLayer):
@@ -123,20 +121,6 @@ class DecoderHead(HFLayer):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return summed_cross_entropy(logits, batch["labels"], shift=True)
-
-
-def _decoder_boundary(hidden: int, dtype: torch.dtype):
-    def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
-        if shape.packed:
-            n = shape.tokens
-            return (TensorSpec((1, n, hidden), dtype, True), TensorSpec((1, n), torch.int64),
-                    TensorSpec((shape.rows + 1,), torch.int32))
-        if shape.target_len:
-            raise ValueError("a decoder-only model has no decoder tokens; its plan must have target_len 0")
-        r, L = shape.rows, shape.input_len
-        return (TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, L), torch.int64),
-                TensorSpec((r, L), torch.int64))
-    return boundary
 
 
 def cost_config(name: str, kind: str, config, dtype: torch.dtype, **extra) -> ModelConfig:
@@ -190,9 +174,9 @@ def decoder_model(hf_model: nn.Module) -> HFLayeredModel:
                                    {"block": f"{p}.layers.{i}", "rotary": f"{p}.rotary_emb"}))
     layers.append(DecoderHead(inner.norm, hf_model.lm_head, {"norm": f"{p}.norm", "lm_head": "lm_head"},
                               getattr(config, "final_logit_softcapping", None)))
-    keys, ties = name_parameters(hf_model, layers)
+    names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)
     hidden = int(config.hidden_size)
-    return HFLayeredModel(name, "decoder", layers, _decoder_boundary(hidden, dtype),
+    return HFLayeredModel(name, "decoder", layers, decoder_boundary(hidden, dtype),
                           cost_config(name, "decoder", config, dtype), gpt_random_batch(int(config.vocab_size)),
-                          hf_config=config, family="decoder", keys=keys, ties=ties)
+                          hf_config=config, family="decoder", **names)

@@ -27,7 +27,7 @@ from torch import nn
 from ..spec import MicroBatchShape, TensorSpec
 from ..vlm import VisionLanguageModel, placeholder_mask, vlm_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need
-from .decoder import DecoderBlock, DecoderHead, _decoder_boundary, cost_config, layer_kinds
+from .decoder import DecoderBlock, DecoderHead, cost_config, decoder_boundary, layer_kinds
 
 WHAT = "LLaVA-style model (model.vision_tower, model.multi_modal_projector, model.language_model, lm_head)"
 
@@ -94,7 +94,7 @@ class Projector(HFLayer):
 
 class Merge(HFLayer):
     """Token embedding of the ids with the projected tile features scattered at the placeholders; the
-    decoder's padded state (positions ``0..L-1`` as the model's forward)."""
+    decoder's padded state."""
 
     def __init__(self, embed: nn.Module, prefix: str, image_token_id: int):
         super().__init__({"embed": embed}, {"embed": prefix})
@@ -106,7 +106,7 @@ class Merge(HFLayer):
         if feat.shape[0]:
             where = (ids == self.image_token_id).unsqueeze(-1).expand_as(h)
             h = h.masked_scatter(where, feat.reshape(-1, feat.shape[-1]).to(h.dtype))
-        return h, mask, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return h, mask
 
 
 @dataclass
@@ -116,7 +116,7 @@ class HFVisionLanguageModel(HFLayeredModel, VisionLanguageModel):
 
 
 def _boundary(n_vision: int, patches: int, vision_hidden: int, hidden: int, tile_tokens: int, dtype):
-    text = _decoder_boundary(hidden, dtype)
+    text = decoder_boundary(hidden, dtype)
 
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
         if shape.packed or shape.target_len:
@@ -174,7 +174,7 @@ def llava_model(hf_model: nn.Module) -> HFVisionLanguageModel:
                                                                       "rotary": "model.language_model.rotary_emb"}))
     layers.append(DecoderHead(lm.norm, hf_model.lm_head, {"norm": "model.language_model.norm", "lm_head": "lm_head"},
                               getattr(text, "final_logit_softcapping", None)))
-    keys, ties = name_parameters(hf_model, layers)
+    names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)
     vc = config.vision_config
     vh = int(vc.hidden_size)
@@ -186,6 +186,6 @@ def llava_model(hf_model: nn.Module) -> HFVisionLanguageModel:
     make = vlm_random_batch(min(vocab, image_token_id), tile_tokens, tile_size, image_token_id)
     return HFVisionLanguageModel(name, "vision_language", layers, _boundary(n_vision, patches, vh, hidden, tile_tokens,
                                                                               dtype),
-                                 cost, make, hf_config=config, family="llava", keys=keys, ties=ties,
+                                 cost, make, hf_config=config, family="llava", **names,
                                  tile_tokens=tile_tokens, tile_size=tile_size, vision_layers=n_vision,
                                  image_token_id=image_token_id)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import t5_random_batch
-from ..spec import MicroBatchShape, TensorSpec
+from ..models import _t5_boundary as seq2seq_boundary, t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
 
@@ -30,6 +29,14 @@ def _masks():
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     return create_bidirectional_mask, create_causal_mask
+
+
+def decoder_masks(config, dec: torch.Tensor, dmask: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor):
+    """(causal self-attention mask, cross-attention mask) of a decoder layer, from the model's own mask
+    functions, as the Hugging Face decoder stack builds them."""
+    bidirectional, causal = _masks()
+    return (causal(config=config, inputs_embeds=dec, attention_mask=dmask, cache=None),
+            bidirectional(config=config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc))
 
 
 def relative_bias(table: nn.Embedding, attention: nn.Module, q_len: int, k_len: int) -> torch.Tensor:
@@ -105,9 +112,7 @@ class T5DecoderBlock(HFLayer):
 
     def forward(self, state: tuple) -> tuple:
         enc, dec, mask, dmask = state
-        bidirectional, causal = _masks()
-        self_mask = causal(config=self.config, inputs_embeds=dec, attention_mask=dmask, cache=None)
-        cross = bidirectional(config=self.config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc)
+        self_mask, cross = decoder_masks(self.config, dec, dmask, enc, mask)
         bias = relative_bias(self.bias, self.attention[0], dec.shape[1], dec.shape[1])
         return enc, self.block(dec, self_mask, bias, enc, cross, None)[0], mask, dmask
 
@@ -126,18 +131,6 @@ class T5Head(HFLayer):
         if self.scale is not None:
             h = h * self.scale
         return summed_cross_entropy(self.lm_head(h), batch["labels"], shift=False)
-
-
-def _t5_boundary(hidden: int, dtype: torch.dtype):
-    def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
-        if shape.packed:
-            raise ValueError("a T5 model takes padded micro-batches only")
-        if shape.target_len < 1:
-            raise ValueError("an encoder-decoder micro-batch needs target_len >= 1")
-        r, L, T = shape.rows, shape.input_len, shape.target_len
-        return (TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, T, hidden), dtype, True),
-                TensorSpec((r, L), torch.int64), TensorSpec((r, T), torch.int64))
-    return boundary
 
 
 def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
@@ -160,9 +153,9 @@ def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
         layers.append(T5DecoderBlock(block, dec_first, dec.config, {"block": f"decoder.block.{i}",
                                                                      "bias": f"decoder.{bias}"}))
     layers.append(T5Head(hf_model))
-    keys, ties = name_parameters(hf_model, layers)
+    names = name_parameters(hf_model, layers)
     config, dtype = hf_model.config, model_dtype(hf_model)
     cost = cost_config(name, "encoder_decoder", config, dtype, layers=len(enc.block), decoder_layers=len(dec.block))
-    return HFLayeredModel(name, "encoder_decoder", layers, _t5_boundary(int(config.d_model), dtype), cost,
+    return HFLayeredModel(name, "encoder_decoder", layers, seq2seq_boundary(int(config.d_model), dtype), cost,
                           t5_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
-                          keys=keys, ties=ties)
+                          **names)
