@@ -32,10 +32,7 @@ class BartEmbedding(HFLayer):
         enc, dec = model.encoder, model.decoder
         super().__init__({"enc_tokens": enc.embed_tokens, "enc_pos": enc.embed_positions,
                           "enc_norm": enc.layernorm_embedding, "dec_tokens": dec.embed_tokens,
-                          "dec_pos": dec.embed_positions, "dec_norm": dec.layernorm_embedding},
-                         {f"{side}_{part}": f"model.{stack}.{attr}" for side, stack in (("enc", "encoder"), ("dec", "decoder"))
-                          for part, attr in (("tokens", "embed_tokens"), ("pos", "embed_positions"),
-                                             ("norm", "layernorm_embedding"))})
+                          "dec_pos": dec.embed_positions, "dec_norm": dec.layernorm_embedding})
         self.rates, self.model_name = (float(enc.dropout), float(dec.dropout)), name
         self.train(model.training)
 
@@ -59,8 +56,8 @@ class BartEmbedding(HFLayer):
 class BartEncoderLayer(HFLayer):
     """One encoder layer with the bidirectional mask built here."""
 
-    def __init__(self, block: nn.Module, config, prefix: str):
-        super().__init__({"block": block}, {"block": prefix})
+    def __init__(self, block: nn.Module, config):
+        super().__init__({"block": block})
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
@@ -74,7 +71,7 @@ class BartEncoderEnd(HFLayer):
     """The encoder's final ``layer_norm`` (mBART)."""
 
     def __init__(self, norm: nn.Module):
-        super().__init__({"norm": norm}, {"norm": "model.encoder.layer_norm"})
+        super().__init__({"norm": norm})
 
     def forward(self, state: tuple) -> tuple:
         return (self.norm(state[0]), *state[1:])
@@ -83,8 +80,8 @@ class BartEncoderEnd(HFLayer):
 class BartDecoderLayer(HFLayer):
     """One decoder layer: causal self-attention and cross-attention masks built here."""
 
-    def __init__(self, block: nn.Module, config, prefix: str):
-        super().__init__({"block": block}, {"block": prefix})
+    def __init__(self, block: nn.Module, config):
+        super().__init__({"block": block})
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
@@ -99,8 +96,7 @@ class BartHead(HFLayer):
 
     def __init__(self, model: nn.Module):
         norm = getattr(model.model.decoder, "layer_norm", None)
-        super().__init__({"norm": norm if norm is not None else nn.Identity(), "lm_head": model.lm_head},
-                         {"norm": "model.decoder.layer_norm", "lm_head": "lm_head"})
+        super().__init__({"norm": norm if norm is not None else nn.Identity(), "lm_head": model.lm_head})
         bias = getattr(model, "final_logits_bias", None)
         self.register_buffer("final_logits_bias", bias if bias is not None else torch.zeros(1, 1))
 
@@ -121,10 +117,10 @@ def bart_model(hf_model: nn.Module) -> HFLayeredModel:
                                "follow; set encoder_layerdrop = decoder_layerdrop = 0")
     enc, dec = hf_model.model.encoder, hf_model.model.decoder
     layers: list[HFLayer] = [BartEmbedding(hf_model.model, name)]
-    layers += [BartEncoderLayer(b, enc.config, f"model.encoder.layers.{i}") for i, b in enumerate(enc.layers)]
+    layers += [BartEncoderLayer(b, enc.config) for b in enc.layers]
     if getattr(enc, "layer_norm", None) is not None:
         layers.append(BartEncoderEnd(enc.layer_norm))
-    layers += [BartDecoderLayer(b, dec.config, f"model.decoder.layers.{i}") for i, b in enumerate(dec.layers)]
+    layers += [BartDecoderLayer(b, dec.config) for b in dec.layers]
     layers.append(BartHead(hf_model))
     names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)

@@ -4,8 +4,8 @@ knows its parameters' Hugging Face names, the summed loss heads, and the refusal
 An adapter wraps the modules of a ``transformers`` model object (no copy): the layered model's
 parameters *are* the Hugging Face model's, so a tied weight (``lm_head.weight`` is
 ``embed_tokens.weight``) is one Parameter object in every layer that uses it. Each wrapper lists
-the Hugging Face module prefix of each of its sub-modules (``sources``), from which `param_keys`
-names every parameter as the Hugging Face state dict does.
+no module of its own: `name_parameters` names every parameter as the Hugging Face state dict does
+by finding the very Parameter object in the Hugging Face model.
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ class UnsupportedModel(TypeError):
 
 
 class HFLayer(nn.Module):
-    """Base of the adapter layers: ``sources`` maps each attribute holding a Hugging Face module to
-    that module's name in the Hugging Face model (``model.layers.3``), so a parameter's local path
-    ``block.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight`` in the state dict."""
+    """Base of the adapter layers: ``sources`` maps attribute names to the Hugging Face modules the layer
+    runs (registered as its sub-modules, not copied)."""
 
-    def __init__(self, sources: dict[str, nn.Module | None], prefixes: dict[str, str]):
+    def __init__(self, sources: dict[str, nn.Module]):
         super().__init__()
         for attr, module in sources.items():
             setattr(self, attr, module)
-        self.sources = dict(prefixes)
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,8 +70,8 @@ class DecoderEmbedding(HFLayer):
     """Layer 0: ``embed_tokens`` of the micro-batch's ``input_ids``; position ids as the model's forward
     takes them (the batch's, else ``0..L-1``)."""
 
-    def __init__(self, embed: nn.Module, prefix: str, name: str):
-        super().__init__({"embed": embed}, {"embed": prefix})
+    def __init__(self, embed: nn.Module, name: str):
+        super().__init__({"embed": embed})
         self.model_name = name
 
     def forward(self, batch: dict) -> tuple:
@@ -92,8 +92,8 @@ class DecoderEmbedding(HFLayer):
 class DecoderBlock(HFLayer):
     """One Hugging Face decoder layer with its mask and rotary embedding computed from the state."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module, config, kind: str, prefixes: dict[str, str]):
-        super().__init__({"block": block, "rotary": rotary}, prefixes)
+    def __init__(self, block: nn.Module, rotary: nn.Module, config, kind: str):
+        super().__init__({"block": block, "rotary": rotary})
         self.config, self.kind = config, kind
         self.mask_fn = _mask_functions()[kind]
         self.rotary_kind = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -112,8 +112,8 @@ class DecoderHead(HFLayer):
     """Final norm, ``lm_head`` (logit soft-capping where the config has it) and the summed shifted
     next-token loss, as ``ForCausalLMLoss`` with ``num_items_in_batch`` = 1."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, prefixes: dict[str, str], softcap: float | None):
-        super().__init__({"norm": norm, "lm_head": lm_head}, prefixes)
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None):
+        super().__init__({"norm": norm, "lm_head": lm_head})
         self.softcap = softcap
 
     def forward(self, state: tuple, batch: dict):
@@ -139,9 +139,9 @@ def cost_config(name: str, kind: str, config, dtype: torch.dtype, **extra) -> Mo
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), **extra)
 
 
-def decoder_parts(hf_model: nn.Module) -> tuple[nn.Module, str]:
-    """(the inner model holding embed_tokens/layers/norm/rotary_emb, its name prefix), or
-    `UnsupportedModel` naming what is missing."""
+def decoder_parts(hf_model: nn.Module) -> nn.Module:
+    """The inner model holding embed_tokens/layers/norm/rotary_emb, or `UnsupportedModel` naming what is
+    missing."""
     name = type(hf_model).__name__
     prefix = getattr(hf_model, "base_model_prefix", "model") or "model"
     inner = getattr(hf_model, prefix, None)
@@ -158,22 +158,19 @@ def decoder_parts(hf_model: nn.Module) -> tuple[nn.Module, str]:
                                "no position_embeddings (rotary embedding computed outside the layers)")
     if getattr(hf_model.config, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"{name}: use_bidirectional_attention=True is not a causal LM")
-    return inner, prefix
+    return inner
 
 
 def decoder_model(hf_model: nn.Module) -> HFLayeredModel:
     """A decoder-only Hugging Face causal LM as an `HFLayeredModel` ``[embedding, layer x n, head]``
     sharing the model's parameters (see the module docstring for the boundary state)."""
-    inner, p = decoder_parts(hf_model)
+    inner = decoder_parts(hf_model)
     config, name = hf_model.config, type(hf_model).__name__
     blocks = list(inner.layers)
-    kinds = layer_kinds(config, len(blocks))
-    layers: list[HFLayer] = [DecoderEmbedding(inner.embed_tokens, f"{p}.embed_tokens", name)]
-    for i, (block, kind) in enumerate(zip(blocks, kinds)):
-        layers.append(DecoderBlock(block, inner.rotary_emb, config, kind,
-                                   {"block": f"{p}.layers.{i}", "rotary": f"{p}.rotary_emb"}))
-    layers.append(DecoderHead(inner.norm, hf_model.lm_head, {"norm": f"{p}.norm", "lm_head": "lm_head"},
-                              getattr(config, "final_logit_softcapping", None)))
+    layers: list[HFLayer] = [DecoderEmbedding(inner.embed_tokens, name)]
+    layers += [DecoderBlock(block, inner.rotary_emb, config, kind)
+               for block, kind in zip(blocks, layer_kinds(config, len(blocks)))]
+    layers.append(DecoderHead(inner.norm, hf_model.lm_head, getattr(config, "final_logit_softcapping", None)))
     names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)
     hidden = int(config.hidden_size)

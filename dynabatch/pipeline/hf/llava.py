@@ -35,10 +35,9 @@ WHAT = "LLaVA-style model (model.vision_tower, model.multi_modal_projector, mode
 class VisionEmbedding(HFLayer):
     """Layer 0: patch embedding (+ pre-norm where the ViT has one) of ``pixel_values``; passes the text on."""
 
-    def __init__(self, tower: nn.Module, prefix: str, tile_tokens: int, image_token_id: int, name: str):
+    def __init__(self, tower: nn.Module, tile_tokens: int, image_token_id: int, name: str):
         pre = getattr(tower, "pre_layrnorm", None)
-        super().__init__({"embed": tower.embeddings, "pre": pre if pre is not None else nn.Identity()},
-                         {"embed": f"{prefix}.embeddings", "pre": f"{prefix}.pre_layrnorm"})
+        super().__init__({"embed": tower.embeddings, "pre": pre if pre is not None else nn.Identity()})
         self.tile_tokens, self.image_token_id, self.model_name = tile_tokens, image_token_id, name
         self.positions = int(tower.embeddings.num_positions)
 
@@ -63,8 +62,8 @@ class VisionEmbedding(HFLayer):
 class VisionBlock(HFLayer):
     """One ViT encoder layer over the patches of each tile (no mask); skipped on 0 tiles."""
 
-    def __init__(self, block: nn.Module, prefix: str):
-        super().__init__({"block": block}, {"block": prefix})
+    def __init__(self, block: nn.Module):
+        super().__init__({"block": block})
 
     def forward(self, state: tuple) -> tuple:
         if state[0].shape[0] == 0:
@@ -77,9 +76,8 @@ class Projector(HFLayer):
     """Feature selection (``default``: drop the class token) and ``multi_modal_projector``; also holds the
     unused deeper ViT layers and post-norm (never run)."""
 
-    def __init__(self, projector: nn.Module, unused: dict[str, nn.Module], prefixes: dict[str, str], drop_cls: bool,
-                 hidden: int):
-        super().__init__({"projector": projector, **unused}, prefixes)
+    def __init__(self, projector: nn.Module, unused: dict[str, nn.Module], drop_cls: bool, hidden: int):
+        super().__init__({"projector": projector, **unused})
         self.drop_cls, self.hidden = drop_cls, hidden
         for module in unused.values():
             module.requires_grad_(False)
@@ -96,8 +94,8 @@ class Merge(HFLayer):
     """Token embedding of the ids with the projected tile features scattered at the placeholders; the
     decoder's padded state."""
 
-    def __init__(self, embed: nn.Module, prefix: str, image_token_id: int):
-        super().__init__({"embed": embed}, {"embed": prefix})
+    def __init__(self, embed: nn.Module, image_token_id: int):
+        super().__init__({"embed": embed})
         self.image_token_id = image_token_id
 
     def forward(self, state: tuple) -> tuple:
@@ -149,8 +147,7 @@ def llava_model(hf_model: nn.Module) -> HFVisionLanguageModel:
         need(hf_model, part, WHAT, name)
     config = hf_model.config
     tower = hf_model.model.vision_tower
-    tower = getattr(tower, "vision_model", tower)  # CLIPVisionModel / SiglipVisionModel wrap a transformer
-    tp = "model.vision_tower" + (".vision_model" if tower is not hf_model.model.vision_tower else "")
+    tower = getattr(tower, "vision_model", tower)  # a vision model that wraps its transformer
     blocks = need(tower, "encoder.layers", WHAT, f"{name}.vision_tower")
     depth = _depth(config, len(blocks), name)
     drop_cls = config.vision_feature_select_strategy == "default"
@@ -159,21 +156,17 @@ def llava_model(hf_model: nn.Module) -> HFVisionLanguageModel:
     tile_tokens = patches - int(drop_cls)
     lm, text = hf_model.model.language_model, config.text_config
     hidden = int(text.hidden_size)
-    layers: list[HFLayer] = [VisionEmbedding(tower, tp, tile_tokens, image_token_id, name)]
-    layers += [VisionBlock(b, f"{tp}.encoder.layers.{i}") for i, b in enumerate(blocks[:depth])]
+    layers: list[HFLayer] = [VisionEmbedding(tower, tile_tokens, image_token_id, name)]
+    layers += [VisionBlock(b) for b in blocks[:depth]]
     unused = {f"unused{i}": blocks[i] for i in range(depth, len(blocks))}
-    prefixes = {"projector": "model.multi_modal_projector", **{f"unused{i}": f"{tp}.encoder.layers.{i}"
-                                                                for i in range(depth, len(blocks))}}
     if getattr(tower, "post_layernorm", None) is not None:
-        unused["post_norm"], prefixes["post_norm"] = tower.post_layernorm, f"{tp}.post_layernorm"
-    layers.append(Projector(hf_model.model.multi_modal_projector, unused, prefixes, drop_cls, hidden))
+        unused["post_norm"] = tower.post_layernorm
+    layers.append(Projector(hf_model.model.multi_modal_projector, unused, drop_cls, hidden))
     n_vision = len(layers)
-    layers.append(Merge(lm.embed_tokens, "model.language_model.embed_tokens", image_token_id))
-    for i, (block, kind) in enumerate(zip(lm.layers, layer_kinds(text, len(lm.layers)))):
-        layers.append(DecoderBlock(block, lm.rotary_emb, text, kind, {"block": f"model.language_model.layers.{i}",
-                                                                      "rotary": "model.language_model.rotary_emb"}))
-    layers.append(DecoderHead(lm.norm, hf_model.lm_head, {"norm": "model.language_model.norm", "lm_head": "lm_head"},
-                              getattr(text, "final_logit_softcapping", None)))
+    layers.append(Merge(lm.embed_tokens, image_token_id))
+    layers += [DecoderBlock(block, lm.rotary_emb, text, kind)
+               for block, kind in zip(lm.layers, layer_kinds(text, len(lm.layers)))]
+    layers.append(DecoderHead(lm.norm, hf_model.lm_head, getattr(text, "final_logit_softcapping", None)))
     names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)
     vc = config.vision_config

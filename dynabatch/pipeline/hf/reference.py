@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from .common import summed_cross_entropy

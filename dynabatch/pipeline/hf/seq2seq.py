@@ -54,8 +54,7 @@ class T5Embedding(HFLayer):
     """Layer 0: ``shared`` embedding of ``input_ids`` and ``decoder_input_ids``, each stack's dropout."""
 
     def __init__(self, model: nn.Module, name: str):
-        super().__init__({"embed": model.shared, "enc_drop": model.encoder.dropout, "dec_drop": model.decoder.dropout},
-                         {"embed": "shared", "enc_drop": "encoder.dropout", "dec_drop": "decoder.dropout"})
+        super().__init__({"embed": model.shared, "enc_drop": model.encoder.dropout, "dec_drop": model.decoder.dropout})
         self.model_name = name
 
     def forward(self, batch: dict) -> tuple:
@@ -76,8 +75,8 @@ class T5Embedding(HFLayer):
 class T5EncoderBlock(HFLayer):
     """One encoder ``T5Block`` with the bidirectional mask and the relative bias computed here."""
 
-    def __init__(self, block: nn.Module, first: nn.Module, config, prefixes: dict[str, str]):
-        super().__init__({"block": block, "bias": first.relative_attention_bias}, prefixes)
+    def __init__(self, block: nn.Module, first: nn.Module, config):
+        super().__init__({"block": block, "bias": first.relative_attention_bias})
         self.attention = [first]  # block 0's attention for its bucketing (a list: not a sub-module)
         self.config = config
 
@@ -93,8 +92,7 @@ class T5EncoderEnd(HFLayer):
     """The encoder's final norm and dropout on the encoder hidden states."""
 
     def __init__(self, stack: nn.Module):
-        super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout},
-                         {"norm": "encoder.final_layer_norm", "drop": "encoder.dropout"})
+        super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout})
 
     def forward(self, state: tuple) -> tuple:
         enc, dec, mask, dmask = state
@@ -105,8 +103,8 @@ class T5DecoderBlock(HFLayer):
     """One decoder ``T5Block``: causal self-attention with the relative bias computed here,
     cross-attention to the encoder output (no bias, as in T5)."""
 
-    def __init__(self, block: nn.Module, first: nn.Module, config, prefixes: dict[str, str]):
-        super().__init__({"block": block, "bias": first.relative_attention_bias}, prefixes)
+    def __init__(self, block: nn.Module, first: nn.Module, config):
+        super().__init__({"block": block, "bias": first.relative_attention_bias})
         self.attention = [first]
         self.config = config
 
@@ -122,8 +120,7 @@ class T5Head(HFLayer):
     ``decoder_input_ids`` are the labels shifted right)."""
 
     def __init__(self, model: nn.Module):
-        super().__init__({"norm": model.decoder.final_layer_norm, "drop": model.decoder.dropout, "lm_head": model.lm_head},
-                         {"norm": "decoder.final_layer_norm", "drop": "decoder.dropout", "lm_head": "lm_head"})
+        super().__init__({"norm": model.decoder.final_layer_norm, "drop": model.decoder.dropout, "lm_head": model.lm_head})
         self.scale = model.model_dim ** -0.5 if getattr(model.config, "scale_decoder_outputs", False) else None
 
     def forward(self, state: tuple, batch: dict):
@@ -144,14 +141,9 @@ def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
     if not getattr(enc_first, "has_relative_attention_bias", False):
         raise UnsupportedModel(f"{name} is not a {WHAT}: encoder block 0 has no relative attention bias")
     layers: list[HFLayer] = [T5Embedding(hf_model, name)]
-    bias = "block.0.layer.0.SelfAttention.relative_attention_bias"
-    for i, block in enumerate(enc.block):
-        layers.append(T5EncoderBlock(block, enc_first, enc.config, {"block": f"encoder.block.{i}",
-                                                                     "bias": f"encoder.{bias}"}))
+    layers += [T5EncoderBlock(block, enc_first, enc.config) for block in enc.block]
     layers.append(T5EncoderEnd(enc))
-    for i, block in enumerate(dec.block):
-        layers.append(T5DecoderBlock(block, dec_first, dec.config, {"block": f"decoder.block.{i}",
-                                                                     "bias": f"decoder.{bias}"}))
+    layers += [T5DecoderBlock(block, dec_first, dec.config) for block in dec.block]
     layers.append(T5Head(hf_model))
     names = name_parameters(hf_model, layers)
     config, dtype = hf_model.config, model_dtype(hf_model)
