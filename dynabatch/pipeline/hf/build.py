@@ -105,7 +105,8 @@ def from_hf(source, *, layers: range | None = None, weights: str | Path | Mappin
     (every rank builds the same). ``layers``: materialize only these layers (a rank's stage, e.g.
     ``StagePartition.layers_of(stage)``); the others stay on the meta device. ``dtype``: parameter
     dtype (default torch's default); ``attn_implementation``: ``sdpa``, ``eager``, ``flex_attention``,
-    ``flash_attention_2``, ... (default: the config's)."""
+    ``flash_attention_2``, ... (default: the config's); ``device``: where loaded weights are placed
+    (a randomly initialized model stays on the CPU until the runner moves its stage)."""
     if isinstance(source, nn.Module):
         if layers is not None or weights is not None:
             raise ValueError("from_hf(model object) wraps the model as it is: pass a config or folder to load a stage")
