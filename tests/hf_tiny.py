@@ -44,7 +44,7 @@ def t5_config(**over):
 
 def build(config, seed: int = 0, dtype=torch.float64):
     """The Hugging Face model of ``config``, seeded, in ``dtype``."""
-    from dynabatch.pipeline.hf import build_model
+    from dynabatch.pipeline.models.hf import build_model
 
     torch.manual_seed(seed)
     return build_model(config, empty=False, dtype=dtype)
@@ -61,6 +61,35 @@ def grad_gap(model, ref, layers=None) -> tuple[float, float]:
             p, q = layer.get_parameter(path), named[key]
             if p.is_meta:
                 continue
+            if p.grad is None or q.grad is None:  # unused (LLaVA's ViT layers past the feature layer): both
+                assert p.grad is None and q.grad is None, (i, path)
+                continue
             diff = max(diff, float((p.grad - q.grad).abs().max()))
             scale = max(scale, float(q.grad.abs().max()))
     return diff, scale
+
+
+def llava_config(**over):
+    """A tiny LLaVA config: CLIP ViT (3 layers, 28 px tiles of 14 px patches: 4 patches + class token; the
+    features from layer 2 of 3), Llama text model, image placeholder id 63 (the last id)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=16)
+    text = LlamaConfig(**{**TEXT, "num_hidden_layers": 2})
+    kw = dict(vision_config=vision, text_config=text, image_token_id=63, vision_feature_layer=-2,
+              vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    kw.update(over)
+    return LlavaConfig(**kw)
+
+
+def bart_config(**over):
+    """A tiny BART config (2 encoder and 2 decoder layers, no dropout or layerdrop)."""
+    from transformers import BartConfig
+
+    kw = dict(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2,
+              scale_embedding=True)
+    kw.update(over)
+    return BartConfig(**kw)

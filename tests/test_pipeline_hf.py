@@ -14,10 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_tiny import build, decoder_config, grad_gap, t5_config  # noqa: E402
+from hf_tiny import bart_config, build, decoder_config, grad_gap, t5_config  # noqa: E402
 
 from dynabatch.pipeline import MicroBatchShape, sequential_step  # noqa: E402
-from dynabatch.pipeline.hf import UnsupportedModel, from_hf, hf_reference_step, parameter_bytes  # noqa: E402
+from dynabatch.pipeline.models.hf import UnsupportedModel, from_hf, hf_reference_step, parameter_bytes  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 PADDED = [MicroBatchShape("padded", 3, 10), MicroBatchShape("padded", 2, 13)]
@@ -100,6 +100,21 @@ def test_t5_equals_hugging_face_and_sends_no_bias():
         assert all(s.matches(t) for s, t in zip(specs, state)) and len(specs) == len(state)
         sent = sum(t.numel() * t.element_size() for t in state)
         assert sent == sum(s.nbytes for s in specs) == 3 * (40 + 24) * (16 * 8 + 8)
+
+
+def test_bart_equals_hugging_face():
+    """BART (scaled embeddings, learned positions, a non-zero final_logits_bias buffer): loss and gradients
+    equal the model's own; the shared embedding is one tie over the embedding layer and the head."""
+    hf = build(bart_config())
+    with torch.no_grad():
+        hf.final_logits_bias.normal_()
+    ref = copy.deepcopy(hf)
+    model = from_hf(hf)
+    assert len(model.layers) == 6 and model.buffer_keys[-1] == {"final_logits_bias": "final_logits_bias"}
+    assert [i for i, _ in model.tied_parameters()["model.shared.weight"]] == [0, 5]
+    batches = _batches(model, [MicroBatchShape("padded", 3, 10, 6), MicroBatchShape("padded", 2, 7, 9)])
+    batches[0]["decoder_attention_mask"] = (batches[0]["labels"] != -100).long()
+    _check_equal(model, ref, batches)
 
 
 def test_ties_are_one_parameter_and_listed():
@@ -190,14 +205,17 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     assert torch.equal(model.layers[1].block.mlp.up_proj.weight, hf.model.layers[0].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "t5", "bart"])
 def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
     """Each stage (loaded alone from a folder) saves its part; merge_stages writes a save_pretrained folder
     whose from_pretrained model gives the same logits; a missing part or disagreeing tied copies are named."""
-    from dynabatch.pipeline.hf import hf_inputs, merge_stages, save_stage
+    from dynabatch.pipeline.models.hf import hf_inputs, merge_stages, save_stage
 
-    cfg = t5_config() if family == "t5" else decoder_config("llama", tie_word_embeddings=True)
+    cfg = {"t5": t5_config, "bart": bart_config}.get(family, lambda: decoder_config("llama", tie_word_embeddings=True))()
     hf = build(cfg, dtype=torch.float32)
+    if family == "bart":  # a persistent buffer travels through the stage parts too
+        with torch.no_grad():
+            hf.final_logits_bias.normal_()
     hf.save_pretrained(tmp_path / "src")
     n = len(from_hf(hf).layers)
     bounds = [0, 2, n]
@@ -206,7 +224,7 @@ def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
         save_stage(from_hf(tmp_path / "src", layers=layers), layers, tmp_path / "ckpt", s, 2)
     out = merge_stages(tmp_path / "ckpt", tmp_path / "merged")
     back = type(hf).from_pretrained(out)
-    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 5 if family == "t5" else 0),
+    batch = from_hf(hf).random_batch(MicroBatchShape("padded", 2, 7, 0 if family == "llama" else 5),
                                      torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf(**hf_inputs(batch)).logits, back(**hf_inputs(batch)).logits)
@@ -222,3 +240,55 @@ def test_stage_checkpoints_merge_into_a_loadable_folder(tmp_path, family):
     (tmp_path / "ckpt" / "stage-00001-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"lacks stage part\(s\) \['stage-00001-of-00002.safetensors'\]"):
         merge_stages(tmp_path / "ckpt", tmp_path / "m3")
+
+
+def test_llava_equals_hugging_face_with_text_only_microbatches():
+    """LLaVA (CLIP features from layer 2 of 3, class token dropped): image+text and text-only micro-batches
+    with the image placeholders give the Hugging Face model's loss and gradients; the ViT layer past the
+    feature layer is held (saved) but frozen: no gradient there either; text-only ones compute no vision."""
+    from hf_tiny import llava_config
+
+    hf = build(llava_config())
+    ref = copy.deepcopy(hf)
+    model = from_hf(hf)
+    assert (len(model.layers), model.vision_layers, model.tile_tokens, model.image_token_id) == (8, 4, 4, 63)
+    shapes = [MicroBatchShape("padded", 3, 20, tiles=4), MicroBatchShape("padded", 2, 9),
+              MicroBatchShape("padded", 1, 12, tiles=2)]
+    batches = _batches(model, shapes)
+    assert model.batch_shapes(batches) == shapes
+    assert [model.idle_layers(s) for s in shapes] == [0, 4, 0]
+    _check_equal(model, ref, batches)
+    assert "model.vision_tower.encoder.layers.2.mlp.fc1.weight" in model.param_keys(3).values()
+    assert not any(p.requires_grad for p in model.layers[3].unused2.parameters())
+    state = model.layers[0](batches[1])
+    assert list(state[0].shape) == [0, 5, 16]
+    for i in range(1, 4):
+        state = model.layers[i](state)
+        assert all(s.matches(t) for s, t in zip(model.boundary(shapes[1], i), state))
+    bad = dict(batches[0], image_tiles=batches[0]["image_tiles"] * 0)
+    with pytest.raises(ValueError, match="image_token_id"):
+        model.layers[0](bad)
+
+
+def test_cli_profile_of_a_hugging_face_folder(tmp_path, capsys):
+    """`dynabatch profile --model hf:FOLDER` measures the real model's layers into a loadable cost model
+    (its ModelConfig from the Hugging Face config); hf:config.json works too; a bad spec is refused."""
+    from dynabatch.cli import main
+    from dynabatch.core.cost import CostModel
+
+    torch.set_num_threads(1)
+    hf = build(decoder_config("qwen3"), dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "m")
+    out = tmp_path / "c.json"
+    argv = ["profile", "--model", f"hf:{tmp_path / 'm'}", "--out", str(out), "--rows", "1", "2", "--lengths", "8",
+            "16", "--repeats", "1"]
+    assert main(argv) == 0
+    assert "written to" in capsys.readouterr().out
+    cost = CostModel.load(out)
+    assert cost.table.time_s.shape == (2, 2, 1) and (cost.table.time_s > 0).all()
+    assert (cost.model.hidden, cost.model.kv_dim, cost.model.layers) == (16, 8, 3)
+    assert main(argv[:2] + [f"hf:{tmp_path / 'm' / 'config.json'}"] + argv[3:]) == 0
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", "llama", "--out", str(out)])
+    assert main(["profile", "--model", f"hf:{tmp_path / 'nothing'}", "--out", str(out)]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -8,7 +8,7 @@ Sections, in order (each in its own module):
 * ``cost_model`` (`dynabatch.bench.gpu_cost`): the device preset's predictions against the profiled
   Llama-style model on FLAN-like micro-batches; the profiled cost model saved as ``cost_model.json``;
 * ``training`` (`dynabatch.bench.gpu_train`): dp, dp_varlen, pack, token_budget and pad training the
-  model through `dynabatch.pipeline.hf` on one stage, interleaved on the same global batches;
+  model through `dynabatch.pipeline.models.hf` on one stage, interleaved on the same global batches;
 * ``recompute`` (`dynabatch.bench.gpu_train`): adaptive recomputation under a device memory limit
   against full recomputation;
 * ``multimodel`` (`dynabatch.bench.gpu_multi`): two models on one GPU under a budget that forces

@@ -99,13 +99,13 @@ def prepare_data(cfg: GpuBenchConfig, tmp: str) -> tuple[tuple, str]:
 
 class ModelFactory:
     """The bench's Hugging Face Llama model, built once (seeded, random weights) on the device;
-    `fresh` gives an independent `dynabatch.pipeline.hf.HFLayeredModel` copy of that initialization."""
+    `fresh` gives an independent `dynabatch.pipeline.models.hf.HFLayeredModel` copy of that initialization."""
 
     def __init__(self, cfg: GpuBenchConfig):
         import torch
         from transformers import LlamaConfig
 
-        from ..pipeline.hf import build_model
+        from ..pipeline.models.hf import build_model
 
         config = LlamaConfig(**cfg.llama)
         config._attn_implementation = cfg.attn_implementation  # sdpa by default: no flash-attn package assumed
@@ -118,7 +118,7 @@ class ModelFactory:
 
     def fresh(self):
         """A new `HFLayeredModel` with the same initial weights (its own parameters)."""
-        from ..pipeline.hf import adapt
+        from ..pipeline.models.hf import adapt
 
         return adapt(copy.deepcopy(self.base))
 

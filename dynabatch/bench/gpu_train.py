@@ -1,5 +1,5 @@
 """``dynabatch bench gpu``: single-GPU training of the bench's Llama model through the library's
-adapters (`dynabatch.pipeline.hf`, one pipeline stage), and adaptive recomputation under a device
+adapters (`dynabatch.pipeline.models.hf`, one pipeline stage), and adaptive recomputation under a device
 memory limit.
 
 Training section: every method of `GPU_METHODS` trains its own copy of the same initialization on

@@ -5,7 +5,9 @@ Three subpackages, each importing only the ones listed before it:
 * `models`: what runs. `LayeredModel` (an ordered list of layers, its boundary `TensorSpec` s per
   `MicroBatchShape`, parameters shared between layers), the tiny models ``gpt-tiny``, ``t5-tiny`` and
   ``vlm-tiny`` (`make_model`), and the stage split (`balanced_partition`, `split_model` ->
-  `PipelineStage`).
+  `PipelineStage`); `models.hf`: users' Hugging Face models as layered models (`from_hf`: Llama-family
+  decoders, T5/BART, LLaVA; each rank loads only its stage; `save_stage`/`merge_stages` checkpoints;
+  docs/pipeline_hf.md).
 * `measure`: what is measured. `StepTiming`/`StepResult`, activation bytes (`SavedBytes`,
   `measured_stage_memory`), per-layer costs (`profile_layers`, `search_partition`: one split agreed
   across ranks), profiled cost models (`dynabatch profile`), the mix a split is profiled on.
@@ -33,6 +35,7 @@ from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistC
                       ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor, adaptive_orders,
                       build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
                       run_program, sequential_step, stage_orders, tie_stages)
+from .models.hf import HFLayeredModel, UnsupportedModel, from_hf, hf_reference_step, merge_stages, save_stage
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -47,3 +50,4 @@ __all__ = [
     "with_placeholders",
 ]
 __all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]
+__all__ += ["HFLayeredModel", "UnsupportedModel", "from_hf", "hf_reference_step", "merge_stages", "save_stage"]

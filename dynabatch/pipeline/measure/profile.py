@@ -133,8 +133,10 @@ def add_profile_command(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  dynabatch profile --model gpt-tiny --device cpu --out costs.json\n"
                               "  dynabatch profile --model t5-tiny --rows 1 4 --lengths 32 64 --target-lengths 8 16 "
-                              "--out t5.json")
-    p.add_argument("--model", choices=MODELS, default="gpt-tiny", help="model to profile (default gpt-tiny)")
+                              "--out t5.json\n  dynabatch profile --model hf:path/to/llama --lengths 64 128 --out llama.json")
+    p.add_argument("--model", type=_model_spec, default="gpt-tiny",
+                   help=f"model to profile: one of {', '.join(MODELS)}, or hf:PATH for a Hugging Face save_pretrained "
+                        "folder or config.json (random weights from a config; default gpt-tiny)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default cpu)")
     p.add_argument("--out", required=True, help="where to write the cost model (JSON)")
     p.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="rows per micro-batch")
@@ -149,9 +151,32 @@ def add_profile_command(sub) -> None:
     p.set_defaults(func=_cmd_profile)
 
 
+def _model_spec(text: str) -> str:
+    """``--model``: a tiny model's name or ``hf:PATH`` (argparse type; a clear error otherwise)."""
+    from ..models import MODELS
+
+    if text in MODELS or (text.startswith("hf:") and len(text) > 3):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(MODELS)} nor hf:PATH")
+
+
+def load_model(spec: str, *, seed: int = 0, **overrides):
+    """The `LayeredModel` a ``--model`` names: a tiny model (sizes overridden by ``overrides``) or, for
+    ``hf:PATH``, the Hugging Face model of a ``save_pretrained`` folder (its weights) or a
+    ``config.json`` (random weights from ``seed``), through `dynabatch.pipeline.from_hf`."""
+    from ..models import make_model
+
+    if not spec.startswith("hf:"):
+        return make_model(spec, seed=seed, **overrides)
+    if overrides:
+        raise ValueError(f"--hidden/--layers resize the tiny models only; edit the config of {spec[3:]} instead")
+    from ..models.hf import from_hf
+
+    return from_hf(spec[3:], seed=seed)
+
+
 def _cmd_profile(args) -> int:
     from ...core.cost import describe
-    from ..models import make_model
 
     over = {}
     if args.hidden:
@@ -162,7 +187,11 @@ def _cmd_profile(args) -> int:
         if grid is not None and (len(grid) == 0 or any(b <= a for a, b in zip(grid[:-1], grid[1:])) or min(grid) < 1):
             print(f"dynabatch profile: error: --{name} must be positive and strictly increasing", file=sys.stderr)
             return 2
-    model = make_model(args.model, seed=args.seed, **over)
+    try:
+        model = load_model(args.model, seed=args.seed, **over)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"dynabatch profile: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
 
     def progress(done, total):

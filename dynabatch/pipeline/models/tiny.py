@@ -216,6 +216,8 @@ class GPTHead(nn.Module):
 
 
 def _gpt_boundary(hidden: int, dtype: torch.dtype):
+    """The decoder state's specs (gpt-tiny, Hugging Face decoder adapters): padded ``(hidden, [rows, L]
+    int64)``, packed ``(hidden [1, N], position_ids [1, N], cu_seqlens [n + 1])``."""
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
         if shape.packed:
             n = shape.tokens
@@ -362,9 +364,11 @@ class T5Head(nn.Module):
 
 
 def _t5_boundary(hidden: int, dtype: torch.dtype):
+    """The encoder-decoder state's specs (t5-tiny, Hugging Face T5/BART adapters): both hidden states and
+    both [rows, len] masks."""
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
         if shape.packed:
-            raise ValueError("t5-tiny takes padded micro-batches only")
+            raise ValueError("an encoder-decoder model takes padded micro-batches only")
         if shape.target_len < 1:
             raise ValueError("an encoder-decoder micro-batch needs target_len >= 1")
         r, L, T = shape.rows, shape.input_len, shape.target_len

@@ -1,5 +1,6 @@
 """Hugging Face models as pipeline `LayeredModel`s: decoder-only causal LMs (Llama, Mistral, Qwen2/3,
-Gemma), T5-family encoder-decoders and LLaVA-style vision-language models, recognized by structure.
+Gemma), T5-family and BART-style encoder-decoders and LLaVA-style vision-language models, recognized
+by structure.
 
 * `from_hf(source, layers=...)`: a model object, config or ``save_pretrained`` folder as an
   `HFLayeredModel` (only ``layers`` materialized: a rank's stage, read from safetensors);
@@ -15,9 +16,8 @@ from .build import adapt, build_model, from_hf
 from .checkpoint import merge_stages, save_stage
 from .common import HFLayeredModel, UnsupportedModel
 from .reference import hf_inputs, hf_reference_step
-from .ties import TiedGradients, tie_stages
 from .weights import WeightSource, materialize, parameter_bytes
 
 __all__ = ["from_hf", "adapt", "build_model", "HFLayeredModel", "UnsupportedModel", "hf_inputs", "hf_reference_step",
-           "WeightSource", "materialize", "parameter_bytes", "TiedGradients", "tie_stages",
+           "WeightSource", "materialize", "parameter_bytes",
            "save_stage", "merge_stages"]

@@ -4,8 +4,8 @@
 Layers: ``[embedding, decoder layer x n, head]`` where each middle layer wraps one Hugging Face
 decoder layer unchanged. Boundary state (shapes from the plan alone):
 
-* padded (one sample per row): ``(hidden [R, L, H], attention_mask [R, L] int64, position_ids
-  [R, L] int64)``;
+* padded (one sample per row): ``(hidden [R, L, H], attention_mask [R, L] int64)`` (positions
+  ``0..L-1``, as the model's forward takes them without ``position_ids``);
 * packed (``collate='packed'``, all samples in one row): ``(hidden [1, N, H], position_ids [1, N]
   int64, cu_seqlens [n + 1] int32)``.
 
@@ -25,9 +25,8 @@ import inspect
 import torch
 from torch import nn
 
-from ...core.cost import ModelConfig
-from ..models import gpt_random_batch
-from ..spec import MicroBatchShape, TensorSpec
+from ....core.cost import ModelConfig
+from ..tiny import _gpt_boundary as decoder_boundary, gpt_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 
 WHAT = "decoder-only causal LM on the common layout (model.embed_tokens, model.layers, model.norm, " \
@@ -52,9 +51,10 @@ def layer_kinds(config, n: int) -> list[str]:
 
 def _unpack_state(state: tuple):
     """(hidden, attention_mask or None, position_ids, cu_seqlens or None) of a padded or packed state."""
-    if len(state) == 3 and state[2].dim() == 1:
+    if len(state) == 3:
         return state[0], None, state[1], state[2]
-    return state[0], state[1], state[2], None
+    h, mask = state
+    return h, mask, torch.arange(h.shape[1], device=h.device)[None], None
 
 
 def packed_kwargs(cu: torch.Tensor | None, attn_implementation: str) -> dict:
@@ -70,8 +70,8 @@ class DecoderEmbedding(HFLayer):
     """Layer 0: ``embed_tokens`` of the micro-batch's ``input_ids``; position ids as the model's forward
     takes them (the batch's, else ``0..L-1``)."""
 
-    def __init__(self, embed: nn.Module, prefix: str, name: str):
-        super().__init__({"embed": embed}, {"embed": prefix})
+    def __init__(self, embed: nn.Module, name: str):
+        super().__init__({"embed": embed})
         self.model_name = name
 
     def forward(self, batch: dict) -> tuple:
@@ -86,16 +86,14 @@ class DecoderEmbedding(HFLayer):
             raise ValueError(f"{self.model_name}: rows holding several samples (collate='packed_rows') would attend "
                              "across samples in a Hugging Face model; use collate='packed' (varlen) or 'padded'")
         mask = batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask.long()
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return h, mask, pos
+        return h, torch.ones_like(ids) if mask is None else mask.long()
 
 
 class DecoderBlock(HFLayer):
     """One Hugging Face decoder layer with its mask and rotary embedding computed from the state."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module, config, kind: str, prefixes: dict[str, str]):
-        super().__init__({"block": block, "rotary": rotary}, prefixes)
+    def __init__(self, block: nn.Module, rotary: nn.Module, config, kind: str):
+        super().__init__({"block": block, "rotary": rotary})
         self.config, self.kind = config, kind
         self.mask_fn = _mask_functions()[kind]
         self.rotary_kind = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -114,8 +112,8 @@ class DecoderHead(HFLayer):
     """Final norm, ``lm_head`` (logit soft-capping where the config has it) and the summed shifted
     next-token loss, as ``ForCausalLMLoss`` with ``num_items_in_batch`` = 1."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, prefixes: dict[str, str], softcap: float | None):
-        super().__init__({"norm": norm, "lm_head": lm_head}, prefixes)
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None):
+        super().__init__({"norm": norm, "lm_head": lm_head})
         self.softcap = softcap
 
     def forward(self, state: tuple, batch: dict):
@@ -123,20 +121,6 @@ class DecoderHead(HFLayer):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return summed_cross_entropy(logits, batch["labels"], shift=True)
-
-
-def _decoder_boundary(hidden: int, dtype: torch.dtype):
-    def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
-        if shape.packed:
-            n = shape.tokens
-            return (TensorSpec((1, n, hidden), dtype, True), TensorSpec((1, n), torch.int64),
-                    TensorSpec((shape.rows + 1,), torch.int32))
-        if shape.target_len:
-            raise ValueError("a decoder-only model has no decoder tokens; its plan must have target_len 0")
-        r, L = shape.rows, shape.input_len
-        return (TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, L), torch.int64),
-                TensorSpec((r, L), torch.int64))
-    return boundary
 
 
 def cost_config(name: str, kind: str, config, dtype: torch.dtype, **extra) -> ModelConfig:
@@ -155,9 +139,9 @@ def cost_config(name: str, kind: str, config, dtype: torch.dtype, **extra) -> Mo
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), **extra)
 
 
-def decoder_parts(hf_model: nn.Module) -> tuple[nn.Module, str]:
-    """(the inner model holding embed_tokens/layers/norm/rotary_emb, its name prefix), or
-    `UnsupportedModel` naming what is missing."""
+def decoder_parts(hf_model: nn.Module) -> nn.Module:
+    """The inner model holding embed_tokens/layers/norm/rotary_emb, or `UnsupportedModel` naming what is
+    missing."""
     name = type(hf_model).__name__
     prefix = getattr(hf_model, "base_model_prefix", "model") or "model"
     inner = getattr(hf_model, prefix, None)
@@ -174,25 +158,22 @@ def decoder_parts(hf_model: nn.Module) -> tuple[nn.Module, str]:
                                "no position_embeddings (rotary embedding computed outside the layers)")
     if getattr(hf_model.config, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"{name}: use_bidirectional_attention=True is not a causal LM")
-    return inner, prefix
+    return inner
 
 
 def decoder_model(hf_model: nn.Module) -> HFLayeredModel:
     """A decoder-only Hugging Face causal LM as an `HFLayeredModel` ``[embedding, layer x n, head]``
     sharing the model's parameters (see the module docstring for the boundary state)."""
-    inner, p = decoder_parts(hf_model)
+    inner = decoder_parts(hf_model)
     config, name = hf_model.config, type(hf_model).__name__
     blocks = list(inner.layers)
-    kinds = layer_kinds(config, len(blocks))
-    layers: list[HFLayer] = [DecoderEmbedding(inner.embed_tokens, f"{p}.embed_tokens", name)]
-    for i, (block, kind) in enumerate(zip(blocks, kinds)):
-        layers.append(DecoderBlock(block, inner.rotary_emb, config, kind,
-                                   {"block": f"{p}.layers.{i}", "rotary": f"{p}.rotary_emb"}))
-    layers.append(DecoderHead(inner.norm, hf_model.lm_head, {"norm": f"{p}.norm", "lm_head": "lm_head"},
-                              getattr(config, "final_logit_softcapping", None)))
-    keys, ties = name_parameters(hf_model, layers)
+    layers: list[HFLayer] = [DecoderEmbedding(inner.embed_tokens, name)]
+    layers += [DecoderBlock(block, inner.rotary_emb, config, kind)
+               for block, kind in zip(blocks, layer_kinds(config, len(blocks)))]
+    layers.append(DecoderHead(inner.norm, hf_model.lm_head, getattr(config, "final_logit_softcapping", None)))
+    names = name_parameters(hf_model, layers)
     dtype = model_dtype(hf_model)
     hidden = int(config.hidden_size)
-    return HFLayeredModel(name, "decoder", layers, _decoder_boundary(hidden, dtype),
+    return HFLayeredModel(name, "decoder", layers, decoder_boundary(hidden, dtype),
                           cost_config(name, "decoder", config, dtype), gpt_random_batch(int(config.vocab_size)),
-                          hf_config=config, family="decoder", keys=keys, ties=ties)
+                          hf_config=config, family="decoder", **names)

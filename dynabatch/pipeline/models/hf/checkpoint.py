@@ -37,6 +37,8 @@ def save_stage(model: HFLayeredModel, layers: range, folder: str | Path, stage: 
                 raise ValueError(f"{model.name}: layer {i} ({path}) is not materialized on this rank; save the layers "
                                  "this stage holds")
             tensors.setdefault(key, p.detach().to("cpu").contiguous())
+        for path, key in model.buffer_keys[i].items():
+            tensors.setdefault(key, model.layers[i].get_buffer(path).to("cpu").contiguous())
     part = folder / PART.format(stage, num_stages)
     tmp = part.with_name(part.name + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": "pt", "layers": f"{layers.start}:{layers.stop}"})
@@ -75,7 +77,7 @@ def _gather(parts: list[Path]) -> dict[str, torch.Tensor]:
             if key in state:
                 if not torch.equal(state[key], t):
                     raise ValueError(f"tied parameter {key} differs between stage {first[key]} and stage {s}: sum "
-                                     "tied gradients over their stages (TiedGradients) before each optimizer step")
+                                     "tied gradients over their stages before each optimizer step (PipelineRunner.from_model does)")
                 continue
             state[key], first[key] = t, s
     return state
@@ -95,7 +97,9 @@ def merge_stages(folder: str | Path, out: str | Path) -> Path:
     dtype = next(iter(state.values())).dtype
     model = build_model(config, empty=True, dtype=dtype)
     expected = {name for name, _ in model.named_parameters()}
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = set(model.state_dict(keep_vars=True)) - aliases  # persistent buffers: saved, may be absent
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected - buffers)
     if missing or extra:
         raise ValueError(f"the stage parts in {folder} do not match its config.json: missing {missing[:5]} "
                          f"({len(missing)}), unknown {extra[:5]} ({len(extra)})")

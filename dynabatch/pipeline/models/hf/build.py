@@ -1,9 +1,9 @@
 """`from_hf`: a Hugging Face model object, config or ``save_pretrained`` folder as an `HFLayeredModel`.
 
-The family is recognized by structure (which modules the model has), not by class name: an
-encoder-decoder with T5 stacks (``encoder.block``) or BART-style stacks is not supported the same
-way, a model with a vision tower, projector and language model is LLaVA-style, and anything
-with ``model.embed_tokens``/``layers``/``norm``/``rotary_emb`` and ``lm_head`` is a decoder. Any
+The family is recognized by structure (which modules the model has), not by class name: a model
+with a vision tower, projector and language model is LLaVA-style; an encoder-decoder has T5 stacks
+(``encoder.block``) or BART-style ones (``model.encoder.layers``); anything else must have
+``model.embed_tokens``/``layers``/``norm``/``rotary_emb`` and ``lm_head`` (a decoder). Any
 other model is refused (`UnsupportedModel`) with its class and what it lacks, never split wrongly.
 
 A config or folder is built on the meta device (parameters only: buffers such as rotary
@@ -83,9 +83,13 @@ def adapt(hf_model: nn.Module) -> HFLayeredModel:
 
         return llava_model(hf_model)
     if getattr(hf_model.config, "is_encoder_decoder", False):
-        from .seq2seq import seq2seq_model
+        if getattr(getattr(hf_model, "encoder", None), "block", None) is not None:
+            from .seq2seq import seq2seq_model
 
-        return seq2seq_model(hf_model)
+            return seq2seq_model(hf_model)
+        from .bart import bart_model
+
+        return bart_model(hf_model)
     return decoder_model(hf_model)
 
 
@@ -101,7 +105,8 @@ def from_hf(source, *, layers: range | None = None, weights: str | Path | Mappin
     (every rank builds the same). ``layers``: materialize only these layers (a rank's stage, e.g.
     ``StagePartition.layers_of(stage)``); the others stay on the meta device. ``dtype``: parameter
     dtype (default torch's default); ``attn_implementation``: ``sdpa``, ``eager``, ``flex_attention``,
-    ``flash_attention_2``, ... (default: the config's)."""
+    ``flash_attention_2``, ... (default: the config's); ``device``: where loaded weights are placed
+    (a randomly initialized model stays on the CPU until the runner moves its stage)."""
     if isinstance(source, nn.Module):
         if layers is not None or weights is not None:
             raise ValueError("from_hf(model object) wraps the model as it is: pass a config or folder to load a stage")

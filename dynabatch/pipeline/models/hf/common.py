@@ -4,8 +4,8 @@ knows its parameters' Hugging Face names, the summed loss heads, and the refusal
 An adapter wraps the modules of a ``transformers`` model object (no copy): the layered model's
 parameters *are* the Hugging Face model's, so a tied weight (``lm_head.weight`` is
 ``embed_tokens.weight``) is one Parameter object in every layer that uses it. Each wrapper lists
-the Hugging Face module prefix of each of its sub-modules (``sources``), from which `param_keys`
-names every parameter as the Hugging Face state dict does.
+no module of its own: `name_parameters` names every parameter as the Hugging Face state dict does
+by finding the very Parameter object in the Hugging Face model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import IGNORE_INDEX, LayeredModel
+from ..layered import LayeredModel
+from ..tiny import IGNORE_INDEX
 
 
 class UnsupportedModel(TypeError):
@@ -24,15 +25,13 @@ class UnsupportedModel(TypeError):
 
 
 class HFLayer(nn.Module):
-    """Base of the adapter layers: ``sources`` maps each attribute holding a Hugging Face module to
-    that module's name in the Hugging Face model (``model.layers.3``), so a parameter's local path
-    ``block.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight`` in the state dict."""
+    """Base of the adapter layers: ``sources`` maps attribute names to the Hugging Face modules the layer
+    runs (registered as its sub-modules, not copied)."""
 
-    def __init__(self, sources: dict[str, nn.Module | None], prefixes: dict[str, str]):
+    def __init__(self, sources: dict[str, nn.Module]):
         super().__init__()
         for attr, module in sources.items():
             setattr(self, attr, module)
-        self.sources = dict(prefixes)
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,18 +48,20 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: bool
 
 @dataclass
 class HFLayeredModel(LayeredModel):
-    """A `LayeredModel` made from a Hugging Face model by an adapter (`dynabatch.pipeline.hf`).
+    """A `LayeredModel` made from a Hugging Face model by an adapter (`dynabatch.pipeline.models.hf`).
 
     ``hf_config``: the Hugging Face config (``save_pretrained`` writes it back); ``family``:
     ``decoder``, ``encoder_decoder`` or ``llava``; ``keys``: per layer, each parameter's local path
     -> its Hugging Face state-dict names (the name ``save_pretrained`` keeps first, then aliases);
-    ``ties``: parameters held by several layers (see `tied_parameters`).
+    ``ties``: parameters held by several layers (see `tied_parameters`); ``buffer_keys``: per layer,
+    each persistent buffer's local path -> its state-dict name (BART's ``final_logits_bias``).
     """
 
     hf_config: object = field(default=None, repr=False)
     family: str = ""
     keys: list[dict[str, tuple[str, ...]]] = field(default_factory=list, repr=False)
     ties: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    buffer_keys: list[dict[str, str]] = field(default_factory=list, repr=False)
 
     def tied_parameters(self) -> dict[str, list[tuple[int, str]]]:
         """Tie name (the Hugging Face state-dict name) -> [(global layer index, parameter path inside that
@@ -75,10 +76,10 @@ class HFLayeredModel(LayeredModel):
         return {path: names[0] for path, names in self.keys[layer].items()}
 
 
-def name_parameters(hf_model: nn.Module, layers: list[HFLayer]) -> tuple[list[dict], dict]:
-    """(keys, ties) of `HFLayeredModel` for ``layers`` wrapping modules of ``hf_model``: each parameter's
-    Hugging Face names (first = the one ``named_parameters`` keeps for a shared tensor) and the
-    parameters several layers hold (by identity)."""
+def name_parameters(hf_model: nn.Module, layers: list[HFLayer]) -> dict:
+    """``keys``, ``ties`` and ``buffer_keys`` of `HFLayeredModel` for ``layers`` wrapping modules of
+    ``hf_model``: each parameter's Hugging Face names (first = the one ``named_parameters`` keeps for a
+    shared tensor), the parameters several layers hold (by identity), the persistent buffers' names."""
     names: dict[int, list[str]] = {}
     for name, p in hf_model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -94,7 +95,10 @@ def name_parameters(hf_model: nn.Module, layers: list[HFLayer]) -> tuple[list[di
             holders.setdefault(found[0], []).append((i, path))
         keys.append(mine)
     ties = {k: v for k, v in holders.items() if len({i for i, _ in v}) > 1}
-    return keys, ties
+    persistent = set(hf_model.state_dict(keep_vars=True))
+    buffers = {id(b): n for n, b in hf_model.named_buffers(remove_duplicate=False) if n in persistent}
+    buffer_keys = [{path: buffers[id(b)] for path, b in layer.named_buffers() if id(b) in buffers} for layer in layers]
+    return {"keys": keys, "ties": ties, "buffer_keys": buffer_keys}
 
 
 def model_dtype(hf_model: nn.Module) -> torch.dtype:

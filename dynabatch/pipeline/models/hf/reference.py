@@ -6,17 +6,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import nn
 
-from ..models import IGNORE_INDEX
 from .common import summed_cross_entropy
 
 #: Micro-batch keys the Hugging Face model's forward takes (the rest is dynabatch metadata).
 FORWARD_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "pixel_values")
 
 
-def hf_inputs(batch: dict, image_token_id: int | None = None) -> dict:
+def hf_inputs(batch: dict) -> dict:
     """The keyword arguments of the Hugging Face forward for a dynabatch micro-batch: packed rows pass
     ``position_ids`` and no attention mask (the models then keep the samples apart), no KV cache;
     a micro-batch without image tiles passes no ``pixel_values``."""
@@ -30,21 +28,17 @@ def hf_inputs(batch: dict, image_token_id: int | None = None) -> dict:
     return {**out, "use_cache": False}
 
 
-def hf_reference_step(hf_model: nn.Module, batches: Sequence[dict], *, image_token_id: int | None = None
-                      ) -> tuple[float, int]:
+def hf_reference_step(hf_model: nn.Module, batches: Sequence[dict]) -> tuple[float, int]:
     """Run ``batches`` through ``hf_model``'s own forward (summed cross-entropy over ``labels``, shifted
-    for causal LMs; placeholder positions ``image_token_id`` ignored), backward each, and divide the
-    gradients by all real target tokens. Returns (loss per token, target tokens)."""
+    for causal LMs, as the model's loss takes them), backward each, and divide the gradients by all
+    real target tokens. Returns (loss per token, target tokens)."""
     seq2seq = bool(getattr(hf_model.config, "is_encoder_decoder", False))
     for p in hf_model.parameters():
         p.grad = None
     total, n = 0.0, 0
     for b in batches:
         logits = hf_model(**hf_inputs(b)).logits
-        labels = b["labels"]
-        if image_token_id is not None:
-            labels = labels.masked_fill(b["input_ids"] == image_token_id, IGNORE_INDEX)
-        loss, ntok = summed_cross_entropy(logits, labels, shift=not seq2seq)
+        loss, ntok = summed_cross_entropy(logits, b["labels"], shift=not seq2seq)
         loss.backward()
         total += float(loss.detach())
         n += int(ntok)

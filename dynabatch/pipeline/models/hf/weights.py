@@ -109,8 +109,12 @@ def materialize(model: HFLayeredModel, layers: range, source: WeightSource, devi
             done[id(p)] = new
             for module, name in holders[id(p)]:
                 module._parameters[name] = new
-    for layer in (model.layers[i] for i in layers):
-        layer.to(device)  # buffers (rotary frequencies, ...) follow the parameters
+    for i in layers:
+        for path, key in model.buffer_keys[i].items():  # persistent buffers the source holds (BART's logit bias)
+            if source.name_of([key]) is not None:
+                with torch.no_grad():
+                    model.layers[i].get_buffer(path).copy_(source.get(key))
+        model.layers[i].to(device)  # buffers (rotary frequencies, ...) follow the parameters
 
 
 def parameter_bytes(layers: Iterable[nn.Module]) -> int:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import t5_random_batch
-from ..spec import MicroBatchShape, TensorSpec
+from ..tiny import _t5_boundary as seq2seq_boundary, t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
 
@@ -30,6 +29,14 @@ def _masks():
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     return create_bidirectional_mask, create_causal_mask
+
+
+def decoder_masks(config, dec: torch.Tensor, dmask: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor):
+    """(causal self-attention mask, cross-attention mask) of a decoder layer, from the model's own mask
+    functions, as the Hugging Face decoder stack builds them."""
+    bidirectional, causal = _masks()
+    return (causal(config=config, inputs_embeds=dec, attention_mask=dmask, cache=None),
+            bidirectional(config=config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc))
 
 
 def relative_bias(table: nn.Embedding, attention: nn.Module, q_len: int, k_len: int) -> torch.Tensor:
@@ -47,8 +54,7 @@ class T5Embedding(HFLayer):
     """Layer 0: ``shared`` embedding of ``input_ids`` and ``decoder_input_ids``, each stack's dropout."""
 
     def __init__(self, model: nn.Module, name: str):
-        super().__init__({"embed": model.shared, "enc_drop": model.encoder.dropout, "dec_drop": model.decoder.dropout},
-                         {"embed": "shared", "enc_drop": "encoder.dropout", "dec_drop": "decoder.dropout"})
+        super().__init__({"embed": model.shared, "enc_drop": model.encoder.dropout, "dec_drop": model.decoder.dropout})
         self.model_name = name
 
     def forward(self, batch: dict) -> tuple:
@@ -69,8 +75,8 @@ class T5Embedding(HFLayer):
 class T5EncoderBlock(HFLayer):
     """One encoder ``T5Block`` with the bidirectional mask and the relative bias computed here."""
 
-    def __init__(self, block: nn.Module, first: nn.Module, config, prefixes: dict[str, str]):
-        super().__init__({"block": block, "bias": first.relative_attention_bias}, prefixes)
+    def __init__(self, block: nn.Module, first: nn.Module, config):
+        super().__init__({"block": block, "bias": first.relative_attention_bias})
         self.attention = [first]  # block 0's attention for its bucketing (a list: not a sub-module)
         self.config = config
 
@@ -86,8 +92,7 @@ class T5EncoderEnd(HFLayer):
     """The encoder's final norm and dropout on the encoder hidden states."""
 
     def __init__(self, stack: nn.Module):
-        super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout},
-                         {"norm": "encoder.final_layer_norm", "drop": "encoder.dropout"})
+        super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout})
 
     def forward(self, state: tuple) -> tuple:
         enc, dec, mask, dmask = state
@@ -98,16 +103,14 @@ class T5DecoderBlock(HFLayer):
     """One decoder ``T5Block``: causal self-attention with the relative bias computed here,
     cross-attention to the encoder output (no bias, as in T5)."""
 
-    def __init__(self, block: nn.Module, first: nn.Module, config, prefixes: dict[str, str]):
-        super().__init__({"block": block, "bias": first.relative_attention_bias}, prefixes)
+    def __init__(self, block: nn.Module, first: nn.Module, config):
+        super().__init__({"block": block, "bias": first.relative_attention_bias})
         self.attention = [first]
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
         enc, dec, mask, dmask = state
-        bidirectional, causal = _masks()
-        self_mask = causal(config=self.config, inputs_embeds=dec, attention_mask=dmask, cache=None)
-        cross = bidirectional(config=self.config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc)
+        self_mask, cross = decoder_masks(self.config, dec, dmask, enc, mask)
         bias = relative_bias(self.bias, self.attention[0], dec.shape[1], dec.shape[1])
         return enc, self.block(dec, self_mask, bias, enc, cross, None)[0], mask, dmask
 
@@ -117,8 +120,7 @@ class T5Head(HFLayer):
     ``decoder_input_ids`` are the labels shifted right)."""
 
     def __init__(self, model: nn.Module):
-        super().__init__({"norm": model.decoder.final_layer_norm, "drop": model.decoder.dropout, "lm_head": model.lm_head},
-                         {"norm": "decoder.final_layer_norm", "drop": "decoder.dropout", "lm_head": "lm_head"})
+        super().__init__({"norm": model.decoder.final_layer_norm, "drop": model.decoder.dropout, "lm_head": model.lm_head})
         self.scale = model.model_dim ** -0.5 if getattr(model.config, "scale_decoder_outputs", False) else None
 
     def forward(self, state: tuple, batch: dict):
@@ -126,18 +128,6 @@ class T5Head(HFLayer):
         if self.scale is not None:
             h = h * self.scale
         return summed_cross_entropy(self.lm_head(h), batch["labels"], shift=False)
-
-
-def _t5_boundary(hidden: int, dtype: torch.dtype):
-    def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
-        if shape.packed:
-            raise ValueError("a T5 model takes padded micro-batches only")
-        if shape.target_len < 1:
-            raise ValueError("an encoder-decoder micro-batch needs target_len >= 1")
-        r, L, T = shape.rows, shape.input_len, shape.target_len
-        return (TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, T, hidden), dtype, True),
-                TensorSpec((r, L), torch.int64), TensorSpec((r, T), torch.int64))
-    return boundary
 
 
 def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
@@ -151,18 +141,13 @@ def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
     if not getattr(enc_first, "has_relative_attention_bias", False):
         raise UnsupportedModel(f"{name} is not a {WHAT}: encoder block 0 has no relative attention bias")
     layers: list[HFLayer] = [T5Embedding(hf_model, name)]
-    bias = "block.0.layer.0.SelfAttention.relative_attention_bias"
-    for i, block in enumerate(enc.block):
-        layers.append(T5EncoderBlock(block, enc_first, enc.config, {"block": f"encoder.block.{i}",
-                                                                     "bias": f"encoder.{bias}"}))
+    layers += [T5EncoderBlock(block, enc_first, enc.config) for block in enc.block]
     layers.append(T5EncoderEnd(enc))
-    for i, block in enumerate(dec.block):
-        layers.append(T5DecoderBlock(block, dec_first, dec.config, {"block": f"decoder.block.{i}",
-                                                                     "bias": f"decoder.{bias}"}))
+    layers += [T5DecoderBlock(block, dec_first, dec.config) for block in dec.block]
     layers.append(T5Head(hf_model))
-    keys, ties = name_parameters(hf_model, layers)
+    names = name_parameters(hf_model, layers)
     config, dtype = hf_model.config, model_dtype(hf_model)
     cost = cost_config(name, "encoder_decoder", config, dtype, layers=len(enc.block), decoder_layers=len(dec.block))
-    return HFLayeredModel(name, "encoder_decoder", layers, _t5_boundary(int(config.d_model), dtype), cost,
+    return HFLayeredModel(name, "encoder_decoder", layers, seq2seq_boundary(int(config.d_model), dtype), cost,
                           t5_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
-                          keys=keys, ties=ties)
+                          **names)
