@@ -121,19 +121,21 @@ def spinning(rank, world, port, where, seconds):
     return where
 
 
-def _spinning(where, seconds, idle=3.0):
+def _spinning(where, seconds, idle=IDLE):
     env = {SPIN_ENV: str(seconds)} if where == "import" else None
     return launch_local(f"{__file__}:spinning", 1, args=(where, seconds), idle_timeout_s=idle, env=env)
 
 
-SPINS = {"import": 5.0, "exit": 5.0, "function": 60.0}
+SPINS = {"import": IDLE + 3, "exit": IDLE + 3, "function": 120.0}
 
 
-@LAUNCHES.plan(lambda: [job(("spin", w), _spinning, w, s, weight=6) for w, s in SPINS.items()])
+@pytest.mark.slow
+@LAUNCHES.plan(lambda: [job(("spin", w), _spinning, w, s, weight=IDLE + 3) for w, s in SPINS.items()])
 def test_cpu_time_is_progress_outside_the_worker_function_only():
     """A rank computing silently while it imports (torch: 30 s on a loaded 2-core machine) or tears
     its interpreter down (19 s) outlives the idle timeout; one spinning silently inside its worker
-    function (a hung loop) is killed about ``idle`` seconds after it began."""
+    function (a hung loop) is killed about ``IDLE`` seconds after it began (3 s was too tight for the
+    imports at load 26 with 3 CPU hogs: 1% of a core over the idle window is the rule)."""
     for where in ("import", "exit"):
         (r,) = LAUNCHES.result(job(("spin", where), _spinning, where, SPINS[where]))
         assert r.returncode == 0 and not r.timed_out and r.result == where, (where, r.stderr[-2000:])

@@ -153,7 +153,7 @@ class MethodRun:
         from ..core.feedback import FeedbackLoop
         from ..pipeline import (PipelineRunner, RunnerConfig, make_model, representative, search_partition,
                                 stage_cost_model)
-        from ..pipeline.runtime.launch import heartbeat
+        from ..pipeline.runtime.launch import heartbeat  # each set-up phase is progress (a minute each, loaded)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
         base_method, self.flush_kind = split_flush(method)  # "dp/predict": dp, flush-free with prediction
@@ -189,11 +189,10 @@ class MethodRun:
                                                                    plan_ahead=0),
             tokenization=Tokenization(**vlm.get("tokenization", {})))
         self._it = iter(self.loader.steps())
-        heartbeat()  # set-up phases are progress for the launcher (a minute each on a loaded machine)
+        heartbeat()
         t0 = time.perf_counter()
         self._first = next(self._it, None)  # trained as step 0; its micro-batches are the expected mix
         self._first_data_s = time.perf_counter() - t0
-        heartbeat()
         if self.vlm is not None:
             self.partition, bounds = None, self.vlm["bounds"]
         elif cfg.partition == "searched" and self._first and self.recompute is None:
@@ -382,20 +381,18 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     torch.set_num_threads(cfg.threads_per_proc)
     verbose = bool(cfg_dict.get("_verbose")) and rank == 0
 
-    def log(method, row):  # rank 0: a bar unit per step of a method (bench.progress), the --verbose line
-        if rank != 0:
-            return
-        rank_tick()
-        if verbose:
-            print(f"[{method}] step {row['step']:3d} loss {row['loss']:.3f} real tokens {row['real_tokens']} "
-                  f"mbs {row['microbatches']} predicted {row['predicted_s'] * 1e3:.0f} ms measured "
-                  f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
-                  file=sys.stderr, flush=True)
+    def log(method, row):
+        print(f"[{method}] step {row['step']:3d} loss {row['loss']:.3f} real tokens {row['real_tokens']} "
+              f"mbs {row['microbatches']} predicted {row['predicted_s'] * 1e3:.0f} ms measured "
+              f"{row['measured_s'] * 1e3:.0f} ms step {row['step_s'] * 1e3:.0f} ms MAPE {row['mape']:.1%}",
+              file=sys.stderr, flush=True)
 
     partial_path, config = cfg_dict.get("_partial"), cfg_dict.get("_config") or {}
     last_write = [-1e9]
 
-    def on_round(k, runs):  # rank 0 keeps the result so far on disk: what a stopped run reports
+    def on_round(k, runs):  # rank 0: a bar unit (bench.progress); the result so far on disk, what a stop reports
+        if rank == 0:
+            rank_tick()
         # at most once a second: the other ranks wait for rank 0 meanwhile, inside their timed step
         if rank != 0 or not partial_path or time.monotonic() - last_write[0] < PARTIAL_EVERY_S:
             return
@@ -410,7 +407,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     out = {}
     with init_pipeline(num_stages=cfg.options.num_stages, rank=rank, world_size=world_size, master_port=port,
                        backend=cfg.backend, timeout_s=cfg.timeout_s) as ctx:
-        out = train_methods(ctx, cfg, log=log, on_round=on_round)
+        out = train_methods(ctx, cfg, log=log if verbose else None, on_round=on_round)
     return out if rank == 0 else None
 
 
@@ -441,7 +438,7 @@ def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -
 def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000,
                     out: str | None = None, progress: bool = False) -> dict:
     """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result
-    (``"partial": false``). ``progress``: a bar of the steps trained (every method's) on stderr. ``out``: a JSON file kept up to date after every round of steps (partial,
+    (``"partial": false``). ``progress``: a bar of the steps trained (each: every method's) on stderr. ``out``: a JSON file kept up to date after every round of steps (partial,
     ``"status": "running"``) and holding the final or stopped result at the end. A run that does
     not finish (SIGINT/SIGTERM, liveness timeout, ``max_wall_s``, a failed rank) raises
     `TrainBenchStopped` with the partial result of the steps done so far."""
@@ -468,7 +465,7 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
             model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
             config = _result_config(cfg, index_s, count_parameters(model))
             payload = {**cfg.to_payload(), "_verbose": verbose, "_partial": partial_path, "_config": config}
-            with watch_ticks(os.path.join(tmp, "progress"), cfg.steps * len(cfg.methods),
+            with watch_ticks(os.path.join(tmp, "progress"), cfg.steps,
                              f"bench train ({cfg.model}, {len(cfg.methods)} methods)", "step", progress) as env:
                 procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,),
                                      idle_timeout_s=cfg.timeout_s, max_wall_s=cfg.max_wall_s,

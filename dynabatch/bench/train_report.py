@@ -313,7 +313,7 @@ def add_bench_train_command(bench_sub) -> None:
                         "\"partial\": true until the run completes); a run stopped early (SIGINT/SIGTERM, a "
                         "timeout) leaves its partial result here and on stdout")
     p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
-    add_progress_option(p, "a bar of the steps trained (every method's)")
+    add_progress_option(p, "a bar of the steps trained (each: every method's)")
     p.set_defaults(func=_cmd_bench_train)
 
 
