@@ -147,5 +147,6 @@ def test_index_file_with_a_removed_row_is_refused(path, tmp_path):
     pq.write_table(pa.concat_tables([table.slice(0, 7), table.slice(8)]), bad)
     with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
         DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index=bad))
-    with pytest.raises(LengthIndexError, match=rf"edited.parquet: sample_id {gone} was removed"):
-        DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=bad))
+    # the loader's own index cache fails its integrity record instead: it is made again (logged), whole
+    DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=bad))
+    assert gone in pq.read_table(bad).column("sample_id").to_pylist()

@@ -78,7 +78,9 @@ class DataSource:
         ``"indexed"`` or ``"streaming"``.
     index / index_cache: the indexed mode's length index (a path or table; else the data is scanned
         once), and where to keep the scanned one between runs.
-    cache_tokens: keep every sample's token ids in memory (None: when they fit in 2 GiB).
+    cache_tokens: keep every sample's token ids in a memory-mapped token file on disk (beside
+        ``index_cache``, else under ``$DYNABATCH_CACHE_DIR``), checked against the tokenizer and the data
+        (None: when the disk has room for them).
     plan: a plan file (``dynabatch plan``) to replay exactly.
     progress: tqdm bars while the index and token cache are built (None: on a terminal only).
     """
