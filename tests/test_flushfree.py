@@ -10,7 +10,6 @@ from dynabatch.core.flushfree import (
     flushfree_bound,
     flushfree_objective,
     flushfree_report,
-    plan_stage_times,
     simulate_flushfree,
     update_lag,
 )
@@ -23,9 +22,10 @@ from dynabatch.core.kernels.flushfree import (
     stage_loads_reference,
 )
 from dynabatch.core.options import PlanOptions
+from dynabatch.core.orders import plan_stage_times
 from dynabatch.core.shape_sources import synthetic_shapes
 from dynabatch.core.simulate import simulate_pipeline
-from dynabatch.core.stage_plan import microbatch_features
+from dynabatch.core.features import microbatch_features
 from dynabatch.core.steps import global_batches, plan_step
 
 

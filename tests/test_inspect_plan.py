@@ -9,7 +9,7 @@ from dynabatch import CostModel, PlanOptions
 from dynabatch.cli import main
 from dynabatch.core.schedules import adaptive_order
 from dynabatch.core.simulate import simulate_pipeline
-from dynabatch.core.stage_plan import microbatch_features
+from dynabatch.core.features import microbatch_features
 from dynabatch.planfile.inspect import (format_summary, microbatch_columns, plot_plan, shape_histogram, stage_busy,
                                         step_timeline, summarize_plan, task_share)
 from dynabatch.offline import Index, RunPlanConfig, load_run_plan, plan_run

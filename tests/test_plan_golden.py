@@ -20,7 +20,7 @@ from dynabatch.core.options import METHODS
 from dynabatch.core.plan import plan_microbatches
 
 #: BatchPlan fields a refactor may add (records derived from the fields hashed here).
-_NEW_FIELDS = ("stage_ops",)
+_NEW_FIELDS = ("op_slots",)
 
 
 def _shapes(seed: int, n: int = 83) -> Shapes:

@@ -54,7 +54,7 @@ def _uniform_peaks(cost, shapes, opts, top):
 
 def _peaks_with(cost, plan, k):
     from dynabatch.core.recompute import _peaks_and_times
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.features import microbatch_features
 
     phi = microbatch_features(plan, cost)
     st, held, _ = recompute_costs(cost, phi, k)
@@ -325,7 +325,7 @@ def test_feedback_refits_the_time_without_recomputation():
     from dynabatch import FeedbackLoop
     from dynabatch.pipeline import StepTiming
 
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.features import microbatch_features
 
     cost = CostModel.preset("gpt", num_stages=2)
     truth = CostModel.preset("gpt", num_stages=2)  # the model without recomputation, 1.3x slower

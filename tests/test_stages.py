@@ -107,7 +107,7 @@ def test_plan_records_stage_predictions_and_simulation_matches(costs, mix):
 
 
 def _p2p(cost, plan, shapes, sel):
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.features import microbatch_features
 
     return cost.p2p_time(microbatch_features(plan, cost, shapes))[sel]
 

@@ -97,7 +97,7 @@ def _sizes(cfg: MultiBenchConfig) -> dict:
 
 def _stage_times(step, cost):
     """``(fwd, bwd)`` [S, M] seconds the plan predicts for this replica's micro-batches of ``step``."""
-    from ..core.flushfree import plan_stage_times
+    from ..core.orders import plan_stage_times
 
     t = plan_stage_times(step.plan)[:, step.plan.rank_indices(0)]
     f = float(cost.forward_fraction)

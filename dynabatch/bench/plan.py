@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..core import baselines as _bl
-from ..core.kernels.dp import dp_kernel, dp_reference
+from ..core.kernels.dp import DPSearch, dp_kernel, dp_reference, segment_cost
 from ..core.bounds import iteration_lower_bound, objective_bound_kind, objective_lower_bound
 from ..core.cost import CostModel
 from ..core.options import METHODS, PlanOptions, method_collation
@@ -198,17 +198,14 @@ def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict
     main, dec, tiles = main[order], dec[order], tiles[order]
     limit = _limit(cost, o)
     ranks = min(o.num_ranks, len(batch))
-    z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
-    args = (main, dec, tiles, False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef, cost.mem_coef,
-            limit, ranks, o.num_stages, o.max_caps)
-    dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    args = (main, dec, tiles, segment_cost(False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef,
+                                           cost.mem_coef, limit), DPSearch(ranks, o.num_stages, o.max_caps, True))
+    dp_kernel(*args)
     t0 = time.perf_counter()
-    starts, _ = dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    starts, _ = dp_kernel(*args)
     kernel_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    ref, _ = dp_reference(main, dec, tiles, varlen=False, pad_multiple=cost.pad_multiple,
-                          tile_patches=cost.model.tile_patches, tcoef=cost.time_coef, mcoef=cost.mem_coef,
-                          mem_limit=limit, ranks=ranks, stages=o.num_stages, max_caps=o.max_caps)
+    ref, _ = dp_reference(*args)
     ref_ms = (time.perf_counter() - t0) * 1e3
     return {"samples": len(batch), "dp_kernel_ms": kernel_ms, "dp_reference_ms": ref_ms,
             "same_partition": bool(np.array_equal(np.asarray(starts), np.asarray(ref)))}

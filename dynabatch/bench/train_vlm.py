@@ -253,7 +253,7 @@ def stage_observation(cost, step, result) -> tuple[np.ndarray, np.ndarray, np.nd
     """(features ``[m, F]``, predicted, measured forward+backward seconds ``[S, m]``) of this replica's
     micro-batches on every stage, in plan order; predicted by ``cost`` as it is now (call before the
     step's refit)."""
-    from ..core.feedback import plan_features
+    from ..core.features import plan_features
 
     plan = step.plan
     replica = int(getattr(step, "rank", 0) or 0) if plan.num_ranks > 1 else 0

@@ -45,6 +45,7 @@ from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESE
 from .analytic import analytic_coefficients
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from .shapes import Shapes
+from .stage_memory import StageMemory
 from .stages import LAYOUTS, StageCosts, StageLayout, stage_words  # noqa: F401
 
 # the coefficient buffer: time_coef, the version sequence counter, the per-stage block (`stages.stage_words`)
@@ -79,7 +80,7 @@ class CostModel(StageCosts):
         self.forgetting = float(forgetting)
         self.prior_strength = float(prior_strength)
         self._legacy_loop = None  # the FeedbackLoop behind the deprecated observe/refit
-        #: Optional `dynabatch.core.recompute.StageMemory`: how recomputation changes each stage's held
+        #: Optional `dynabatch.core.stage_memory.StageMemory`: how recomputation changes each stage's held
         #: bytes (measured by `dynabatch.pipeline.measured_stage_memory`); None: derived from the layout.
         self.stage_memory_model = None
 
@@ -205,11 +206,21 @@ class CostModel(StageCosts):
     def p2p_bytes(self, phi) -> np.ndarray:
         """Bytes a micro-batch sends between adjacent stages (hidden states of all its tokens)."""
         phi = np.atleast_2d(phi)
-        return (phi[:, 0] + phi[:, 2]) * self.model.hidden * self.model.dtype_bytes
+        return self.transfer_bytes(phi[:, 0] + phi[:, 2])
+
+    def transfer_bytes(self, tokens) -> np.ndarray:
+        """Bytes of the hidden states of ``tokens`` (main + decoder tokens a micro-batch computes)."""
+        return np.asarray(tokens, np.float64) * self.model.hidden * self.model.dtype_bytes
 
     def p2p_time(self, phi) -> np.ndarray:
         """Seconds to send a micro-batch's activations (or gradients) to the next stage."""
-        return self.p2p_bytes(phi) / self.device.p2p_bandwidth + self.device.p2p_latency_s
+        phi = np.atleast_2d(phi)
+        return self.transfer_time(phi[:, 0] + phi[:, 2])
+
+    def transfer_time(self, tokens) -> np.ndarray:
+        """Seconds to send the hidden states of ``tokens`` computed tokens to the next stage (the
+        micro-batch's ``mb_tokens``: what `p2p_time` prices from its features)."""
+        return self.transfer_bytes(tokens) / self.device.p2p_bandwidth + self.device.p2p_latency_s
 
     def state_bytes(self, num_ranks: int = 1) -> float:
         """Model state per stage: bf16 weights and grads, fp32 master weights and Adam moments, the
@@ -418,8 +429,6 @@ class CostModel(StageCosts):
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
             cm._stage_write(d["stage_time_coef"])
         if d.get("stage_memory_model"):
-            from .recompute import StageMemory
-
             cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
         return cm
 

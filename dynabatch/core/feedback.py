@@ -64,8 +64,10 @@ import numpy as np
 
 from .batchplan import BatchPlan
 from .cost import NUM_FEATURES, CostModel
+from .features import plan_features
 from .fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
 from .shapes import Shapes
+from .stage_memory import stage_memory_of
 
 
 @dataclass(frozen=True)
@@ -120,26 +122,6 @@ class StepObservations:
     measured_s: np.ndarray
     predicted_s: np.ndarray
     stage: np.ndarray | None = None
-
-
-def plan_features(cost: CostModel, plan: BatchPlan, shapes: Shapes | None = None,
-                  rank: int | None = None) -> np.ndarray:
-    """Feature rows [n, NUM_FEATURES] of ``plan``'s micro-batches (all ranks, or ``rank``'s) in plan
-    order, under ``cost``'s feature layout. Packed (varlen) plans need the global batch's ``shapes``
-    for per-sample lengths."""
-    sel = np.arange(plan.num_microbatches) if rank is None else np.flatnonzero(plan.mb_rank == rank)
-    if plan.collation != "packed":
-        return cost.padded_features(plan.mb_rows[sel], plan.mb_input_len[sel], plan.mb_target_len[sel],
-                                    plan.mb_vision_tiles[sel])
-    if shapes is None:
-        raise ValueError("features of a packed plan need the global batch's Shapes (per-sample lengths)")
-    main, dec, tiles = cost.sample_dims(shapes, plan.options.get("max_len"), plan.options.get("max_target_len"))
-    pos = {int(s): i for i, s in enumerate(shapes.sample_id)}
-    idx = np.array([pos[int(s)] for s in plan.sample_ids], np.int64)
-    sizes = np.diff(plan.mb_offsets)
-    group = np.repeat(np.arange(plan.num_microbatches), sizes)
-    phi = cost.packed_features(main[idx], dec[idx], tiles[idx], group)
-    return phi[sel]
 
 
 def _scaled_results(result) -> list:
@@ -322,8 +304,6 @@ class FeedbackLoop:
         ks = (plan.options or {}).get("recompute_layers")
         if not ks or not any(ks):
             return None
-        from .recompute import stage_memory_of
-
         n = np.asarray(stage_memory_of(self._cost, plan.num_stages).layers, np.float64)
         k = np.asarray(ks, np.float64)
         return np.where(n > 0, np.minimum(k, n) / np.where(n > 0, n, 1.0), 0.0)

@@ -22,10 +22,11 @@ from . import baselines as _bl
 from .kernels.assign import assign_ranks, balance_simulated
 from numba import njit
 
-from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
+from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
 from .batchplan import BatchPlan
 from .cost import CostModel
 from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
+from .orders import record_orders
 from .schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
 from .recompute import apply_recompute, dp_candidates
 from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
@@ -184,7 +185,7 @@ def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int
         return plan
     from .flushfree import flushfree_report
 
-    rep = flushfree_report([plan], cost_model, shapes=shapes)  # a stream of this plan: its steady state
+    rep = flushfree_report([plan], cost_model)  # a stream of this plan: its steady state
     return dataclasses.replace(plan, options={**plan.options, "flush": False,
                                               "flushfree_step_s": float(rep.flushfree_s[0])})
 
@@ -264,15 +265,6 @@ def _options(options: PlanOptions | None, fields: dict) -> PlanOptions:
     return dataclasses.replace(options, **fields) if fields else options
 
 
-def _table_args(cost: CostModel):
-    t = cost.table
-    if t is None:
-        z1 = np.zeros(1)
-        z3 = np.zeros((1, 1, 1))
-        return False, z1, z1, z1, z3, z3, False
-    return True, t.rows, t.main_len, t.dec_len, t.time_s, t.memory_bytes, t.extrapolate
-
-
 def _check_samples_fit(cost, sample_ids, main, dec, tiles, collation, limit) -> None:
     """Raise `PlanningError` naming the first sample that cannot fit in memory even alone."""
     # Alone means a batch of one in its own length; a fixed-length packed row that overflows the
@@ -302,13 +294,10 @@ def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, st
                  order, equal, tcoef=None, mcoef=None) -> _bl.Grouping:
     varlen = collation == "packed"
     perm = _ordering(cost, main, dec, tiles, not varlen) if order is None else np.asarray(order, np.int64)
-    use_table = (cost.table is not None) and not varlen
-    _, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate = _table_args(cost)
-    starts, status = dp_kernel(
-        main[perm], dec[perm], tiles[perm], varlen, cost.pad_multiple, cost.model.tile_patches,
-        cost.time_coef if tcoef is None else tcoef, cost.mem_coef if mcoef is None else mcoef, limit, ranks, stages, max_caps, use_table,
-        grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal,
-    )
+    seg = segment_cost(varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef if tcoef is None else tcoef,
+                       cost.mem_coef if mcoef is None else mcoef, limit, cost.table)
+    starts, status = dp_kernel(main[perm], dec[perm], tiles[perm], seg,
+                               DPSearch(int(ranks), int(stages), int(max_caps), bool(equal)))
     if status == INFEASIBLE_SAMPLE:  # _check_samples_fit runs first; kept for direct kernel callers
         p = int(perm[starts[0]])
         raise PlanningError(f"sample_id {int(sample_ids[p])} cannot fit in memory alone")
@@ -419,8 +408,9 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         options = {**options, "over_memory_limit": True, "outside_profile": True}
     # schedule "auto" resolves to the concrete order it chose; adaptive keeps stages * limit in flight
     if stage_t is None:
-        perm, rank_time, schedule = order_step(schedule, time_s, p2p, mem, rank_of, ranks, cost.forward_fraction,
-                                               stages, stages * limit, rebalance)
+        st = np.broadcast_to(time_s, (stages, len(time_s)))
+        perm, rank_time, schedule = order_step(schedule, st, p2p, mem, rank_of, ranks, cost.forward_fraction,
+                                               stages * limit, rebalance, per_stage=False)
     if schedule == "adaptive":
         options = {**options, "stage_memory_bytes": float(stages * limit)}
     # micro-batches in execution order, rank by rank
@@ -429,7 +419,7 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     new_sizes = sizes[perm]
     new_off = np.concatenate(([0], np.cumsum(new_sizes))).astype(np.int64)
     take = np.concatenate([np.arange(off[k], off[k + 1]) for k in perm]) if len(perm) else np.zeros(0, np.int64)
-    return BatchPlan(
+    plan = BatchPlan(
         method=method, collation=collation, num_ranks=ranks, num_stages=stages, schedule=schedule,
         sample_ids=shapes.sample_id[pos[take]], sample_row=g.row[take].astype(np.int32), mb_offsets=new_off,
         mb_rank=mb_rank, mb_order=mb_order, mb_rows=rows[perm], mb_input_len=L[perm].astype(np.int64),
@@ -440,3 +430,4 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         stage_time_s=None if stage_t is None else stage_t[:, perm],
         stage_memory_bytes=None if stage_m is None else stage_m[:, perm],
     )
+    return record_orders(plan, p2p[perm], cost.forward_fraction)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import SCHEDULE_CODES, SCHEDULES
-from .schedules import AUTO_PREFERENCE, adaptive_order
+from .schedules import AUTO_PREFERENCE, adaptive_order, pick_auto
 
 # The kernels live beside their plain-Python references in `kernels.simulate`; they are
 # re-exported here because numba callers (the planner, `dynabatch.pipeline`) use them by this name.
@@ -216,14 +216,14 @@ def _simulate_auto(fwd, bwd, p2p, mem_bytes, memory_limit) -> SimResult:
     S, M = fwd.shape
     count = np.ones(M) if mem_bytes is None else _per_microbatch("mem_bytes", mem_bytes, M)
     limit = float(S * count.max()) if memory_limit is None else float(memory_limit)
-    best = None
+    sims, peaks = {}, {}
     for name in AUTO_PREFERENCE:
-        sim = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
+        sims[name] = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
         peak_n = np.empty(S, dtype=np.int64)
         peak_b = np.empty(S)
-        inflight_kernel(sim.ops, count, peak_n, peak_b)
-        if peak_b.max() <= limit and (best is None or sim.makespan_s < best.makespan_s):
-            best = sim
+        inflight_kernel(sims[name].ops, count, peak_n, peak_b)
+        peaks[name] = float(peak_b.max())
+    best = sims[pick_auto({n: sim.makespan_s for n, sim in sims.items()}, peaks, limit)]
     return best  # adaptive always fits (it raised otherwise)
 
 

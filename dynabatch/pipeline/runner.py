@@ -32,7 +32,7 @@ from .comm import CommEvent, DistContext, P2P
 from .guard import GuardedSteps
 from .memory import SavedBytes, param_pointers
 from .partition import PipelineStage, StagePartition, split_model
-from .schedule import SCHEDULES, Message, Post, build_programs, plan_schedule, quantize_times, stage_orders
+from .schedule import SCHEDULES, Message, Post, build_programs, quantize_times, runner_orders
 from .reference import sequential_step  # noqa: F401 (the one-process reference, public from here too)
 from .spec import PlanMismatch  # noqa: F401 (public from here too)
 from .spec import MicroBatchShape, TensorSpec, _as_tuple, _to_device, check_batch, plan_shapes
@@ -171,18 +171,16 @@ class PipelineRunner(GuardedSteps):
         return self.bypass.entries(shapes) if self.bypass is not None else np.zeros(len(shapes), np.int64)
 
     def _program(self, shapes: Sequence[MicroBatchShape], plan=None) -> tuple[list, np.ndarray]:
-        schedule, budget = plan_schedule(self.config.schedule, plan)
-        limit = budget if self.config.memory_limit_bytes is None else self.config.memory_limit_bytes
         S, M = self.ctx.num_stages, len(shapes)
         times = np.array([sh.time_s for sh in shapes])
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
         entry = self.entries(shapes)
-        key = (schedule, S, M, units.tobytes(), mem.tobytes() + repr(limit).encode() if schedule == "adaptive" else b"",
-               entry.tobytes())
+        orders = runner_orders(self.config.schedule, S, times, mem, plan, self.ctx.replica,
+                               self.config.memory_limit_bytes)
+        key = (S, M, orders.tobytes(), units.tobytes(), entry.tobytes())
         hit = self._programs.get(key)
         if hit is None:
-            orders = stage_orders(schedule, S, M, time_s=times, memory_bytes=mem, memory_limit=limit)
             hit = (build_programs(orders, units, entry)[self.ctx.stage], orders)
             self._programs[key] = hit
             if len(self._programs) > 512:

@@ -27,6 +27,9 @@ Columns (`COLUMNS`; the first five are required, the others optional):
                    layout, `dynabatch.core.stages`): the micro-batch's seconds on each stage
     stage_memory_bytes  list<float64>[S]  the same, activation bytes; absent columns mean every stage
                    costs time_s / memory_bytes (older files never have them; no version change)
+    op_slots       list<int32>[2S]  the op order the planner simulated (`BatchPlan.op_slots`): per stage
+                   the positions of the micro-batch's forward and backward in its rank's op list;
+                   files of older releases lack it (their order is derived again, `core.orders`)
 
 Metadata keys (all strings; JSON where noted):
 
