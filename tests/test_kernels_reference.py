@@ -47,7 +47,7 @@ from dynabatch.core.kernels.simulate import (
     split_kernel,
     split_reference,
 )
-from dynabatch.core.plan import _greedy_cuts, greedy_cuts_reference
+from dynabatch.core.plan.planner import _greedy_cuts, greedy_cuts_reference
 
 # Times (seconds) from a few values or any float, so ties are common but not the rule.
 time_st = st.sampled_from([0.25, 0.5, 1.0, 1.0, 2.0, 3.5]) | st.floats(0.001, 10.0)

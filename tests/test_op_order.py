@@ -1,4 +1,4 @@
-"""One op order: the order the runner executes is the order the planner simulated (`dynabatch.core.orders`).
+"""One op order: the order the runner executes is the order the planner simulated (`dynabatch.core.schedule.orders`).
 
 For seeded random plans (2-6 stages, gpipe / 1f1b / adaptive / auto, padded and packed collations,
 uniform and per-stage costs, with and without recomputation) the compute ops of every stage's
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core.cost import CostModel
-from dynabatch.core.orders import (plan_orders, plan_p2p_s, plan_stage_times, rank_ops, record_orders, slots_of,
-                                   ops_of, split_times, stage_limit)
-from dynabatch.core.plan import plan_microbatches
-from dynabatch.core.simulate import makespan
-from dynabatch.core.features import microbatch_features
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.schedule.orders import (ops_of, plan_orders, plan_p2p_s, plan_stage_times, rank_ops,
+                                            record_orders, slots_of, split_times, stage_limit)
+from dynabatch.core.plan.planner import plan_microbatches
+from dynabatch.core.simulate.pipeline import makespan
+from dynabatch.core.cost.features import microbatch_features
 from dynabatch.pipeline.schedule import Compute, build_programs, check_programs, quantize_times, runner_orders, \
     stage_orders
 from dynabatch.pipeline.spec import plan_shapes

@@ -18,7 +18,7 @@ from dynabatch.pipeline import (
 )
 from dynabatch.pipeline.comm import CommEvent
 from dynabatch.pipeline.schedule import naive_programs, peer_sequences, quantize_times
-from dynabatch.core.simulate import pipeline_schedule, simulate_pipeline
+from dynabatch.core.simulate.pipeline import pipeline_schedule, simulate_pipeline
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,9 +18,9 @@ from dynabatch import Shapes
 from dynabatch.planfile import plan_to_arrow
 from dynabatch.core.kernels.dp import (INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel,
                                       dp_reference, segment_cost)
-from dynabatch.core.baselines import BASELINE_COLLATION, BASELINE_KNOBS
-from dynabatch.core.cost import NUM_FEATURES, CostModel
-from dynabatch.core.plan import METHODS, PlanningError, plan_microbatches
+from dynabatch.core.plan.baselines import BASELINE_COLLATION, BASELINE_KNOBS
+from dynabatch.core.cost.model import NUM_FEATURES, CostModel
+from dynabatch.core.plan.planner import METHODS, PlanningError, plan_microbatches
 
 DP_METHODS = ("dp", "dp_varlen")
 BASELINE_METHODS = tuple(m for m in METHODS if m not in DP_METHODS)
@@ -309,8 +309,8 @@ def test_tiny_max_caps_is_refused(max_caps):
     code = textwrap.dedent(f"""
         import numpy as np
         from dynabatch import Shapes
-        from dynabatch.core.cost import CostModel
-        from dynabatch.core.plan import plan_microbatches
+        from dynabatch.core.cost.model import CostModel
+        from dynabatch.core.plan.planner import plan_microbatches
         sh = Shapes.from_lengths(np.random.default_rng(0).integers(1, 3000, 50))
         try:
             plan_microbatches(sh, CostModel.preset("gpt"), num_stages=4, max_caps={max_caps})
@@ -480,8 +480,8 @@ DET_CASES = [("gpt", "dp", 4, 8), ("t5", "dp_varlen", 4, 3), ("vlm", "dp", 2, 2)
 _FINGERPRINT_SCRIPT = """
 import numpy as np, sys, json
 from dynabatch import Shapes
-from dynabatch.core.cost import CostModel
-from dynabatch.core.plan import plan_microbatches
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.plan.planner import plan_microbatches
 out = []
 for preset, method, stages, ranks in json.loads(sys.argv[1]):
     rng = np.random.default_rng(12345)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core.cost import CostModel
+from dynabatch.core.cost.model import CostModel
 from dynabatch.core.options import METHODS
-from dynabatch.core.plan import plan_microbatches
+from dynabatch.core.plan.planner import plan_microbatches
 
 #: BatchPlan fields a refactor may add (records derived from the fields hashed here).
 _NEW_FIELDS = ("op_slots",)

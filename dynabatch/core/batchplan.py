@@ -92,7 +92,7 @@ class BatchPlan:
     stage_memory_bytes: np.ndarray | None = None
     #: The op order the planner simulated, int32 ``[num_stages, M, 2]``: ``op_slots[s, j, 0]`` is the
     #: position of micro-batch ``j``'s forward in stage ``s``'s op list of ``j``'s rank, ``[s, j, 1]`` of
-    #: its backward (`dynabatch.core.orders`, which derives it, records it and reads it back for the
+    #: its backward (`dynabatch.core.schedule.orders`, which derives it, records it and reads it back for the
     #: runner, inspect and recompute). None for plans of older plan files.
     op_slots: np.ndarray | None = None
 
@@ -134,7 +134,7 @@ class BatchPlan:
     @property
     def objective_s(self) -> float:
         """The balanced pipeline objective the planner minimizes: total micro-batch time over the
-        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.core.bounds`)."""
+        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.core.plan.bounds`)."""
         if self.num_microbatches == 0:
             return 0.0
         return float(objective_kernel(float(self.mb_time_s.sum()), float(self.mb_time_s.max()), self.num_ranks,

@@ -95,7 +95,7 @@ class DataLoader:
         plan_ahead: steps planned ahead; plan_processes: indexed mode without workers, plan in
             forked processes; buffer_tokens, chunk_size: streaming lookahead and tokenizer batch;
             collective: streaming only (default torch.distributed when initialized, else one rank).
-        feedback: a `dynabatch.core.feedback.FeedbackLoop` whose ``cost_model`` is this loader's
+        feedback: a `dynabatch.core.plan.feedback.FeedbackLoop` whose ``cost_model`` is this loader's
             cost model object; see `feedback`.
 
     Distribution and loading:

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.cost import CostModel
+from ..core.cost.model import CostModel
 from ..core.options import DEPRECATED_NAMES, PlanOptions, check_int, default_method, method_collation, renamed
 from .pixels import IMAGENET_MEAN, IMAGENET_STD
 

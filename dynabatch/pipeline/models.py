@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cost import ModelConfig
+from ..core.cost.model import ModelConfig
 from .spec import MicroBatchShape, TensorSpec
 
 MODELS = ("gpt-tiny", "t5-tiny", "vlm-tiny")  # vlm-tiny: dynabatch.pipeline.vlm
@@ -48,7 +48,7 @@ IGNORE_INDEX = -100
 class LayeredModel:
     """A model as an ordered list of layers plus what the runner needs to know about it.
 
-    ``kind`` is ``decoder`` or ``encoder_decoder`` (as in `dynabatch.core.cost.ModelConfig`);
+    ``kind`` is ``decoder`` or ``encoder_decoder`` (as in `dynabatch.core.cost.model.ModelConfig`);
     ``boundary(shape, layer)`` gives the `TensorSpec`s of the state *after* layer ``layer`` for a
     micro-batch of that `MicroBatchShape`; ``config`` describes the model for the cost model
     (the whole model as one stage); ``random_batch(shape, generator)`` makes a synthetic micro-batch

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..core.cost import CostModel, DeviceProfile, ProfiledTable, device_preset
+from ..core.cost.model import CostModel, DeviceProfile, ProfiledTable, device_preset
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -149,7 +149,7 @@ def add_profile_command(sub) -> None:
 
 
 def _cmd_profile(args) -> int:
-    from ..core.cost import describe
+    from ..core.cost.model import describe
     from .models import make_model
 
     over = {}

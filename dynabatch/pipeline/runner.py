@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..core.batchplan import BatchPlan, MicroBatch
-from ..core.recompute import recompute_layers
+from ..core.plan.recompute import recompute_layers
 from .bypass import Bypass
 from .comm import CommEvent, DistContext, P2P
 from .guard import GuardedSteps
@@ -49,7 +49,7 @@ class RunnerConfig:
     in-flight activation bytes per stage for ``adaptive`` (default the plan's recorded budget, else
     ``num_stages`` x the step's largest micro-batch). ``debug_shapes``: send a header before every
     message and check it against the receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
-    (what `dynabatch.core.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
+    (what `dynabatch.core.plan.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
     micro-batch dictionaries against the plan before running. ``check_plan``: before the step's first
     transfer, both ends of every link compare a small fingerprint of the messages and shapes they
     expect (one tiny message per link and direction); ranks holding different plans then stop with a
@@ -57,7 +57,7 @@ class RunnerConfig:
     ``recompute``: ``auto`` (default: the per-stage counts the plan records in
     ``options["recompute_layers"]``, none without), ``none``, ``full`` (every recomputable layer), or
     one count per stage (the first k recomputable layers run under ``torch.utils.checkpoint``; see
-    `dynabatch.core.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
+    `dynabatch.core.plan.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
     for backward (`dynabatch.pipeline.memory.SavedBytes`) and report the step's peak.
     ``flush``: False makes `run_steps` run its steps as one asynchronous 1F1B stream (PipeOptim): stage
     ``s`` starts the next step's forwards while later stages finish this one, and applies its update
@@ -237,7 +237,7 @@ class PipelineRunner(GuardedSteps):
         step's last micro-batch on this stage, the stage all-reduces its gradients over the
         data-parallel replicas, divides them by that step's ``num_tokens`` and calls
         ``optimizer.step()``, while earlier stages already run the next step's forwards. A forward
-        whose backward comes after ``lag`` updates (`dynabatch.core.flushfree.update_lag`) computes
+        whose backward comes after ``lag`` updates (`dynabatch.core.simulate.flushfree.update_lag`) computes
         with the weights `RunnerConfig.weight_prediction` says. ``num_tokens``: each step's real
         target tokens over all ranks (the loss normalizer; a loader `Step`'s ``target_tokens``),
         required: no stage may wait for the last stage's count before its own update. The per-step

@@ -4,9 +4,9 @@ A *shard* is one model's stage: its parameters, their gradients and the optimize
 `ShardStore` keeps the K shards of one stage device within a memory budget: shards not needed are
 copied to host memory (pinned on GPU) and brought back before their turn, bit for bit; the bytes it
 holds on the device are *measured* from the tensors the models and optimizers hold (each storage
-once), not only planned. `_Residency` (`dynabatch.core.multimodel_spill.Residency`) turns one step's
+once), not only planned. `_Residency` (`dynabatch.core.simulate.spill.Residency`) turns one step's
 sequence of shard uses into the windows that must be resident and the eviction / prefetch order, and
-`make_room` evicts by `dynabatch.core.multimodel_spill.pick_victims`: the policy the K-model simulator
+`make_room` evicts by `dynabatch.core.simulate.spill.pick_victims`: the policy the K-model simulator
 replays. Used by `dynabatch.pipeline.multimodel`.
 """
 
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 # the residency policy the K-model simulator replays (`_Residency` is what .multimodel imports)
-from ..core.multimodel_spill import Residency as _Residency  # noqa: F401
-from ..core.multimodel_spill import pick_victims
+from ..core.simulate.spill import Residency as _Residency  # noqa: F401
+from ..core.simulate.spill import pick_victims
 
 __all__ = ["ShardStore", "shard_bytes"]
 

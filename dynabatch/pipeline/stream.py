@@ -49,7 +49,7 @@ def run_stream(runner, steps, optimizer, num_tokens, collation) -> list[StepResu
         shapes += sh
         batches += list(b) if b is not None else [None] * len(sh)
         ends.append(len(shapes))
-    from ..core.flushfree import update_lag
+    from ..core.simulate.flushfree import update_lag
 
     ends = np.asarray(ends, np.int64)
     stream = _Stream(ends, update_lag(ends, runner.ctx.num_stages), np.asarray(num_tokens, np.float64),

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cost import ModelConfig
+from ..core.cost.model import ModelConfig
 from .models import IGNORE_INDEX, MLP, GPTBlock, GPTHead, LayeredModel, _SelfAttentionBlock
 from .spec import MicroBatchShape, TensorSpec
 

@@ -145,7 +145,7 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
     if len(set(steps)) != len(steps):
         raise ValueError("plans_to_arrow: two plans have the same step number")
     tables = [plan_to_arrow(p) for p in plans]
-    # a step of fewer samples than ranks is planned on fewer ranks (`dynabatch.core.steps.plan_step`):
+    # a step of fewer samples than ranks is planned on fewer ranks (`dynabatch.core.plan.steps.plan_step`):
     # the run's world size is the largest, and such a step's other ranks hold no micro-batch
     world = max(p.num_ranks for p in plans)
     first = _decode(tables[0].schema.metadata)

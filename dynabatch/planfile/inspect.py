@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.orders import DEFAULT_FORWARD_FRACTION, plan_orders, plan_p2p_s, plan_stage_times, split_times
-from ..core.simulate import simulate_pipeline
+from ..core.schedule.orders import DEFAULT_FORWARD_FRACTION, plan_orders, plan_p2p_s, plan_stage_times, split_times
+from ..core.simulate.pipeline import simulate_pipeline
 from .arrow import STAGE_FIELDS
 from .reader import RunPlan
 
@@ -116,7 +116,7 @@ def step_detail(run: RunPlan, step: int) -> dict:
 def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
     """One rank of one step re-simulated the way the planner simulated it: its micro-batches in
     execution order with their per-stage seconds (`plan_stage_times`), split forward / backward by
-    the cost model's ``forward_fraction``, the op order the plan records (`dynabatch.core.orders`: the
+    the cost model's ``forward_fraction``, the op order the plan records (`dynabatch.core.schedule.orders`: the
     one the planner simulated and the runner executes), and the cost model's transfer times. ``rank`` defaults
     to the slowest. Returns ``start_s`` / ``end_s`` ``[S, k, 2]`` (index ``[s, j, 0]`` the forward of
     the rank's ``j``-th micro-batch on stage ``s``, ``1`` its backward), ``ops``, ``makespan_s``

@@ -55,5 +55,5 @@ module                kernel                          reference
                       `stage_loads`                   `stage_loads_reference`
 ====================  ==============================  ==========================================
 
-``dynabatch.core.plan._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
+``dynabatch.core.plan.planner._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
 """

@@ -17,7 +17,7 @@ table), so there is no Python callback per candidate. `dp_reference` is the same
 plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
 optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison;
 `_pick_caps_between` is also checked against `_pick_caps` of the sorted times. (The 1-D DP behind
-the padded objective bound of `dynabatch.core.bounds` is `dynabatch.core.kernels.bounds`.)
+the padded objective bound of `dynabatch.core.plan.bounds` is `dynabatch.core.kernels.bounds`.)
 """
 
 from __future__ import annotations

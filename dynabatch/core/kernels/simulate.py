@@ -2,7 +2,7 @@
 
 Op encoding (int32): ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)`` its backward; a
 schedule is an ``[S, 2M]`` array holding one op list per stage. Times are seconds, memory bytes.
-The dependency rules are documented in `dynabatch.core.simulate`, which wraps these kernels with
+The dependency rules are documented in `dynabatch.core.simulate.pipeline`, which wraps these kernels with
 validation. The kernels take contiguous float64 / int32 arrays so other numba code can call them.
 
 =====================  ==========================

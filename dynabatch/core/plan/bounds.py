@@ -111,10 +111,11 @@ import math
 
 import numpy as np
 
-from .cost import CostModel
-from .kernels.bounds import capped_partition_cost
-from .kernels.objective import objective_kernel
-from .shapes import Shapes
+from ..cost.model import CostModel
+from ..kernels.bounds import capped_partition_cost
+from ..kernels.objective import objective_kernel
+from ..schedule.orders import split_times
+from ..shapes import Shapes
 
 __all__ = ["iteration_lower_bound", "objective_bound_kind", "objective_lower_bound"]
 
@@ -232,8 +233,9 @@ def iteration_lower_bound(shapes: Shapes, cost: CostModel, *, num_stages: int, n
     m_tot = max(int(np.ceil(float(mem.sum()) / limit)), 1) if np.isfinite(limit) and limit > 0 else 1
     mean_busy = (float(var.sum()) + max(R, m_tot) * fixed + vis_once) / R
     busy = max(mean_busy, float(whole.max()))
-    fill = float(np.min(f * whole + p2p))
-    drain = float(np.min((1.0 - f) * whole + p2p))
+    fwd, bwd = split_times(whole, f)  # each sample's own forward / backward on one stage
+    fill = float(np.min(fwd[0] + p2p))
+    drain = float(np.min(bwd[0] + p2p))
     k = int(np.argmax(whole))
     alone = S * float(whole[k]) + 2 * (S - 1) * float(p2p[k])
     bound = max(busy + (S - 1) * (fill + drain), alone)

@@ -1,13 +1,13 @@
 """The planner's per-stage path: rank assignment, ordering and evaluation on ``[S, M]`` stage times.
 
 `plan_microbatches` takes this path when its cost model has a non-uniform `StageLayout`
-(`dynabatch.core.stages`); with the uniform layout it keeps its scalar path, unchanged.
+(`dynabatch.core.cost.stages`); with the uniform layout it keeps its scalar path, unchanged.
 
 * `assign_ranks_stages`: longest (bottleneck stage time) first, each micro-batch to the rank whose
   estimated time ``max_s load[r, s] + (S - 1) * max_j mean_s t[s, j]`` grows least (with the uniform
   layout this is `assign_ranks`' ``sum + (S-1) * max``), then pairwise swaps (and moves, without equal
   counts) out of the slowest rank while they lower the largest estimate.
-* `assign_and_order_stages`: each candidate assignment ordered by `dynabatch.core.schedules.order_step`
+* `assign_and_order_stages`: each candidate assignment ordered by `dynabatch.core.schedule.schedules.order_step`
   (each rank's candidate orders: `assign`'s four on the bottleneck and on the mean stage time,
   Johnson's two-machine rule on the front and back halves of the stages and an alternation of
   front-heavy and back-heavy micro-batches, simulated with their ``[S, k]`` stage times).
@@ -23,14 +23,14 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.stage_assign import assign_stages
-from .kernels.schedules import order_ranks_stages
-from .kernels.simulate import schedule_kernel
-from .kernels.stage_order import insertion_search
-from .options import SCHEDULE_CODES
-from .features import microbatch_features
-from .orders import record_orders
-from .schedules import order_step
+from ..kernels.stage_assign import assign_stages
+from ..kernels.schedules import order_ranks_stages
+from ..kernels.simulate import schedule_kernel
+from ..kernels.stage_order import insertion_search
+from ..options import SCHEDULE_CODES
+from ..cost.features import microbatch_features
+from ..schedule.orders import record_orders
+from ..schedule.schedules import order_step
 
 
 def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:
@@ -63,7 +63,7 @@ def refine_orders(plan, cost, shapes=None, passes: int = 2):
     to the place in the rank's order with the lowest simulated makespan (`insertion_search`, a numba
     kernel), for the static schedules (``gpipe``/``1f1b``) of a per-stage plan. Such micro-batches
     keep the back stages busy while the front stages work on vision-heavy ones; the candidate orders
-    of `order_step_stages` (`dynabatch.core.kernels.schedules.stage_candidates`) place them only as
+    of `order_step` (`dynabatch.core.kernels.schedules.stage_candidates`) place them only as
     blocks. Ranks, micro-batches and samples are unchanged; a rank's order changes only where its makespan falls. Ranks are refined slowest first
     and only while they can still set the step's time."""
     if plan.schedule not in ("gpipe", "1f1b") or plan.stage_time_s is None or plan.num_stages < 2:

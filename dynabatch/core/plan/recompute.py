@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .features import microbatch_features
-from .stage_memory import StageMemory, stage_memory_of
-from .kernels.recompute import stage_peaks
-from .kernels.simulate import makespan_kernel
-from .options import RECOMPUTE
-from .orders import rank_ops, record_orders, split_times, stage_limit
+from ..cost.features import microbatch_features
+from ..cost.stage_memory import StageMemory, stage_memory_of
+from ..kernels.recompute import stage_peaks
+from ..kernels.simulate import makespan_kernel
+from ..options import RECOMPUTE
+from ..schedule.orders import rank_ops, record_orders, split_times, stage_limit
 
 __all__ = ["RECOMPUTE", "StageMemory", "apply_recompute", "recompute_costs"]
 
@@ -123,7 +123,7 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
     ``adaptive`` picks, per stage, the fewest layers that keep the stage's peak within
     ``device_memory_limit`` (bytes of activations one device may hold); with a limit, every policy
     raises ValueError when its peak exceeds it (naming the stage, its peak and the limit).
-    ``shapes``: the samples, needed for packed plans (`dynabatch.core.features.microbatch_features`).
+    ``shapes``: the samples, needed for packed plans (`dynabatch.core.cost.features.microbatch_features`).
     """
     if policy not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {policy!r}; choose one of {RECOMPUTE}")

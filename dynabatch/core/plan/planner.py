@@ -3,7 +3,7 @@
 ``method="dp"`` (padded collation) and ``method="dp_varlen"`` (packed varlen collation) run the
 numba dynamic program of `dynabatch.core.kernels.dp` on an ordering of the samples that keeps similar shapes
 adjacent, then balance ranks and order each rank's micro-batches by simulating the schedule
-(`dynabatch.core.kernels.assign`). The baselines of `dynabatch.core.baselines` go through the same costing and
+(`dynabatch.core.kernels.assign`). The baselines of `dynabatch.core.plan.baselines` go through the same costing and
 simulation so every comparison is one ``method=`` flag.
 
 Planning only groups and orders *within* a global batch; `split_global_batches` forms the global
@@ -19,18 +19,19 @@ import warnings
 import numpy as np
 
 from . import baselines as _bl
-from .kernels.assign import assign_ranks, balance_simulated
+from ..kernels.assign import assign_ranks, balance_simulated
 from numba import njit
 
-from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
-from .batchplan import BatchPlan
-from .cost import CostModel
-from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
-from .orders import record_orders
-from .schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
+from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
+from ..batchplan import BatchPlan
+from ..cost.model import CostModel
+from ..options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
+from ..schedule.orders import record_orders
+from ..schedule.schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
 from .recompute import apply_recompute, dp_candidates
 from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
-from .shapes import Shapes
+from ..shapes import Shapes
+from ..simulate.flushfree import flushfree_report
 
 
 
@@ -77,7 +78,7 @@ def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None,
     batch's own token count reaches ``global_batch_tokens`` (so every batch but the last holds at
     least that many tokens). ``tokens`` overrides the per-sample token count (default
     ``shapes.total_tokens``; ones count samples). The last, smaller batch is kept unless
-    ``drop_last``. `dynabatch.core.steps.global_batches` calls this with a `PlanOptions`."""
+    ``drop_last``. `dynabatch.core.plan.steps.global_batches` calls this with a `PlanOptions`."""
     if deprecated:
         global_batch_tokens = renamed(deprecated, where="split_global_batches").pop("global_batch_tokens",
                                                                                      global_batch_tokens)
@@ -131,10 +132,10 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
     ``options``). ``memory_limit`` (bytes of activations per micro-batch per stage) defaults to
     ``cost_model.memory_limit(num_stages, num_ranks)``; ``max_len``/``max_target_len`` truncate
     sample lengths in tokens; baselines take their knob from ``method_options`` (see
-    `dynabatch.core.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
+    `dynabatch.core.plan.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
     when a sample cannot fit in memory even alone, naming its sample id.
 
-    ``recompute`` / ``device_memory_limit`` (`dynabatch.core.recompute`): ``full`` sizes micro-batches
+    ``recompute`` / ``device_memory_limit`` (`dynabatch.core.plan.recompute`): ``full`` sizes micro-batches
     by their fully recomputed memory and prices every stage recomputing all its layers; ``adaptive``
     cuts the step at each of `dp_candidates` (the micro-batch cuts), orders it for the schedule (with
     ``schedule="auto"``: for each of gpipe, 1f1b and adaptive), picks per stage the fewest recomputed layers whose simulated peak fits the device limit,
@@ -179,12 +180,10 @@ def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int
     large micro-batch stalls in steady state: planning on ``sum/R`` alone gave 4x larger micro-batches
     and a 31% slower steady state on FLAN-like gpt steps), and the plan records its simulated
     steady-state step time in a stream of itself (``options["flushfree_step_s"]``,
-    `dynabatch.core.flushfree.flushfree_report`)."""
+    `dynabatch.core.simulate.flushfree.flushfree_report`)."""
     plan = _plan_flushed(shapes, cost_model, options, step)
     if options.flush:
         return plan
-    from .flushfree import flushfree_report
-
     rep = flushfree_report([plan], cost_model)  # a stream of this plan: its steady state
     return dataclasses.replace(plan, options={**plan.options, "flush": False,
                                               "flushfree_step_s": float(rep.flushfree_s[0])})

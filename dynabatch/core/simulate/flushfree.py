@@ -12,7 +12,7 @@ step ``k+1``'s forwards while later stages still finish step ``k``. Each stage a
 data-parallel rank at once, when the last rank's same stage got there (the stage's gradient
 all-reduce is a barrier over the ranks; it and the optimizer step take ``update_s`` seconds,
 0 by default as in the flushed model). Dependencies and transfers are those of
-`dynabatch.core.simulate` (asynchronous sends, ``p2p_s[j]`` on every edge between stages).
+`dynabatch.core.simulate.pipeline` (asynchronous sends, ``p2p_s[j]`` on every edge between stages).
 
 Micro-batch ``i`` of a rank's stream then sees, on stage ``s``, `update_lag` updates between its
 forward and its backward (0 or 1 when a step has at least ``S - 1`` micro-batches per rank; more
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
-from .orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, split_times
+from ..kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
+from ..schedule.orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, split_times
 
 __all__ = [
     "FlushFreeReport",
@@ -162,7 +162,7 @@ def simulate_flushfree(fwd_s, bwd_s, counts, *, p2p_s=0.0, update_s=0.0) -> Flus
 
 def _plan_p2p(plan, cost, p2p_s):
     """Seconds ``[M]`` of a plan's micro-batch transfers: ``p2p_s`` (scalar or ``[M]``) or the cost model's
-    (`dynabatch.core.orders.plan_p2p_s`)."""
+    (`dynabatch.core.schedule.orders.plan_p2p_s`)."""
     if p2p_s is not None:
         return np.broadcast_to(np.asarray(p2p_s, np.float64), (plan.num_microbatches,)).copy()
     if cost is None:
@@ -248,7 +248,7 @@ def flushfree_report(plans, cost=None, *, p2p_s=None, forward_fraction: float | 
 
     Stage times: each plan's ``stage_time_s`` or ``mb_time_s``; forward share ``cost.forward_fraction``
     (else ``forward_fraction``, default 1/3); transfers: the cost model's, as the planner priced them
-    (`dynabatch.core.orders.plan_p2p_s`), unless ``p2p_s`` gives them (a scalar, or one scalar / ``[M]``
+    (`dynabatch.core.schedule.orders.plan_p2p_s`), unless ``p2p_s`` gives them (a scalar, or one scalar / ``[M]``
     array per plan). ``warm_steps`` copies of
     the first plan run before the steps and of the last after them (module doc); ``update_s``: seconds
     of a stage's all-reduce + optimizer step (scalar or ``[S]``).
@@ -323,7 +323,7 @@ def flushfree_objective(time_s, num_ranks: int, num_stages: int, p2p_s=0.0) -> f
     trips, which the bound cannot see (cutting FLAN-like gpt steps on ``sum/R`` alone gave 4x larger
     micro-batches and a 31% slower simulated steady state than the flushed objective's cuts), so the
     planner keeps the flushed objective's cuts with ``flush=False`` and records the simulated steady
-    state (`dynabatch.core.plan._plan`)."""
+    state (`dynabatch.core.plan.planner._plan`)."""
     t = np.asarray(time_s, np.float64)
     p = np.broadcast_to(np.asarray(p2p_s, np.float64), t.shape)
     S = int(num_stages)

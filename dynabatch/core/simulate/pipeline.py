@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .options import SCHEDULE_CODES, SCHEDULES
-from .schedules import AUTO_PREFERENCE, adaptive_order, pick_auto
+from ..options import SCHEDULE_CODES, SCHEDULES
+from ..schedule.schedules import AUTO_PREFERENCE, adaptive_order, pick_auto
 
 # The kernels live beside their plain-Python references in `kernels.simulate`; they are
 # re-exported here because numba callers (the planner, `dynabatch.pipeline`) use them by this name.
-from .kernels.simulate import (
+from ..kernels.simulate import (
     DEADLOCK,
     inflight_kernel,
     makespan_kernel,
@@ -101,7 +101,7 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, kind: str = "1f1b"
     ``kind`` is ``"gpipe"`` (all forwards, then all backwards in micro-batch order 0..M-1)
     or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order). ``"adaptive"``
     and ``"auto"`` depend on the micro-batches' times and memory: see `simulate_pipeline` and
-    `dynabatch.core.schedules.adaptive_order`.
+    `dynabatch.core.schedule.schedules.adaptive_order`.
     """
     code = SCHEDULE_KINDS.get(str(kind).lower())
     if code is None:
@@ -151,7 +151,7 @@ def simulate_pipeline(
     ``fwd_s``/``bwd_s``: ``[M]`` (the same on every stage; the stage count then comes from
     an explicit ``schedule`` array or ``num_stages``) or ``[S, M]`` per-stage times.
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"adaptive"`` (the memory-aware order of
-    `dynabatch.core.schedules.adaptive_order` on these times, ``mem_bytes`` and ``memory_limit``),
+    `dynabatch.core.schedule.schedules.adaptive_order` on these times, ``mem_bytes`` and ``memory_limit``),
     ``"auto"`` (simulate those three, return the lowest makespan whose peak in-flight bytes per stage
     fit ``memory_limit``; ``SimResult.schedule`` names it) or an explicit int ``[S, 2M]`` op array in
     which every stage lists each ``F_j`` and ``B_j`` exactly once.

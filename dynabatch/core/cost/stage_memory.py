@@ -1,5 +1,5 @@
 """`StageMemory`: how per-stage activation recomputation changes each stage's held bytes, a part of
-the cost model (`CostModel.stage_memory_model`) that `dynabatch.core.recompute` prices policies
+the cost model (`CostModel.stage_memory_model`) that `dynabatch.core.plan.recompute` prices policies
 with. Bytes per feature unit of `dynabatch.core.kernels.cost.FEATURES`, one row per stage.
 """
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.cost import NUM_FEATURES
+from ..kernels.cost import NUM_FEATURES
 from .stages import StageLayout
 
 

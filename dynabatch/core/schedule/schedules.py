@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels.schedules import OK, OVERSIZE, adaptive_kernel, order_ranks_schedule, order_ranks_stages
-from .kernels.simulate import schedule_kernel
-from .options import SCHEDULE_CODES
+from ..kernels.schedules import OK, OVERSIZE, adaptive_kernel, order_ranks_schedule, order_ranks_stages
+from ..kernels.simulate import schedule_kernel
+from ..options import SCHEDULE_CODES
 
 #: The concrete orders ``auto`` chooses from, in the order it prefers them on equal makespans.
 AUTO_PREFERENCE: tuple[str, ...] = ("1f1b", "adaptive", "gpipe")
@@ -26,7 +26,7 @@ AUTO_PREFERENCE: tuple[str, ...] = ("1f1b", "adaptive", "gpipe")
 
 def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = None, *, p2p_s=0.0,
                    num_stages: int | None = None, oversize: str = "error") -> np.ndarray:
-    """The adaptive op order, int32 ``[S, 2M]`` (encoding of `dynabatch.core.simulate`).
+    """The adaptive op order, int32 ``[S, 2M]`` (encoding of `dynabatch.core.simulate.pipeline`).
 
     ``fwd_s``/``bwd_s``: ``[S, M]`` seconds per stage, or ``[M]`` with ``num_stages``; ``p2p_s``: scalar
     or ``[M]`` seconds per hop; ``mem_bytes``: ``[M]`` activation bytes a micro-batch holds on a stage

@@ -8,7 +8,7 @@ simulated and priced: for ``gpipe``/``1f1b`` it is fixed by the stage and micro-
 ``adaptive`` it depends on the predicted per-stage seconds, transfer seconds and activation bytes,
 which a runner does not have.
 
-Op encoding as in `dynabatch.core.simulate`: ``j + 1`` is the forward of a rank's ``j``-th micro-batch
+Op encoding as in `dynabatch.core.simulate.pipeline`: ``j + 1`` is the forward of a rank's ``j``-th micro-batch
 (execution order), ``-(j + 1)`` its backward; a rank's order is int32 ``[S, 2k]``. The plan's other
 inputs of a simulation are here too, each defined once: its stage times (`plan_stage_times`), its
 transfer times (`plan_p2p_s`) and the in-flight budget of its adaptive order (`stage_limit`).
@@ -21,9 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.schedules import OK, rank_ops_kernel
-from .kernels.simulate import split_kernel
-from .options import SCHEDULE_CODES
+from ..kernels.schedules import OK, rank_ops_kernel
+from ..kernels.simulate import split_kernel
+from ..options import SCHEDULE_CODES
 
 #: Forward share of a stage time for plans that record no order and are read without a cost model.
 DEFAULT_FORWARD_FRACTION = 1.0 / 3.0
