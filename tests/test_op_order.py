@@ -126,6 +126,20 @@ def test_recomputed_plans_record_the_order_they_priced(policy):
     _check_plan(plan, cost)
 
 
+def test_record_slots_kernel_matches_reference():
+    from dynabatch.core.kernels.schedules import record_slots_reference
+    from dynabatch.core.options import SCHEDULE_CODES
+
+    for seed in (3, 10, 17, 38):  # static and adaptive, several ranks
+        plan, cost, _ = _random_plan(seed)
+        rank_order = np.lexsort((plan.mb_order, plan.mb_rank))
+        counts = np.bincount(plan.mb_rank, minlength=plan.num_ranks)
+        ref = record_slots_reference(SCHEDULE_CODES[plan.schedule], plan_stage_times(plan), plan_p2p_s(plan, cost),
+                                     plan.mb_memory_bytes, rank_order, counts, cost.forward_fraction,
+                                     stage_limit(plan))
+        assert np.array_equal(np.array(ref, np.int32), plan.op_slots)
+
+
 def test_slots_round_trip_and_damaged_records_are_named():
     ops = stage_orders("1f1b", 4, 5)
     assert np.array_equal(ops_of(slots_of(ops)), ops)

@@ -183,12 +183,17 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
                         best_gain, move = gain, (a, -1 - r)
         if move is None:
             break
-        a, b = move
-        if b >= 0:
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-        else:
-            rank_of[a] = -1 - b
+        apply_move_reference(rank_of, *move)
     return rank_of
+
+
+def apply_move_reference(rank_of: list, a: int, b: int) -> None:
+    """Apply a move of the assignment references in place: ``b >= 0`` swaps the ranks of micro-batches
+    ``a`` and ``b``, ``b < 0`` moves ``a`` to rank ``-1 - b``."""
+    if b >= 0:
+        rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
+    else:
+        rank_of[a] = -1 - b
 
 
 @njit(cache=True)

@@ -275,8 +275,26 @@ def dp_mod_ranks(offset, count, seg_time, cap, n, ranks):
     return out
 
 
+def dp_kernel(main, dec, tiles, cost: SegmentCost, search: DPSearch):
+    """`dp_search` of the ordered samples for ``cost`` and ``search``. The records cross into numba as
+    their fields: numba types a namedtuple argument in Python on every call (about 2 ms), so
+    `_dp_entry` rebuilds them inside compiled code."""
+    return _dp_entry(main, dec, tiles, *cost, *search)
+
+
 @njit(cache=True, nogil=True)
-def dp_kernel(main, dec, tiles, cost, search):
+def _dp_entry(main, dec, tiles, varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
+              grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate, ranks, stages, max_caps,
+              equal_counts):
+    """`dp_search` with the fields of `SegmentCost` and `DPSearch` in their order."""
+    return dp_search(main, dec, tiles,
+                     SegmentCost(varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
+                                 grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate),
+                     DPSearch(ranks, stages, max_caps, equal_counts))
+
+
+@njit(cache=True, nogil=True)
+def dp_search(main, dec, tiles, cost, search):
     """Best partition of the ordered samples (int64 ``main``/``dec`` tokens and ``tiles`` per sample),
     each segment priced by ``cost`` (`SegmentCost`), for ``search`` (`DPSearch`). Returns (starts,
     status): the first position of each micro-batch, and 0, or INFEASIBLE_SAMPLE with starts=[position

@@ -12,6 +12,7 @@ kernel                     reference
 `order_ranks_stages`       `order_ranks_stages_reference`
 `stage_candidates`         `stage_candidates_reference`
 `rank_ops_kernel`          `rank_ops_reference`
+`record_slots_kernel`      `record_slots_reference`
 =========================  ==============================
 """
 
@@ -281,6 +282,52 @@ def rank_ops_reference(code, st, p2p, mem, fwd_fraction, limit):
     if code == ADAPTIVE:
         return adaptive_reference(fwd, bwd, [float(x) for x in p2p], [float(x) for x in mem], limit, True), fwd, bwd
     return schedule_reference(S, k, code), fwd, bwd
+
+
+@njit(cache=True)
+def record_slots_kernel(code, st, p2p, mem, rank_order, counts, fwd_fraction, limit, slots):
+    """Fill ``slots`` int32 ``[S, M, 2]`` with the position of each micro-batch's forward (``[..., 0]``) and
+    backward (``[..., 1]``) in its rank's op list of `rank_ops_kernel`. ``rank_order`` int64 ``[M]``:
+    micro-batch indices rank by rank in execution order, ``counts`` int64 ``[R]`` per rank; ``st``
+    ``[S, M]`` seconds, ``p2p``/``mem`` ``[M]``. Returns 0 (OK) or the first rank's stall status."""
+    S = st.shape[0]
+    pos = 0
+    for r in range(counts.shape[0]):
+        k = counts[r]
+        if k == 0:
+            continue
+        idx = rank_order[pos:pos + k]
+        sub = np.empty((S, k))
+        for s in range(S):
+            for q in range(k):
+                sub[s, q] = st[s, idx[q]]
+        ops, _, _, status = rank_ops_kernel(code, sub, p2p[idx], mem[idx], fwd_fraction, limit)
+        if status != OK:
+            return status
+        for s in range(S):
+            for i in range(2 * k):
+                op = ops[s, i]
+                slots[s, idx[abs(op) - 1], 0 if op > 0 else 1] = i
+        pos += k
+    return OK
+
+
+def record_slots_reference(code, st, p2p, mem, rank_order, counts, fwd_fraction, limit):
+    """Plain `record_slots_kernel`: the slots as a nested list ``[S][M][2]``."""
+    S, M = len(st), len(st[0])
+    slots = [[[0, 0] for _ in range(M)] for _ in range(S)]
+    pos = 0
+    for k in counts:
+        idx = [int(x) for x in rank_order[pos:pos + k]]
+        pos += k
+        if not idx:
+            continue
+        ops, _, _ = rank_ops_reference(code, [[float(st[s][j]) for j in idx] for s in range(S)],
+                                       [p2p[j] for j in idx], [mem[j] for j in idx], fwd_fraction, limit)
+        for s in range(S):
+            for i, op in enumerate(ops[s]):
+                slots[s][idx[abs(int(op)) - 1]][0 if op > 0 else 1] = i
+    return slots
 
 
 @njit(cache=True, nogil=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .assign import apply_move_reference
 from .objective import objective_kernel, objective_reference
 
 
@@ -195,11 +196,7 @@ def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds
                         best_gain, move = gain, (int(a), -1 - r)
         if move is None:
             break
-        a, b = move
-        if b >= 0:
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-        else:
-            rank_of[a] = -1 - b
+        apply_move_reference(rank_of, *move)
     return rank_of
 
 

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from ..kernels.schedules import OK, rank_ops_kernel
+from ..kernels.schedules import OK, rank_ops_kernel, record_slots_kernel
 from ..kernels.simulate import split_kernel
 from ..options import SCHEDULE_CODES
 
@@ -110,16 +110,19 @@ def ops_of(slots, where: str = "the plan") -> np.ndarray:
 def record_orders(plan, p2p, forward_fraction: float):
     """``plan`` with the op order of every rank (`rank_ops` on its micro-batches in execution order, its
     stage times, ``p2p`` ``[M]`` seconds in plan order, its ``mb_memory_bytes`` and `stage_limit`)
-    recorded in ``op_slots``: the order the planner simulated for ``rank_time_s``."""
-    st = plan_stage_times(plan)
-    p2p = np.asarray(p2p, np.float64)
-    mem = np.asarray(plan.mb_memory_bytes, np.float64)
+    recorded in ``op_slots``: the order the planner simulated for ``rank_time_s`` (one numba call,
+    `record_slots_kernel`)."""
+    if plan.schedule not in ("gpipe", "1f1b", "adaptive"):
+        raise ValueError(f"a plan records the op order of a concrete schedule, not {plan.schedule!r}")
     slots = np.zeros((plan.num_stages, plan.num_microbatches, 2), np.int32)
-    limit = stage_limit(plan)
-    for r in range(plan.num_ranks):
-        idx = plan.rank_indices(r)
-        if len(idx):
-            slots[:, idx] = slots_of(rank_ops(plan.schedule, st[:, idx], p2p[idx], mem[idx], forward_fraction, limit))
+    rank_order = np.lexsort((plan.mb_order, plan.mb_rank)).astype(np.int64)  # rank by rank, execution order
+    counts = np.bincount(plan.mb_rank, minlength=plan.num_ranks).astype(np.int64)
+    status = record_slots_kernel(SCHEDULE_CODES[plan.schedule], np.ascontiguousarray(plan_stage_times(plan)),
+                                 np.ascontiguousarray(p2p, np.float64),
+                                 np.ascontiguousarray(plan.mb_memory_bytes, np.float64), rank_order, counts,
+                                 float(forward_fraction), stage_limit(plan), slots)
+    if status != OK:
+        raise RuntimeError("adaptive order construction stalled (internal error)")
     return dataclasses.replace(plan, op_slots=slots)
 
 
