@@ -7,8 +7,8 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 """
 
 from .core.batchplan import BatchPlan, MicroBatch
-from .core.bounds import iteration_lower_bound, objective_lower_bound
-from .core.cost import (
+from .core.plan.bounds import iteration_lower_bound, objective_lower_bound
+from .core.cost.model import (
     DEVICE_PRESETS,
     FEATURES,
     MODEL_PRESETS,
@@ -19,14 +19,15 @@ from .core.cost import (
     device_preset,
     model_preset,
 )
-from .core.feedback import FeedbackLoop, FeedbackRow, StepError
+from .core.plan.feedback import FeedbackLoop, FeedbackRow, StepError
 from .core.options import COLLATIONS, METHODS, RECOMPUTE, SCHEDULES, PlanOptions
-from .core.plan import PlanningError, plan_microbatches, split_global_batches
-from .core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
-from .core.recompute import StageMemory, apply_recompute, recompute_costs
+from .core.plan.planner import PlanningError, plan_microbatches, split_global_batches
+from .shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
+from .core.cost.stage_memory import StageMemory
+from .core.plan.recompute import apply_recompute, recompute_costs
 from .core.shapes import SHAPES_SCHEMA, Shapes
-from .core.simulate import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
-from .core.steps import global_batches, plan_step
+from .core.simulate.pipeline import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
+from .core.plan.steps import global_batches, plan_step
 from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, RunPlan, load_run_plan, plans_to_arrow
 
 __all__ = sorted([

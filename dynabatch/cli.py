@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .core.option_flags import PLAN_OPTIONS_HELP, add_plan_options, plan_options_from_args
+from .option_flags import PLAN_OPTIONS_HELP, add_plan_options, plan_options_from_args
 
 DESCRIPTION = """\
 dynabatch plans micro-batches of variable-length samples so that every micro-batch costs about
@@ -31,7 +31,7 @@ BENCH_PLAN_EPILOG = """\
 columns:
   iter ms        simulated 1F1B iteration time of the slowest rank (mean over global batches)
   iter/LB        iter ms over a lower bound of the iteration time for any plan of the same batches
-                 (dynabatch.core.bounds.iteration_lower_bound)
+                 (dynabatch.core.plan.bounds.iteration_lower_bound)
   pad eff        real tokens / computed tokens (1.0 = no padding)
   vs pack        pack's iteration time / this method's
   obj/LB         the plan's objective (sum of micro-batch times + (stages-1) x largest, slowest
@@ -62,8 +62,8 @@ examples:
 
 def _add_bench_plan(sub) -> None:
     from .bench.progress import add_progress_option
-    from .core.cost import DEVICE_PRESETS, MODEL_PRESETS
-    from .core.plan import METHODS
+    from .core.cost.model import DEVICE_PRESETS, MODEL_PRESETS
+    from .core.plan.planner import METHODS
 
     p = sub.add_parser("plan", help="compare planning methods on the same global batches",
                        description="Plan the same random global batches with dynabatch's DP and every baseline, "
@@ -105,8 +105,8 @@ def _add_bench_plan(sub) -> None:
 def _cmd_bench_plan(args) -> int:
     from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
     from .bench.progress import show_progress
-    from .core.cost import CostModel
-    from .core.shape_sources import read_shapes, synthetic_shapes
+    from .core.cost.model import CostModel
+    from .shape_sources import read_shapes, synthetic_shapes
 
     try:
         options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048, max_target_len=512)
@@ -216,8 +216,8 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from .core.plan import PlanningError
-    from .core.shape_sources import ShapeSourceError
+    from .core.plan.planner import PlanningError
+    from .shape_sources import ShapeSourceError
 
     try:
         return int(args.func(args) or 0)

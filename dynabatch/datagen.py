@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .core.shape_sources import _TEXT_TASKS, _VL_TASKS, synthetic_shapes
+from .shape_sources import _TEXT_TASKS, _VL_TASKS, synthetic_shapes
 
 TEXT_FORMATS = ("jsonl", "jsonl.gz", "parquet")
 #: Rows per Parquet row group: small enough that one file still splits over several workers.

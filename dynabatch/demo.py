@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .core.bounds import iteration_lower_bound, objective_lower_bound
-from .core.cost import CostModel
+from .core.plan.bounds import iteration_lower_bound, objective_lower_bound
+from .core.cost.model import CostModel
 from .core.options import PlanOptions
 from .core.shapes import Shapes
-from .core.steps import global_batches, plan_step
+from .core.plan.steps import global_batches, plan_step
 
 RANKS, STAGES, BATCH_TOKENS = 8, 4, 65536
 

@@ -29,7 +29,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from .core.cost import DEVICE_PRESETS, GPU_PRESETS, MODEL_PRESETS, CostModel, GiB, device_preset
+from .core.cost.model import DEVICE_PRESETS, GPU_PRESETS, MODEL_PRESETS, CostModel, GiB, device_preset
 
 #: The model preset of the DataLoader's default cost model on the ``cpu``, by family.
 CPU_DEFAULT_MODEL = {"decoder": "gpt-tiny", "encoder_decoder": "t5-tiny"}

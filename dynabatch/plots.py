@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.simulate import simulate_pipeline
+from .core.schedule.orders import split_times
+from .core.simulate.pipeline import simulate_pipeline
 
 _KIND = ("F", "B")
 
@@ -15,8 +16,10 @@ def draw_pipeline_timeline(ax, times_s: np.ndarray, forward_fraction: float, num
     array (see `simulate_pipeline`). Drawn by `draw_simulated_timeline`."""
     times_s = np.asarray(times_s, np.float64)
     if times_s.shape[-1]:
-        sim = simulate_pipeline(times_s * forward_fraction, times_s * (1 - forward_fraction),
-                                num_stages=None if times_s.ndim == 2 else num_stages, schedule=schedule)
+        fwd, bwd = split_times(times_s, forward_fraction)
+        if times_s.ndim == 1:
+            fwd, bwd = fwd[0], bwd[0]
+        sim = simulate_pipeline(fwd, bwd, num_stages=None if times_s.ndim == 2 else num_stages, schedule=schedule)
         draw_simulated_timeline(ax, sim.start_s, sim.end_s)
     else:
         draw_simulated_timeline(ax, np.zeros((num_stages, 0, 2)), np.zeros((num_stages, 0, 2)))

@@ -1,7 +1,7 @@
 """Train a tiny T5-style encoder-decoder (or, with --model gpt-tiny, a GPT-style decoder) for real on
 FLAN-like data over 2 pipeline stages (2 local processes, gloo on CPU), fed by `dynabatch.DataLoader`,
 run by `dynabatch.pipeline.PipelineRunner`, with the planner's cost model refit online from the
-measured micro-batch times by the loader's `dynabatch.core.feedback.FeedbackLoop`:
+measured micro-batch times by the loader's `dynabatch.core.plan.feedback.FeedbackLoop`:
 
     loader = DataLoader(..., cost_model=cost, feedback=FeedbackLoop(cost))
     for step in loader.steps():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core import baselines as bl
-from dynabatch.core.cost import CostModel
-from dynabatch.core.plan import plan_microbatches, split_global_batches
+from dynabatch.core.plan import baselines as bl
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.plan.planner import plan_microbatches, split_global_batches
 
 
 def groups_of(g: bl.Grouping):

@@ -13,8 +13,8 @@ from dynabatch import Shapes
 from dynabatch.core.batchplan import MB_FIELDS, BatchPlan
 from dynabatch.planfile import PLAN_SCHEMA_VERSION, plan_from_arrow, plan_to_arrow, plans_to_arrow
 from dynabatch.planfile.arrow import steps_in
-from dynabatch.core.cost import CostModel
-from dynabatch.core.plan import METHODS, plan_microbatches
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.plan.planner import METHODS, plan_microbatches
 
 VERSION_KEY = b"dynabatch.plan_schema_version"
 ARRAYS = ("sample_ids", "sample_row", "mb_offsets", "rank_time_s") + tuple(MB_FIELDS)

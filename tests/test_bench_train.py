@@ -379,7 +379,7 @@ def test_bench_train_flush_free_variants(tmp_path):
 
 def test_flush_free_plans_keep_the_cuts_and_record_the_steady_state():
     from dynabatch import Shapes, plan_microbatches
-    from dynabatch.core.flushfree import flushfree_report
+    from dynabatch.core.simulate.flushfree import flushfree_report
 
     rng = np.random.default_rng(0)
     shapes = Shapes.from_lengths(rng.integers(64, 2000, 300))

@@ -9,7 +9,7 @@ import pytest
 from dynabatch.bench.train_vlm import (VLM_SIZES, feedback_kwargs, modality_bounds, stage_computes,
                                        stage_mape_floor, stage_split, stage_step_mape, uniform_vlm_bounds,
                                        vlm_stats)
-from dynabatch.core.feedback import FeedbackLoop
+from dynabatch.core.plan.feedback import FeedbackLoop
 from dynabatch.pipeline import make_model, stage_cost_model
 
 

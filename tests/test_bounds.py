@@ -14,7 +14,7 @@ from dynabatch import (
     synthetic_shapes,
 )
 from dynabatch.core.options import method_collation
-from dynabatch.core.plan import METHODS, split_global_batches
+from dynabatch.core.plan.planner import METHODS, split_global_batches
 
 CASES = [("gpt", "text", 2048), ("t5", "text", 2048), ("vlm", "vision", 8192)]
 
@@ -190,7 +190,7 @@ def test_padded_bound_tightens_encoder_decoder():
 
 
 def test_profiled_cost_models_get_the_varlen_bound():
-    from dynabatch.core.bounds import objective_bound_kind
+    from dynabatch.core.plan.bounds import objective_bound_kind
 
     cost = CostModel.preset("t5")
     assert objective_bound_kind(cost, "padded") == "padded"

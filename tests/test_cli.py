@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.core.plan import METHODS
+from dynabatch.core.plan.planner import METHODS
 
 SMALL = ["--synthetic", "--samples", "2500", "--batches", "3", "--no-progress"]
 
@@ -87,7 +87,7 @@ def _parsed(argv):
 
 def test_plan_flags_build_plan_options_the_same_way_for_both_commands():
     from dynabatch import PlanOptions
-    from dynabatch.core.option_flags import plan_options_from_args
+    from dynabatch.option_flags import plan_options_from_args
 
     flags = ["--global-batch-size", "96", "--max-len", "1024", "--max-target-len", "128", "--stages", "2",
              "--ranks", "3", "--schedule", "gpipe", "--memory-limit", "16GiB", "--seed", "9", "--drop-last",
@@ -110,7 +110,7 @@ def test_plan_flags_build_plan_options_the_same_way_for_both_commands():
 
 
 def test_plan_flag_values_are_checked(capsys):
-    from dynabatch.core.option_flags import parse_bytes, plan_options_from_args
+    from dynabatch.option_flags import parse_bytes, plan_options_from_args
 
     assert parse_bytes("17e9") == 17e9 and parse_bytes("800MB") == 8e8 and parse_bytes("2 KiB") == 2048
     for argv in (["--global-batch-tokens", "1", "--global-batch-size", "2"], ["--memory-limit", "lots"],
@@ -123,7 +123,7 @@ def test_plan_flag_values_are_checked(capsys):
 
 
 def test_keep_last_is_a_deprecated_no_op(capsys):
-    from dynabatch.core.option_flags import plan_options_from_args
+    from dynabatch.option_flags import plan_options_from_args
 
     with pytest.warns(DeprecationWarning, match="--keep-last is deprecated"):
         args = _parsed(["plan", "x.parquet", "--out", "p.parquet", "--keep-last"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core.cost import (
+from dynabatch.core.cost.model import (
     DEVICE_PRESETS,
     FEATURES,
     MODEL_PRESETS,
@@ -18,8 +18,8 @@ from dynabatch.core.cost import (
     device_preset,
     model_preset,
 )
-from dynabatch.core.plan import PlanningError, plan_microbatches
-from dynabatch.core.feedback import FeedbackLoop
+from dynabatch.core.plan.planner import PlanningError, plan_microbatches
+from dynabatch.core.plan.feedback import FeedbackLoop
 
 F = {name: k for k, name in enumerate(FEATURES)}
 

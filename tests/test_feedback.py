@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel, Shapes, plan_microbatches
-from dynabatch.core.cost import DeviceProfile, device_preset
-from dynabatch.core.feedback import FeedbackLoop, robust_fit
-from dynabatch.core.fit import fit_relative
+from dynabatch.core.cost.model import DeviceProfile, device_preset
+from dynabatch.core.plan.feedback import FeedbackLoop, robust_fit
+from dynabatch.core.cost.fit import fit_relative
 from dynabatch.pipeline.models import gpt_tiny, t5_tiny
 from dynabatch.pipeline.measure.timing import StepTiming
 

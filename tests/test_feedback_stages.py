@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from dynabatch import CostModel, Shapes, plan_microbatches
-from dynabatch.core.feedback import FeedbackLoop
-from dynabatch.core.fit import mape
-from dynabatch.core.stages import StageLayout
+from dynabatch.core.plan.feedback import FeedbackLoop
+from dynabatch.core.cost.fit import mape
+from dynabatch.core.cost.stages import StageLayout
 from dynabatch.pipeline.measure.timing import StepTiming
 
 sys.path.insert(0, str(Path(__file__).parent))  # the launched workers import this file by path
@@ -233,7 +233,7 @@ def test_fit_relative_frees_a_zero_prior_coefficient_only_where_scale_says():
     np.testing.assert_allclose(fit_relative_(phi, phi[:, [0, 2]] @ truth[[0, 2]], prior,
                                              scale=np.array([0.0, 1e-5, 0.0]))[1], 0.0, atol=1e-12)
     # robust_fit passes the scale through; without one it is fit_relative's old answer exactly
-    from dynabatch.core.fit import robust_fit
+    from dynabatch.core.cost.fit import robust_fit
 
     w = np.ones(60)
     np.testing.assert_allclose(robust_fit(phi, y, w, prior, prior, scale=np.array([0, 1e-5, 0])), truth, rtol=0.02)
@@ -241,7 +241,7 @@ def test_fit_relative_frees_a_zero_prior_coefficient_only_where_scale_says():
 
 
 def fit_relative_(phi, y, prior, scale=None):
-    from dynabatch.core.fit import fit_relative
+    from dynabatch.core.cost.fit import fit_relative
 
     return fit_relative(phi, y, np.ones(len(y)), prior, 1e-6, scale)
 

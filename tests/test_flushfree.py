@@ -1,16 +1,15 @@
 """Flush-free (asynchronous, cross-step) 1F1B: kernels vs references, hand-computed schedules,
-consistency with the flushed simulator and plans, bounds, and the bench (`dynabatch.core.flushfree`)."""
+consistency with the flushed simulator and plans, bounds, and the bench (`dynabatch.core.simulate.flushfree`)."""
 
 import numpy as np
 import pytest
 
 from dynabatch.bench.flushfree import format_flushfree, run_flushfree_bench
-from dynabatch.core.cost import CostModel
-from dynabatch.core.flushfree import (
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.simulate.flushfree import (
     flushfree_bound,
     flushfree_objective,
     flushfree_report,
-    plan_stage_times,
     simulate_flushfree,
     update_lag,
 )
@@ -23,10 +22,11 @@ from dynabatch.core.kernels.flushfree import (
     stage_loads_reference,
 )
 from dynabatch.core.options import PlanOptions
-from dynabatch.core.shape_sources import synthetic_shapes
-from dynabatch.core.simulate import simulate_pipeline
-from dynabatch.core.stage_plan import microbatch_features
-from dynabatch.core.steps import global_batches, plan_step
+from dynabatch.core.schedule.orders import plan_stage_times
+from dynabatch.shape_sources import synthetic_shapes
+from dynabatch.core.simulate.pipeline import simulate_pipeline
+from dynabatch.core.cost.features import microbatch_features
+from dynabatch.core.plan.steps import global_batches, plan_step
 
 
 def random_stream(rng, zero_counts=True):

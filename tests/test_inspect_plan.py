@@ -7,14 +7,14 @@ import pytest
 
 from dynabatch import CostModel, PlanOptions
 from dynabatch.cli import main
-from dynabatch.core.schedules import adaptive_order
-from dynabatch.core.simulate import simulate_pipeline
-from dynabatch.core.stage_plan import microbatch_features
+from dynabatch.core.schedule.schedules import adaptive_order
+from dynabatch.core.simulate.pipeline import simulate_pipeline
+from dynabatch.core.cost.features import microbatch_features
 from dynabatch.planfile.inspect import (format_summary, microbatch_columns, shape_histogram, stage_busy,
                                         step_timeline, summarize_plan, task_share)
 from dynabatch.planfile.plot import plot_plan
 from dynabatch.offline import Index, RunPlanConfig, load_run_plan, plan_run
-from dynabatch.core.shape_sources import synthetic_shapes
+from dynabatch.shape_sources import synthetic_shapes
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ from dynabatch.core.kernels.assign import (
     balance_simulated,
     balance_simulated_reference,
     candidate_orders_reference,
-    order_ranks,
-    order_ranks_reference,
     simulate_rank,
     simulate_rank_reference,
 )
@@ -35,6 +33,8 @@ from dynabatch.core.kernels.bounds import capped_partition_cost, capped_partitio
 from dynabatch.core.kernels.caps import _pick_caps, _pick_caps_between, pick_caps_reference
 from dynabatch.core.kernels.packing import budget_cuts, budget_cuts_reference, pack_rows, pack_rows_reference
 from dynabatch.core.kernels.rows import pad_rows, pad_rows_reference
+from dynabatch.core.kernels.objective import objective_kernel, objective_reference
+from dynabatch.core.kernels.schedules import order_ranks_schedule, order_ranks_schedule_reference
 from dynabatch.core.kernels.simulate import (
     inflight_kernel,
     inflight_reference,
@@ -44,8 +44,10 @@ from dynabatch.core.kernels.simulate import (
     schedule_reference,
     simulate_kernel,
     simulate_reference,
+    split_kernel,
+    split_reference,
 )
-from dynabatch.core.plan import _greedy_cuts, greedy_cuts_reference
+from dynabatch.core.plan.planner import _greedy_cuts, greedy_cuts_reference
 
 # Times (seconds) from a few values or any float, so ties are common but not the rule.
 time_st = st.sampled_from([0.25, 0.5, 1.0, 1.0, 2.0, 3.5]) | st.floats(0.001, 10.0)
@@ -130,10 +132,10 @@ def test_order_ranks_matches_reference(times, ranks, stages, kind, optimize, see
     t = np.array(times, np.float64)
     p2p = rng.choice([0.0, 0.05, 0.2], m)
     rank_of = rng.integers(0, ranks, m).astype(np.int32)  # some ranks may get nothing
-    kmax = int(np.bincount(rank_of, minlength=ranks).max(initial=0))
-    ops = schedules_by_count(stages, kmax, kind)
-    perm, rank_time = order_ranks(t, p2p, rank_of, ranks, 1.0 / 3.0, stages, ops, optimize)
-    ref_perm, ref_time = order_ranks_reference(t, p2p, rank_of, ranks, 1.0 / 3.0, stages, ops, optimize)
+    mem = np.ones(m)
+    perm, rank_time, _ = order_ranks_schedule(t, p2p, mem, rank_of, ranks, 1.0 / 3.0, stages, kind, np.inf, optimize)
+    ref_perm, ref_time, _ = order_ranks_schedule_reference(t, p2p, mem, rank_of, ranks, 1.0 / 3.0, stages, kind,
+                                                           np.inf, optimize)
     assert (perm.tolist(), rank_time.tolist()) == (ref_perm, ref_time)
     assert sorted(ref_perm) == list(range(m))
 
@@ -365,3 +367,23 @@ def test_assign_stages_matches_reference(stages, m, ranks, equal, seed):
     assert np.array_equal(got, want)
     if equal and len(got):
         assert np.all(np.bincount(got, minlength=ranks) == cap)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tied_times_st.filter(len), st.integers(1, 8), st.integers(1, 8))
+def test_objective_matches_reference(times, ranks, stages):
+    t = np.array(times, np.float64)
+    got = objective_kernel(float(t.sum()), float(t.max()), ranks, stages)
+    assert got == objective_reference(float(t.sum()), float(t.max()), ranks, stages)
+    assert got == float(t.sum()) / ranks + (stages - 1) * float(t.max())
+    arr = objective_kernel(t, t[::-1].copy(), 1, stages)  # element-wise, as the assignment kernels use it
+    assert arr.tolist() == [objective_reference(a, b, 1, stages) for a, b in zip(t, t[::-1])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tied_times_st.filter(len), st.integers(1, 5), st.floats(0.1, 0.9))
+def test_split_matches_reference(times, stages, fwd_fraction):
+    stage_t = np.array([times] * stages, np.float64) * np.arange(1, stages + 1)[:, None]
+    fwd, bwd = split_kernel(stage_t, fwd_fraction)
+    rf, rb = split_reference(stage_t, fwd_fraction)
+    assert fwd.tolist() == rf.tolist() and bwd.tolist() == rb.tolist()

@@ -1,4 +1,4 @@
-"""K models on one data pass (`dynabatch.pipeline.MultiModelRunner`, `dynabatch.core.multimodel_sim`).
+"""K models on one data pass (`dynabatch.pipeline.MultiModelRunner`, `dynabatch.core.simulate.multimodel`).
 
 Torch-free parts: the shard orders and the residency kernel against their plain-Python references,
 deadlock-freedom of the K-model communication programs under NCCL FIFO semantics, the simulator's
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the workers run this
 from test_pipeline_dist import ok  # noqa: E402
 from test_pipeline_workers import replica_batches, synthetic_plan  # noqa: E402
 
-from dynabatch.core.multimodel_sim import (  # noqa: E402
+from dynabatch.core.simulate.multimodel import (  # noqa: E402
     active_peak,
     active_peak_reference,
     lrtf_order,
@@ -29,7 +29,7 @@ from dynabatch.core.multimodel_sim import (  # noqa: E402
     multimodel_orders_reference,
     simulate_multimodel,
 )
-from dynabatch.core.simulate import simulate_pipeline  # noqa: E402
+from dynabatch.core.simulate.pipeline import simulate_pipeline  # noqa: E402
 from dynabatch.pipeline import launch_local  # noqa: E402
 from dynabatch.pipeline.runtime.schedule import build_programs, check_programs  # noqa: E402
 
@@ -484,7 +484,7 @@ def feedback_worker(rank, world, port, steps):
     from types import SimpleNamespace
 
     from dynabatch import CostModel
-    from dynabatch.core.feedback import FeedbackLoop
+    from dynabatch.core.plan.feedback import FeedbackLoop
     from dynabatch.pipeline import init_pipeline, make_model
     from dynabatch.pipeline.runtime.multimodel import MultiModelRunner
 

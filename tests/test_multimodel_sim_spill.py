@@ -24,9 +24,9 @@ from dynabatch.core.kernels.spill import (
     spill_timing_kernel,
     spill_timing_reference,
 )
-from dynabatch.core.multimodel_sim import active_peak, multimodel_orders, simulate_multimodel, virtual_times
-from dynabatch.core.multimodel_spill import copy_plan
-from dynabatch.core.simulate import simulate_pipeline
+from dynabatch.core.simulate.multimodel import active_peak, multimodel_orders, simulate_multimodel, virtual_times
+from dynabatch.core.simulate.spill import copy_plan
+from dynabatch.core.simulate.pipeline import simulate_pipeline
 
 TIMES = np.array([0.25, 0.5, 1.0, 1.0, 2.0, 3.5])  # seconds, with ties
 

@@ -151,7 +151,7 @@ def _reference_stash(bounds, steps, opt, seed):
     """One process, PipeDream semantics: micro-batch i runs forward and backward on stage s with the
     stage's weight version after the updates done before its forward there (`update_lag`), its
     step's gradient (every micro-batch, summed, / the step's tokens) updates the current weights."""
-    from dynabatch.core.flushfree import update_lag
+    from dynabatch.core.simulate.flushfree import update_lag
     from dynabatch.pipeline import make_model
 
     model = make_model("gpt-tiny", **GPT, seed=1)

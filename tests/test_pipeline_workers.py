@@ -135,7 +135,7 @@ def _correctness(ctx, cases, schedules, steps, use_planner):
 def _planned(model, ctx, rng, step):
     """A real dynabatch plan for the tiny model's cost model."""
     from dynabatch import CostModel, Shapes, plan_microbatches
-    from dynabatch.core.cost import device_preset
+    from dynabatch.core.cost.model import device_preset
 
     cost = CostModel(model.config, device_preset("cpu"))
     n = int(rng.integers(4, 9))
@@ -300,8 +300,8 @@ def _feedback_run(ctx, steps):
     from dataclasses import asdict, replace
 
     from dynabatch import CostModel, Shapes
-    from dynabatch.core.cost import device_preset
-    from dynabatch.core.feedback import FeedbackLoop
+    from dynabatch.core.cost.model import device_preset
+    from dynabatch.core.plan.feedback import FeedbackLoop
 
     model = make_model("gpt-tiny", vocab=64, hidden=32, layers=2, heads=2, max_positions=256, seed=0)
     cfg = replace(model.config, layers=model.config.layers / 2)

@@ -16,17 +16,16 @@ from hypothesis import strategies as st
 
 from dynabatch import Shapes
 from dynabatch.planfile import plan_to_arrow
-from dynabatch.core.kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel, dp_reference
-from dynabatch.core.baselines import BASELINE_COLLATION, BASELINE_KNOBS
-from dynabatch.core.cost import NUM_FEATURES, CostModel
-from dynabatch.core.plan import METHODS, PlanningError, plan_microbatches
+from dynabatch.core.kernels.dp import (INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel,
+                                      dp_reference, segment_cost)
+from dynabatch.core.plan.baselines import BASELINE_COLLATION, BASELINE_KNOBS
+from dynabatch.core.cost.model import NUM_FEATURES, CostModel
+from dynabatch.core.plan.planner import METHODS, PlanningError, plan_microbatches
 
 DP_METHODS = ("dp", "dp_varlen")
 BASELINE_METHODS = tuple(m for m in METHODS if m not in DP_METHODS)
 TILE_PATCHES = 1025
 
-_Z1 = np.zeros(1)
-_Z3 = np.zeros((1, 1, 1))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -99,15 +98,14 @@ def partition_times(main, dec, tiles, starts, varlen, pad, tcoef, mcoef, limit):
 
 
 def call_kernel(main, dec, tiles, varlen, pad, tcoef, mcoef, limit, ranks, stages, max_caps, equal=True):
-    starts, status = dp_kernel(main, dec, tiles, varlen, pad, TILE_PATCHES, tcoef, mcoef, float(limit), ranks,
-                               stages, max_caps, False, _Z1, _Z1, _Z1, _Z3, _Z3, False, bool(equal))
+    starts, status = dp_kernel(main, dec, tiles, segment_cost(varlen, pad, TILE_PATCHES, tcoef, mcoef, limit),
+                               DPSearch(ranks, stages, max_caps, bool(equal)))
     return [int(x) for x in starts], int(status)
 
 
 def call_reference(main, dec, tiles, varlen, pad, tcoef, mcoef, limit, ranks, stages, max_caps, equal=True):
-    starts, status = dp_reference(main, dec, tiles, varlen=varlen, pad_multiple=pad, tile_patches=TILE_PATCHES,
-                                  tcoef=tcoef, mcoef=mcoef, mem_limit=float(limit), ranks=ranks, stages=stages,
-                                  max_caps=max_caps, equal_counts=equal)
+    starts, status = dp_reference(main, dec, tiles, segment_cost(varlen, pad, TILE_PATCHES, tcoef, mcoef, limit),
+                                  DPSearch(ranks, stages, max_caps, bool(equal)))
     return (None if starts is None else [int(x) for x in starts]), int(status)
 
 
@@ -311,8 +309,8 @@ def test_tiny_max_caps_is_refused(max_caps):
     code = textwrap.dedent(f"""
         import numpy as np
         from dynabatch import Shapes
-        from dynabatch.core.cost import CostModel
-        from dynabatch.core.plan import plan_microbatches
+        from dynabatch.core.cost.model import CostModel
+        from dynabatch.core.plan.planner import plan_microbatches
         sh = Shapes.from_lengths(np.random.default_rng(0).integers(1, 3000, 50))
         try:
             plan_microbatches(sh, CostModel.preset("gpt"), num_stages=4, max_caps={max_caps})
@@ -482,8 +480,8 @@ DET_CASES = [("gpt", "dp", 4, 8), ("t5", "dp_varlen", 4, 3), ("vlm", "dp", 2, 2)
 _FINGERPRINT_SCRIPT = """
 import numpy as np, sys, json
 from dynabatch import Shapes
-from dynabatch.core.cost import CostModel
-from dynabatch.core.plan import plan_microbatches
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.plan.planner import plan_microbatches
 out = []
 for preset, method, stages, ranks in json.loads(sys.argv[1]):
     rng = np.random.default_rng(12345)

@@ -9,8 +9,8 @@ import pytest
 
 from dynabatch import CostModel, PlanOptions
 from dynabatch.cli import main
-from dynabatch.core.bounds import iteration_lower_bound
-from dynabatch.core.shape_sources import synthetic_shapes
+from dynabatch.core.plan.bounds import iteration_lower_bound
+from dynabatch.shape_sources import synthetic_shapes
 from dynabatch.index import write_index
 from dynabatch.offline import Index, RunPlanConfig, load_run_plan, plan_run
 from dynabatch.planfile.plot import index_shapes, plot_plan

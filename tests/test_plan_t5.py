@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from dynabatch import Shapes
-from dynabatch.core.bounds import objective_lower_bound
-from dynabatch.core.cost import CostModel
+from dynabatch.core.plan.bounds import objective_lower_bound
+from dynabatch.core.cost.model import CostModel
 from dynabatch.core.options import PlanOptions
-from dynabatch.core.plan import _decoder_classes, _ordering, plan_microbatches
-from dynabatch.core.shape_sources import synthetic_shapes
-from dynabatch.core.steps import global_batches
+from dynabatch.core.plan.planner import _decoder_classes, _ordering, plan_microbatches
+from dynabatch.shape_sources import synthetic_shapes
+from dynabatch.core.plan.steps import global_batches
 
 OPTIONS = PlanOptions(global_batch_tokens=65536, max_len=2048, max_target_len=512, num_stages=4, num_ranks=8)
 NUM_BATCHES = 6

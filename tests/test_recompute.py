@@ -12,10 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the workers import this file by path, and its neighbours
 
 from dynabatch import PlanOptions, Shapes, plan_microbatches  # noqa: E402
-from dynabatch.core.cost import CostModel
+from dynabatch.core.cost.model import CostModel
 from dynabatch.core.kernels.recompute import stage_peaks, stage_peaks_reference
 from dynabatch.core.kernels.simulate import schedule_kernel
-from dynabatch.core.recompute import StageMemory, recompute_costs
+from dynabatch.core.plan.recompute import StageMemory, recompute_costs
 from dynabatch.pipeline import launch_local
 from test_pipeline_dist import ok as _ok  # noqa: E402 (every rank exited 0 without a timeout; their results)
 from dynabatch.loader.settings import records_from_keywords
@@ -54,8 +54,8 @@ def _uniform_peaks(cost, shapes, opts, top):
 
 
 def _peaks_with(cost, plan, k):
-    from dynabatch.core.recompute import _peaks_and_times
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.plan.recompute import _peaks_and_times
+    from dynabatch.core.cost.features import microbatch_features
 
     phi = microbatch_features(plan, cost)
     st, held, _ = recompute_costs(cost, phi, k)
@@ -106,7 +106,7 @@ def test_recompute_prices_time_and_memory_per_stage():
 def test_plan_file_keeps_the_choice():
     """The per-stage counts and predicted peaks travel in the plan file's step options, the runner
     reads them back per stage."""
-    from dynabatch.core.recompute import recompute_layers
+    from dynabatch.core.plan.recompute import recompute_layers
     from dynabatch.planfile import plan_from_arrow, plans_to_arrow
 
     cost = CostModel.preset("gpt", num_stages=4)
@@ -327,7 +327,7 @@ def test_feedback_refits_the_time_without_recomputation():
     from dynabatch import FeedbackLoop
     from dynabatch.pipeline import StepTiming
 
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.cost.features import microbatch_features
 
     cost = CostModel.preset("gpt", num_stages=2)
     truth = CostModel.preset("gpt", num_stages=2)  # the model without recomputation, 1.3x slower

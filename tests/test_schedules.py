@@ -1,5 +1,5 @@
 """Schedules in the simulator, the planner, the plan file and the runner: the memory-aware adaptive
-order (one definition, `dynabatch.core.schedules`), and ``schedule="auto"`` choosing per step."""
+order (one definition, `dynabatch.core.schedule.schedules`), and ``schedule="auto"`` choosing per step."""
 
 import dataclasses
 import io
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynabatch import CostModel, PlanOptions, Shapes, plan_microbatches
-from dynabatch.core.cost import device_preset
+from dynabatch.core.cost.model import device_preset
 from dynabatch.core.kernels.schedules import (
     OK,
     adaptive_kernel,
@@ -25,8 +25,8 @@ from dynabatch.core.kernels.schedules import (
     stage_candidates_reference,
 )
 from dynabatch.core.options import SCHEDULES
-from dynabatch.core.schedules import adaptive_order
-from dynabatch.core.simulate import pipeline_schedule, simulate_pipeline
+from dynabatch.core.schedule.schedules import adaptive_order
+from dynabatch.core.simulate.pipeline import pipeline_schedule, simulate_pipeline
 from dynabatch.planfile import format as fmt
 from dynabatch.planfile.arrow import plan_from_arrow, plan_to_arrow, plans_to_arrow
 
@@ -225,7 +225,7 @@ def test_plan_file_keeps_each_steps_schedule_and_reads_old_files():
 
 
 def test_auto_plans_are_byte_identical_for_the_same_seed():
-    from dynabatch.core.plan import split_global_batches
+    from dynabatch.core.plan.planner import split_global_batches
 
     shapes, cost = _setup(n=600)
     outs = []

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynabatch.core.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
+from dynabatch.shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
 
 
 def test_text_estimate_is_bytes_over_four(tmp_path):

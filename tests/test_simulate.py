@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from numba import njit
 
 from dynabatch.core.kernels.simulate import simulate_reference as _simulate_reference
-from dynabatch.core.simulate import (
+from dynabatch.core.simulate.pipeline import (
     PipelineDeadlock,
     SimResult,
     makespan,

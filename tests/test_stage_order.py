@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from dynabatch import PlanOptions, Shapes, plan_microbatches
-from dynabatch.core.cost import CostModel
+from dynabatch.core.cost.model import CostModel
 from dynabatch.core.kernels.simulate import schedule_kernel
 from dynabatch.core.kernels.stage_order import insertion_search, insertion_search_reference
-from dynabatch.core.stage_plan import refine_orders
+from dynabatch.core.plan.stage_plan import refine_orders
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -46,7 +46,7 @@ def test_moves_lower_the_makespan_and_keep_the_rest():
 def test_refine_orders_on_a_vision_text_mix():
     """Stage-aware vlm plans of an image+text / text-only mix: refining never slows a rank, changes no
     rank's micro-batches, and on this mix lowers the step time."""
-    from dynabatch.core.stage_plan import evaluate_plan
+    from dynabatch.core.plan.stage_plan import evaluate_plan
 
     rng = np.random.default_rng(0)
     n = 240
@@ -58,7 +58,7 @@ def test_refine_orders_on_a_vision_text_mix():
     assert plan.schedule in ("1f1b", "gpipe")
     # the same plan with each rank's order reversed, then refined
     blocks = [np.flatnonzero(plan.mb_rank == r) for r in range(plan.num_ranks)]
-    from dynabatch.core.stage_plan import _permuted
+    from dynabatch.core.plan.stage_plan import _permuted
 
     rev = np.concatenate([b[::-1] for b in blocks])
     shuffled = evaluate_plan(_permuted(plan, rev, plan.rank_time_s), cost)

@@ -1,17 +1,18 @@
-"""Per-stage costs (`dynabatch.core.stages`) and the planner's per-stage path (`dynabatch.core.stage_plan`)."""
+"""Per-stage costs (`dynabatch.core.cost.stages`) and the planner's per-stage path
+(`dynabatch.core.plan.stage_plan`)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from dynabatch.core.cost import CostModel
-from dynabatch.core.plan import plan_microbatches
-from dynabatch.core.shape_sources import synthetic_shapes
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.plan.planner import plan_microbatches
+from dynabatch.shape_sources import synthetic_shapes
 from dynabatch.core.shapes import Shapes
-from dynabatch.core.simulate import simulate_pipeline
-from dynabatch.core.stage_plan import evaluate_plan
-from dynabatch.core.stages import StageLayout, stage_scale
+from dynabatch.core.simulate.pipeline import simulate_pipeline
+from dynabatch.core.plan.stage_plan import evaluate_plan
+from dynabatch.core.cost.stages import StageLayout, stage_scale
 
 S = 4
 
@@ -107,7 +108,7 @@ def test_plan_records_stage_predictions_and_simulation_matches(costs, mix):
 
 
 def _p2p(cost, plan, shapes, sel):
-    from dynabatch.core.stage_plan import microbatch_features
+    from dynabatch.core.cost.features import microbatch_features
 
     return cost.p2p_time(microbatch_features(plan, cost, shapes))[sel]
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from dynabatch import DataLoader, PlanMismatchError, Shapes, build_index
 from dynabatch.cli import main
-from dynabatch.core.cost import CostModel
+from dynabatch.core.cost.model import CostModel
 from dynabatch.index import derived_labels, index_settings
 from dynabatch.offline import load_run_plan
 from dynabatch.pipeline import stage_cost_model, vlm_tiny

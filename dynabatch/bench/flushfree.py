@@ -1,8 +1,8 @@
 """Flush vs flush-free: the simulated step time of consecutive dp plans when every step ends with a
-pipeline flush (today) and under flush-free asynchronous 1F1B (`dynabatch.core.flushfree`).
+pipeline flush (today) and under flush-free asynchronous 1F1B (`dynabatch.core.simulate.flushfree`).
 
 `run_flushfree_bench` plans epoch 0's first global batches of some shapes (the DataLoader's cut,
-`dynabatch.core.steps`), one plan per pipeline depth, and reports per depth the mean flushed and
+`dynabatch.core.plan.steps`), one plan per pipeline depth, and reports per depth the mean flushed and
 flush-free step time (seconds), the share of the flushed time removed, the steady-state lower
 bound and the largest update lag; `format_flushfree` prints it as a table. The data defaults to
 the shared ``text_mix_small.jsonl`` when it is present, else the project's synthetic FLAN-like
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.cost import CostModel
-from ..core.flushfree import flushfree_report
+from ..core.cost.model import CostModel
+from ..core.simulate.flushfree import flushfree_report
 from ..core.options import PlanOptions
-from ..core.shape_sources import read_shapes, synthetic_shapes
-from ..core.steps import global_batches, plan_step
+from ..shape_sources import read_shapes, synthetic_shapes
+from ..core.plan.steps import global_batches, plan_step
 
 #: The shared text mixture `run_flushfree_bench` reads by default when it is there (relative to the
 #: working directory, as the CLI examples name shared data).

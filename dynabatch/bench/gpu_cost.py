@@ -42,7 +42,7 @@ def flan_microbatches(cfg, data, index, cost, count: int) -> list[dict]:
 
 
 def _mape(pred, meas) -> float:
-    from ..core.fit import mape
+    from ..core.cost.fit import mape
 
     return float(mape(np.asarray(pred, np.float64), np.asarray(meas, np.float64)))
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.cost import CostModel
+from ..core.cost.model import CostModel
 from ..core.options import PlanOptions, default_method
 from ._format import fmt_rate
 from .load_common import (add_data_option, add_output_options, add_subcommand, failure_summary, per_s,

@@ -21,7 +21,7 @@ One run, on ``num_stages`` local processes (gloo on CPU):
   single-model steps. Times are rank 0's wall seconds of each ``step`` call (every step ends with
   an all-reduce over the ranks); the first ``warmup`` steps are excluded. At the end the together
   arm's parameters are compared with the sequential arm's (``identical``: bit for bit).
-* **Simulated** beside the measurement, `dynabatch.core.multimodel_sim.simulate_multimodel` of each
+* **Simulated** beside the measurement, `dynabatch.core.simulate.multimodel.simulate_multimodel` of each
   timed step: ``sim_plan`` from the plan's per-micro-batch seconds (forward share from the cost
   model) x each model's ``time_scale``; ``sim_measured`` from the forward and backward seconds the
   sequential arm measured on every stage (the schedule's own prediction, without the cost model's
@@ -98,11 +98,9 @@ def _sizes(cfg: MultiBenchConfig) -> dict:
 
 def _stage_times(step, cost):
     """``(fwd, bwd)`` [S, M] seconds the plan predicts for this replica's micro-batches of ``step``."""
-    from ..core.flushfree import plan_stage_times
+    from ..core.schedule.orders import plan_stage_times, split_times
 
-    t = plan_stage_times(step.plan)[:, step.plan.rank_indices(0)]
-    f = float(cost.forward_fraction)
-    return f * t, (1.0 - f) * t
+    return split_times(plan_stage_times(step.plan)[:, step.plan.rank_indices(0)], cost.forward_fraction)
 
 
 def _arm_models(cfg: MultiBenchConfig, ctx, K: int, bounds):
@@ -122,7 +120,7 @@ def run_k(ctx, cfg: MultiBenchConfig, K: int, steps, collation: str, cost, bound
     each arm after the other; rank 0's figures (see the module doc)."""
     import torch
 
-    from ..core.multimodel_sim import simulate_multimodel
+    from ..core.simulate.multimodel import simulate_multimodel
     from ..pipeline import MultiModelRunner, batch_shapes
     from ..pipeline.runtime.launch import heartbeat
     from ..pipeline.runtime.shards import shard_bytes

@@ -1,7 +1,7 @@
 """`dynabatch bench plan`: every planning method on the same global batches.
 
 Baselines are tuned fairly: each one's knob (rows per micro-batch, token budget, ...) is swept
-over `dynabatch.core.baselines.BASELINE_KNOBS` and the value with the best mean simulated iteration
+over `dynabatch.core.plan.baselines.BASELINE_KNOBS` and the value with the best mean simulated iteration
 time that fits in memory is reported. The planner's own methods have no knob.
 """
 
@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..core import baselines as _bl
-from ..core.kernels.dp import dp_kernel, dp_reference
-from ..core.bounds import iteration_lower_bound, objective_bound_kind, objective_lower_bound
-from ..core.cost import CostModel
+from ..core.plan import baselines as _bl
+from ..core.kernels.dp import DPSearch, dp_kernel, dp_reference, segment_cost
+from ..core.plan.bounds import iteration_lower_bound, objective_bound_kind, objective_lower_bound
+from ..core.cost.model import CostModel
 from ..core.options import METHODS, PlanOptions, method_collation
-from ..core.plan import _ordering
+from ..core.plan.planner import _ordering
 from ..core.shapes import Shapes
-from ..core.stage_plan import evaluate_plan
-from ..core.steps import global_batches, plan_step
+from ..core.plan.stage_plan import evaluate_plan
+from ..core.plan.steps import global_batches, plan_step
 
 #: The planning options `dynabatch bench plan` uses unless told otherwise (8 ranks x 4 stages,
 #: 64k-token global batches, FLAN's 2048/512 truncation).
@@ -103,9 +103,9 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
                    reference=False):
     """Plan ``cfg.num_batches`` random global batches of ``shapes`` with every method.
 
-    The global batches are epoch 0's steps of ``cfg.options`` (`dynabatch.core.steps.global_batches`,
+    The global batches are epoch 0's steps of ``cfg.options`` (`dynabatch.core.plan.steps.global_batches`,
     the cut the DataLoader and ``dynabatch plan`` make) and each is planned as they plan it
-    (`dynabatch.core.steps.plan_step`) with the method swapped in. Returns (result, plans):
+    (`dynabatch.core.plan.steps.plan_step`) with the method swapped in. Returns (result, plans):
     ``result`` is the JSON document of `dynabatch bench plan --json`, ``plans[method]`` the list of
     BatchPlans of the chosen configuration.
     """
@@ -125,7 +125,7 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
     bound_kw = dict(num_stages=options.num_stages, max_len=options.max_len, max_target_len=options.max_target_len,
                     memory_limit=_limit(cost, options))
     # the objective bound of each collation: the varlen one holds for every plan, the padded one
-    # (tighter: 2-D padding, capped micro-batches) for padded plans only (`dynabatch.core.bounds`)
+    # (tighter: 2-D padding, capped micro-batches) for padded plans only (`dynabatch.core.plan.bounds`)
     kinds = {objective_bound_kind(cost, method_collation(m)) for m in methods}
     obj_lbs_of = {kind: [objective_lower_bound(g, cost, num_ranks=min(options.num_ranks, len(g)),
                                                collation="padded" if kind == "padded" else None, **bound_kw)
@@ -198,17 +198,14 @@ def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict
     main, dec, tiles = main[order], dec[order], tiles[order]
     limit = _limit(cost, o)
     ranks = min(o.num_ranks, len(batch))
-    z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
-    args = (main, dec, tiles, False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef, cost.mem_coef,
-            limit, ranks, o.num_stages, o.max_caps)
-    dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    args = (main, dec, tiles, segment_cost(False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef,
+                                           cost.mem_coef, limit), DPSearch(ranks, o.num_stages, o.max_caps, True))
+    dp_kernel(*args)
     t0 = time.perf_counter()
-    starts, _ = dp_kernel(*args, False, z1, z1, z1, z3, z3, False)
+    starts, _ = dp_kernel(*args)
     kernel_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    ref, _ = dp_reference(main, dec, tiles, varlen=False, pad_multiple=cost.pad_multiple,
-                          tile_patches=cost.model.tile_patches, tcoef=cost.time_coef, mcoef=cost.mem_coef,
-                          mem_limit=limit, ranks=ranks, stages=o.num_stages, max_caps=o.max_caps)
+    ref, _ = dp_reference(*args)
     ref_ms = (time.perf_counter() - t0) * 1e3
     return {"samples": len(batch), "dp_kernel_ms": kernel_ms, "dp_reference_ms": ref_ms,
             "same_partition": bool(np.array_equal(np.asarray(starts), np.asarray(ref)))}

@@ -1,7 +1,7 @@
 """``dynabatch bench plan --device-memory-limit B``: the dp methods with no, full and adaptive recomputation.
 
 The same global batches as the method table, each planned with ``recompute`` ``none``, ``full`` and
-``adaptive`` under the device limit (`dynabatch.core.recompute`); reported per policy: the mean
+``adaptive`` under the device limit (`dynabatch.core.plan.recompute`); reported per policy: the mean
 simulated iteration time, its ratio to full recomputation, the largest predicted per-stage peak of
 kept activation bytes against the limit (``none`` is cut with micro-batches of up to the device
 limit each, planned without the check, and marked when its peak does not fit), and the mean
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.options import RECOMPUTE
-from ..core.steps import plan_step
+from ..core.plan.steps import plan_step
 
 
 def recompute_rows(shapes, batches_idx, cost, options, methods=("dp", "dp_varlen")) -> dict:

@@ -5,7 +5,7 @@ Every method trains the same model (same seed, same initialization) on the same 
 seed whatever the method) for the same number of steps, over ``num_stages`` local processes
 (gloo on CPU; ``--backend nccl`` with one GPU per rank). Only the grouping of each global batch
 into micro-batches differs: ``dp`` (dynabatch's planner, its cost model refit online by
-`dynabatch.core.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
+`dynabatch.core.plan.feedback.FeedbackLoop` from the measured micro-batch times) against ``pack``, ``pad``
 and ``token_budget`` (the planner's default knobs, reported in the result). The methods run
 interleaved, one step each in a rotating order, so that the background load of a shared machine
 hits every method alike (each keeps its own model, optimizer, loader and runner).
@@ -123,7 +123,7 @@ def uniform_bounds(model, stages: int) -> list[int]:
     return [0, *[1 + round((n - 2) * k / stages) for k in range(1, stages)], n]
 
 
-from ..core.fit import mape as _mape  # noqa: E402
+from ..core.cost.fit import mape as _mape  # noqa: E402
 
 # `batch_shapes`, `representative` and `stage_cost_model` are public in `dynabatch.pipeline` (imported
 # where used: this module is loaded by the CLI, which must not import torch up front)
@@ -150,7 +150,7 @@ class MethodRun:
         import torch
 
         import dynabatch
-        from ..core.feedback import FeedbackLoop
+        from ..core.plan.feedback import FeedbackLoop
         from ..pipeline import (PipelineRunner, RunnerConfig, make_model, representative, search_partition,
                                 stage_cost_model)
         from ..pipeline.runtime.launch import heartbeat  # each set-up phase is progress (a minute each, loaded)

@@ -7,13 +7,13 @@ same global batches, interleaved step by step as every ``bench train`` run (`REC
 * ``dp+none``: no recomputation, planned without the limit (it may not fit: the result says whether
   its planned and measured peaks do);
 * ``dp+full``: every recomputable layer of every stage under ``torch.utils.checkpoint``;
-* ``dp+adaptive``: the planner's per-stage choice (`dynabatch.core.recompute`) under the limit.
+* ``dp+adaptive``: the planner's per-stage choice (`dynabatch.core.plan.recompute`) under the limit.
 
 The runs use equal block counts per stage (``--partition uniform``) so that every variant has the
 same stages, and the cost model's `StageMemory` is measured on those stages
 (`dynabatch.pipeline.measure.memory.measured_stage_memory`, on the run's device). The recompute variants
 are not refit online, so that every variant plans with the same cost model (a `FeedbackLoop` would
-refit the time without recomputation, see `dynabatch.core.feedback`).
+refit the time without recomputation, see `dynabatch.core.plan.feedback`).
 Reported per limit and variant: tokens/s, step time against ``dp+full``, each stage's largest
 measured bytes kept for backward (saved-tensor hooks) against the limit and against the plan's
 prediction, and the mean recomputed layers per stage. Bytes, seconds, tokens.
@@ -45,7 +45,7 @@ def split_variant(method: str) -> tuple[str, str | None]:
 def parse_level(text: str) -> tuple[float, bool]:
     """``"0.6x"`` -> ``(0.6, True)`` (relative to the predicted peak without recomputation);
     ``"12MB"``/``"3e7"`` -> ``(bytes, False)``."""
-    from ..core.option_flags import parse_bytes
+    from ..option_flags import parse_bytes
 
     t = str(text).strip()
     if t.lower().endswith("x"):

@@ -236,7 +236,7 @@ def add_bench_train_command(bench_sub) -> None:
     """Register ``dynabatch bench train`` on the ``bench`` subparsers."""
     import argparse
 
-    from ..core.option_flags import parse_bytes
+    from ..option_flags import parse_bytes
     from ..core.options import SCHEDULES
     from .train import MODEL_SIZES, TRAIN_METHODS
 

@@ -182,7 +182,7 @@ def modality_bounds(model, stages: int) -> list[int]:
 
 def layout_of(model, bounds) -> "object":
     """The `StageLayout` (ViT blocks and GPT blocks per stage) of the runner's split ``bounds``."""
-    from ..core.stages import StageLayout
+    from ..core.cost.stages import StageLayout
     from ..pipeline.models.tiny import GPTBlock
     from ..pipeline.models.vlm import ViTBlock
 
@@ -197,8 +197,8 @@ def feedback_kwargs(method: str) -> tuple[dict, str]:
     layout's zero coefficients fitted too, ``fit_layout_zeros``) when the loop supports
     ``stage_reduce="per_stage"``, the slowest stage otherwise."""
     if method == "dp":
-        from ..core.cost import CostModel
-        from ..core.feedback import FeedbackLoop
+        from ..core.cost.model import CostModel
+        from ..core.plan.feedback import FeedbackLoop
 
         cost = CostModel.preset("gpt-tiny", "cpu", num_stages=2)
         for kw in ({"stage_reduce": "per_stage", "fit_layout_zeros": True}, {"stage_reduce": "per_stage"}):
@@ -253,7 +253,7 @@ def stage_observation(cost, step, result) -> tuple[np.ndarray, np.ndarray, np.nd
     """(features ``[m, F]``, predicted, measured forward+backward seconds ``[S, m]``) of this replica's
     micro-batches on every stage, in plan order; predicted by ``cost`` as it is now (call before the
     step's refit)."""
-    from ..core.feedback import plan_features
+    from ..core.cost.features import plan_features
 
     plan = step.plan
     replica = int(getattr(step, "rank", 0) or 0) if plan.num_ranks > 1 else 0
@@ -268,7 +268,7 @@ def stage_mape(preds: list, meas: list) -> list[float]:
     """Per-stage MAPE (fractions) pooled over the given steps' ``[S, m]`` arrays, over the micro-batches
     each stage ran: a measured 0 s is one it never ran (bypassed, ``--bypass-idle-stages``), with
     nothing to predict."""
-    from ..core.fit import mape
+    from ..core.cost.fit import mape
 
     if not preds:
         return []
@@ -280,7 +280,7 @@ def stage_step_mape(preds: list, meas: list) -> list[float]:
     """Per-stage MAPE (fractions) of each step's summed seconds: stage ``s``'s planned busy time in a
     step (the sum over its micro-batches, what the pipeline simulation adds up) against its measured
     one, over the given steps' ``[S, m]`` arrays."""
-    from ..core.fit import mape
+    from ..core.cost.fit import mape
 
     if not preds:
         return []
@@ -316,7 +316,7 @@ def stage_split(preds: list, meas: list, computes: list) -> dict:
     micro-batches' share of the stage's micro-batches (``passthrough_share``) and of its measured
     seconds (``passthrough_time_share``) and the share it never ran (``bypassed_share``: measured 0 s,
     left out of the others); each argument a list of ``[S, m]`` arrays, one per step."""
-    from ..core.fit import mape
+    from ..core.cost.fit import mape
 
     if not preds:
         return {k: [] for k in ("compute", "passthrough", "passthrough_share", "passthrough_time_share",

@@ -1,12 +1,18 @@
 """The torch-free planning core: what a step costs and how its samples become micro-batches.
 
-Data flows through it in this order: `shapes` (per-sample token counts) -> `options` (`PlanOptions`,
-every planning option once) -> `steps` (global batches of an epoch and the plan of each, the one path
-online and offline share) -> `plan` (`plan_microbatches`: the dp search of `kernels.dp` or a method of
-`baselines`, rank balancing and ordering of `kernels.assign`) -> `batchplan` (the `BatchPlan`
-record). Costs come from `cost` (`CostModel`: `analytic` coefficients from `presets`, a profiled
-table, or a refit by `feedback` with the math of `fit`); `simulate` plays pipeline schedules and
-`bounds` bounds the objective; `recompute` prices per-stage activation recomputation and picks it
-under a device memory limit. Every numba kernel sits in `kernels/` beside its plain-Python
-reference. Nothing here imports torch or any other dynabatch package.
+Layers, each importing only those above it in this list:
+
+* records: `shapes` (per-sample token counts), `options` (`PlanOptions`, every planning option once),
+  `methods` (the baseline methods by name), `batchplan` (the `BatchPlan` record), and `kernels/`
+  (every numba kernel beside its plain-Python reference);
+* `cost/`: the cost model (`CostModel` from `presets` and `analytic` coefficients, a profiled table, or
+  a refit), per-stage layouts, what recomputation frees, a plan's feature rows;
+* `schedule/`: op orders (gpipe, 1f1b, adaptive, auto) and the one derivation of a rank's order that
+  the plan records (`schedule.orders`);
+* `simulate/`: the pipeline simulator, flush-free streams, many models with spilled shards;
+* `plan/`: `plan_microbatches` (the DP or a baseline, rank balancing, ordering), its per-stage path,
+  recomputation, steps of an epoch, bounds, and the feedback loop that refits the cost model.
+
+Nothing here imports torch or any other dynabatch package; reading shape files and command-line flags
+live outside (`dynabatch.shape_sources`, `dynabatch.option_flags`).
 """

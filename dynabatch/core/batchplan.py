@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .kernels.objective import objective_kernel
 from .options import COLLATIONS
 
 #: Per-micro-batch fields: name -> (dtype, meaning).
@@ -89,6 +90,11 @@ class BatchPlan:
     #: None when every stage costs ``mb_time_s`` / ``mb_memory_bytes``.
     stage_time_s: np.ndarray | None = None
     stage_memory_bytes: np.ndarray | None = None
+    #: The op order the planner simulated, int32 ``[num_stages, M, 2]``: ``op_slots[s, j, 0]`` is the
+    #: position of micro-batch ``j``'s forward in stage ``s``'s op list of ``j``'s rank, ``[s, j, 1]`` of
+    #: its backward (`dynabatch.core.schedule.orders`, which derives it, records it and reads it back for the
+    #: runner, inspect and recompute). None for plans of older plan files.
+    op_slots: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.collation not in COLLATIONS:
@@ -108,6 +114,11 @@ class BatchPlan:
                 if v.shape != (self.num_stages, m):
                     raise ValueError(f"{name} must be [num_stages, M] = [{self.num_stages}, {m}], got {v.shape}")
                 object.__setattr__(self, name, v)
+        if self.op_slots is not None:
+            v = np.asarray(self.op_slots, np.int32)
+            if v.shape != (self.num_stages, m, 2):
+                raise ValueError(f"op_slots must be [num_stages, M, 2] = [{self.num_stages}, {m}, 2], got {v.shape}")
+            object.__setattr__(self, "op_slots", v)
 
     # -- summaries --------------------------------------------------------------------------
     @property
@@ -123,10 +134,11 @@ class BatchPlan:
     @property
     def objective_s(self) -> float:
         """The balanced pipeline objective the planner minimizes: total micro-batch time over the
-        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.core.bounds`)."""
+        ranks plus (num_stages - 1) times the largest micro-batch (seconds; see `dynabatch.core.plan.bounds`)."""
         if self.num_microbatches == 0:
             return 0.0
-        return float(self.mb_time_s.sum() / self.num_ranks + (self.num_stages - 1) * self.mb_time_s.max())
+        return float(objective_kernel(float(self.mb_time_s.sum()), float(self.mb_time_s.max()), self.num_ranks,
+                                      self.num_stages))
 
     @property
     def rank_imbalance(self) -> float:

@@ -11,18 +11,18 @@ every benchmark read the same record, so one name means one thing everywhere:
 ``global_batch_size``    samples of one step over all ranks (instead of tokens)
 ``max_len``              cap on a sample's main-stack tokens (decoder-only: the whole sequence)
 ``max_target_len``       cap on an encoder-decoder sample's target (decoder) tokens
-``method``               ``dp``, ``dp_varlen`` or a baseline of `dynabatch.core.baselines`
+``method``               ``dp``, ``dp_varlen`` or a baseline of `dynabatch.core.plan.baselines`
 ``method_options``       the method's knobs (a baseline's ``rows``/``max_tokens``..., dp's ``order``)
 ``num_stages``           pipeline stages
 ``num_ranks``            data-parallel ranks (the world size of the data-parallel group)
 ``schedule``             a name of `SCHEDULES`
 ``memory_limit``         activation bytes per micro-batch per stage (None: the cost model's)
 ``recompute``            per-stage activation recomputation: a name of `RECOMPUTE`
-                         (`dynabatch.core.recompute`): ``none``, ``full`` or ``adaptive``
+                         (`dynabatch.core.plan.recompute`): ``none``, ``full`` or ``adaptive``
 ``device_memory_limit``  activation bytes one device (stage) may hold at once, all micro-batches
                          in flight together (None: unchecked; ``adaptive`` recompute needs it)
 ``flush``                True: every step ends with a pipeline flush (fill/drain priced per step);
-                         False: steps stream flush-free (asynchronous 1F1B, `dynabatch.core.flushfree`)
+                         False: steps stream flush-free (asynchronous 1F1B, `dynabatch.core.simulate.flushfree`)
 ``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
 ``shuffle``              permute the samples each epoch (False: global batches in sample-id order)
 ``drop_last``            drop each epoch's final global batch when it is smaller than the others
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .baselines import BASELINE_COLLATION, BASELINES
+from .methods import BASELINE_COLLATION, BASELINES
 
-#: Per-stage activation recomputation policies (`dynabatch.core.recompute`, which prices them).
+#: Per-stage activation recomputation policies (`dynabatch.core.plan.recompute`, which prices them).
 RECOMPUTE: tuple[str, ...] = ("none", "full", "adaptive")
 
 #: Every planning method: dynabatch's dynamic program (padded / packed varlen) and the baselines.
@@ -55,13 +55,13 @@ METHODS: tuple[str, ...] = ("dp", "dp_varlen") + BASELINES
 COLLATIONS: tuple[str, ...] = ("padded", "packed", "packed_rows")
 
 #: Every pipeline schedule name: the static orders ``gpipe`` and ``1f1b``; ``adaptive``, the memory-aware
-#: order built from the micro-batches' per-stage times and activation bytes (`dynabatch.core.schedules`);
+#: order built from the micro-batches' per-stage times and activation bytes (`dynabatch.core.schedule.schedules`);
 #: ``auto``, which per step simulates the three and records in the plan the lowest makespan that fits
 #: the memory limit. The simulator, the planner and the runner all model all of them.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "adaptive", "auto")
 
 #: Schedule name -> code: 0 and 1 are the static orders of the simulator's `schedule_kernel`; 2
-#: (adaptive) and 3 (auto) depend on the micro-batches (`dynabatch.core.schedules`), and code-only
+#: (adaptive) and 3 (auto) depend on the micro-batches (`dynabatch.core.schedule.schedules`), and code-only
 #: callers of `schedule_kernel` (the stage-partition search) get 1F1B for them.
 SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({"gpipe": 0, "1f1b": 1, "adaptive": 2, "auto": 3})
 

@@ -261,7 +261,7 @@ def _edit(want: dict, got: dict, ids: np.ndarray) -> str:
 # -- reading ----------------------------------------------------------------------------------
 
 def _files(paths) -> list[Path]:
-    from ..core.shape_sources import SUFFIXES
+    from ..shape_sources import SUFFIXES
 
     out = []
     for p in map(Path, paths):
@@ -299,7 +299,7 @@ def _load(source) -> tuple[pa.Table, str, list[str]]:
                  else None)
         if names is None or {"sample_id", "input_tokens"} <= set(names):
             return _read_file(files[0]), str(files[0]), resolved
-    from ..core.shape_sources import read_shapes
+    from ..shape_sources import read_shapes
 
     shapes, task_names = read_shapes(paths)
     table = shapes.to_arrow().replace_schema_metadata({TASK_NAMES_KEY: json.dumps(list(task_names)).encode()})

@@ -108,7 +108,7 @@ class DataLoader:
     source: a `DataSource` (source options, split, on_error, mode, length index, plan file to replay).
     costing: a `Costing` (cost model, device, collation, padding multiple).
     runtime: a `Runtime` (rank, world size, collective, plan_ahead, plan_processes, streaming lookahead).
-    feedback: a `dynabatch.core.feedback.FeedbackLoop` whose ``cost_model`` is this loader's cost
+    feedback: a `dynabatch.core.plan.feedback.FeedbackLoop` whose ``cost_model`` is this loader's cost
         model object; see `feedback`.
     **old_keywords: nothing is taken here: the loose keywords of earlier releases (``tokenizer=``,
         ``global_batch_tokens=``, ``rank=``...) raise a TypeError naming the record each now

@@ -3,7 +3,7 @@ every rank, and random access to this rank's samples.
 
 Every rank holds the same length index (`LengthIndex`: the Shapes columns, sorted by
 ``sample_id``, plus the loss-label count of each sample). Epoch ``e``'s global batches and each
-step's plan come from `dynabatch.core.steps` (the functions ``dynabatch plan`` uses): cut by token
+step's plan come from `dynabatch.core.plan.steps` (the functions ``dynabatch plan`` uses): cut by token
 count only, so their membership does not depend on the world size; a rank keeps its own
 micro-batches and loads only their samples. Nothing is communicated, so the plan is the same everywhere by construction.
 
@@ -20,9 +20,9 @@ from dataclasses import replace
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..core.cost import CostModel
+from ..core.cost.model import CostModel
 from ..core.options import PlanOptions
-from ..core.steps import global_batches, num_global_batches, plan_step
+from ..core.plan.steps import global_batches, num_global_batches, plan_step
 # The length index, its scan and the token cache live in `dynabatch.index`; re-exported here for the loader.
 from ..index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_CACHE_BUDGET, TOKEN_COLUMNS,  # noqa: F401
                      TOKEN_SETTINGS_KEY, LengthIndex, TokenCache, derived_labels, encode_all, index_settings,
@@ -58,7 +58,7 @@ def index_rank_step(index: LengthIndex, plan, pos: np.ndarray, rank: int, *, epo
 
 class IndexedPlanner:
     """Global batches of each epoch and their plans (see the module docstring), made by the same
-    `dynabatch.core.steps` functions ``dynabatch plan`` uses, from ``options`` (a `PlanOptions`
+    `dynabatch.core.plan.steps` functions ``dynabatch plan`` uses, from ``options`` (a `PlanOptions`
     whose ``num_ranks`` is the loader's world size)."""
 
     def __init__(self, index: LengthIndex, cost: CostModel, options: PlanOptions):

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.cost import CostModel
+from ..core.cost.model import CostModel
 from ..core.options import PlanOptions, check_int, default_method, method_collation
 from .settings import LoaderSettings
 

@@ -115,8 +115,8 @@ def warm_kernels(cost, options) -> None:
     with fork_lock():
         if key in _warmed:
             return
-        from ..core.plan import plan_microbatches
-        from ..core.steps import global_batches, plan_step
+        from ..core.plan.planner import plan_microbatches
+        from ..core.plan.steps import global_batches, plan_step
 
         shapes = _tiny_shapes()
         tries = [lambda: global_batches(shapes, cost, options, 0),

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core.options import PlanOptions
-from ..core.plan import PlanningError, plan_microbatches
+from ..core.plan.planner import PlanningError, plan_microbatches
 from ..core.shapes import Shapes
 from .records import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
                             encode_samples, label_counts)

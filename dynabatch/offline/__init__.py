@@ -10,7 +10,7 @@ from ..engines import ENGINES, EngineError, map_parts
 from .inputs import Index, OfflineError, is_index, read_index, tokenizer_spec
 from ..planfile.format import RUN_PLAN_VERSION
 from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
-from ..core.steps import global_batches, plan_step, sample_tokens
+from ..core.plan.steps import global_batches, plan_step, sample_tokens
 from .runplan import RunPlanConfig, plan_run
 from .scan import ScanConfig, ScanResult, scan_dataset, write_index
 

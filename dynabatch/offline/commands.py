@@ -137,8 +137,8 @@ def _guarded(fn):
     def run(args) -> int:
         import warnings
 
-        from ..core.plan import PlanningError
-        from ..core.shape_sources import ShapeSourceError
+        from ..core.plan.planner import PlanningError
+        from ..shape_sources import ShapeSourceError
         from ..engines import EngineError
 
         try:
@@ -217,8 +217,8 @@ def _add_engine_options(p) -> None:
 
 def add_commands(sub) -> None:
     """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
-    from ..core.option_flags import PLAN_OPTIONS_HELP, add_plan_options
-    from ..core.cost import DEVICE_PRESETS, MODEL_PRESETS
+    from ..option_flags import PLAN_OPTIONS_HELP, add_plan_options
+    from ..core.cost.model import DEVICE_PRESETS, MODEL_PRESETS
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("scan", help="tokenize a dataset into a length index (token counts per sample)",
@@ -317,7 +317,7 @@ def _cmd_scan(args) -> int:
 
 
 def _cost_model(args):
-    from ..core.cost import MODEL_PRESETS, TINY_MODEL_PRESETS, CostModel
+    from ..core.cost.model import MODEL_PRESETS, TINY_MODEL_PRESETS, CostModel
 
     if args.model in MODEL_PRESETS + TINY_MODEL_PRESETS:
         return CostModel.preset(args.model, args.device, num_stages=args.stages, layout=args.layout)
@@ -330,7 +330,7 @@ def _cost_model(args):
 
 
 def _method(args) -> str:
-    from ..core.baselines import BASELINE_COLLATION
+    from ..core.plan.baselines import BASELINE_COLLATION
 
     if args.collate is None:
         return args.method
@@ -357,7 +357,7 @@ def _cmd_plan(args) -> int:
     from ..planfile.inspect import microbatch_columns
     from ..engines import default_workers
     from .inputs import is_index, read_index, tokenizer_spec
-    from ..core.option_flags import plan_options_from_args
+    from ..option_flags import plan_options_from_args
     from .runplan import RunPlanConfig, plan_run
     from .scan import ScanConfig, scan_dataset
 
@@ -470,7 +470,7 @@ def loader_default_differences(args) -> dict[str, str]:
 
 
 def _recompute_summary(run) -> dict | None:
-    """Per-stage recomputation over a run's steps (`dynabatch.core.recompute`), when it records any."""
+    """Per-stage recomputation over a run's steps (`dynabatch.core.plan.recompute`), when it records any."""
     import numpy as np
 
     opts = [run.step_options(int(k)) or {} for k in run.steps]

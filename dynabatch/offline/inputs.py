@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..core.shape_sources import SUFFIXES
+from ..shape_sources import SUFFIXES
 from ..index.scan import TIKTOKEN_ENCODINGS, check_ids_in_data, tokenizer_spec  # noqa: F401
 from ..index.table import LengthIndex, read_index as _read_index
 from ..planfile import format as _format

@@ -1,6 +1,6 @@
 """`plan_run`: the plan of a whole training run (every step, rank and micro-batch), made offline.
 
-Global batches and plans come from `dynabatch.core.steps` with the run's `PlanOptions`, the very
+Global batches and plans come from `dynabatch.core.plan.steps` with the run's `PlanOptions`, the very
 functions a `DataLoader` with the same options calls online, so a loader replaying the file yields
 exactly what it would have planned itself:
 
@@ -25,11 +25,11 @@ import pyarrow as pa
 
 from .. import __version__
 from ..planfile.arrow import plans_to_arrow
-from ..core.cost import CostModel
+from ..core.cost.model import CostModel
 from ..core.options import PlanOptions
-from ..core.plan import PlanningError
+from ..core.plan.planner import PlanningError
 from ..core.shapes import Shapes
-from ..core.steps import global_batches, oversized_samples, plan_step, sample_tokens
+from ..core.plan.steps import global_batches, oversized_samples, plan_step, sample_tokens
 from ..engines import default_workers, map_parts
 from .inputs import Index, OfflineError
 from ..planfile import format as fmt

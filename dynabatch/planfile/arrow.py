@@ -16,6 +16,8 @@ from . import format as fmt
 
 #: Per-stage `BatchPlan` fields, written (as fixed-size lists of ``num_stages`` float64) only when set.
 STAGE_FIELDS = ("stage_time_s", "stage_memory_bytes")
+#: Column of the recorded op order (`BatchPlan.op_slots`, ``[S, M, 2]``): ``2 S`` int32 per row, stage-major.
+OP_SLOTS = "op_slots"
 #: Arrow column of a micro-batch field where it is not the field name without ``mb_``.
 _ARROW_NAME = {"mb_order": fmt.MICROBATCH}
 
@@ -56,6 +58,10 @@ def plan_to_arrow(plan: BatchPlan) -> pa.Table:
         if v is not None:
             flat = np.ascontiguousarray(np.repeat(v.T, sizes, axis=0)).ravel()
             cols[name] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float64()), plan.num_stages)
+    if plan.op_slots is not None:
+        per_mb = plan.op_slots.transpose(1, 0, 2).reshape(plan.num_microbatches, 2 * plan.num_stages)
+        flat = np.ascontiguousarray(np.repeat(per_mb, sizes, axis=0)).ravel()
+        cols[OP_SLOTS] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.int32()), 2 * plan.num_stages)
     meta = {
         fmt.PLAN_SCHEMA_VERSION_KEY: str(fmt.PLAN_SCHEMA_VERSION),
         fmt.METHOD_KEY: plan.method,
@@ -93,7 +99,8 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
     sel = np.flatnonzero(steps == step)
     if len(sel) == 0:
         raise ValueError(f"step {step} is not in the plan")
-    col = {name: table.column(name).to_numpy()[sel] for name in table.column_names if name not in STAGE_FIELDS}
+    col = {name: table.column(name).to_numpy()[sel] for name in table.column_names
+           if name not in STAGE_FIELDS and name != OP_SLOTS}
     rank, order = col[fmt.RANK].astype(np.int32), col[fmt.MICROBATCH].astype(np.int32)
     change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
     starts = np.concatenate(([0], change))
@@ -104,6 +111,10 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
             rows = table.column(name).combine_chunks().take(pa.array(sel[starts]))
             mb[name] = np.asarray(rows.flatten().to_numpy(zero_copy_only=False), np.float64).reshape(
                 len(starts), -1).T
+    if OP_SLOTS in table.column_names:
+        rows = table.column(OP_SLOTS).combine_chunks().take(pa.array(sel[starts]))
+        mb["op_slots"] = np.asarray(rows.flatten().to_numpy(zero_copy_only=False), np.int32).reshape(
+            len(starts), -1, 2).transpose(1, 0, 2)
     num_ranks = int(meta[fmt.NUM_RANKS_KEY])
     rank_times = json.loads(meta.get(fmt.RANK_TIME_KEY, "{}")).get(str(step), [0.0] * num_ranks)
     return BatchPlan(
@@ -134,7 +145,7 @@ def plans_to_arrow(plans: "list[BatchPlan]", metadata: dict[str, str] | None = N
     if len(set(steps)) != len(steps):
         raise ValueError("plans_to_arrow: two plans have the same step number")
     tables = [plan_to_arrow(p) for p in plans]
-    # a step of fewer samples than ranks is planned on fewer ranks (`dynabatch.core.steps.plan_step`):
+    # a step of fewer samples than ranks is planned on fewer ranks (`dynabatch.core.plan.steps.plan_step`):
     # the run's world size is the largest, and such a step's other ranks hold no micro-batch
     world = max(p.num_ranks for p in plans)
     first = _decode(tables[0].schema.metadata)

@@ -24,9 +24,12 @@ Columns (`COLUMNS`; the first five are required, the others optional):
     task_id        int32    the sample's task (index into dynabatch.task_names), -1 unknown
     sample_tokens  int32    the sample's own tokens after truncation (they sum to real_tokens)
     stage_time_s   list<float64>[S]  per-stage plans only (a cost model with a non-uniform layer
-                   layout, `dynabatch.core.stages`): the micro-batch's seconds on each stage
+                   layout, `dynabatch.core.cost.stages`): the micro-batch's seconds on each stage
     stage_memory_bytes  list<float64>[S]  the same, activation bytes; absent columns mean every stage
                    costs time_s / memory_bytes (older files never have them; no version change)
+    op_slots       list<int32>[2S]  the op order the planner simulated (`BatchPlan.op_slots`): per stage
+                   the positions of the micro-batch's forward and backward in its rank's op list;
+                   files of older releases lack it (their order is derived again, `core.orders`)
 
 Metadata keys (all strings; JSON where noted):
 

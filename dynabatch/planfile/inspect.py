@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.batchplan import BatchPlan
-from ..core.kernels.cost import NUM_FEATURES
-from ..core.schedules import adaptive_order
-from ..core.simulate import simulate_pipeline
-from ..core.stage_plan import microbatch_features
+from ..core.schedule.orders import DEFAULT_FORWARD_FRACTION, plan_orders, plan_p2p_s, plan_stage_times, split_times
+from ..core.simulate.pipeline import simulate_pipeline
 from .arrow import STAGE_FIELDS
 from .reader import RunPlan
 
@@ -116,32 +113,11 @@ def step_detail(run: RunPlan, step: int) -> dict:
             "microbatches": plan.num_microbatches, "samples": int(len(plan.sample_ids)), "ranks": ranks}
 
 
-def plan_stage_times(plan: BatchPlan) -> np.ndarray:
-    """Seconds of forward+backward of each micro-batch on each stage, ``[S, M]`` in plan order: the
-    plan's ``stage_time_s``, or ``mb_time_s`` on every stage for a plan without per-stage predictions."""
-    if plan.stage_time_s is not None:
-        return np.asarray(plan.stage_time_s, np.float64)
-    return np.repeat(np.asarray(plan.mb_time_s, np.float64)[None, :], plan.num_stages, axis=0)
-
-
-def _p2p_s(plan: BatchPlan, cost) -> np.ndarray:
-    """Per-micro-batch transfer seconds between stages as the planner priced them (``cost.p2p_time`` of
-    the micro-batch's features; packed plans: of its token count, all the transfer depends on)."""
-    if cost is None:
-        return np.zeros(plan.num_microbatches)
-    if plan.collation != "packed":
-        phi = microbatch_features(plan, cost)
-    else:
-        phi = np.zeros((plan.num_microbatches, NUM_FEATURES))
-        phi[:, 0] = plan.mb_tokens
-    return np.asarray(cost.p2p_time(phi), np.float64)
-
-
 def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
     """One rank of one step re-simulated the way the planner simulated it: its micro-batches in
     execution order with their per-stage seconds (`plan_stage_times`), split forward / backward by
-    the cost model's ``forward_fraction``, the step's concrete schedule (adaptive: the planner's order
-    under the recorded ``stage_memory_bytes``), and the cost model's transfer times. ``rank`` defaults
+    the cost model's ``forward_fraction``, the op order the plan records (`dynabatch.core.schedule.orders`: the
+    one the planner simulated and the runner executes), and the cost model's transfer times. ``rank`` defaults
     to the slowest. Returns ``start_s`` / ``end_s`` ``[S, k, 2]`` (index ``[s, j, 0]`` the forward of
     the rank's ``j``-th micro-batch on stage ``s``, ``1`` its backward), ``ops``, ``makespan_s``
     (equal to the plan's ``rank_time_s[rank]`` up to rounding), ``microbatches`` (their indices in the
@@ -156,25 +132,20 @@ def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
         raise ValueError(f"rank {rank} is not in the plan ({plan.num_ranks} ranks)")
     idx = plan.rank_indices(rank)
     st = plan_stage_times(plan)[:, idx]
-    ff = cost.forward_fraction if cost is not None else 1 / 3
-    fwd = st * ff
-    bwd = st - fwd
+    fwd, bwd = split_times(st, cost.forward_fraction if cost is not None else DEFAULT_FORWARD_FRACTION)
     out = {"step": int(step), "rank": int(rank), "schedule": plan.schedule, "per_stage": plan.stage_time_s is not None,
            "microbatches": idx, "stage_time_s": st, "recorded_s": float(plan.rank_time_s[rank])}
     if len(idx) == 0:
         z = np.zeros((S, 0, 2))
         return {**out, "start_s": z, "end_s": z.copy(), "ops": np.zeros((S, 0), np.int32), "makespan_s": 0.0,
                 "busy_s": np.zeros(S), "idle_s": np.zeros(S), "utilization": np.zeros(S)}
-    p2p = _p2p_s(plan, cost)[idx]
+    p2p = plan_p2p_s(plan, cost)[idx]
     mem = np.asarray(plan.mb_memory_bytes, np.float64)[idx]
-    limit = float(plan.options.get("stage_memory_bytes", S * mem.max(initial=1.0)))
-    schedule = plan.schedule
-    if schedule == "adaptive":  # the planner's adaptive order: an oversize micro-batch runs alone
-        schedule = adaptive_order(fwd, bwd, mem, limit, p2p_s=p2p, oversize="alone")
-    sim = simulate_pipeline(fwd, bwd, schedule=schedule, p2p_s=p2p, mem_bytes=mem, memory_limit=limit)
+    # the op order the planner simulated, as the plan records it (the runner executes the same)
+    sim = simulate_pipeline(fwd, bwd, schedule=plan_orders(plan, rank, cost), p2p_s=p2p, mem_bytes=mem)
     busy = st.sum(axis=1)
     span = sim.makespan_s
-    return {**out, "schedule": sim.schedule or plan.schedule, "start_s": sim.start_s, "end_s": sim.end_s,
+    return {**out, "start_s": sim.start_s, "end_s": sim.end_s,
             "ops": sim.ops, "makespan_s": span, "busy_s": busy, "idle_s": np.maximum(span - busy, 0.0),
             "utilization": busy / span if span > 0 else np.ones(S)}
 

@@ -16,9 +16,9 @@ import os
 
 import numpy as np
 
-from ..core.bounds import iteration_lower_bound
+from ..core.plan.bounds import iteration_lower_bound
 from ..core.shapes import Shapes
-from ..core.steps import plan_step
+from ..core.plan.steps import plan_step
 from .inspect import microbatch_columns, stage_busy, step_timeline
 from .reader import RunPlan
 

@@ -329,7 +329,7 @@ class RunPlan:
 
     def cost_model(self):
         """The `CostModel` that predicted the plan's times and memory (None when not recorded)."""
-        from ..core.cost import CostModel
+        from ..core.cost.model import CostModel
 
         raw = self.metadata.get(fmt.COST_MODEL_KEY)
         return None if raw is None else CostModel.from_dict(json.loads(raw))

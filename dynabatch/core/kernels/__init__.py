@@ -12,8 +12,8 @@ module                kernel                          reference
 `.dp`                 `dp_kernel`                     `dp_reference`
                       `enumerate_segments`,           steps of `dp_kernel`, covered by
                       `dp_for_cap`, `dp_mod_ranks`    `dp_reference`
+`.objective`          `objective_kernel`              `objective_reference`
 `.assign`             `assign_ranks`                  `assign_ranks_reference`
-                      `order_ranks`                   `order_ranks_reference`
                       `simulate_rank`                 `simulate_rank_reference`
                       `_candidate_orders`             `candidate_orders_reference`
                       `_rank_stats`, `_max_without`   helpers of `assign_ranks`
@@ -23,6 +23,7 @@ module                kernel                          reference
                       `simulate_kernel`               `simulate_reference`
                       `makespan_kernel`               `makespan_reference`
                       `inflight_kernel`               `inflight_reference`
+                      `split_kernel`                  `split_reference`
                       `run_ops`, `op_ready`,          the event loop of `simulate_kernel` and
                       `gated_start`, `_run_copies`    `spill_timing_kernel`, covered by both
 `.spill`              `spill_timing_kernel`           `spill_timing_reference` (compared in
@@ -35,8 +36,9 @@ module                kernel                          reference
                       `order_ranks_schedule`          `order_ranks_schedule_reference`
                       `order_ranks_stages`            `order_ranks_stages_reference`
                       `stage_candidates`              `stage_candidates_reference`
-                      `_order_ranks`,                 the loop of both orderings, covered
-                      `_stage_rank_ops`               by both references
+                      `rank_ops_kernel`               `rank_ops_reference`
+                      `_order_ranks`                  the loop of both orderings, covered
+                                                      by both references
 `.stage_assign`       `assign_stages`                 `assign_stages_reference`
                       `_stats`                        helper of `assign_stages`
 `.packing`            `budget_cuts`                   `budget_cuts_reference`
@@ -53,5 +55,5 @@ module                kernel                          reference
                       `stage_loads`                   `stage_loads_reference`
 ====================  ==============================  ==========================================
 
-``dynabatch.core.plan._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
+``dynabatch.core.plan.planner._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
 """

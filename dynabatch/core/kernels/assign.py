@@ -14,7 +14,6 @@ with swaps judged by the simulation itself. Times are seconds.
 kernel                      reference
 ==========================  ===============================
 `assign_ranks`              `assign_ranks_reference`
-`order_ranks`               `order_ranks_reference`
 `simulate_rank`             `simulate_rank_reference`
 `_candidate_orders`         `candidate_orders_reference`
 `balance_simulated`         `balance_simulated_reference`
@@ -28,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .simulate import makespan_kernel, makespan_reference
+from .objective import objective_kernel, objective_reference
+from .simulate import makespan_kernel, makespan_reference, split_kernel, split_reference
 
 
 @njit(cache=True)
@@ -63,7 +63,6 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
     s = np.zeros(ranks)
     mx = np.zeros(ranks)
     cnt = np.zeros(ranks, np.int64)
-    w = stages - 1
     for idx in order:
         t = times[idx]
         best = -1
@@ -71,7 +70,7 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
         for r in range(ranks):
             if cnt[r] >= cap:
                 continue
-            v = s[r] + t + w * max(mx[r], t)
+            v = objective_kernel(s[r] + t, max(mx[r], t), 1, stages)
             if v < best_v:
                 best_v = v
                 best = r
@@ -81,7 +80,7 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
         cnt[best] += 1
     for _ in range(max_rounds):
         s, m1, m2 = _rank_stats(times, rank_of, ranks)
-        obj = s + w * m1
+        obj = objective_kernel(s, m1, 1, stages)
         rmax = np.argmax(obj)
         cur = obj[rmax]
         best_gain = 1e-12 * cur
@@ -99,8 +98,8 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
                 tb = times[b]
                 if tb >= ta:
                     continue
-                o1 = s[rmax] - ta + tb + w * max(rest_max_a, tb)
-                o2 = s[r] - tb + ta + w * max(_max_without(tb, m1[r], m2[r]), ta)
+                o1 = objective_kernel(s[rmax] - ta + tb, max(rest_max_a, tb), 1, stages)
+                o2 = objective_kernel(s[r] - tb + ta, max(_max_without(tb, m1[r], m2[r]), ta), 1, stages)
                 gain = cur - max(o1, o2)
                 if gain > best_gain:
                     best_gain = gain
@@ -110,8 +109,8 @@ def assign_ranks(times, ranks, stages, equal_counts, max_rounds=200):
                 for r in range(ranks):
                     if r == rmax:
                         continue
-                    o1 = s[rmax] - ta + w * rest_max_a
-                    o2 = s[r] + ta + w * max(m1[r], ta)
+                    o1 = objective_kernel(s[rmax] - ta, rest_max_a, 1, stages)
+                    o2 = objective_kernel(s[r] + ta, max(m1[r], ta), 1, stages)
                     gain = cur - max(o1, o2)
                     if gain > best_gain:
                         best_gain = gain
@@ -130,13 +129,12 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
     """Plain-Python version of `assign_ranks` for tests (same greedy start, same swaps)."""
     times = [float(t) for t in times]
     m = len(times)
-    w = stages - 1
     cap = m // ranks if equal_counts else m
     rank_of = [0] * m
     s, mx, cnt = [0.0] * ranks, [0.0] * ranks, [0] * ranks
     for idx in sorted(range(m), key=lambda k: -times[k]):
         t = times[idx]
-        options = [(s[r] + t + w * max(mx[r], t), r) for r in range(ranks) if cnt[r] < cap]
+        options = [(objective_reference(s[r] + t, max(mx[r], t), 1, stages), r) for r in range(ranks) if cnt[r] < cap]
         best = min(options)[1]
         rank_of[idx] = best
         s[best] += t
@@ -157,7 +155,7 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
 
     for _ in range(max_rounds):
         s, m1, m2 = stats()
-        obj = [s[r] + w * m1[r] for r in range(ranks)]
+        obj = [objective_reference(s[r], m1[r], 1, stages) for r in range(ranks)]
         rmax = obj.index(max(obj))
         cur = obj[rmax]
         best_gain, move = 1e-12 * cur, None
@@ -171,24 +169,31 @@ def assign_ranks_reference(times, ranks, stages, equal_counts, max_rounds=200):
                 if r == rmax or tb >= ta:
                     continue
                 rest_b = m2[r] if tb == m1[r] else m1[r]
-                gain = cur - max(s[rmax] - ta + tb + w * max(rest_a, tb), s[r] - tb + ta + w * max(rest_b, ta))
+                gain = cur - max(objective_reference(s[rmax] - ta + tb, max(rest_a, tb), 1, stages),
+                                 objective_reference(s[r] - tb + ta, max(rest_b, ta), 1, stages))
                 if gain > best_gain:
                     best_gain, move = gain, (a, b)
             if not equal_counts:
                 for r in range(ranks):
                     if r == rmax:
                         continue
-                    gain = cur - max(s[rmax] - ta + w * rest_a, s[r] + ta + w * max(m1[r], ta))
+                    gain = cur - max(objective_reference(s[rmax] - ta, rest_a, 1, stages),
+                                     objective_reference(s[r] + ta, max(m1[r], ta), 1, stages))
                     if gain > best_gain:
                         best_gain, move = gain, (a, -1 - r)
         if move is None:
             break
-        a, b = move
-        if b >= 0:
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-        else:
-            rank_of[a] = -1 - b
+        apply_move_reference(rank_of, *move)
     return rank_of
+
+
+def apply_move_reference(rank_of: list, a: int, b: int) -> None:
+    """Apply a move of the assignment references in place: ``b >= 0`` swaps the ranks of micro-batches
+    ``a`` and ``b``, ``b < 0`` moves ``a`` to rank ``-1 - b``."""
+    if b >= 0:
+        rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
+    else:
+        rank_of[a] = -1 - b
 
 
 @njit(cache=True)
@@ -229,94 +234,24 @@ def candidate_orders_reference(times):
 def simulate_rank(times, p2p, fwd_fraction, stages, ops):
     """Pipeline makespan (seconds) of one rank running micro-batches in the given order on
     ``stages`` identical stages."""
-    k = times.shape[0]
-    fwd = np.empty((stages, k))
-    bwd = np.empty((stages, k))
+    st = np.empty((stages, times.shape[0]))
     for s in range(stages):
-        for j in range(k):
-            fwd[s, j] = times[j] * fwd_fraction
-            bwd[s, j] = times[j] - fwd[s, j]
+        st[s] = times
+    fwd, bwd = split_kernel(st, fwd_fraction)
     return makespan_kernel(fwd, bwd, p2p, ops)
 
 
 def simulate_rank_reference(times, p2p, fwd_fraction, stages, ops):
     """Plain-Python `simulate_rank`: every stage spends ``fwd_fraction`` of a micro-batch's time
     (seconds) in its forward and the rest in its backward."""
-    fwd = [float(t) * fwd_fraction for t in times]
-    bwd = [float(t) - f for t, f in zip(times, fwd)]
-    return makespan_reference([fwd] * stages, [bwd] * stages, p2p, ops)
-
-
-@njit(cache=True, nogil=True)
-def order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
-    """Execution order within each rank and each rank's simulated makespan.
-
-    Returns (perm, rank_time): ``perm`` lists micro-batch indices rank by rank in execution order.
-    With ``optimize`` the best of `_candidate_orders` by simulation is used; otherwise the given
-    order. ``ops_by_count[k]`` is the schedule for k micro-batches (padded with zeros).
-    """
-    m = times.shape[0]
-    perm = np.empty(m, np.int64)
-    rank_time = np.zeros(ranks)
-    pos = 0
-    for r in range(ranks):
-        idx = np.flatnonzero(rank_of == r)
-        k = idx.shape[0]
-        if k == 0:
-            continue
-        ops = np.ascontiguousarray(ops_by_count[k][:, : 2 * k])
-        t = times[idx]
-        p = p2p[idx]
-        if optimize and k > 1:
-            cands = _candidate_orders(t)
-            best = np.inf
-            best_c = 0
-            for c in range(cands.shape[0]):
-                o = cands[c]
-                v = simulate_rank(t[o], p[o], fwd_fraction, stages, ops)
-                if v < best:
-                    best = v
-                    best_c = c
-            chosen = cands[best_c]
-            rank_time[r] = best
-        else:
-            chosen = np.arange(k)
-            rank_time[r] = simulate_rank(t, p, fwd_fraction, stages, ops)
-        for q in range(k):
-            perm[pos + q] = idx[chosen[q]]
-        pos += k
-    return perm, rank_time
-
-
-def order_ranks_reference(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, optimize):
-    """Plain-Python `order_ranks`: returns (perm, rank_time) as lists (positions, seconds)."""
-    perm, rank_time = [], [0.0] * ranks
-    for r in range(ranks):
-        mine = [q for q in range(len(times)) if rank_of[q] == r]  # positions, in plan order
-        k = len(mine)
-        if k == 0:
-            continue
-        ops = ops_by_count[k][:, : 2 * k]  # the schedule for k micro-batches, without padding
-        t, p = [float(times[q]) for q in mine], [float(p2p[q]) for q in mine]
-
-        def span(order):
-            return simulate_rank_reference([t[q] for q in order], [p[q] for q in order], fwd_fraction, stages, ops)
-
-        if optimize and k > 1:
-            candidates = candidate_orders_reference(t)
-            spans = [span(order) for order in candidates]
-            best = min(range(len(candidates)), key=lambda c: spans[c])  # the first of equals
-            chosen, rank_time[r] = candidates[best], spans[best]
-        else:
-            chosen = list(range(k))
-            rank_time[r] = span(chosen)
-        perm += [mine[q] for q in chosen]
-    return perm, rank_time
+    fwd, bwd = split_reference([[float(t) for t in times]] * stages, fwd_fraction)
+    return makespan_reference(fwd, bwd, p2p, ops)
 
 
 @njit(cache=True, nogil=True)
 def _rank_span(times, p2p, rank_of, r, fwd_fraction, stages, ops_by_count):
-    """Simulated makespan of rank ``r``: the best of `_candidate_orders`, as `order_ranks` picks it."""
+    """Simulated makespan of rank ``r``: the best of `_candidate_orders`, as the planner's ordering
+    (`dynabatch.core.kernels.schedules.order_ranks_schedule`) picks it for a static schedule."""
     idx = np.flatnonzero(rank_of == r)
     k = idx.shape[0]
     if k == 0:

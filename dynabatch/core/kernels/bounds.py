@@ -1,4 +1,4 @@
-"""The 1-D capped-partition DP behind the padded objective bound (`dynabatch.core.bounds`).
+"""The 1-D capped-partition DP behind the padded objective bound (`dynabatch.core.plan.bounds`).
 
 `capped_partition_cost` (numba) and `capped_partition_cost_reference` (plain Python) compute the least
 summed cost of cutting ascending per-row times into groups under a cap (seconds)."""
@@ -16,7 +16,7 @@ def capped_partition_cost(w, fixed, cap):
     """Least ``sum over groups (|G| * max_G w + fixed)`` over partitions of the ascending ``w`` into
     groups with ``|G| * max_G w + fixed <= cap`` (``inf`` when a single entry breaks the cap).
 
-    `dynabatch.core.bounds` bounds padded plans with it (each ``w`` a sample's padded per-row time).
+    `dynabatch.core.plan.bounds` bounds padded plans with it (each ``w`` a sample's padded per-row time).
     Groups may be taken contiguous in the sorted order: moving the ``s`` largest entries into the
     group of size ``s`` holding the largest keeps that group's size and maximum, and gives every
     other group entries no larger than those it gave away, so no group's cost rises or breaks the

@@ -1,9 +1,9 @@
 """Numba kernels of the cost model, each beside its plain-Python reference.
 
 A micro-batch's cost is ``coef @ phi`` over the features `FEATURES` (defined in
-`dynabatch.core.cost`'s module docstring), or a lookup in a measured table of padded shapes. The
+`dynabatch.core.cost.model`'s module docstring), or a lookup in a measured table of padded shapes. The
 planner's DP (`dynabatch.core.kernels.dp`) evaluates costs with these kernels for every candidate
-segment; `dynabatch.core.cost.CostModel` offers the same costs vectorized over numpy arrays.
+segment; `dynabatch.core.cost.model.CostModel` offers the same costs vectorized over numpy arrays.
 
 ==========================  ================================
 kernel                      reference

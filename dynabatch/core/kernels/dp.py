@@ -17,20 +17,71 @@ table), so there is no Python callback per candidate. `dp_reference` is the same
 plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
 optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison;
 `_pick_caps_between` is also checked against `_pick_caps` of the sorted times. (The 1-D DP behind
-the padded objective bound of `dynabatch.core.bounds` is `dynabatch.core.kernels.bounds`.)
+the padded objective bound of `dynabatch.core.plan.bounds` is `dynabatch.core.kernels.bounds`.)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from .caps import _pick_caps_between, pick_caps_reference
 from .cost import NUM_FEATURES, padded_features, profiled_lookup, round_up
+from .objective import objective_kernel, objective_reference
 
 INFEASIBLE_SAMPLE = -1
 TOO_FEW_SAMPLES = -2
 NO_EQUAL_SPLIT = -3
+
+
+class SegmentCost(NamedTuple):
+    """How the DP prices a segment (a candidate micro-batch of consecutive samples), as numba takes it:
+    packed (``varlen``) or padded to ``pad_multiple`` tokens, ``tile_patches`` ViT tokens per tile, the
+    linear ``time_coef`` (seconds) and ``mem_coef`` (bytes) per feature, at most ``mem_limit`` bytes;
+    padded segments of a profiled table (``use_table``) are looked up in ``table_time``/``table_mem``
+    ``[rows, len, dec]`` over ``grid_rows``/``grid_len``/``grid_dec`` (``extrapolate`` beyond them).
+    Build it with `segment_cost`."""
+
+    varlen: bool
+    pad_multiple: int
+    tile_patches: int
+    time_coef: np.ndarray
+    mem_coef: np.ndarray
+    mem_limit: float
+    use_table: bool
+    grid_rows: np.ndarray
+    grid_len: np.ndarray
+    grid_dec: np.ndarray
+    table_time: np.ndarray
+    table_mem: np.ndarray
+    extrapolate: bool
+
+
+class DPSearch(NamedTuple):
+    """What the DP optimizes: ``ranks`` data-parallel ranks, ``stages`` pipeline stages, at most
+    ``max_caps`` candidate caps per pass, ``equal_counts``: a multiple of ``ranks`` micro-batches."""
+
+    ranks: int
+    stages: int
+    max_caps: int
+    equal_counts: bool
+
+
+def segment_cost(varlen: bool, pad_multiple: int, tile_patches: int, time_coef, mem_coef, mem_limit: float,
+                 table=None) -> SegmentCost:
+    """A `SegmentCost` with numba's types; ``table``: a profiled table (``rows``, ``main_len``,
+    ``dec_len``, ``time_s``, ``memory_bytes``, ``extrapolate``; used for padded segments) or None."""
+    f64 = lambda x: np.ascontiguousarray(x, np.float64)  # noqa: E731
+    if table is None or varlen:
+        z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
+        grid, extrapolate = (z1, z1, z1, z3, z3), False
+    else:
+        grid = (f64(table.rows), f64(table.main_len), f64(table.dec_len), f64(table.time_s), f64(table.memory_bytes))
+        extrapolate = bool(table.extrapolate)
+    return SegmentCost(bool(varlen), int(pad_multiple), int(tile_patches), f64(time_coef), f64(mem_coef),
+                       float(mem_limit), table is not None and not varlen, *grid, extrapolate)
 
 
 @njit(cache=True, nogil=True)
@@ -44,15 +95,18 @@ def _dot_nz(coef, nz, phi) -> float:
 
 
 @njit(cache=True, nogil=True)
-def enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit,
-                       use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate):
+def enumerate_segments(main, dec, tiles, cost):
     """All memory-feasible segments, grouped by end: for end i (exclusive) the starts are
-    i-1, i-2, ... i-count[i]; their times are seg_time[offset[i] : offset[i]+count[i]].
+    i-1, i-2, ... i-count[i]; their times are seg_time[offset[i] : offset[i]+count[i]] (priced by
+    ``cost``, a `SegmentCost`).
 
     Returns (offset, count, seg_time, bad) where bad is the position of a sample that does not
     fit even alone (-1 if none). Growing a segment never lowers its memory, so the scan for each
     end stops at the first infeasible start.
     """
+    varlen, pad_multiple, tile_patches, mem_limit = cost.varlen, cost.pad_multiple, cost.tile_patches, cost.mem_limit
+    tcoef, mcoef, use_table, extrapolate = cost.time_coef, cost.mem_coef, cost.use_table, cost.extrapolate
+    grid_r, grid_l, grid_d, tab_t, tab_m = cost.grid_rows, cost.grid_len, cost.grid_dec, cost.table_time, cost.table_mem
     n = main.shape[0]
     phi = np.zeros(NUM_FEATURES)
     # The dot products skip zero coefficients: a skipped term is +-0.0 (features are finite), so
@@ -177,7 +231,7 @@ def _objectives_for_caps(offset, count, seg_time, caps, n, ranks, stages, f, bac
             maxes[k] = prev_max
         else:
             s = dp_for_cap(offset, count, seg_time, cap, n, f, back, mx)
-            objs[k] = s / ranks + (stages - 1) * mx[n]
+            objs[k] = objective_kernel(s, mx[n], ranks, stages)
             maxes[k] = mx[n]
         prev_cap = cap
         prev_obj = objs[k]
@@ -221,18 +275,35 @@ def dp_mod_ranks(offset, count, seg_time, cap, n, ranks):
     return out
 
 
+def dp_kernel(main, dec, tiles, cost: SegmentCost, search: DPSearch):
+    """`dp_search` of the ordered samples for ``cost`` and ``search``. The records cross into numba as
+    their fields: numba types a namedtuple argument in Python on every call (about 2 ms), so
+    `_dp_entry` rebuilds them inside compiled code."""
+    return _dp_entry(main, dec, tiles, *cost, *search)
+
+
 @njit(cache=True, nogil=True)
-def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
-              max_caps, use_table, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal_counts=True):
-    """Best partition of the ordered samples. Returns (starts, status): the first position of each
-    micro-batch, and 0, or INFEASIBLE_SAMPLE with starts=[position of the sample that cannot fit],
-    TOO_FEW_SAMPLES when fewer samples than ranks make equal counts impossible, or NO_EQUAL_SPLIT
-    when no partition under the memory limit has a multiple of ``ranks`` micro-batches.
-    ``equal_counts=False`` drops the multiple-of-``ranks`` requirement."""
+def _dp_entry(main, dec, tiles, varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
+              grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate, ranks, stages, max_caps,
+              equal_counts):
+    """`dp_search` with the fields of `SegmentCost` and `DPSearch` in their order."""
+    return dp_search(main, dec, tiles,
+                     SegmentCost(varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
+                                 grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate),
+                     DPSearch(ranks, stages, max_caps, equal_counts))
+
+
+@njit(cache=True, nogil=True)
+def dp_search(main, dec, tiles, cost, search):
+    """Best partition of the ordered samples (int64 ``main``/``dec`` tokens and ``tiles`` per sample),
+    each segment priced by ``cost`` (`SegmentCost`), for ``search`` (`DPSearch`). Returns (starts,
+    status): the first position of each micro-batch, and 0, or INFEASIBLE_SAMPLE with starts=[position
+    of the sample that cannot fit], TOO_FEW_SAMPLES when fewer samples than ranks make equal counts
+    impossible, or NO_EQUAL_SPLIT when no partition under the memory limit has a multiple of ``ranks``
+    micro-batches. ``search.equal_counts=False`` drops the multiple-of-``ranks`` requirement."""
+    ranks, stages, max_caps, equal_counts = search.ranks, search.stages, search.max_caps, search.equal_counts
     n = main.shape[0]
-    offset, count, seg_time, bad = enumerate_segments(main, dec, tiles, varlen, pad_multiple, tile_patches,
-                                                      tcoef, mcoef, mem_limit, use_table, grid_r, grid_l,
-                                                      grid_d, tab_t, tab_m, extrapolate)
+    offset, count, seg_time, bad = enumerate_segments(main, dec, tiles, cost)
     if bad >= 0:
         out = np.empty(1, np.int64)
         out[0] = bad
@@ -309,7 +380,7 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
             t = seg_time[offset[end] + (end - 1 - st[q])]
             total += t
             big = max(big, t)
-        val = total / ranks + (stages - 1) * big
+        val = objective_kernel(total, big, ranks, stages)
         if val < best_val:
             best_val = val
             best_starts = st
@@ -321,15 +392,19 @@ def dp_kernel(main, dec, tiles, varlen, pad_multiple, tile_patches, tcoef, mcoef
     return best_starts, 0
 
 
-def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef, mcoef, mem_limit, ranks, stages,
-                 max_caps, equal_counts=True):
+def dp_reference(main, dec, tiles, cost: SegmentCost, search: DPSearch):
     """Plain-Python version of `dp_kernel` (analytic costs only) for tests: same caps, same DP."""
+    if cost.use_table:
+        raise ValueError("dp_reference prices segments with the linear coefficients only, not a profiled table")
+    varlen, pad_multiple, tile_patches = cost.varlen, cost.pad_multiple, cost.tile_patches
+    tcoef, mcoef, mem_limit = cost.time_coef, cost.mem_coef, cost.mem_limit
+    ranks, stages, max_caps, equal_counts = search
     main = [int(x) for x in main]
     dec = [int(x) for x in dec]
     tiles = [int(x) for x in tiles]
     n = len(main)
 
-    def cost(j, i):
+    def price(j, i):
         if varlen:
             phi = [0.0] * NUM_FEATURES
             for s in range(j, i):
@@ -350,7 +425,7 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
     seg = {}  # (j, i) -> time, for feasible segments (contiguous starts per end, as in the kernel)
     for i in range(1, n + 1):
         for j in range(i - 1, -1, -1):
-            t, m = cost(j, i)
+            t, m = price(j, i)
             if m > mem_limit:
                 break
             seg[(j, i)] = t
@@ -385,7 +460,7 @@ def dp_reference(main, dec, tiles, *, varlen, pad_multiple, tile_patches, tcoef,
     def objective(starts):
         ends = starts[1:] + [n]
         times = [seg[(a, b)] for a, b in zip(starts, ends)]
-        return sum(times) / ranks + (stages - 1) * max(times)
+        return objective_reference(sum(times), max(times), ranks, stages)
 
     floor = max(seg[(i - 1, i)] for i in range(1, n + 1))
     values = np.unique(np.array(list(seg.values())))

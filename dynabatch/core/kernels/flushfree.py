@@ -1,5 +1,5 @@
 """Numba kernels of the flush-free (asynchronous, cross-step) 1F1B simulator, each beside its
-plain-Python reference. `dynabatch.core.flushfree` wraps them; the model is documented there.
+plain-Python reference. `dynabatch.core.simulate.flushfree` wraps them; the model is documented there.
 
 Layout. ``R`` data-parallel ranks, ``S`` stages, ``K`` consecutive steps. Every rank runs its own
 stream of micro-batches, the steps one after the other; the streams of all ranks are concatenated

@@ -1,4 +1,4 @@
-"""Numba kernels of the baselines' grouping (`dynabatch.core.baselines`), each beside its
+"""Numba kernels of the baselines' grouping (`dynabatch.core.plan.baselines`), each beside its
 plain-Python reference. Lengths and capacities are in tokens.
 
 =================  ===========================

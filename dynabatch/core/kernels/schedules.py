@@ -11,6 +11,8 @@ kernel                     reference
 `order_ranks_schedule`     `order_ranks_schedule_reference`
 `order_ranks_stages`       `order_ranks_stages_reference`
 `stage_candidates`         `stage_candidates_reference`
+`rank_ops_kernel`          `rank_ops_reference`
+`record_slots_kernel`      `record_slots_reference`
 =========================  ==============================
 """
 
@@ -21,7 +23,7 @@ from numba import njit
 
 from .assign import _candidate_orders, candidate_orders_reference
 from .simulate import (inflight_kernel, inflight_reference, makespan_kernel, makespan_reference, schedule_kernel,
-                       schedule_reference)
+                       schedule_reference, split_kernel, split_reference)
 
 #: Return codes of :func:`adaptive_kernel`.
 OK, STALL, OVERSIZE = 0, 1, 2
@@ -258,20 +260,74 @@ def stage_candidates_reference(st):
 
 
 @njit(cache=True)
-def _stage_rank_ops(code, st, p2p, mem, fwd_fraction, limit):
-    """(ops, fwd, bwd, status) of one rank running ``st`` ``[S, k]`` in column order under ``code``."""
+def rank_ops_kernel(code, st, p2p, mem, fwd_fraction, limit):
+    """(ops, fwd, bwd, status) of one rank running the micro-batches of ``st`` ``[S, k]`` (seconds per
+    stage, columns in execution order) under schedule ``code``: the one derivation of a rank's op
+    order (0 GPipe, 1 1F1B: fixed by ``S`` and ``k``; 2 adaptive: `adaptive_kernel` on the split stage
+    times, ``p2p`` ``[k]`` seconds, ``mem`` ``[k]`` bytes and ``limit`` bytes in flight per stage, an
+    oversize micro-batch alone). ``status`` as `adaptive_kernel` returns it (0 OK)."""
     S, k = st.shape
-    fwd = np.empty((S, k))
-    bwd = np.empty((S, k))
-    for s in range(S):
-        for j in range(k):
-            fwd[s, j] = st[s, j] * fwd_fraction
-            bwd[s, j] = st[s, j] - fwd[s, j]
+    fwd, bwd = split_kernel(st, fwd_fraction)
     if code == ADAPTIVE:
         ops = np.zeros((S, 2 * k), np.int32)
         status = adaptive_kernel(fwd, bwd, p2p, mem, limit, True, ops)
         return ops, fwd, bwd, status
     return schedule_kernel(S, k, code), fwd, bwd, OK
+
+
+def rank_ops_reference(code, st, p2p, mem, fwd_fraction, limit):
+    """Plain `rank_ops_kernel`: (ops lists per stage, fwd, bwd); raises RuntimeError on a stall."""
+    S, k = len(st), len(st[0])
+    fwd, bwd = split_reference(st, fwd_fraction)
+    if code == ADAPTIVE:
+        return adaptive_reference(fwd, bwd, [float(x) for x in p2p], [float(x) for x in mem], limit, True), fwd, bwd
+    return schedule_reference(S, k, code), fwd, bwd
+
+
+@njit(cache=True)
+def record_slots_kernel(code, st, p2p, mem, rank_order, counts, fwd_fraction, limit, slots):
+    """Fill ``slots`` int32 ``[S, M, 2]`` with the position of each micro-batch's forward (``[..., 0]``) and
+    backward (``[..., 1]``) in its rank's op list of `rank_ops_kernel`. ``rank_order`` int64 ``[M]``:
+    micro-batch indices rank by rank in execution order, ``counts`` int64 ``[R]`` per rank; ``st``
+    ``[S, M]`` seconds, ``p2p``/``mem`` ``[M]``. Returns 0 (OK) or the first rank's stall status."""
+    S = st.shape[0]
+    pos = 0
+    for r in range(counts.shape[0]):
+        k = counts[r]
+        if k == 0:
+            continue
+        idx = rank_order[pos:pos + k]
+        sub = np.empty((S, k))
+        for s in range(S):
+            for q in range(k):
+                sub[s, q] = st[s, idx[q]]
+        ops, _, _, status = rank_ops_kernel(code, sub, p2p[idx], mem[idx], fwd_fraction, limit)
+        if status != OK:
+            return status
+        for s in range(S):
+            for i in range(2 * k):
+                op = ops[s, i]
+                slots[s, idx[abs(op) - 1], 0 if op > 0 else 1] = i
+        pos += k
+    return OK
+
+
+def record_slots_reference(code, st, p2p, mem, rank_order, counts, fwd_fraction, limit):
+    """Plain `record_slots_kernel`: the slots as a nested list ``[S][M][2]``."""
+    S, M = len(st), len(st[0])
+    slots = [[[0, 0] for _ in range(M)] for _ in range(S)]
+    pos = 0
+    for k in counts:
+        idx = [int(x) for x in rank_order[pos:pos + k]]
+        pos += k
+        if not idx:
+            continue
+        ops, _, _ = rank_ops_reference(code, [[float(st[s][j]) for j in idx] for s in range(S)],
+                                       [p2p[j] for j in idx], [mem[j] for j in idx], fwd_fraction, limit)
+        for s in range(S):
+            for i, op in enumerate(ops[s]):
+                slots[s][idx[abs(int(op)) - 1]][0 if op > 0 else 1] = i
+    return slots
 
 
 @njit(cache=True, nogil=True)
@@ -302,7 +358,7 @@ def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimi
         for c in range(cands.shape[0]):
             sel = idx[cands[c]]
             o_p, o_m = p2p[sel], mem[sel]
-            ops, fwd, bwd, status = _stage_rank_ops(code, np.ascontiguousarray(st[:, sel]), o_p, o_m, fwd_fraction,
+            ops, fwd, bwd, status = rank_ops_kernel(code, np.ascontiguousarray(st[:, sel]), o_p, o_m, fwd_fraction,
                                                     limit)
             v = makespan_kernel(fwd, bwd, o_p, ops) if status == OK else np.inf  # stall: non-finite times
             if c == 0 or v < best:  # the first of equals
@@ -350,12 +406,10 @@ def _order_ranks_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, lim
 
         def run(order):
             cols = [mine[q] for q in order]
-            fwd = [[float(st[s][j]) * fwd_fraction for j in cols] for s in range(S)]
-            bwd = [[float(st[s][j]) - f for j, f in zip(cols, fwd[s])] for s in range(S)]
             pp, mo = [float(p2p[j]) for j in cols], [float(mem[j]) for j in cols]
             try:
-                ops = adaptive_reference(fwd, bwd, pp, mo, limit, True) if code == ADAPTIVE else \
-                    schedule_reference(S, k, code)
+                ops, fwd, bwd = rank_ops_reference(code, [[float(st[s][j]) for j in cols] for s in range(S)], pp,
+                                                   mo, fwd_fraction, limit)
             except RuntimeError:  # a stall: never the best
                 return float("inf"), 0.0
             return makespan_reference(fwd, bwd, pp, np.array(ops)), max(inflight_reference(ops, mo)[1])

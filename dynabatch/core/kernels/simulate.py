@@ -2,7 +2,7 @@
 
 Op encoding (int32): ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)`` its backward; a
 schedule is an ``[S, 2M]`` array holding one op list per stage. Times are seconds, memory bytes.
-The dependency rules are documented in `dynabatch.core.simulate`, which wraps these kernels with
+The dependency rules are documented in `dynabatch.core.simulate.pipeline`, which wraps these kernels with
 validation. The kernels take contiguous float64 / int32 arrays so other numba code can call them.
 
 =====================  ==========================
@@ -12,6 +12,7 @@ kernel                 reference
 `simulate_kernel`      `simulate_reference`
 `makespan_kernel`      `makespan_reference`
 `inflight_kernel`      `inflight_reference`
+`split_kernel`         `split_reference`
 =====================  ==========================
 
 `run_ops` is the event loop of `simulate_kernel` and of `dynabatch.core.kernels.spill`'s kernel,
@@ -29,6 +30,31 @@ OK, DEADLOCK, BAD_INPUT = 0, 1, 2
 
 #: Shard copy kinds of `gated_start` (``kind // 2``: 0 demand / 1 prefetch; ``kind % 2``: 0 spill / 1 load).
 DEMAND_SPILL, DEMAND_LOAD, PREFETCH_SPILL, PREFETCH_LOAD = 0, 1, 2, 3
+
+
+# --------------------------------------------------------------------------- forward / backward split
+
+
+@njit(cache=True)
+def split_kernel(st, fwd_fraction):
+    """(fwd, bwd) float64 ``[S, k]``: each stage runs a micro-batch's forward for ``fwd_fraction`` of its
+    stage time ``st`` (seconds) and its backward for the rest. The one split every simulation of a
+    plan uses (planner, recompute, inspect, flush-free); `split_reference` is its plain form."""
+    S, k = st.shape
+    fwd = np.empty((S, k))
+    bwd = np.empty((S, k))
+    for s in range(S):
+        for j in range(k):
+            fwd[s, j] = st[s, j] * fwd_fraction
+            bwd[s, j] = st[s, j] - fwd[s, j]
+    return fwd, bwd
+
+
+def split_reference(st, fwd_fraction):
+    """Plain `split_kernel` (numpy arrays, the same two operations per element)."""
+    st = np.asarray(st, np.float64)
+    fwd = st * fwd_fraction
+    return fwd, st - fwd
 
 
 # --------------------------------------------------------------------------- schedules

@@ -3,7 +3,7 @@
 The pipeline model of `dynabatch.core.kernels.simulate` (op codes over ``N`` micro-batches,
 dependencies; its event loop `run_ops`, whose ops here also wait for shard loads: `gated_start`)
 plus one copy engine per stage that moves shards between host memory and the stage device. Times
-are seconds. `dynabatch.core.multimodel_spill` plans the copies (the runner's residency policy)
+are seconds. `dynabatch.core.simulate.spill` plans the copies (the runner's residency policy)
 and wraps this.
 
 * **Uses.** A stage's uses are its ops (use ``i`` is position ``i`` of its op list; the op of

@@ -19,6 +19,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .assign import apply_move_reference
+from .objective import objective_kernel, objective_reference
+
 
 @njit(cache=True)
 def _stats(st, rank_of, own, ranks, load, m1, m2):
@@ -43,7 +46,6 @@ def _stats(st, rank_of, own, ranks, load, m1, m2):
 def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
     """Rank (int32 ``[M]``) of each micro-batch (see the module docstring)."""
     S, M = st.shape
-    w = S - 1
     rank_of = np.zeros(M, np.int32)
     load = np.zeros((ranks, S))
     mx = np.zeros(ranks)
@@ -60,7 +62,7 @@ def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
                     x = load[r, s] + st[s, j]
                     if x > hi:
                         hi = x
-                v = hi + w * max(mx[r], own[j])
+                v = objective_kernel(hi, max(mx[r], own[j]), 1, S)
             if v < best or (r == 0 and not v > best):
                 best, r_best = v, r
         rank_of[j] = r_best
@@ -79,7 +81,7 @@ def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
             for s in range(S):
                 if load[r, s] > hi:
                     hi = load[r, s]
-            o = hi + w * m1[r]
+            o = objective_kernel(hi, m1[r], 1, S)
             if o > cur:
                 rmax, cur = r, o
         best_gain = 1e-12 * cur
@@ -102,9 +104,9 @@ def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
                     y = load[rb, s] - st[s, b] + st[s, a]
                     if y > lo:
                         lo = y
-                new_hi = hi + w * max(rest_a, own[b])
+                new_hi = objective_kernel(hi, max(rest_a, own[b]), 1, S)
                 mx_wo = m2[rb] if own[b] == m1[rb] else m1[rb]
-                new_lo = lo + w * max(mx_wo, own[a])
+                new_lo = objective_kernel(lo, max(mx_wo, own[a]), 1, S)
                 gain = cur - max(new_hi, new_lo)
                 if gain > q_gain:
                     q_gain, q_b = gain, b
@@ -123,8 +125,8 @@ def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
                         y = load[r, s] + st[s, a]
                         if y > h2:
                             h2 = y
-                    o1 = h1 + w * rest_a
-                    o2 = h2 + w * max(m1[r], own[a])
+                    o1 = objective_kernel(h1, rest_a, 1, S)
+                    o2 = objective_kernel(h2, max(m1[r], own[a]), 1, S)
                     gain = cur - max(o1, o2)
                     if gain > best_gain:
                         best_gain, move_a, move_b = gain, a, -1 - r
@@ -142,13 +144,13 @@ def assign_stages(st, own, order, ranks, cap, equal_counts, max_rounds):
 def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds):
     """Plain-Python `assign_stages` (numpy reductions where the kernel loops)."""
     S, M = st.shape
-    w = S - 1
     rank_of = np.zeros(M, np.int32)
     load = np.zeros((ranks, S))
     mx = np.zeros(ranks)
     cnt = np.zeros(ranks, np.int64)
     for j in order:
-        v = (load + st[:, j]).max(axis=1) + w * np.maximum(mx, own[j]) if S else np.full(ranks, -np.inf)
+        v = objective_reference((load + st[:, j]).max(axis=1), np.maximum(mx, own[j]), 1, S) if S \
+            else np.full(ranks, -np.inf)
         v[cnt >= cap] = np.inf
         r = int(np.argmin(v))
         rank_of[j] = r
@@ -165,7 +167,7 @@ def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds
                 m1[r], m2[r] = t, m1[r]
             elif t > m2[r]:
                 m2[r] = t
-        obj = load.max(axis=1) + w * m1
+        obj = objective_reference(load.max(axis=1), m1, 1, S)
         rmax = int(np.argmax(obj))
         cur = obj[rmax]
         best_gain, move = 1e-12 * cur, None
@@ -174,11 +176,11 @@ def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds
             rest_a = m2[rmax] if own[a] == m1[rmax] else m1[rmax]
             if len(others):
                 rb = rank_of[others]
-                new_hi = (load[rmax][None, :] - st[:, a][None, :] + st[:, others].T).max(axis=1) \
-                    + w * np.maximum(rest_a, own[others])
+                new_hi = objective_reference((load[rmax][None, :] - st[:, a][None, :] + st[:, others].T).max(axis=1),
+                                   np.maximum(rest_a, own[others]), 1, S)
                 new_lo_load = (load[rb] - st[:, others].T + st[:, a][None, :]).max(axis=1)
                 mx_wo = np.where(own[others] == m1[rb], m2[rb], m1[rb])
-                new_lo = new_lo_load + w * np.maximum(mx_wo, own[a])
+                new_lo = objective_reference(new_lo_load, np.maximum(mx_wo, own[a]), 1, S)
                 gain = cur - np.maximum(new_hi, new_lo)
                 q = int(np.argmax(gain))
                 if gain[q] > best_gain:
@@ -187,18 +189,14 @@ def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds
                 for r in range(ranks):
                     if r == rmax:
                         continue
-                    o1 = (load[rmax] - st[:, a]).max() + w * rest_a
-                    o2 = (load[r] + st[:, a]).max() + w * max(m1[r], own[a])
+                    o1 = objective_reference((load[rmax] - st[:, a]).max(), rest_a, 1, S)
+                    o2 = objective_reference((load[r] + st[:, a]).max(), max(m1[r], own[a]), 1, S)
                     gain = cur - max(o1, o2)
                     if gain > best_gain:
                         best_gain, move = gain, (int(a), -1 - r)
         if move is None:
             break
-        a, b = move
-        if b >= 0:
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-        else:
-            rank_of[a] = -1 - b
+        apply_move_reference(rank_of, *move)
     return rank_of
 
 

@@ -15,17 +15,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .simulate import OK, makespan_reference, simulate_kernel
+from .simulate import OK, makespan_reference, simulate_kernel, split_kernel, split_reference
 
 
 @njit(cache=True)
-def _span(st, p2p, fwd_fraction, ops, order, fwd, bwd, pp, start, end):
-    S, k = st.shape
+def _span(f_all, b_all, p2p, ops, order, fwd, bwd, pp, start, end):
+    """Makespan of the columns of the split stage times ``f_all``/``b_all`` in ``order`` (into buffers)."""
+    S, k = f_all.shape
     for i in range(k):
         j = order[i]
         for s in range(S):
-            fwd[s, i] = st[s, j] * fwd_fraction
-            bwd[s, i] = st[s, j] - fwd[s, i]
+            fwd[s, i] = f_all[s, j]
+            bwd[s, i] = b_all[s, j]
         pp[i] = p2p[j]
     if simulate_kernel(fwd, bwd, pp, ops, start, end) != OK:
         return np.inf
@@ -43,7 +44,8 @@ def insertion_search(st, p2p, fwd_fraction, ops, order, movable, passes):
     start = np.empty((S, k, 2))
     end = np.empty((S, k, 2))
     cand = np.empty(k, np.int64)
-    best = _span(st, p2p, fwd_fraction, ops, order, fwd, bwd, pp, start, end)
+    f_all, b_all = split_kernel(st, fwd_fraction)
+    best = _span(f_all, b_all, p2p, ops, order, fwd, bwd, pp, start, end)
     for _ in range(passes):
         moved = False
         for j in range(k):
@@ -66,7 +68,7 @@ def insertion_search(st, p2p, fwd_fraction, ops, order, movable, passes):
                     cand[w] = order[i]
                     w += 1
                 cand[q] = j
-                v = _span(st, p2p, fwd_fraction, ops, cand, fwd, bwd, pp, start, end)
+                v = _span(f_all, b_all, p2p, ops, cand, fwd, bwd, pp, start, end)
                 if v < best - 1e-12 * best:
                     best, best_q = v, q
             if best_q >= 0:
@@ -90,9 +92,8 @@ def insertion_search_reference(st, p2p, fwd_fraction, ops, order, movable, passe
     st = np.asarray(st, np.float64)
 
     def span(o):
-        s = st[:, o]
-        f = s * fwd_fraction
-        return makespan_reference(f, s - f, np.asarray(p2p, np.float64)[o], ops)
+        f, b = split_reference(st[:, o], fwd_fraction)
+        return makespan_reference(f, b, np.asarray(p2p, np.float64)[o], ops)
 
     order = [int(x) for x in order]
     best = span(order)

@@ -29,7 +29,7 @@ from ..indexed_steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, T
                              index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
                              write_index_table)
 from ..processes import WorkerInit, start_workers, warm_kernels
-from ...core.steps import oversized_samples
+from ...core.plan.steps import oversized_samples
 from ..records import ReadyStep
 from ..stream_planner import _identity
 from .base import Context, Mode

@@ -7,7 +7,7 @@ inputs a checkpointed layer keeps, which those hooks do not see (non-reentrant
 micro-batch this way and reports, per step, the peak of the bytes its in-flight micro-batches hold
 (`StepTiming.peak_saved_bytes`) next to the plan's prediction (``plan.options["stage_peak_bytes"]``).
 
-`measured_stage_memory` fits the `dynabatch.core.recompute.StageMemory` of a model cut into stages:
+`measured_stage_memory` fits the `dynabatch.core.cost.stage_memory.StageMemory` of a model cut into stages:
 it runs each layer alone on a grid of padded micro-batch shapes, meters the bytes the layer saves
 and the bytes of its input (what it keeps when recomputed), and fits, per stage, bytes per feature
 unit of the cost model's features for the recomputable layers, the layers recompute never frees
@@ -134,11 +134,11 @@ def _bounding_fit(phi: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def measured_stage_memory(model, bounds: Sequence[int], cost, *, shapes: Sequence | None = None, device="cpu",
                           seed: int = 0):
-    """The `dynabatch.core.recompute.StageMemory` of ``model`` (a `LayeredModel`) cut at ``bounds``,
+    """The `dynabatch.core.cost.stage_memory.StageMemory` of ``model`` (a `LayeredModel`) cut at ``bounds``,
     fitted in ``cost``'s features from the bytes its layers save on ``shapes`` (padded
     `MicroBatchShape` s, default `default_grid`); see the module docstring. Set it as
     ``cost.stage_memory_model`` for the planner to price recomputation of this model's stages."""
-    from ...core.recompute import StageMemory
+    from ...core.cost.stage_memory import StageMemory
 
     shapes = default_grid(model) if shapes is None else list(shapes)
     b = [int(x) for x in bounds]

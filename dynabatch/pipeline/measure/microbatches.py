@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...core.cost import CostModel, DeviceProfile, device_preset
+from ...core.cost.model import CostModel, DeviceProfile, device_preset
 from ..models.spec import MicroBatchShape
 
 

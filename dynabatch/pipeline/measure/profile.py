@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...core.cost import CostModel, DeviceProfile, ProfiledTable, device_preset
+from ...core.cost.model import CostModel, DeviceProfile, ProfiledTable, device_preset
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -176,7 +176,7 @@ def load_model(spec: str, *, seed: int = 0, **overrides):
 
 
 def _cmd_profile(args) -> int:
-    from ...core.cost import describe
+    from ...core.cost.model import describe
 
     over = {}
     if args.hidden:

@@ -3,7 +3,7 @@
 The split is searched, not uniform: per-layer forward/backward seconds on a representative set of
 micro-batches (measured by `dynabatch.pipeline.measure.layers.profile_layers`, or given) are summed
 per candidate stage and the candidate's step is simulated with the pipeline simulator
-(`dynabatch.core.simulate`); the partition with the smallest simulated makespan wins (OmniBal-style). Small problems are enumerated
+(`dynabatch.core.simulate.pipeline`); the partition with the smallest simulated makespan wins (OmniBal-style). Small problems are enumerated
 exhaustively; large ones start from the min-max (bottleneck) partition found by binary search and
 move stage boundaries while the simulated makespan improves.
 """
@@ -243,7 +243,7 @@ class PipelineStage(nn.Module):
 
     ``recompute``: the first ``recompute`` of the stage's `recomputable_layers` (its layers less the
     embedding and the head) run under ``torch.utils.checkpoint`` (non-reentrant): they keep only their
-    input for backward and run their forward again inside it (`dynabatch.core.recompute`). A
+    input for backward and run their forward again inside it (`dynabatch.core.plan.recompute`). A
     ``meter`` (a `dynabatch.pipeline.measure.memory.SavedBytes`, set by the runner for one forward) is told
     the inputs such a layer keeps, which autograd's saved-tensor hooks do not see.
     """

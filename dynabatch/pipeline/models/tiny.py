@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core.cost import ModelConfig
+from ...core.cost.model import ModelConfig
 from .layered import LayeredModel
 from .spec import MicroBatchShape, TensorSpec
 

@@ -13,11 +13,11 @@ class RunnerConfig:
     """How the runner executes a step.
 
     ``schedule``: ``auto`` (default: the order each plan records, 1F1B for bare shapes), or ``gpipe``,
-    ``1f1b``, ``adaptive`` to override the plan (`schedule.plan_schedule`). ``memory_limit_bytes``:
+    ``1f1b``, ``adaptive`` to override the plan (`schedule.runner_orders`). ``memory_limit_bytes``:
     in-flight activation bytes per stage for ``adaptive`` (default the plan's recorded budget, else
     ``num_stages`` x the step's largest micro-batch). ``debug_shapes``: send a header before every
     message and check it against the receiver's plan. ``gather_timing``: all-gather every rank's `StepTiming` into each step's result
-    (what `dynabatch.core.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
+    (what `dynabatch.core.plan.feedback.FeedbackLoop` needs on every rank). ``check_inputs``: check the
     micro-batch dictionaries against the plan before running. ``check_plan``: before the step's first
     transfer, both ends of every link compare a small fingerprint of the messages and shapes they
     expect (one tiny message per link and direction); ranks holding different plans then stop with a
@@ -25,7 +25,7 @@ class RunnerConfig:
     ``recompute``: ``auto`` (default: the per-stage counts the plan records in
     ``options["recompute_layers"]``, none without), ``none``, ``full`` (every recomputable layer), or
     one count per stage (the first k recomputable layers run under ``torch.utils.checkpoint``; see
-    `dynabatch.core.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
+    `dynabatch.core.plan.recompute`). ``measure_memory``: meter the activation bytes each micro-batch keeps
     for backward (`dynabatch.pipeline.measure.memory.SavedBytes`) and report the step's peak.
     ``flush``: False makes `run_steps` run its steps as one asynchronous 1F1B stream (PipeOptim): stage
     ``s`` starts the next step's forwards while later stages finish this one, and applies its update

@@ -4,7 +4,7 @@ Each rank is one stage device and holds stage ``s`` of every model: K *shards* (
 stage parameters, their gradients and the optimizer's state for them). Per step:
 
 * **Order, from the plan alone.** Models are ordered longest-remaining-time-first from the plan's
-  predicted seconds (`dynabatch.core.multimodel_sim.lrtf_order`: micro-batch ``time_s`` summed x
+  predicted seconds (`dynabatch.core.simulate.multimodel.lrtf_order`: micro-batch ``time_s`` summed x
   each model's ``time_scale``), and position ``p``'s micro-batch ``j`` becomes virtual micro-batch
   ``v = p * M + j``. The per-stage op orders over the ``K * M`` virtual micro-batches are
   `multimodel_orders` (1F1B over all of them with ``interleave=True``: stage 0 starts the next
@@ -45,7 +45,7 @@ stage parameters, their gradients and the optimizer's state for them). Per step:
 
 ``refit_time_scale`` refits each model's ``time_scale`` from measured shard times (one all-reduce,
 so every rank keeps deriving the same order); ``refit_every=N`` calls it every N steps.
-`dynabatch.core.feedback.FeedbackLoop.record_step` takes a `MultiStepResult`: every model's measured
+`dynabatch.core.plan.feedback.FeedbackLoop.record_step` takes a `MultiStepResult`: every model's measured
 micro-batch times, each divided by its ``time_scale``, refit the plan's cost model (``DataLoader.feedback``
 works unchanged), so the plan's seconds and the scales together follow what was measured. Bit-identity
 holds where the kernels are deterministic (CPU; on CUDA with ``torch.use_deterministic_algorithms(True)``).
@@ -70,7 +70,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ...core.multimodel_sim import lrtf_order, multimodel_orders
+from ...core.simulate.multimodel import lrtf_order, multimodel_orders
 from ..measure.timing import Clock, StepResult, StepTiming
 from ..models.spec import check_batch
 from .comm import CommEvent, P2P
@@ -98,7 +98,7 @@ class MultiStepResult:
     ``budget_bytes``: the budget (None: unlimited); ``spills``/``loads``/``prefetches``: shard moves on
     this device during the step (prefetches: loads issued before the shard's turn).
     ``time_scale[k]``: model ``k``'s seconds per plan second that the step's order used (what
-    `dynabatch.core.feedback.FeedbackLoop.record_step` divides model ``k``'s measured times by).
+    `dynabatch.core.plan.feedback.FeedbackLoop.record_step` divides model ``k``'s measured times by).
     ``moved_bytes``/``copy_s``: shard bytes the spills and loads copied on this device during the
     step and the seconds spent in them (on CPU the copies; on GPU issuing them)."""
 

@@ -1,7 +1,7 @@
 """One multi-model step's shard uses on this stage and the moves that serve them (bytes): which model's
 shard each op and update uses, the check that the order fits the device budget before any transfer,
 and, at each use, the load of a spilled shard and the prefetch of the next one
-(`dynabatch.core.multimodel_spill.Residency`: the policy the K-model simulator replays). Used by
+(`dynabatch.core.simulate.spill.Residency`: the policy the K-model simulator replays). Used by
 `dynabatch.pipeline.runtime.multimodel` as its ``before_op`` hook."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ...core.multimodel_sim import active_peak
-from ...core.multimodel_spill import Residency
+from ...core.simulate.multimodel import active_peak
+from ...core.simulate.spill import Residency
 from .schedule import Post
 
 

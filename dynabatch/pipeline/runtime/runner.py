@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ...core.batchplan import BatchPlan, MicroBatch
-from ...core.recompute import recompute_layers
+from ...core.plan.recompute import recompute_layers
 from ..measure.memory import param_pointers
 from ..measure.timing import Clock, StepResult, StepTiming
 from ..models.partition import PipelineStage, StagePartition, split_model
@@ -39,7 +39,7 @@ from .config import RunnerConfig
 from .guard import StepGuard
 from .hooks import OneModel
 from .interpreter import check_links, run_program
-from .schedule import build_programs, plan_schedule, quantize_times, stage_orders
+from .schedule import build_programs, quantize_times, runner_orders
 from .stream import run_stream
 from .tied import Ties
 from .update import gather_timings, reduce_losses, update_stage
@@ -126,18 +126,16 @@ class PipelineRunner:
         return self.bypass.entries(shapes) if self.bypass is not None else np.zeros(len(shapes), np.int64)
 
     def _program(self, shapes: Sequence[MicroBatchShape], plan=None) -> tuple[list, np.ndarray]:
-        schedule, budget = plan_schedule(self.config.schedule, plan)
-        limit = budget if self.config.memory_limit_bytes is None else self.config.memory_limit_bytes
         S, M = self.ctx.num_stages, len(shapes)
         times = np.array([sh.time_s for sh in shapes])
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
         entry = self.entries(shapes)
-        key = (schedule, S, M, units.tobytes(), mem.tobytes() + repr(limit).encode() if schedule == "adaptive" else b"",
-               entry.tobytes())
+        orders = runner_orders(self.config.schedule, S, times, mem, plan, self.ctx.replica,
+                               self.config.memory_limit_bytes)
+        key = (S, M, orders.tobytes(), units.tobytes(), entry.tobytes())
         hit = self._programs.get(key)
         if hit is None:
-            orders = stage_orders(schedule, S, M, time_s=times, memory_bytes=mem, memory_limit=limit)
             hit = (build_programs(orders, units, entry)[self.ctx.stage], orders)
             self._programs[key] = hit
             if len(self._programs) > 512:
@@ -200,7 +198,7 @@ class PipelineRunner:
         step's last micro-batch on this stage, the stage all-reduces its gradients over the
         data-parallel replicas, divides them by that step's ``num_tokens`` and calls
         ``optimizer.step()``, while earlier stages already run the next step's forwards. A forward
-        whose backward comes after ``lag`` updates (`dynabatch.core.flushfree.update_lag`) computes
+        whose backward comes after ``lag`` updates (`dynabatch.core.simulate.flushfree.update_lag`) computes
         with the weights `RunnerConfig.weight_prediction` says. ``num_tokens``: each step's real
         target tokens over all ranks (the loss normalizer; a loader `Step`'s ``target_tokens``),
         required: no stage may wait for the last stage's count before its own update. The per-step

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...core.batchplan import BatchPlan
 from ...core.options import SCHEDULES
-from ...core.schedules import adaptive_order
-from ...core.simulate import pipeline_schedule, simulate_pipeline
+from ...core.schedule.orders import plan_orders
+from ...core.schedule.schedules import adaptive_order
+from ...core.simulate.pipeline import pipeline_schedule, simulate_pipeline
 
 #: Integer time units of the largest micro-batch's forward in the witness simulation.
 TIME_LEVELS = 16
@@ -87,7 +89,7 @@ def quantize_times(time_s, levels: int = TIME_LEVELS) -> np.ndarray:
 
 
 def adaptive_orders(num_stages: int, time_units, memory_bytes=None, memory_limit: float | None = None) -> np.ndarray:
-    """Memory-aware op orders, int32 ``[S, 2M]``: `dynabatch.core.schedules.adaptive_order` (the order
+    """Memory-aware op orders, int32 ``[S, 2M]``: `dynabatch.core.schedule.schedules.adaptive_order` (the order
     the simulator and the planner use) on the witness times, forward ``u_j`` and backward ``2 u_j``
     units on every stage, no transfer time.
 
@@ -139,6 +141,25 @@ def stage_orders(schedule: str, num_stages: int, num_microbatches: int, *, time_
         units = quantize_times(np.ones(num_microbatches) if time_s is None else time_s)
         return adaptive_orders(num_stages, units, memory_bytes, memory_limit)
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+def runner_orders(configured: str, num_stages: int, time_s, memory_bytes, plan=None, replica: int = 0,
+                  memory_limit: float | None = None) -> np.ndarray:
+    """Op orders int32 ``[S, 2M]`` a runner configured with schedule ``configured`` (and, optionally,
+    its own in-flight ``memory_limit`` bytes per stage) runs for replica ``replica``'s micro-batches
+    (``time_s`` seconds and ``memory_bytes`` each, in execution order).
+
+    With a `BatchPlan` whose recorded schedule is the one that runs, this is the op order the planner
+    simulated and priced, read back from the plan (`dynabatch.core.schedule.orders.plan_orders`): the same
+    derivation, never a second one. A concrete name that overrides the plan, an adaptive order under
+    another memory limit, or bare shapes get `stage_orders` on the micro-batches' figures."""
+    schedule, budget = plan_schedule(configured, plan)
+    if isinstance(plan, BatchPlan) and schedule == plan.schedule and not (
+            schedule == "adaptive" and memory_limit is not None):
+        return plan_orders(plan, replica)
+    limit = budget if memory_limit is None else memory_limit
+    return stage_orders(schedule, num_stages, len(time_s), time_s=time_s, memory_bytes=memory_bytes,
+                        memory_limit=limit)
 
 
 def _entries(entry, S: int, M: int) -> np.ndarray:

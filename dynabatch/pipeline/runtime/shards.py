@@ -6,7 +6,7 @@ copied to host memory (pinned on GPU) and brought back before their turn, bit fo
 holds on the device are *measured* from the tensors the models and optimizers hold (each storage
 once), not only planned. `dynabatch.pipeline.runtime.residency.StepShards` turns one step's sequence of
 shard uses into the windows that must be resident and the eviction / prefetch order, and `make_room`
-evicts by `dynabatch.core.multimodel_spill.pick_victims`: the policy the K-model simulator replays.
+evicts by `dynabatch.core.simulate.spill.pick_victims`: the policy the K-model simulator replays.
 Used by `dynabatch.pipeline.runtime.multimodel`.
 """
 
@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...core.multimodel_spill import pick_victims
+from ...core.simulate.spill import pick_victims
 
 __all__ = ["ShardStore", "shard_bytes"]
 

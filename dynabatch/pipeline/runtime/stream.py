@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ...core.flushfree import update_lag
+from ...core.simulate.flushfree import update_lag
 from ..measure.timing import StepResult, StepTiming
 from .hooks import OneModel
 from .update import reduce_losses, update_stage

@@ -2,7 +2,7 @@
 (PipeOptim), weight stashing (PipeDream) and plain stale weights, one stage at a time.
 
 Flush-free, a micro-batch's forward on stage ``s`` runs ``lag`` optimizer updates before its backward
-there (`dynabatch.core.flushfree.update_lag`: 0 or 1 when a step has at least ``S - 1`` micro-batches
+there (`dynabatch.core.simulate.flushfree.update_lag`: 0 or 1 when a step has at least ``S - 1`` micro-batches
 per rank). `WeightPredictor` wraps the stage's optimizer and offers three ways to handle that:
 
 * ``mode="predict"``: before the forward, each parameter ``W`` is replaced *in place* by

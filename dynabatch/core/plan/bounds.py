@@ -111,9 +111,11 @@ import math
 
 import numpy as np
 
-from .cost import CostModel
-from .kernels.bounds import capped_partition_cost
-from .shapes import Shapes
+from ..cost.model import CostModel
+from ..kernels.bounds import capped_partition_cost
+from ..kernels.objective import objective_kernel
+from ..schedule.orders import split_times
+from ..shapes import Shapes
 
 __all__ = ["iteration_lower_bound", "objective_bound_kind", "objective_lower_bound"]
 
@@ -161,7 +163,7 @@ def objective_lower_bound(shapes: Shapes, cost: CostModel, *, num_stages: int, n
     work, c_max = float(var.sum()) + vis_once, float(whole.max())
     k_min = min(max(int(np.ceil(float(mem.sum()) / limit)), 1), n) if limit > 0 else n
     k = np.arange(k_min, n + 1, dtype=np.float64)
-    bound = float((work / R + k * fixed / R + (S - 1) * np.maximum(work / k + fixed, c_max)).min())
+    bound = float(objective_kernel(work + k * fixed, np.maximum(work / k + fixed, c_max), R, S).min())
     if objective_bound_kind(cost, collation) == "padded":
         bound = max(bound, _padded_bound(shapes, cost, max_len, max_target_len, S, R, fixed, vis_once))
     return bound
@@ -184,7 +186,7 @@ def _padded_bound(shapes, cost, max_len, max_target_len, S, R, fixed, vis_once) 
     slack = 1.0 + 1e-9  # float rounding of a plan's micro-batch times against |G| * max h + F
 
     def value(a, d_b):
-        return d_b / R + extra + (S - 1) * a
+        return objective_kernel(d_b, a, R, S) + extra
 
     d_inf = capped_partition_cost(h, fixed, np.inf)
     if S == 1:
@@ -231,8 +233,9 @@ def iteration_lower_bound(shapes: Shapes, cost: CostModel, *, num_stages: int, n
     m_tot = max(int(np.ceil(float(mem.sum()) / limit)), 1) if np.isfinite(limit) and limit > 0 else 1
     mean_busy = (float(var.sum()) + max(R, m_tot) * fixed + vis_once) / R
     busy = max(mean_busy, float(whole.max()))
-    fill = float(np.min(f * whole + p2p))
-    drain = float(np.min((1.0 - f) * whole + p2p))
+    fwd, bwd = split_times(whole, f)  # each sample's own forward / backward on one stage
+    fill = float(np.min(fwd[0] + p2p))
+    drain = float(np.min(bwd[0] + p2p))
     k = int(np.argmax(whole))
     alone = S * float(whole[k]) + 2 * (S - 1) * float(p2p[k])
     bound = max(busy + (S - 1) * (fill + drain), alone)

@@ -24,7 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from .shapes import Shapes
+from .core.shapes import Shapes
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_TILE = 256

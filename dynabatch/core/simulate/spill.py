@@ -4,7 +4,7 @@ One stage device holds the K models' shards of that stage (a shard: a model's st
 their gradients and the optimizer's state) within a byte budget; the others live in host memory.
 The policy, shared by the runner (`dynabatch.pipeline.runtime.shards.ShardStore`, driven by
 `dynabatch.pipeline.MultiModelRunner`) and the simulator (`spill_timing`, called by
-`dynabatch.core.multimodel_sim.simulate_multimodel`), so both make the same moves:
+`dynabatch.core.simulate.multimodel.simulate_multimodel`), so both make the same moves:
 
 * **Uses** (`shard_uses`): a stage's op list read as a sequence of shard uses ``(model, "op")``,
   with ``(model, "update")`` right after a model's last backward (updates early: the runner's
@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .kernels.spill import DEMAND_LOAD, DEMAND_SPILL, PREFETCH_LOAD, PREFETCH_SPILL, pack_copies, spill_timing_kernel
-from .kernels.simulate import OK
+from ..kernels.spill import DEMAND_LOAD, DEMAND_SPILL, PREFETCH_LOAD, PREFETCH_SPILL, pack_copies, spill_timing_kernel
+from ..kernels.simulate import OK
 
 __all__ = ["Residency", "SpillTiming", "copy_plan", "pick_victims", "replay", "shard_uses", "spill_timing"]
 
@@ -214,7 +214,7 @@ def spill_timing(vf, vb, vp, ops, order, num_microbatches: int, shard_bytes, bud
     """Time one step with the moves of the module doc (`copy_plan`). ``vf``/``vb`` ``[S, K*M]``
     seconds of the virtual micro-batches, ``vp`` ``[K*M]`` seconds per hop; the rest as `copy_plan`
     (``inf`` bandwidth: free copies). The budget must hold what the order needs at once (the
-    caller checks it with `dynabatch.core.multimodel_sim.active_peak`)."""
+    caller checks it with `dynabatch.core.simulate.multimodel.active_peak`)."""
     S, N = np.shape(vf)
     copies, upd = copy_plan(ops, order, num_microbatches, shard_bytes, budget_bytes, load_bytes_per_s,
                             spill_bytes_per_s, updates_at_end)

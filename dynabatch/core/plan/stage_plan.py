@@ -1,17 +1,16 @@
 """The planner's per-stage path: rank assignment, ordering and evaluation on ``[S, M]`` stage times.
 
 `plan_microbatches` takes this path when its cost model has a non-uniform `StageLayout`
-(`dynabatch.core.stages`); with the uniform layout it keeps its scalar path, unchanged.
+(`dynabatch.core.cost.stages`); with the uniform layout it keeps its scalar path, unchanged.
 
 * `assign_ranks_stages`: longest (bottleneck stage time) first, each micro-batch to the rank whose
   estimated time ``max_s load[r, s] + (S - 1) * max_j mean_s t[s, j]`` grows least (with the uniform
   layout this is `assign_ranks`' ``sum + (S-1) * max``), then pairwise swaps (and moves, without equal
   counts) out of the slowest rank while they lower the largest estimate.
-* `order_step_stages`: each rank's candidate orders (`assign`'s four on the bottleneck and on the
-  mean stage time, Johnson's two-machine rule on the front and back halves of the stages and an
-  alternation of front-heavy and back-heavy micro-batches) simulated with their ``[S, k]`` stage
-  times; the best wins (numba: `dynabatch.core.kernels.schedules.order_ranks_stages`). ``auto``
-  picks the schedule as `dynabatch.core.schedules.order_step` does.
+* `assign_and_order_stages`: each candidate assignment ordered by `dynabatch.core.schedule.schedules.order_step`
+  (each rank's candidate orders: `assign`'s four on the bottleneck and on the mean stage time,
+  Johnson's two-machine rule on the front and back halves of the stages and an alternation of
+  front-heavy and back-heavy micro-batches, simulated with their ``[S, k]`` stage times).
 * `evaluate_plan`: a plan's micro-batches re-priced and re-simulated (same ranks, order and
   schedule) under another cost model, e.g. a stage-blind plan under the real layout.
 
@@ -24,12 +23,14 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.stage_assign import assign_stages
-from .kernels.schedules import order_ranks_stages
-from .kernels.simulate import schedule_kernel
-from .kernels.stage_order import insertion_search
-from .options import SCHEDULE_CODES
-from .schedules import AUTO_PREFERENCE
+from ..kernels.stage_assign import assign_stages
+from ..kernels.schedules import order_ranks_stages
+from ..kernels.simulate import schedule_kernel
+from ..kernels.stage_order import insertion_search
+from ..options import SCHEDULE_CODES
+from ..cost.features import microbatch_features
+from ..schedule.orders import record_orders
+from ..schedule.schedules import order_step
 
 
 def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:
@@ -42,36 +43,15 @@ def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_roun
                          bool(equal_counts), int(max_rounds))
 
 
-def order_step_stages(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
-                      optimize: bool):
-    """`dynabatch.core.schedules.order_step` on stage times ``st`` ``[S, M]`` (``mem``: ``[M]`` bytes a
-    micro-batch holds on its largest stage). Returns ``(perm, rank_time_s, schedule)``."""
-    st = np.ascontiguousarray(st, np.float64)
-    p2p = np.ascontiguousarray(p2p, np.float64)
-    mem = np.ascontiguousarray(mem, np.float64)
-    rank_of = np.asarray(rank_of, np.int32)
-    names = AUTO_PREFERENCE if schedule == "auto" else (schedule,)
-    results = {n: order_ranks_stages(st, p2p, mem, rank_of, int(ranks), float(fwd_fraction), SCHEDULE_CODES[n],
-                                     float(stage_limit), bool(optimize)) for n in names}
-    if schedule != "auto":
-        return results[schedule][0], results[schedule][1], schedule
-    fits = [n for n in names if results[n][2].max(initial=0.0) <= stage_limit]
-    if fits:
-        best = min(fits, key=lambda n: (float(results[n][1].max(initial=0.0)), names.index(n)))
-    else:
-        best = min(names, key=lambda n: (float(results[n][2].max(initial=0.0)), names.index(n)))
-    return results[best][0], results[best][1], best
-
-
 def assign_and_order_stages(schedule: str, st, p2p, mem, candidates, ranks: int, fwd_fraction: float,
                             stage_limit: float, optimize: bool):
     """The best (simulated) of the candidate rank assignments ``candidates`` (int32 ``[M]`` arrays),
-    each ordered by `order_step_stages` on stage times ``st`` ``[S, M]``; ties: the first.
+    each ordered by `order_step` on stage times ``st`` ``[S, M]``; ties: the first.
     Returns ``(rank_of, perm, rank_time_s, schedule)``."""
     best = None
     for r in candidates:
         r = np.asarray(r, np.int32)
-        res = order_step_stages(schedule, st, p2p, mem, r, ranks, fwd_fraction, stage_limit, optimize)
+        res = order_step(schedule, st, p2p, mem, r, ranks, fwd_fraction, stage_limit, optimize)
         if best is None or res[1].max(initial=0.0) < best[2].max(initial=0.0):
             best = (r, *res)
     return best
@@ -83,7 +63,7 @@ def refine_orders(plan, cost, shapes=None, passes: int = 2):
     to the place in the rank's order with the lowest simulated makespan (`insertion_search`, a numba
     kernel), for the static schedules (``gpipe``/``1f1b``) of a per-stage plan. Such micro-batches
     keep the back stages busy while the front stages work on vision-heavy ones; the candidate orders
-    of `order_step_stages` (`dynabatch.core.kernels.schedules.stage_candidates`) place them only as
+    of `order_step` (`dynabatch.core.kernels.schedules.stage_candidates`) place them only as
     blocks. Ranks, micro-batches and samples are unchanged; a rank's order changes only where its makespan falls. Ranks are refined slowest first
     and only while they can still set the step's time."""
     if plan.schedule not in ("gpipe", "1f1b") or plan.stage_time_s is None or plan.num_stages < 2:
@@ -111,7 +91,7 @@ def refine_orders(plan, cost, shapes=None, passes: int = 2):
         done = max(done, rank_time[r])
     if np.array_equal(new, np.arange(len(new))):
         return plan
-    return _permuted(plan, new, rank_time)
+    return record_orders(_permuted(plan, new, rank_time), p2p[new], cost.forward_fraction)
 
 
 def _permuted(plan, new, rank_time):
@@ -126,25 +106,7 @@ def _permuted(plan, new, rank_time):
             changes[name] = getattr(plan, name)[:, new]
     return dataclasses.replace(plan, sample_ids=plan.sample_ids[take], sample_row=plan.sample_row[take],
                                mb_offsets=np.concatenate(([0], np.cumsum(sizes[new]))).astype(np.int64),
-                               rank_time_s=rank_time, **changes)
-
-
-def microbatch_features(plan, cost, shapes=None) -> np.ndarray:
-    """Features ``[M, NUM_FEATURES]`` of a plan's micro-batches under ``cost``: from the plan's shape
-    columns for padded collations; packed plans need the samples' ``shapes`` (any `Shapes` holding
-    their sample ids), truncated with the plan's recorded ``max_len``/``max_target_len``."""
-    sizes = np.diff(plan.mb_offsets)
-    if plan.collation != "packed":
-        return cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len, plan.mb_vision_tiles)
-    if shapes is None:
-        raise ValueError("evaluating a packed plan needs the samples' shapes=")
-    order = np.argsort(shapes.sample_id, kind="stable")
-    where = order[np.searchsorted(shapes.sample_id, plan.sample_ids, sorter=order)]
-    if not np.array_equal(shapes.sample_id[where], plan.sample_ids):
-        raise ValueError("shapes= does not hold every sample of the plan")
-    main, dec, tiles = cost.sample_dims(shapes.take(where), plan.options.get("max_len"),
-                                        plan.options.get("max_target_len"))
-    return cost.packed_features(main, dec, tiles, np.repeat(np.arange(len(sizes)), sizes))
+                               rank_time_s=rank_time, op_slots=None, **changes)
 
 
 def evaluate_plan(plan, cost, shapes=None):
@@ -167,5 +129,6 @@ def evaluate_plan(plan, cost, shapes=None):
                                          np.ascontiguousarray(p2p[sel], np.float64),
                                          np.ascontiguousarray(mem[sel], np.float64), rank_of, int(plan.num_ranks),
                                          float(cost.forward_fraction), code, limit, False)
-    return dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=mem, rank_time_s=rank_time,
-                               stage_time_s=st, stage_memory_bytes=sm)
+    new = dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=mem, rank_time_s=rank_time,
+                              stage_time_s=st, stage_memory_bytes=sm)
+    return record_orders(new, p2p, cost.forward_fraction)

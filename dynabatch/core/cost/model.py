@@ -21,8 +21,8 @@ analytic model is exactly linear in them:
 Three sources of truth sit behind this one interface: the analytic model built from a
 `ModelConfig` and a `DeviceProfile`; a `ProfiledTable` of measured padded shapes, interpolated
 (shapes outside the grid are infeasible unless ``extrapolate=True``); and a robust refit of the
-coefficients from measured step times, by `dynabatch.core.feedback.FeedbackLoop` (the one refit path;
-the math is in `dynabatch.core.fit`). ``version`` counts the coefficient changes, and
+coefficients from measured step times, by `dynabatch.core.plan.feedback.FeedbackLoop` (the one refit path;
+the math is in `dynabatch.core.cost.fit`). ``version`` counts the coefficient changes, and
 `CostModel.share_memory` lets forked processes holding a copy of the model see every refit.
 """
 
@@ -37,14 +37,15 @@ import numpy as np
 
 # The feature layout and the numba cost kernels live in `kernels.cost` (beside their plain-Python
 # references), the model/device descriptions and their presets in `presets`; their names are
-# re-exported so ``from dynabatch.core.cost import X`` keeps working for every X it offered.
-from .kernels.cost import FEATURES, NUM_FEATURES
+# re-exported so ``from dynabatch.core.cost.model import X`` keeps working for every X it offered.
+from ..kernels.cost import FEATURES, NUM_FEATURES
 from .profiled import ProfiledTable
 from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESETS, TINY_MODEL_PRESETS,  # noqa: F401
                       DeviceProfile, GiB, ModelConfig, device_preset, model_preset)
 from .analytic import analytic_coefficients
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
-from .shapes import Shapes
+from ..shapes import Shapes
+from .stage_memory import StageMemory
 from .stages import LAYOUTS, StageCosts, StageLayout, stage_words  # noqa: F401
 
 # the coefficient buffer: time_coef, the version sequence counter, the per-stage block (`stages.stage_words`)
@@ -79,7 +80,7 @@ class CostModel(StageCosts):
         self.forgetting = float(forgetting)
         self.prior_strength = float(prior_strength)
         self._legacy_loop = None  # the FeedbackLoop behind the deprecated observe/refit
-        #: Optional `dynabatch.core.recompute.StageMemory`: how recomputation changes each stage's held
+        #: Optional `dynabatch.core.cost.stage_memory.StageMemory`: how recomputation changes each stage's held
         #: bytes (measured by `dynabatch.pipeline.measured_stage_memory`); None: derived from the layout.
         self.stage_memory_model = None
 
@@ -92,7 +93,7 @@ class CostModel(StageCosts):
         The default device stays ``a100-80gb`` on every machine: the same arguments give the same
         costs (and plans) wherever they run, as offline planning needs. This machine's device is
         ``dynabatch.devices.resolve_device()`` (torch, so outside this core), which the
-        DataLoader's default ``device="auto"`` uses. ``layout``: where layers sit (`dynabatch.core.stages`)."""
+        DataLoader's default ``device="auto"`` uses. ``layout``: where layers sit (`dynabatch.core.cost.stages`)."""
         cm = cls(model_preset(model, num_stages), device_preset(device), **kw)
         cm._num_stages = int(num_stages)
         return cm.set_layout(layout)
@@ -205,11 +206,21 @@ class CostModel(StageCosts):
     def p2p_bytes(self, phi) -> np.ndarray:
         """Bytes a micro-batch sends between adjacent stages (hidden states of all its tokens)."""
         phi = np.atleast_2d(phi)
-        return (phi[:, 0] + phi[:, 2]) * self.model.hidden * self.model.dtype_bytes
+        return self.transfer_bytes(phi[:, 0] + phi[:, 2])
+
+    def transfer_bytes(self, tokens) -> np.ndarray:
+        """Bytes of the hidden states of ``tokens`` (main + decoder tokens a micro-batch computes)."""
+        return np.asarray(tokens, np.float64) * self.model.hidden * self.model.dtype_bytes
 
     def p2p_time(self, phi) -> np.ndarray:
         """Seconds to send a micro-batch's activations (or gradients) to the next stage."""
-        return self.p2p_bytes(phi) / self.device.p2p_bandwidth + self.device.p2p_latency_s
+        phi = np.atleast_2d(phi)
+        return self.transfer_time(phi[:, 0] + phi[:, 2])
+
+    def transfer_time(self, tokens) -> np.ndarray:
+        """Seconds to send the hidden states of ``tokens`` computed tokens to the next stage (the
+        micro-batch's ``mb_tokens``: what `p2p_time` prices from its features)."""
+        return self.transfer_bytes(tokens) / self.device.p2p_bandwidth + self.device.p2p_latency_s
 
     def state_bytes(self, num_ranks: int = 1) -> float:
         """Model state per stage: bf16 weights and grads, fp32 master weights and Adam moments, the
@@ -336,14 +347,18 @@ class CostModel(StageCosts):
         self.__dict__.update(d)
         self._coef_store(None if raw is not None else coef, version, raw, rows[0] if rows else None)
 
-    # -- deprecated: the one refit path is dynabatch.core.feedback.FeedbackLoop -------------------
-    def _legacy(self):
-        from .feedback import FeedbackLoop
+    # -- deprecated: the one refit path is dynabatch.core.plan.feedback.FeedbackLoop -------------------
+    #: The refit loop class behind the deprecated `observe`/`refit`: `FeedbackLoop`, which sits above the
+    #: planner and registers itself here when imported, so the cost model imports nothing above it.
+    legacy_loop_class = None
 
+    def _legacy(self):
+        if self.legacy_loop_class is None:
+            raise RuntimeError("CostModel.observe/refit need dynabatch.core.plan.feedback (import dynabatch)")
         if self._legacy_loop is None:
-            self._legacy_loop = FeedbackLoop(self, refit_every=1, forgetting=self.forgetting,
-                                             prior=self.prior_time_coef, prior_strength=self.prior_strength,
-                                             min_weight=1e-6)
+            self._legacy_loop = self.legacy_loop_class(self, refit_every=1, forgetting=self.forgetting,
+                                                       prior=self.prior_time_coef,
+                                                       prior_strength=self.prior_strength, min_weight=1e-6)
         return self._legacy_loop
 
     def observe(self, phi, measured_s, weight: float = 1.0) -> None:
@@ -355,7 +370,8 @@ class CostModel(StageCosts):
         import warnings
 
         warnings.warn("CostModel.observe is deprecated: record measured times with "
-                      "dynabatch.core.feedback.FeedbackLoop(cost).record(...) or record_step(...), the one refit path",
+                      "dynabatch.core.plan.feedback.FeedbackLoop(cost).record(...) or record_step(...), the one "
+                      "refit path",
                       DeprecationWarning, stacklevel=2)
         phi = np.atleast_2d(np.asarray(phi, np.float64))
         y = np.atleast_1d(np.asarray(measured_s, np.float64))
@@ -375,7 +391,7 @@ class CostModel(StageCosts):
         Returns the new coefficients."""
         import warnings
 
-        warnings.warn("CostModel.refit is deprecated: refit with dynabatch.core.feedback.FeedbackLoop "
+        warnings.warn("CostModel.refit is deprecated: refit with dynabatch.core.plan.feedback.FeedbackLoop "
                       "(maybe_refit/refit), the one refit path", DeprecationWarning, stacklevel=2)
         if self._legacy_loop is None or self._legacy_loop.num_observations == 0:
             raise ValueError("refit() needs observations: call observe(phi, measured_seconds) first")
@@ -418,8 +434,6 @@ class CostModel(StageCosts):
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
             cm._stage_write(d["stage_time_coef"])
         if d.get("stage_memory_model"):
-            from .recompute import StageMemory
-
             cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
         return cm
 

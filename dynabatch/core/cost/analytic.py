@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels.cost import NUM_FEATURES
+from ..kernels.cost import NUM_FEATURES
 from .presets import DeviceProfile, ModelConfig
 
 

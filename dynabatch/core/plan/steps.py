@@ -20,11 +20,11 @@ import dataclasses
 
 import numpy as np
 
-from .batchplan import BatchPlan
-from .cost import CostModel
-from .options import PlanOptions
-from .plan import NoEqualSplitError, plan_microbatches, split_global_batches
-from .shapes import Shapes
+from ..batchplan import BatchPlan
+from ..cost.model import CostModel
+from ..options import PlanOptions
+from .planner import NoEqualSplitError, plan_microbatches, split_global_batches
+from ..shapes import Shapes
 
 
 def sample_tokens(shapes: Shapes, cost: CostModel, options: PlanOptions) -> np.ndarray:

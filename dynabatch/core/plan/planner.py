@@ -3,7 +3,7 @@
 ``method="dp"`` (padded collation) and ``method="dp_varlen"`` (packed varlen collation) run the
 numba dynamic program of `dynabatch.core.kernels.dp` on an ordering of the samples that keeps similar shapes
 adjacent, then balance ranks and order each rank's micro-batches by simulating the schedule
-(`dynabatch.core.kernels.assign`). The baselines of `dynabatch.core.baselines` go through the same costing and
+(`dynabatch.core.kernels.assign`). The baselines of `dynabatch.core.plan.baselines` go through the same costing and
 simulation so every comparison is one ``method=`` flag.
 
 Planning only groups and orders *within* a global batch; `split_global_batches` forms the global
@@ -19,17 +19,19 @@ import warnings
 import numpy as np
 
 from . import baselines as _bl
-from .kernels.assign import assign_ranks, balance_simulated
+from ..kernels.assign import assign_ranks, balance_simulated
 from numba import njit
 
-from .kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, dp_kernel
-from .batchplan import BatchPlan
-from .cost import CostModel
-from .options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
-from .schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
+from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
+from ..batchplan import BatchPlan
+from ..cost.model import CostModel
+from ..options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
+from ..schedule.orders import record_orders
+from ..schedule.schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
 from .recompute import apply_recompute, dp_candidates
 from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
-from .shapes import Shapes
+from ..shapes import Shapes
+from ..simulate.flushfree import flushfree_report
 
 
 
@@ -76,7 +78,7 @@ def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None,
     batch's own token count reaches ``global_batch_tokens`` (so every batch but the last holds at
     least that many tokens). ``tokens`` overrides the per-sample token count (default
     ``shapes.total_tokens``; ones count samples). The last, smaller batch is kept unless
-    ``drop_last``. `dynabatch.core.steps.global_batches` calls this with a `PlanOptions`."""
+    ``drop_last``. `dynabatch.core.plan.steps.global_batches` calls this with a `PlanOptions`."""
     if deprecated:
         global_batch_tokens = renamed(deprecated, where="split_global_batches").pop("global_batch_tokens",
                                                                                      global_batch_tokens)
@@ -130,10 +132,10 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
     ``options``). ``memory_limit`` (bytes of activations per micro-batch per stage) defaults to
     ``cost_model.memory_limit(num_stages, num_ranks)``; ``max_len``/``max_target_len`` truncate
     sample lengths in tokens; baselines take their knob from ``method_options`` (see
-    `dynabatch.core.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
+    `dynabatch.core.plan.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
     when a sample cannot fit in memory even alone, naming its sample id.
 
-    ``recompute`` / ``device_memory_limit`` (`dynabatch.core.recompute`): ``full`` sizes micro-batches
+    ``recompute`` / ``device_memory_limit`` (`dynabatch.core.plan.recompute`): ``full`` sizes micro-batches
     by their fully recomputed memory and prices every stage recomputing all its layers; ``adaptive``
     cuts the step at each of `dp_candidates` (the micro-batch cuts), orders it for the schedule (with
     ``schedule="auto"``: for each of gpipe, 1f1b and adaptive), picks per stage the fewest recomputed layers whose simulated peak fits the device limit,
@@ -178,13 +180,11 @@ def _plan(shapes: Shapes, cost_model: CostModel, options: PlanOptions, step: int
     large micro-batch stalls in steady state: planning on ``sum/R`` alone gave 4x larger micro-batches
     and a 31% slower steady state on FLAN-like gpt steps), and the plan records its simulated
     steady-state step time in a stream of itself (``options["flushfree_step_s"]``,
-    `dynabatch.core.flushfree.flushfree_report`)."""
+    `dynabatch.core.simulate.flushfree.flushfree_report`)."""
     plan = _plan_flushed(shapes, cost_model, options, step)
     if options.flush:
         return plan
-    from .flushfree import flushfree_report
-
-    rep = flushfree_report([plan], cost_model, shapes=shapes)  # a stream of this plan: its steady state
+    rep = flushfree_report([plan], cost_model)  # a stream of this plan: its steady state
     return dataclasses.replace(plan, options={**plan.options, "flush": False,
                                               "flushfree_step_s": float(rep.flushfree_s[0])})
 
@@ -264,15 +264,6 @@ def _options(options: PlanOptions | None, fields: dict) -> PlanOptions:
     return dataclasses.replace(options, **fields) if fields else options
 
 
-def _table_args(cost: CostModel):
-    t = cost.table
-    if t is None:
-        z1 = np.zeros(1)
-        z3 = np.zeros((1, 1, 1))
-        return False, z1, z1, z1, z3, z3, False
-    return True, t.rows, t.main_len, t.dec_len, t.time_s, t.memory_bytes, t.extrapolate
-
-
 def _check_samples_fit(cost, sample_ids, main, dec, tiles, collation, limit) -> None:
     """Raise `PlanningError` naming the first sample that cannot fit in memory even alone."""
     # Alone means a batch of one in its own length; a fixed-length packed row that overflows the
@@ -302,13 +293,10 @@ def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, st
                  order, equal, tcoef=None, mcoef=None) -> _bl.Grouping:
     varlen = collation == "packed"
     perm = _ordering(cost, main, dec, tiles, not varlen) if order is None else np.asarray(order, np.int64)
-    use_table = (cost.table is not None) and not varlen
-    _, grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate = _table_args(cost)
-    starts, status = dp_kernel(
-        main[perm], dec[perm], tiles[perm], varlen, cost.pad_multiple, cost.model.tile_patches,
-        cost.time_coef if tcoef is None else tcoef, cost.mem_coef if mcoef is None else mcoef, limit, ranks, stages, max_caps, use_table,
-        grid_r, grid_l, grid_d, tab_t, tab_m, extrapolate, equal,
-    )
+    seg = segment_cost(varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef if tcoef is None else tcoef,
+                       cost.mem_coef if mcoef is None else mcoef, limit, cost.table)
+    starts, status = dp_kernel(main[perm], dec[perm], tiles[perm], seg,
+                               DPSearch(int(ranks), int(stages), int(max_caps), bool(equal)))
     if status == INFEASIBLE_SAMPLE:  # _check_samples_fit runs first; kept for direct kernel callers
         p = int(perm[starts[0]])
         raise PlanningError(f"sample_id {int(sample_ids[p])} cannot fit in memory alone")
@@ -419,8 +407,9 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         options = {**options, "over_memory_limit": True, "outside_profile": True}
     # schedule "auto" resolves to the concrete order it chose; adaptive keeps stages * limit in flight
     if stage_t is None:
-        perm, rank_time, schedule = order_step(schedule, time_s, p2p, mem, rank_of, ranks, cost.forward_fraction,
-                                               stages, stages * limit, rebalance)
+        st = np.broadcast_to(time_s, (stages, len(time_s)))
+        perm, rank_time, schedule = order_step(schedule, st, p2p, mem, rank_of, ranks, cost.forward_fraction,
+                                               stages * limit, rebalance, per_stage=False)
     if schedule == "adaptive":
         options = {**options, "stage_memory_bytes": float(stages * limit)}
     # micro-batches in execution order, rank by rank
@@ -429,7 +418,7 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     new_sizes = sizes[perm]
     new_off = np.concatenate(([0], np.cumsum(new_sizes))).astype(np.int64)
     take = np.concatenate([np.arange(off[k], off[k + 1]) for k in perm]) if len(perm) else np.zeros(0, np.int64)
-    return BatchPlan(
+    plan = BatchPlan(
         method=method, collation=collation, num_ranks=ranks, num_stages=stages, schedule=schedule,
         sample_ids=shapes.sample_id[pos[take]], sample_row=g.row[take].astype(np.int32), mb_offsets=new_off,
         mb_rank=mb_rank, mb_order=mb_order, mb_rows=rows[perm], mb_input_len=L[perm].astype(np.int64),
@@ -440,3 +429,4 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         stage_time_s=None if stage_t is None else stage_t[:, perm],
         stage_memory_bytes=None if stage_m is None else stage_m[:, perm],
     )
+    return record_orders(plan, p2p[perm], cost.forward_fraction)

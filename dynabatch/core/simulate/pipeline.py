@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .options import SCHEDULE_CODES, SCHEDULES
-from .schedules import AUTO_PREFERENCE, adaptive_order
+from ..options import SCHEDULE_CODES, SCHEDULES
+from ..schedule.schedules import AUTO_PREFERENCE, adaptive_order, pick_auto
 
 # The kernels live beside their plain-Python references in `kernels.simulate`; they are
 # re-exported here because numba callers (the planner, `dynabatch.pipeline`) use them by this name.
-from .kernels.simulate import (
+from ..kernels.simulate import (
     DEADLOCK,
     inflight_kernel,
     makespan_kernel,
@@ -101,7 +101,7 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, kind: str = "1f1b"
     ``kind`` is ``"gpipe"`` (all forwards, then all backwards in micro-batch order 0..M-1)
     or ``"1f1b"`` (Megatron's warm-up / one-forward-one-backward / cool-down order). ``"adaptive"``
     and ``"auto"`` depend on the micro-batches' times and memory: see `simulate_pipeline` and
-    `dynabatch.core.schedules.adaptive_order`.
+    `dynabatch.core.schedule.schedules.adaptive_order`.
     """
     code = SCHEDULE_KINDS.get(str(kind).lower())
     if code is None:
@@ -151,7 +151,7 @@ def simulate_pipeline(
     ``fwd_s``/``bwd_s``: ``[M]`` (the same on every stage; the stage count then comes from
     an explicit ``schedule`` array or ``num_stages``) or ``[S, M]`` per-stage times.
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"adaptive"`` (the memory-aware order of
-    `dynabatch.core.schedules.adaptive_order` on these times, ``mem_bytes`` and ``memory_limit``),
+    `dynabatch.core.schedule.schedules.adaptive_order` on these times, ``mem_bytes`` and ``memory_limit``),
     ``"auto"`` (simulate those three, return the lowest makespan whose peak in-flight bytes per stage
     fit ``memory_limit``; ``SimResult.schedule`` names it) or an explicit int ``[S, 2M]`` op array in
     which every stage lists each ``F_j`` and ``B_j`` exactly once.
@@ -216,14 +216,14 @@ def _simulate_auto(fwd, bwd, p2p, mem_bytes, memory_limit) -> SimResult:
     S, M = fwd.shape
     count = np.ones(M) if mem_bytes is None else _per_microbatch("mem_bytes", mem_bytes, M)
     limit = float(S * count.max()) if memory_limit is None else float(memory_limit)
-    best = None
+    sims, peaks = {}, {}
     for name in AUTO_PREFERENCE:
-        sim = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
+        sims[name] = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
         peak_n = np.empty(S, dtype=np.int64)
         peak_b = np.empty(S)
-        inflight_kernel(sim.ops, count, peak_n, peak_b)
-        if peak_b.max() <= limit and (best is None or sim.makespan_s < best.makespan_s):
-            best = sim
+        inflight_kernel(sims[name].ops, count, peak_n, peak_b)
+        peaks[name] = float(peak_b.max())
+    best = sims[pick_auto({n: sim.makespan_s for n, sim in sims.items()}, peaks, limit)]
     return best  # adaptive always fits (it raised otherwise)
 
 

@@ -2,7 +2,7 @@
 
 `ModelConfig` is the transformer shape of one pipeline stage, `DeviceProfile` the throughput of
 one accelerator; `model_preset` / `device_preset` return the published configurations dynabatch
-is evaluated against. `dynabatch.core.cost` turns a pair of them into cost coefficients and
+is evaluated against. `dynabatch.core.cost.model` turns a pair of them into cost coefficients and
 re-exports every name defined here.
 """
 

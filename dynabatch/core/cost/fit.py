@@ -1,10 +1,10 @@
 """The one place the cost model's time coefficients are fitted to measurements.
 
 `fit_relative` is one weighted least-squares solve on *relative* residuals around a prior;
-`robust_fit` wraps it in Huber iteratively reweighted least squares. `dynabatch.core.feedback.FeedbackLoop`
+`robust_fit` wraps it in Huber iteratively reweighted least squares. `dynabatch.core.plan.feedback.FeedbackLoop`
 (the one refit path of a running job) and `CostModel.profiled` (a fit to a profiled table) call
 them; nothing else fits coefficients. Times are seconds, coefficients seconds per feature unit
-(`dynabatch.core.cost.FEATURES`).
+(`dynabatch.core.cost.model.FEATURES`).
 """
 
 from __future__ import annotations

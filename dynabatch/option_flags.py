@@ -9,8 +9,8 @@ import re
 import sys
 import warnings
 
-from .baselines import BASELINE_KNOBS
-from .options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions
+from .core.plan.baselines import BASELINE_KNOBS
+from .core.options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions
 
 PLAN_OPTIONS_HELP = """\
 planning options (one flag per field of dynabatch.PlanOptions; the DataLoader takes the same

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels.assign import order_ranks
-from .kernels.schedules import OK, OVERSIZE, adaptive_kernel, order_ranks_schedule
-from .kernels.simulate import inflight_kernel, schedule_kernel
-from .options import SCHEDULE_CODES
+from ..kernels.schedules import OK, OVERSIZE, adaptive_kernel, order_ranks_schedule, order_ranks_stages
+from ..kernels.simulate import schedule_kernel
+from ..options import SCHEDULE_CODES
 
 #: The concrete orders ``auto`` chooses from, in the order it prefers them on equal makespans.
 AUTO_PREFERENCE: tuple[str, ...] = ("1f1b", "adaptive", "gpipe")
@@ -27,7 +26,7 @@ AUTO_PREFERENCE: tuple[str, ...] = ("1f1b", "adaptive", "gpipe")
 
 def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = None, *, p2p_s=0.0,
                    num_stages: int | None = None, oversize: str = "error") -> np.ndarray:
-    """The adaptive op order, int32 ``[S, 2M]`` (encoding of `dynabatch.core.simulate`).
+    """The adaptive op order, int32 ``[S, 2M]`` (encoding of `dynabatch.core.simulate.pipeline`).
 
     ``fwd_s``/``bwd_s``: ``[S, M]`` seconds per stage, or ``[M]`` with ``num_stages``; ``p2p_s``: scalar
     or ``[M]`` seconds per hop; ``mem_bytes``: ``[M]`` activation bytes a micro-batch holds on a stage
@@ -84,54 +83,47 @@ def schedule_ops_by_count(stages: int, counts: np.ndarray, code: int) -> np.ndar
     return ops
 
 
-def _static_peaks(perm, mem, rank_of, ranks, stages, ops) -> np.ndarray:
-    """Largest in-flight bytes on any stage of each rank running ``perm`` with ``ops[k]``."""
-    peak = np.zeros(ranks)
-    pn, pb = np.empty(stages, np.int64), np.empty(stages)
-    r_sorted = rank_of[perm]
-    for r in range(ranks):
-        mine = perm[r_sorted == r]
-        k = len(mine)
-        if k:
-            inflight_kernel(np.ascontiguousarray(ops[k][:, : 2 * k]), np.ascontiguousarray(mem[mine]), pn, pb)
-            peak[r] = pb.max()
-    return peak
-
-
-def order_step(schedule: str, times, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stages: int,
-               stage_limit: float, optimize: bool):
+def order_step(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
+               optimize: bool, per_stage: bool = True):
     """Order each rank's micro-batches for ``schedule`` (``gpipe``, ``1f1b``, ``adaptive`` or ``auto``).
 
-    ``times``/``p2p`` seconds and ``mem`` bytes per micro-batch, ``rank_of`` int32 ranks,
-    ``stage_limit`` in-flight activation bytes per stage. Returns ``(perm, rank_time_s, schedule)``:
-    micro-batch indices rank by rank in execution order, each rank's simulated makespan, and the
-    concrete schedule (``auto`` resolved; see the module docstring).
+    ``st`` ``[S, M]`` seconds per stage, ``p2p`` seconds and ``mem`` bytes (on the largest stage) per
+    micro-batch, ``rank_of`` int32 ranks, ``stage_limit`` in-flight activation bytes per stage. Each
+    rank's candidate orders are simulated and the fastest kept (with ``optimize``; else the given
+    order): `stage_candidates` on per-stage times (``per_stage``), else the four orders of stage 0's
+    times (a stage-blind plan, every stage alike). Returns ``(perm, rank_time_s, schedule)``:
+    micro-batch indices rank by rank in execution order, each rank's simulated makespan (``inf``
+    where it cannot be simulated), and the concrete schedule (``auto`` resolved; see the module
+    docstring).
     """
-    rank_of = np.ascontiguousarray(rank_of, np.int32)
-    times = np.ascontiguousarray(times, np.float64)
+    st = np.ascontiguousarray(st, np.float64)
     p2p = np.ascontiguousarray(p2p, np.float64)
     mem = np.ascontiguousarray(mem, np.float64)
-    counts = np.bincount(rank_of, minlength=ranks)
+    rank_of = np.ascontiguousarray(rank_of, np.int32)
     names = AUTO_PREFERENCE if schedule == "auto" else (schedule,)
     results = {}
     for name in names:
-        code = SCHEDULE_CODES[name]
-        if name == "adaptive":
-            perm, rank_time, peak = order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code,
-                                                         float(stage_limit), optimize)
+        args = (p2p, mem, rank_of, int(ranks), float(fwd_fraction))
+        code, limit = SCHEDULE_CODES[name], float(stage_limit)
+        if per_stage:
+            perm, rank_time, peak = order_ranks_stages(st, *args, code, limit, bool(optimize))
         else:
-            ops = schedule_ops_by_count(stages, counts, code)
-            perm, rank_time = order_ranks(times, p2p, rank_of, ranks, fwd_fraction, stages, ops, optimize)
-            peak = _static_peaks(perm, mem, rank_of, ranks, stages, ops) if schedule == "auto" else np.zeros(ranks)
-        rank_time = np.where(np.isnan(rank_time), np.inf, rank_time)
-        results[name] = (perm, rank_time, float(peak.max(initial=0.0)))
+            perm, rank_time, peak = order_ranks_schedule(st[0], *args, st.shape[0], code, limit, bool(optimize))
+        results[name] = (perm, np.where(np.isnan(rank_time), np.inf, rank_time), float(peak.max(initial=0.0)))
     if schedule != "auto":
-        perm, rank_time, _ = results[schedule]
-        return perm, rank_time, schedule
-    fits = [n for n in names if results[n][2] <= stage_limit]
+        return results[schedule][0], results[schedule][1], schedule
+    best = pick_auto({n: float(r[1].max(initial=0.0)) for n, r in results.items()},
+                     {n: r[2] for n, r in results.items()}, stage_limit)
+    return results[best][0], results[best][1], best
+
+
+def pick_auto(span_s: dict, peak_bytes: dict, limit: float) -> str:
+    """The schedule ``auto`` runs, from the simulated makespan ``span_s`` (seconds) and peak in-flight
+    bytes per stage ``peak_bytes`` of each of `AUTO_PREFERENCE`: the lowest makespan whose peak fits
+    ``limit`` (ties: preference order); when none fits (oversize micro-batches of a baseline), the
+    least memory."""
+    names = AUTO_PREFERENCE
+    fits = [n for n in names if peak_bytes[n] <= limit]
     if fits:
-        best = min(fits, key=lambda n: (float(results[n][1].max(initial=0.0)), names.index(n)))
-    else:  # nothing fits (oversize micro-batches of a baseline): the least memory
-        best = min(names, key=lambda n: (results[n][2], names.index(n)))
-    perm, rank_time, _ = results[best]
-    return perm, rank_time, best
+        return min(fits, key=lambda n: (span_s[n], names.index(n)))
+    return min(names, key=lambda n: (peak_bytes[n], names.index(n)))

@@ -28,27 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.packing import budget_cuts, pack_rows
-
-BASELINES = ("pad", "group_by_length", "token_budget", "pack", "pack_varlen", "rebalance", "kk")
-
-#: Collation each baseline's micro-batches are costed with.
-BASELINE_COLLATION = {
-    "pad": "padded", "group_by_length": "padded", "token_budget": "padded", "rebalance": "padded",
-    "pack": "packed_rows", "pack_varlen": "packed", "kk": "packed",
-}
-
-#: The knob each baseline is tuned over in benchmarks, with its candidate values.
-BASELINE_KNOBS = {
-    "pad": ("rows", (1, 2, 4, 8, 16, 32, 64)),
-    "group_by_length": ("rows", (1, 2, 4, 8, 16, 32, 64)),
-    "token_budget": ("max_tokens", (1024, 2048, 4096, 8192, 16384, 32768)),
-    "pack": ("rows", (1, 2, 4, 8)),
-    "pack_varlen": ("rows", (1, 2, 4, 8)),
-    "rebalance": ("microbatches_per_rank", (1, 2, 4, 8, 16, 32)),
-    "kk": ("max_tokens", (1024, 2048, 4096, 8192, 16384, 32768)),
-}
-
+from ..kernels.packing import budget_cuts, pack_rows
+from ..methods import BASELINE_COLLATION, BASELINE_KNOBS, BASELINES  # noqa: F401  (public from here too)
 
 @dataclass(frozen=True)
 class Grouping:

@@ -15,7 +15,7 @@ writing them in place into the cost model the planner uses (``CostModel.version`
 ``CostModel.share_memory()`` forked planner processes and DataLoader workers see them too), so the
 next global batches are planned with what was measured. `record(plan_or_phi, timings)` is the same
 for a plan or feature rows without a loader. `CostModel.observe`/`CostModel.refit` are deprecated
-wrappers of this class; the math is `dynabatch.core.fit`.
+wrappers of this class; the math is `dynabatch.core.cost.fit`.
 
 The refit is a robust, prior-regularized least squares on the analytic features:
 
@@ -42,7 +42,7 @@ an integer observes one stage only. With a single `StepTiming` (one rank's view)
 that stage's row when the loop first saw the stages (`CostModel.stage_time_rows`), and written with
 `CostModel.set_stage_time_coef` (``time_coef`` becomes the rows' mean; ``version`` + 1 per refit).
 Fitted rows that differ make even a uniform-layout model stage-aware, so the planner prices every
-stage (`dynabatch.core.stages`). `FeedbackRow` and `StepError` then also report per-stage MAPE.
+stage (`dynabatch.core.cost.stages`). `FeedbackRow` and `StepError` then also report per-stage MAPE.
 A stage's prior row is 0 where its layout holds none of a feature's layers (no main-stack cost on a
 vision-only stage), and such a coefficient stays 0; ``fit_layout_zeros=True`` fits it too, from 0
 (ridge-pulled towards 0 in units of the largest stage's prior coefficient of that feature), for a
@@ -51,7 +51,7 @@ every micro-batch, ``[rows, length]`` index tensors, so its time grows with the 
 although it holds no language layer. Features no stage prices stay 0 either way.
 Every rank must feed the loop the same data (``RunnerConfig(gather_timing=True)``) so that all ranks
 refit identically and keep planning the same plan.
-A plan that recomputes activations (``options["recompute_layers"]``, `dynabatch.core.recompute`) is
+A plan that recomputes activations (``options["recompute_layers"]``, `dynabatch.core.plan.recompute`) is
 observed without its recomputation: the cost model prices a micro-batch without it and the planner
 adds it, so the recomputed share of each stage's measured forward is taken off its measured time.
 """
@@ -62,10 +62,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .batchplan import BatchPlan
-from .cost import NUM_FEATURES, CostModel
-from .fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
-from .shapes import Shapes
+from ..batchplan import BatchPlan
+from ..cost.model import NUM_FEATURES, CostModel
+from ..cost.features import plan_features
+from ..cost.fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
+from ..shapes import Shapes
+from .planner import plan_microbatches
+from ..cost.stage_memory import stage_memory_of
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class FeedbackRow:
     ``window`` of them new since the previous refit. ``mape_before_refit`` is the relative error (a
     fraction, 0.1 = 10%) of the predictions the planner used for those new observations (out of
     sample); ``mape_after_refit`` that of the refit coefficients on the same observations.
-    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.FEATURES`),
+    ``time_coef`` are the new coefficients (seconds per feature unit, `dynabatch.core.cost.model.FEATURES`),
     ``version`` the cost model's `CostModel.version` after writing them. With
     ``stage_reduce="per_stage"`` an observation is one (micro-batch, stage) pair, ``time_coef`` the
     mean of the new per-stage rows ``stage_time_coef``, and ``stage_mape_before``/``stage_mape_after``
@@ -120,26 +123,6 @@ class StepObservations:
     measured_s: np.ndarray
     predicted_s: np.ndarray
     stage: np.ndarray | None = None
-
-
-def plan_features(cost: CostModel, plan: BatchPlan, shapes: Shapes | None = None,
-                  rank: int | None = None) -> np.ndarray:
-    """Feature rows [n, NUM_FEATURES] of ``plan``'s micro-batches (all ranks, or ``rank``'s) in plan
-    order, under ``cost``'s feature layout. Packed (varlen) plans need the global batch's ``shapes``
-    for per-sample lengths."""
-    sel = np.arange(plan.num_microbatches) if rank is None else np.flatnonzero(plan.mb_rank == rank)
-    if plan.collation != "packed":
-        return cost.padded_features(plan.mb_rows[sel], plan.mb_input_len[sel], plan.mb_target_len[sel],
-                                    plan.mb_vision_tiles[sel])
-    if shapes is None:
-        raise ValueError("features of a packed plan need the global batch's Shapes (per-sample lengths)")
-    main, dec, tiles = cost.sample_dims(shapes, plan.options.get("max_len"), plan.options.get("max_target_len"))
-    pos = {int(s): i for i, s in enumerate(shapes.sample_id)}
-    idx = np.array([pos[int(s)] for s in plan.sample_ids], np.int64)
-    sizes = np.diff(plan.mb_offsets)
-    group = np.repeat(np.arange(plan.num_microbatches), sizes)
-    phi = cost.packed_features(main[idx], dec[idx], tiles[idx], group)
-    return phi[sel]
 
 
 def _scaled_results(result) -> list:
@@ -244,9 +227,7 @@ class FeedbackLoop:
         return self._steps_recorded
 
     def plan(self, shapes: Shapes, *args, **kw) -> BatchPlan:
-        """`dynabatch.core.plan.plan_microbatches` with the current cost model."""
-        from .plan import plan_microbatches
-
+        """`dynabatch.core.plan.planner.plan_microbatches` with the current cost model."""
         return plan_microbatches(shapes, self._cost, *args, **kw)
 
     # -- features ----------------------------------------------------------------------------------
@@ -315,15 +296,13 @@ class FeedbackLoop:
         """Per stage, the share of its recomputable layers the plan recomputes (None without any).
 
         The loop fits the cost model's time *without* recomputation (the planner adds it, see
-        `dynabatch.core.recompute`): a stage that recomputed share ``rho`` ran ``rho`` of its forward a
+        `dynabatch.core.plan.recompute`): a stage that recomputed share ``rho`` ran ``rho`` of its forward a
         second time inside the backward, so ``rho x`` its measured forward seconds are taken off its
         measured time, and the plan's prediction is divided by ``1 + rho x forward share`` (the
         recomputed forward priced on the whole stage time: fixed per-micro-batch terms are small)."""
         ks = (plan.options or {}).get("recompute_layers")
         if not ks or not any(ks):
             return None
-        from .recompute import stage_memory_of
-
         n = np.asarray(stage_memory_of(self._cost, plan.num_stages).layers, np.float64)
         k = np.asarray(ks, np.float64)
         return np.where(n > 0, np.minimum(k, n) / np.where(n > 0, n, 1.0), 0.0)
@@ -496,3 +475,6 @@ class FeedbackLoop:
         self._window_start = len(self._y)
         self._since_refit = 0
         return row
+
+
+CostModel.legacy_loop_class = FeedbackLoop  # the deprecated CostModel.observe/refit delegate to this loop

@@ -41,100 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.cost import NUM_FEATURES
-from .kernels.recompute import stage_peaks
-from .kernels.simulate import makespan_kernel, schedule_kernel
-from .options import RECOMPUTE, SCHEDULE_CODES
+from ..cost.features import microbatch_features
+from ..cost.stage_memory import StageMemory, stage_memory_of
+from ..kernels.recompute import stage_peaks
+from ..kernels.simulate import makespan_kernel
+from ..options import RECOMPUTE
+from ..schedule.orders import rank_ops, record_orders, split_times, stage_limit
 
 __all__ = ["RECOMPUTE", "StageMemory", "apply_recompute", "recompute_costs"]
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """How recomputation changes each stage's held activation bytes (bytes per feature unit of
-    `dynabatch.core.kernels.cost.FEATURES`, rows per stage).
-
-    ``layers`` ``[S]``: recomputable layers per stage; ``input_coef`` ``[S, F]``: bytes one recomputed
-    layer keeps (its input); ``fixed_coef`` ``[S, F]``: bytes recomputation never frees (embedding,
-    head, the activation received from the previous stage); ``layer_coef`` ``[S, F]``: bytes the
-    recomputable layers keep without recomputation, or None for "the cost model's stage memory less
-    ``fixed_coef``"."""
-
-    layers: tuple[float, ...]
-    input_coef: np.ndarray
-    fixed_coef: np.ndarray
-    layer_coef: np.ndarray | None = None
-    source: str = "analytic"
-
-    def __post_init__(self) -> None:
-        S = len(self.layers)
-        object.__setattr__(self, "layers", tuple(float(x) for x in self.layers))
-        if S < 1 or min(self.layers) < 0:
-            raise ValueError(f"StageMemory.layers needs >= 1 non-negative counts, got {self.layers}")
-        for name in ("input_coef", "fixed_coef", "layer_coef"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            v = np.asarray(v, np.float64)
-            if v.shape != (S, NUM_FEATURES) or not np.all(np.isfinite(v)):
-                raise ValueError(f"StageMemory.{name} must be finite [{S}, {NUM_FEATURES}], got {v.shape}")
-            object.__setattr__(self, name, v)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layers)
-
-    def max_layers(self) -> np.ndarray:
-        """The largest useful count per stage (int ``[S]``): every recomputable layer."""
-        return np.ceil(np.asarray(self.layers) - 1e-9).astype(np.int64)
-
-    @classmethod
-    def analytic(cls, cost, num_stages: int) -> "StageMemory":
-        """From the cost model's layout (uniform: the config's per-stage counts): every activation byte
-        belongs to a layer; a recomputed main/decoder layer keeps ``dtype_bytes * hidden`` bytes per
-        token, a vision layer ``dtype_bytes * vision_hidden`` per vision token."""
-        from .stages import StageLayout
-
-        m = cost.model
-        if m.recompute:
-            raise ValueError(f"the cost model of {m.name!r} already prices full recomputation "
-                             "(ModelConfig.recompute=True); per-stage recompute starts from a model without it: "
-                             "plan with cost.with_model(recompute=False)")
-        S = int(num_stages)
-        layout = cost.layout if cost.layout is not None else StageLayout.uniform(m, S)
-        if layout.num_stages != S:
-            raise ValueError(f"the cost model's layout has {layout.num_stages} stages, not {S}")
-        main, dec, vis = (np.asarray(x, np.float64) for x in (layout.main_layers, layout.decoder_layers,
-                                                              layout.vision_layers))
-        n = main + dec + vis
-        inp = np.zeros((S, NUM_FEATURES))
-        share = np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), 0.0)
-        inp[:, 0] = main * share * m.dtype_bytes * m.hidden
-        inp[:, 2] = dec * share * m.dtype_bytes * m.hidden
-        inp[:, 5] = vis * share * m.dtype_bytes * m.vision_hidden
-        return cls(tuple(n), inp, np.zeros((S, NUM_FEATURES)), None, "analytic")
-
-    def to_dict(self) -> dict:
-        d = {"layers": list(self.layers), "input_coef": self.input_coef.tolist(),
-             "fixed_coef": self.fixed_coef.tolist(), "source": self.source}
-        if self.layer_coef is not None:
-            d["layer_coef"] = self.layer_coef.tolist()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "StageMemory":
-        return cls(tuple(d["layers"]), np.asarray(d["input_coef"]), np.asarray(d["fixed_coef"]),
-                   None if d.get("layer_coef") is None else np.asarray(d["layer_coef"]), d.get("source", "custom"))
-
-
-def stage_memory_of(cost, num_stages: int) -> StageMemory:
-    """The cost model's `StageMemory` (``cost.stage_memory_model`` when set, else `StageMemory.analytic`)."""
-    sm = getattr(cost, "stage_memory_model", None)
-    if sm is not None:
-        if sm.num_stages != int(num_stages):
-            raise ValueError(f"the cost model's stage memory is for {sm.num_stages} stages, not {num_stages}")
-        return sm
-    return StageMemory.analytic(cost, num_stages)
 
 
 def recompute_costs(cost, phi, k, memory: StageMemory | None = None):
@@ -182,16 +96,6 @@ def _rank_slices(plan) -> list[np.ndarray]:
     return out
 
 
-def _rank_ops(schedule: str, st, held, p2p, fwd_fraction: float, limit: float):
-    S, m = st.shape
-    if schedule == "adaptive":
-        from .schedules import adaptive_order
-
-        fwd = st * fwd_fraction
-        return adaptive_order(fwd, st - fwd, held.max(axis=0), limit, p2p_s=p2p, oversize="alone")
-    return schedule_kernel(S, m, SCHEDULE_CODES[schedule])
-
-
 def _peaks_and_times(plan, st, held, p2p, fwd_fraction, limit):
     """(peak held bytes per stage over the ranks, each rank's simulated makespan)."""
     S = st.shape[0]
@@ -202,11 +106,11 @@ def _peaks_and_times(plan, st, held, p2p, fwd_fraction, limit):
         if not len(idx):
             continue
         s_t = np.ascontiguousarray(st[:, idx])
-        ops = _rank_ops(plan.schedule, s_t, held[:, idx], p2p[idx], fwd_fraction, limit)
+        ops = rank_ops(plan.schedule, s_t, p2p[idx], held[:, idx].max(axis=0), fwd_fraction, limit)
         stage_peaks(ops, np.ascontiguousarray(held[:, idx]), buf)
         peaks = np.maximum(peaks, buf)
-        fwd = np.ascontiguousarray(s_t * fwd_fraction)
-        times[r] = float(makespan_kernel(fwd, np.ascontiguousarray(s_t - fwd), np.ascontiguousarray(p2p[idx]), ops))
+        fwd, bwd = split_times(s_t, fwd_fraction)
+        times[r] = float(makespan_kernel(fwd, bwd, np.ascontiguousarray(p2p[idx]), ops))
     return peaks, times
 
 
@@ -219,10 +123,8 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
     ``adaptive`` picks, per stage, the fewest layers that keep the stage's peak within
     ``device_memory_limit`` (bytes of activations one device may hold); with a limit, every policy
     raises ValueError when its peak exceeds it (naming the stage, its peak and the limit).
-    ``shapes``: the samples, needed for packed plans (`dynabatch.core.stage_plan.microbatch_features`).
+    ``shapes``: the samples, needed for packed plans (`dynabatch.core.cost.features.microbatch_features`).
     """
-    from .stage_plan import microbatch_features
-
     if policy not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {policy!r}; choose one of {RECOMPUTE}")
     if policy == "adaptive" and device_memory_limit is None:
@@ -232,7 +134,7 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
     phi = microbatch_features(plan, cost, shapes)
     p2p = cost.p2p_time(phi)
     fwd_fraction = cost.forward_fraction
-    sched_limit = float(plan.options.get("stage_memory_bytes", np.inf))
+    sched_limit = stage_limit(plan)
     top = memory.max_layers()
     k = np.zeros(S, np.int64) if policy != "full" else top.copy()
     limit = np.inf if device_memory_limit is None else float(device_memory_limit)
@@ -266,8 +168,9 @@ def apply_recompute(plan, cost, policy: str, device_memory_limit: float | None =
                "stage_peak_bytes": [float(x) for x in peaks]}
     if device_memory_limit is not None:
         options["device_memory_limit"] = float(device_memory_limit)
-    return dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=held.max(axis=0), rank_time_s=times,
-                               stage_time_s=st, stage_memory_bytes=held, options=options)
+    new = dataclasses.replace(plan, mb_time_s=st.max(axis=0), mb_memory_bytes=held.max(axis=0), rank_time_s=times,
+                              stage_time_s=st, stage_memory_bytes=held, options=options)
+    return record_orders(new, p2p, fwd_fraction)  # adaptive: the order rebuilt from the recomputed bytes
 
 
 def recompute_layers(plan, stage: int) -> int:

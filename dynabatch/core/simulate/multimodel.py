@@ -19,14 +19,14 @@ executes and what `simulate_multimodel` predicts) is:
 * `active_peak`: on one stage, the most shard bytes that must be resident at once under an order
   (a shard is active from its first op to its last op, or to its optimizer update).
 * **Spilling** (`simulate_multimodel(..., budget_bytes=...)`): with a byte budget per stage device
-  the shards move between host and device as in the runner (`dynabatch.core.multimodel_spill`: the
+  the shards move between host and device as in the runner (`dynabatch.core.simulate.spill`: the
   same residency windows, eviction order and one-shard-ahead prefetch), and their copies are timed
   on one copy engine per stage (``shard_bytes / load_bytes_per_s`` per load, ``/ spill_bytes_per_s``
   per spill, overlapping compute): an op waits for its shard's load, so the makespan includes the
   stalls (`MultiModelSim.stall_s`, ``load_s``, ``loads``, ``spills``, ``prefetches``). Without a
   budget every shard is resident and nothing moves.
 
-Op encoding is the simulator's (`dynabatch.core.simulate`): ``v + 1`` forward of virtual
+Op encoding is the simulator's (`dynabatch.core.simulate.pipeline`): ``v + 1`` forward of virtual
 micro-batch ``v``, ``-(v + 1)`` its backward. Times are seconds, memory bytes. Hot loops are
 ``@njit(cache=True)`` kernels beside their plain-Python references (``*_reference``).
 """
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from .kernels.simulate import schedule_kernel
-from .multimodel_spill import spill_timing
-from .simulate import simulate_pipeline
+from ..kernels.simulate import schedule_kernel
+from .spill import spill_timing
+from .pipeline import simulate_pipeline
 
 __all__ = ["MultiModelSim", "active_peak", "active_peak_kernel", "active_peak_reference", "lrtf_order",
            "multimodel_orders", "multimodel_orders_kernel", "multimodel_orders_reference", "simulate_multimodel",
@@ -233,11 +233,11 @@ def simulate_multimodel(fwd_s, bwd_s, *, p2p_s=0.0, interleave: bool = True, ord
     ``fwd_s``/``bwd_s``: ``[K, S, M]`` per-shard seconds (model, stage, micro-batch), or ``[K, M]``
     (the same on every stage; pass ``num_stages``). ``p2p_s``: scalar or ``[M]`` seconds per hop.
     ``order``: the model order (default `lrtf_order` of each model's total forward+backward
-    seconds). The K-model step is `dynabatch.core.simulate.simulate_pipeline` on the virtual
+    seconds). The K-model step is `dynabatch.core.simulate.pipeline.simulate_pipeline` on the virtual
     micro-batches with `multimodel_orders`; the baseline is each model alone with
     ``single_schedule``, summed.
 
-    Spilling (`dynabatch.core.multimodel_spill`, the runner's policy, timed in steady state):
+    Spilling (`dynabatch.core.simulate.spill`, the runner's policy, timed in steady state):
     ``budget_bytes`` (bytes, scalar or ``[S]``) bounds the shard bytes resident on each stage device
     (None: every shard resident, nothing moves, the results of a run without it); ``shard_bytes``
     ``[K, S]`` (or ``[K]``, the same on every stage) each shard's parameter + gradient +

@@ -135,7 +135,7 @@ def representative_features(config: ModelConfig) -> np.ndarray:
     """Features of the micro-batch a contiguous layout is balanced for: 8 samples of 6 image tiles
     and 256 text tokens each (vision-language; OmniBal's InternVL samples average about 6 tiles),
     or 8 samples of 1024 tokens (+ 256 decoder tokens for encoder-decoder models), packed."""
-    from .kernels.cost import NUM_FEATURES
+    from ..kernels.cost import NUM_FEATURES
 
     phi = np.zeros(NUM_FEATURES)
     tiles = 6 if config.kind == "vision_language" else 0

@@ -1,5 +1,5 @@
 """`ProfiledTable`: measured time (seconds) and activation memory (bytes) of padded micro-batches on a
-grid of shapes, the measured source of truth behind `dynabatch.core.cost.CostModel.profiled`
+grid of shapes, the measured source of truth behind `dynabatch.core.cost.model.CostModel.profiled`
 (`dynabatch profile` builds one)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.cost import profiled_lookup
+from ..kernels.cost import profiled_lookup
 
 
 @dataclass(frozen=True)

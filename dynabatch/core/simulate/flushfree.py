@@ -12,7 +12,7 @@ step ``k+1``'s forwards while later stages still finish step ``k``. Each stage a
 data-parallel rank at once, when the last rank's same stage got there (the stage's gradient
 all-reduce is a barrier over the ranks; it and the optimizer step take ``update_s`` seconds,
 0 by default as in the flushed model). Dependencies and transfers are those of
-`dynabatch.core.simulate` (asynchronous sends, ``p2p_s[j]`` on every edge between stages).
+`dynabatch.core.simulate.pipeline` (asynchronous sends, ``p2p_s[j]`` on every edge between stages).
 
 Micro-batch ``i`` of a rank's stream then sees, on stage ``s``, `update_lag` updates between its
 forward and its backward (0 or 1 when a step has at least ``S - 1`` micro-batches per rank; more
@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
+from ..kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
+from ..schedule.orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, split_times
 
 __all__ = [
     "FlushFreeReport",
@@ -58,7 +59,6 @@ __all__ = [
     "flushfree_bound",
     "flushfree_objective",
     "flushfree_report",
-    "plan_stage_times",
     "rank_streams",
     "simulate_flushfree",
     "update_lag",
@@ -160,24 +160,14 @@ def simulate_flushfree(fwd_s, bwd_s, counts, *, p2p_s=0.0, update_s=0.0) -> Flus
 # --------------------------------------------------------------------------- plans
 
 
-def plan_stage_times(plan) -> np.ndarray:
-    """Forward+backward seconds ``[S, M]`` of a plan's micro-batches (plan order) on each stage: its
-    ``stage_time_s`` when it has one, else ``mb_time_s`` on every stage."""
-    if plan.stage_time_s is not None:
-        return np.asarray(plan.stage_time_s, np.float64)
-    return np.tile(np.asarray(plan.mb_time_s, np.float64), (plan.num_stages, 1))
-
-
-def _plan_p2p(plan, cost, shapes, p2p_s):
-    """Seconds ``[M]`` of a plan's micro-batch transfers: ``p2p_s`` (scalar or ``[M]``) or ``cost.p2p_time``."""
-    M = plan.num_microbatches
+def _plan_p2p(plan, cost, p2p_s):
+    """Seconds ``[M]`` of a plan's micro-batch transfers: ``p2p_s`` (scalar or ``[M]``) or the cost model's
+    (`dynabatch.core.schedule.orders.plan_p2p_s`)."""
     if p2p_s is not None:
-        return np.broadcast_to(np.asarray(p2p_s, np.float64), (M,)).copy()
+        return np.broadcast_to(np.asarray(p2p_s, np.float64), (plan.num_microbatches,)).copy()
     if cost is None:
         raise ValueError("give the cost model (its p2p_time prices the transfers) or p2p_s=")
-    from .stage_plan import microbatch_features
-
-    return np.asarray(cost.p2p_time(microbatch_features(plan, cost, shapes)), np.float64)
+    return plan_p2p_s(plan, cost)
 
 
 def rank_streams(plans, p2p, forward_fraction: float):
@@ -200,8 +190,8 @@ def rank_streams(plans, p2p, forward_fraction: float):
             cols.append(stage_t[k][:, idx])
             links.append(np.asarray(p2p[k], np.float64)[idx])
     st = np.concatenate(cols, axis=1) if cols else np.zeros((S, 0))
-    fwd = st * float(forward_fraction)
-    return fwd, st - fwd, np.concatenate(links), counts
+    fwd, bwd = split_times(st, forward_fraction)
+    return fwd, bwd, np.concatenate(links), counts
 
 
 @dataclass(frozen=True)
@@ -252,14 +242,14 @@ class FlushFreeReport:
                 "total_removed_share": self.total_removed_share}
 
 
-def flushfree_report(plans, cost=None, *, p2p_s=None, shapes=None, forward_fraction: float | None = None,
+def flushfree_report(plans, cost=None, *, p2p_s=None, forward_fraction: float | None = None,
                      warm_steps: int = 1, update_s=0.0) -> FlushFreeReport:
     """Flushed vs flush-free time of each of the consecutive ``plans`` (`BatchPlan`, one ``num_stages``).
 
     Stage times: each plan's ``stage_time_s`` or ``mb_time_s``; forward share ``cost.forward_fraction``
-    (else ``forward_fraction``, default 1/3); transfers: ``cost.p2p_time`` of the plan's micro-batch
-    features (``shapes`` for packed plans, see `dynabatch.core.stage_plan.microbatch_features`) unless
-    ``p2p_s`` gives them (a scalar, or one scalar / ``[M]`` array per plan). ``warm_steps`` copies of
+    (else ``forward_fraction``, default 1/3); transfers: the cost model's, as the planner priced them
+    (`dynabatch.core.schedule.orders.plan_p2p_s`), unless ``p2p_s`` gives them (a scalar, or one scalar / ``[M]``
+    array per plan). ``warm_steps`` copies of
     the first plan run before the steps and of the last after them (module doc); ``update_s``: seconds
     of a stage's all-reduce + optimizer step (scalar or ``[S]``).
     """
@@ -270,13 +260,13 @@ def flushfree_report(plans, cost=None, *, p2p_s=None, shapes=None, forward_fract
     if warm < 0:
         raise ValueError(f"warm_steps must be >= 0, got {warm_steps}")
     if forward_fraction is None:
-        forward_fraction = cost.forward_fraction if cost is not None else 1.0 / 3.0
+        forward_fraction = cost.forward_fraction if cost is not None else DEFAULT_FORWARD_FRACTION
     if p2p_s is None or np.ndim(p2p_s) == 0:
-        p2p = [_plan_p2p(p, cost, shapes, p2p_s) for p in plans]
+        p2p = [_plan_p2p(p, cost, p2p_s) for p in plans]
     else:
         if len(p2p_s) != len(plans):
             raise ValueError(f"p2p_s needs one entry per plan ({len(plans)}), got {len(p2p_s)}")
-        p2p = [_plan_p2p(p, cost, shapes, x) for p, x in zip(plans, p2p_s)]
+        p2p = [_plan_p2p(p, cost, x) for p, x in zip(plans, p2p_s)]
     run = [plans[0]] * warm + plans + [plans[-1]] * warm
     links = [p2p[0]] * warm + p2p + [p2p[-1]] * warm
     fwd, bwd, flat_p2p, counts = rank_streams(run, links, forward_fraction)
@@ -317,10 +307,10 @@ def _loads(plan, p2p, R=None):
     return load, cyc
 
 
-def flushfree_bound(plan, cost=None, *, p2p_s=None, shapes=None) -> float:
+def flushfree_bound(plan, cost=None, *, p2p_s=None) -> float:
     """Lower bound (seconds) on a plan's flush-free steady-state step time, its planner objective:
     ``max_{r,s} max(load[r, s], cycle[r, s])`` (module doc; transfers as in `flushfree_report`)."""
-    load, cyc = _loads(plan, _plan_p2p(plan, cost, shapes, p2p_s))
+    load, cyc = _loads(plan, _plan_p2p(plan, cost, p2p_s))
     return float(max(load.max(initial=0.0), cyc.max(initial=0.0)))
 
 
@@ -333,7 +323,7 @@ def flushfree_objective(time_s, num_ranks: int, num_stages: int, p2p_s=0.0) -> f
     trips, which the bound cannot see (cutting FLAN-like gpt steps on ``sum/R`` alone gave 4x larger
     micro-batches and a 31% slower simulated steady state than the flushed objective's cuts), so the
     planner keeps the flushed objective's cuts with ``flush=False`` and records the simulated steady
-    state (`dynabatch.core.plan._plan`)."""
+    state (`dynabatch.core.plan.planner._plan`)."""
     t = np.asarray(time_s, np.float64)
     p = np.broadcast_to(np.asarray(p2p_s, np.float64), t.shape)
     S = int(num_stages)

@@ -1,0 +1,38 @@
+"""Features of a plan's micro-batches under a cost model: the one place a `BatchPlan` becomes the
+feature rows (`dynabatch.core.kernels.cost.FEATURES`) a `CostModel` prices. The planner's
+evaluation and recompute pricing use all of them (`microbatch_features`), the feedback loop those of
+one rank (`plan_features`). Padded collations read the plan's shape columns; packed plans need the
+samples' lengths (``shapes``), truncated as the plan records (``max_len``/``max_target_len``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def microbatch_features(plan, cost, shapes=None) -> np.ndarray:
+    """Features ``[M, NUM_FEATURES]`` of a plan's micro-batches (plan order) under ``cost``: from the
+    plan's shape columns for padded collations; packed plans need the samples' ``shapes`` (any
+    `Shapes` holding their sample ids)."""
+    sizes = np.diff(plan.mb_offsets)
+    if plan.collation != "packed":
+        return cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len, plan.mb_vision_tiles)
+    if shapes is None:
+        raise ValueError(f"the features of a packed plan (step {plan.step}) need the samples' lengths: pass "
+                         "shapes= (the global batch's Shapes)")
+    order = np.argsort(shapes.sample_id, kind="stable")
+    pos = np.minimum(np.searchsorted(shapes.sample_id, plan.sample_ids, sorter=order), max(len(order) - 1, 0))
+    where = order[pos] if len(order) else pos
+    if not len(order) or not np.array_equal(shapes.sample_id[where], plan.sample_ids):
+        missing = plan.sample_ids[~np.isin(plan.sample_ids, shapes.sample_id)]
+        raise ValueError(f"shapes= does not hold every sample of the plan of step {plan.step}: sample_id "
+                         f"{int(missing[0])} (and {len(missing) - 1} more) missing")
+    main, dec, tiles = cost.sample_dims(shapes.take(where), plan.options.get("max_len"),
+                                        plan.options.get("max_target_len"))
+    return cost.packed_features(main, dec, tiles, np.repeat(np.arange(len(sizes)), sizes))
+
+
+def plan_features(cost, plan, shapes=None, rank: int | None = None) -> np.ndarray:
+    """`microbatch_features` of ``plan``'s micro-batches of ``rank`` (all ranks if None), plan order."""
+    phi = microbatch_features(plan, cost, shapes)
+    return phi if rank is None else phi[np.flatnonzero(plan.mb_rank == rank)]
