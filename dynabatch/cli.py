@@ -20,7 +20,7 @@ Start here:
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
   dynabatch datagen --out DIR --text 20000 --image-text 500   write generated sample shards
   dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz --json
-  dynabatch plan DATA --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
+  dynabatch plan DATA --tokenizer bytes --ranks 8 --stages 4 --max-len 2048 --out plan.parquet   plan a whole run
   dynabatch inspect plan.parquet --plot plan.png                                  what it predicts
 """
 
