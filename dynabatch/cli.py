@@ -19,7 +19,7 @@ Start here (in a fresh clone: datagen writes the data the later commands read):
   dynabatch datagen --out data --text 20000 --image-text 500   write generated sample shards to data/
   dynabatch bench plan --model t5 --data data/text             all planning methods on the same global batches
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
-  dynabatch plan data/text --tokenizer bytes --ranks 8 --stages 4 --out plan.parquet   plan a whole run
+  dynabatch plan data/text --tokenizer bytes --ranks 8 --stages 4 --max-len 2048 --out plan.parquet   plan a whole run
   dynabatch inspect plan.parquet --plot plan.png                                       what it predicts
 
 Optional: the project's own machines also hold real FLANv2/NIv2, LLaVA and OmniBal samples in a
