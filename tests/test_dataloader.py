@@ -290,11 +290,24 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     meta = dict(table.schema.metadata)
     meta[b"dynabatch.dataset_fingerprint"] = b"0123456789abcdef"
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "tampered.parquet")
+    with pytest.raises(PlanMismatchError, match="metadata entry dynabatch.dataset_fingerprint does not match"):
+        DataLoader(data["parquet"],  # edited after writing: its integrity record refuses it
+                   **records_from_keywords(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw))
+
+    def written(meta, path):  # the plan a writer would have written for another dataset (a fresh record)
+        from dynabatch.planfile import format as fmt
+
+        meta = {k: v for k, v in meta.items() if k != fmt.INTEGRITY_KEY.encode()}
+        meta.update({k.encode(): v.encode() for k, v in fmt.integrity_metadata(
+            table.replace_schema_metadata(meta), 2).items()})
+        pq.write_table(table.replace_schema_metadata(meta), path)
+
+    written(meta, tmp_path / "tampered.parquet")
     with pytest.raises(PlanMismatchError, match="dataset fingerprint is 0123456789abcdef in the plan.*another dataset"):
         DataLoader(data["parquet"],
                    **records_from_keywords(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw))
     del meta[b"dynabatch.dataset_fingerprint"]
-    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "nofp.parquet")
+    written(meta, tmp_path / "nofp.parquet")
     with pytest.raises(PlanMismatchError, match="records no dynabatch.dataset_fingerprint"):
         DataLoader(data["parquet"], **records_from_keywords(plan=str(tmp_path / "nofp.parquet"), world_size=2, rank=0, **kw))
     with pytest.raises(PlanMismatchError, match="pipeline stages are 2 in the plan but 4 here"):
