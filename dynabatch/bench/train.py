@@ -46,7 +46,7 @@ import numpy as np
 from ..core.options import PlanOptions
 from .progress import rank_tick, watch_ticks
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
-                           _write_json, add_bench_train_command, assemble_result, format_table)
+                           _write_json, add_bench_train_command, assemble_result, format_table, timer_noise)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
@@ -127,19 +127,6 @@ from ..core.cost.fit import mape as _mape  # noqa: E402
 
 # `batch_shapes`, `representative` and `stage_cost_model` are public in `dynabatch.pipeline` (imported
 # where used: this module is loaded by the CLI, which must not import torch up front)
-
-
-def _noise(phi: np.ndarray, y: np.ndarray) -> float:
-    """Median relative deviation from the median among micro-batches of identical shape (>= 3 repeats)."""
-    keys: dict = {}
-    for row, v in zip(map(bytes, np.round(phi, 6).view(np.uint8).reshape(len(phi), -1)), y):
-        keys.setdefault(row, []).append(v)
-    devs = []
-    for vals in keys.values():
-        if len(vals) >= 3:
-            m = float(np.median(vals))
-            devs += [abs(v - m) / m for v in vals]
-    return float(np.median(devs)) if devs else float("nan")
 
 
 class MethodRun:
@@ -316,7 +303,7 @@ class MethodRun:
             "mape_start_step": _mape([r["predicted_s"] for r in rows[:first]], [r["measured_s"] for r in rows[:first]]),
             "mape_end_step": _mape([r["predicted_s"] for r in rows[-last:]], [r["measured_s"] for r in rows[-last:]]),
             "mape_prior_all": _mape(all_phi @ self.prior, all_y),
-            "mape_noise": _noise(all_phi, all_y),
+            "mape_noise": timer_noise(all_phi, all_y),
             "refits": len(feedback.history) if feedback is not None else 0,
             "bounds": self.bounds,
             "partition_makespan_s": self.partition.makespan_s if self.partition is not None else None,

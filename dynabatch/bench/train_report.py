@@ -22,6 +22,19 @@ import numpy as np
 from .progress import add_progress_option, show_progress
 
 
+def timer_noise(phi: np.ndarray, y: np.ndarray) -> float:
+    """Median relative deviation from the median among micro-batches of identical shape (>= 3 repeats)."""
+    keys: dict = {}
+    for row, v in zip(map(bytes, np.round(phi, 6).view(np.uint8).reshape(len(phi), -1)), y):
+        keys.setdefault(row, []).append(v)
+    devs = []
+    for vals in keys.values():
+        if len(vals) >= 3:
+            m = float(np.median(vals))
+            devs += [abs(v - m) / m for v in vals]
+    return float(np.median(devs)) if devs else float("nan")
+
+
 def _ratios(methods: dict) -> dict:
     """dp's tokens/s over every other method's (``dp_vs_<method>``) and over the best of them; with the
     spread of the paired per-step ratios (``paired``: the methods train the same global batches

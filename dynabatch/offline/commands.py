@@ -421,7 +421,7 @@ def _cmd_plan(args) -> int:
     }
     if differ:
         summary["loader_default_differences"] = differ
-    recompute = _recompute_summary(run)
+    recompute = run.recompute_summary()
     if recompute:
         summary["recompute"] = recompute
     if args.json:
@@ -467,18 +467,6 @@ def loader_default_differences(args) -> dict[str, str]:
     if args.global_batch_tokens is None and args.global_batch_size is None:
         out["global_batch_tokens"] = f"{PLAN_GLOBAL_BATCH_TOKENS} (DataLoader: none, it must be given)"
     return out
-
-
-def _recompute_summary(run) -> dict | None:
-    """Per-stage recomputation over a run's steps (`dynabatch.core.plan.recompute`), when it records any."""
-    import numpy as np
-
-    opts = [run.step_options(int(k)) or {} for k in run.steps]
-    if not opts or "recompute_layers" not in opts[0]:
-        return None
-    return {"policy": opts[0].get("recompute"), "device_memory_limit": opts[0].get("device_memory_limit"),
-            "mean_layers_per_stage": np.mean([o["recompute_layers"] for o in opts], axis=0).tolist(),
-            "max_peak_bytes_per_stage": np.max([o["stage_peak_bytes"] for o in opts], axis=0).tolist()}
 
 
 def _cmd_inspect(args) -> int:

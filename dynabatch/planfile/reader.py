@@ -378,6 +378,16 @@ class RunPlan:
         opts = raw.get("steps", {}).get(str(int(step)), raw.get("default"))
         return None if opts is None else dict(opts)
 
+    def recompute_summary(self) -> dict | None:
+        """Per-stage recomputation over the run's steps (`dynabatch.core.plan.recompute`): policy, device
+        limit (bytes), mean recomputed layers and max peak bytes per stage; None when it records none."""
+        opts = [self.step_options(int(k)) or {} for k in self.steps]
+        if not opts or "recompute_layers" not in opts[0]:
+            return None
+        return {"policy": opts[0].get("recompute"), "device_memory_limit": opts[0].get("device_memory_limit"),
+                "mean_layers_per_stage": np.mean([o["recompute_layers"] for o in opts], axis=0).tolist(),
+                "max_peak_bytes_per_stage": np.max([o["stage_peak_bytes"] for o in opts], axis=0).tolist()}
+
     # -- checks ------------------------------------------------------------------------------
     def recorded(self, name: str) -> bool:
         """Whether the file records option ``name`` (files of older releases record fewer)."""
