@@ -219,7 +219,7 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
 
     seen = {}
 
-    def stalled_launch(target, nprocs, *, args, idle_timeout_s, max_wall_s, threads_per_proc):
+    def stalled_launch(target, nprocs, *, args, idle_timeout_s, max_wall_s, threads_per_proc, env=None):
         (payload,) = args
         seen.update(idle=idle_timeout_s, max_wall=max_wall_s)
         row = {"steps": 3, "tokens_per_s": 1000.0, "per_step": [{"step": k} for k in range(3)]}
