@@ -145,6 +145,9 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     rank may stay blocked after another rank failed. If a default process group already exists it is
     reused.
     """
+    from .schedule import warm_orders
+
+    warm_orders()  # before the monitor: the kernels' load is set-up, not a stalled first step
     owns = not dist.is_initialized()
     if owns:
         rank = _env_int("RANK", 0) if rank is None else int(rank)

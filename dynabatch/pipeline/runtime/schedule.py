@@ -313,3 +313,12 @@ def peer_sequences(program: list[Instruction], stage: int) -> dict[int, list[tup
             side = "send" if m.src == stage else "recv"
             out.setdefault(m.dst if side == "send" else m.src, []).append((side, m))
     return out
+
+
+def warm_orders() -> None:
+    """Load the numba kernels behind `runner_orders` and `build_programs` (their on-disk cache, or a
+    compile) now: `init_pipeline` calls it before the failure monitor starts, so a first step that pays
+    for it on a loaded machine is not judged stalled by the other ranks."""
+    for schedule in ("gpipe", "1f1b", "adaptive"):
+        orders = runner_orders(schedule, 2, np.ones(2), np.ones(2))
+        build_programs(orders, quantize_times(np.ones(2)))
