@@ -1,22 +1,29 @@
 """Measure a model's micro-batch costs on this machine and keep them as a cost model file.
 
-`profile_table` times forward+backward of a grid of padded micro-batch shapes (rows x main length
-[x decoder length]) layer by layer (`dynabatch.pipeline.profile_layers`), and counts the activation
-bytes autograd saves for backward. With ``num_stages > 1`` the layers are split with
-`dynabatch.pipeline.balanced_partition` over the grid and each grid point records the slowest
-stage, which is what one stage of the pipeline costs. `profile_cost_model` wraps the result in
-`CostModel.profiled` (padded shapes are interpolated from the table, packed ones use the linear
-fit to it); `CostModel.save` writes it, `CostModel.load` reads it back.
+`profile_model` times forward+backward layer by layer (`dynabatch.pipeline.profile_layers`) and
+counts the activation bytes autograd saves for backward, on a grid of padded micro-batch shapes
+(rows x main length [x decoder length]), on packed (varlen) micro-batches of a decoder-only model
+and on micro-batches with image tiles of a vision-language model (a `Profile`). With
+``num_stages > 1`` the layers are split with `dynabatch.pipeline.balanced_partition` and each
+micro-batch records the slowest stage, which is what one stage of the pipeline costs.
+`fitted_cost_model` turns it into a `CostModel`: padded shapes interpolated from the measured table
+(`CostModel.profiled`), packed ones and image tiles priced by coefficients fitted to their own
+measurements. `save_profile` writes the cost model (what `CostModel.load` reads: the DataLoader and
+the planner) with the per-layer costs beside it (what `load_layer_costs` reads: the partition
+search); `profile_table` is the padded grid alone.
 
-Command line: ``dynabatch profile --model gpt-tiny --device cpu --out costs.json``.
+Command line: ``dynabatch profile --model gpt-tiny --device cpu --out costs.json`` (``--model
+hf:FOLDER`` for a Hugging Face ``save_pretrained`` folder or ``config.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +32,9 @@ from ...core.cost.model import CostModel, DeviceProfile, ProfiledTable, device_p
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
 DEFAULT_TARGET_LENGTHS = (8, 16, 32)
+LAYER_COSTS_KEY = "layer_costs"  # the per-layer costs' key in a profile file (beside CostModel.to_dict's)
+LAYER_FIELDS = ("forward_s", "backward_s", "memory_bytes", "boundary_bytes")
+DEFAULT_TILES = (1, 2, 4)  # image tiles per micro-batch a vision-language model is measured with
 
 
 def _device_profile(device) -> DeviceProfile:
@@ -41,20 +51,89 @@ def _device_profile(device) -> DeviceProfile:
     return device_preset(gpu_preset(torch.cuda.get_device_name(dev), float(props.total_memory))[0])
 
 
-def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
-                  repeats: int = 3, warmup: int = 1, device="cpu", seed: int = 0,
-                  progress=None) -> tuple[ProfiledTable, tuple[int, ...]]:
-    """Measure a `ProfiledTable` (seconds, bytes) for ``model`` (a `dynabatch.pipeline.LayeredModel`).
+@dataclass(frozen=True)
+class Profile:
+    """What `profile_model` measured on one device (seconds, bytes).
+
+    ``table``: padded text-only micro-batches on the (rows, length, target length) grid, each the
+    slowest stage's seconds and the largest stage's bytes; ``bounds``: the stage cut (``(0, n_layers)``
+    for one stage); ``shapes``: every measured micro-batch, the grid's first (table order), then the
+    packed ones (decoder-only models: ``rows`` samples in one row) and the ones with image tiles
+    (vision-language models); ``lengths``: each packed one's sample lengths (None for padded);
+    ``time_s``/``memory_bytes`` [len(shapes)]: slowest stage's seconds, largest stage's bytes;
+    ``layer_costs``: every layer on every measured micro-batch (what `balanced_partition` takes).
+    """
+
+    table: ProfiledTable
+    bounds: tuple[int, ...]
+    shapes: tuple
+    lengths: tuple
+    time_s: np.ndarray
+    memory_bytes: np.ndarray
+    layer_costs: object  # dynabatch.pipeline.LayerCosts (torch-side, imported lazily)
+
+    @property
+    def extra(self) -> np.ndarray:
+        """Indices of the measured micro-batches outside the padded grid (packed, with image tiles)."""
+        return np.arange(self.table.time_s.size, len(self.shapes))
+
+
+def _extra_shapes(model, rows, lengths, packed: bool, tiles) -> list:
+    """The micro-batch shapes measured beyond the padded grid: with ``packed``, packed ones for a
+    decoder-only model (``r`` samples, ``r * L`` tokens in one row, r > 1) and, for a vision-language model,
+    ``t`` of ``tiles`` image tiles in ``r`` rows of ``L`` tokens wherever they fit one row (``t * tile_tokens < L``)."""
+    from ..models.spec import MicroBatchShape
+
+    if model.kind == "decoder":
+        return [MicroBatchShape("packed", r, L, 0, r * L) for r in rows if r > 1 for L in lengths] if packed else []
+    if model.kind != "vision_language" or not tiles:
+        return []
+    per_tile = int(model.config.tile_tokens)
+    out = [MicroBatchShape("padded", r, L, tiles=t) for r in rows for L in lengths for t in tiles if t * per_tile < L]
+    if not out:
+        raise ValueError(f"{model.name}: no length of {tuple(lengths)} holds {min(tiles)} image tile(s) of "
+                         f"{per_tile} tokens; profile longer lengths (--lengths) or fewer tiles (--tiles)")
+    return out
+
+
+def _measure(model, batches, repeats: int, warmup: int, device, seed: int, progress):
+    """`LayerCosts` of every layer on each of ``batches``: rounds over all of them in a shuffled order (not
+    repeats of one shape back to back), so slow drift or a noisy moment spreads over all shapes instead of
+    biasing one; the first rounds warm up; per layer the fastest round (noise on a shared machine only adds)."""
+    from ..models.partition import LayerCosts
+    from .layers import profile_layers
+
+    n, m = len(model.layers), len(batches)
+    samples_f, samples_b = np.zeros((repeats, n, m)), np.zeros((repeats, n, m))
+    mem, boundary = np.zeros((n, m)), np.zeros(m)
+    order_rng = np.random.default_rng(seed)
+    for rnd in range(-max(warmup, 1), repeats):
+        for k in order_rng.permutation(m):  # no shape always follows the same one
+            c = profile_layers(model.layers, [batches[k]], repeats=1, warmup=0, device=device)
+            if rnd >= 0:
+                samples_f[rnd, :, k], samples_b[rnd, :, k] = c.forward_s[:, 0], c.backward_s[:, 0]
+                mem[:, k], boundary[k] = c.memory_bytes[:, 0], c.boundary_bytes[0]
+        if progress is not None and rnd >= 0:
+            progress(rnd + 1, repeats)
+    return LayerCosts(samples_f.min(axis=0), samples_b.min(axis=0), mem, boundary)
+
+
+def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, packed: bool = True,
+                  tiles=DEFAULT_TILES, num_stages: int = 1, repeats: int = 3, warmup: int = 1, device="cpu", seed: int = 0,
+                  progress=None) -> Profile:
+    """Measure ``model`` (a `dynabatch.pipeline.LayeredModel`) layer by layer on this device: a `Profile`.
 
     ``rows``, ``lengths`` (main-stack tokens) and ``target_lengths`` (decoder tokens; encoder-decoder
-    models only, default (8, 16, 32)) are strictly increasing grids. Returns the table and the stage
-    bounds used (``(0, n_layers)`` for one stage). ``progress(done, total)`` is called per round
-    over the grid.
+    models only, default (8, 16, 32)) are strictly increasing grids of padded micro-batches (full rows:
+    every grid point computes exactly rows x length tokens). With ``packed`` a decoder-only model is also
+    measured on packed micro-batches (varlen), and a vision-language model on micro-batches with ``tiles``
+    image tiles (none: ``tiles=()``).
+    With ``num_stages > 1`` the layers are split by `balanced_partition` over everything measured.
+    ``progress(done, total)`` is called per round.
     """
     import torch
 
-    from ..models.partition import LayerCosts, balanced_partition
-    from .layers import profile_layers
+    from ..models.partition import balanced_partition
     from ..models.spec import MicroBatchShape
 
     enc_dec = model.kind == "encoder_decoder"
@@ -65,56 +144,110 @@ def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
         raise ValueError("a decoder-only model has no target lengths (use the default)")
     model.to(device)
     gen = torch.Generator().manual_seed(seed)
-    grid = [(r, L, T) for r in rows for L in lengths for T in tgrid]
-    batches = []
-    for r, L, T in grid:
-        batch = model.random_batch(MicroBatchShape("padded", r, L, T), gen)
-        batch.pop("attention_mask", None)  # full rows: every grid point computes exactly r x L tokens
-        batch.pop("decoder_attention_mask", None)
+    shapes = [MicroBatchShape("padded", r, L, T) for r in rows for L in lengths for T in tgrid]
+    shapes += _extra_shapes(model, rows, lengths, packed, tiles)
+    batches, sample_lengths = [], []
+    for shape in shapes:
+        batch = model.random_batch(shape, gen)
+        if not shape.packed and not shape.tiles:
+            batch.pop("attention_mask", None)  # full rows: every grid point computes exactly r x L tokens
+            batch.pop("decoder_attention_mask", None)
         batches.append(batch)
-    # Rounds over the whole grid in a shuffled order (not repeats of one shape back to back), so slow
-    # drift or a noisy moment spreads over all shapes instead of biasing one; the first round warms up.
-    samples_f = np.zeros((repeats, len(model.layers), len(grid)))
-    samples_b = np.zeros_like(samples_f)
-    mem = np.zeros((len(model.layers), len(grid)))
-    order_rng = np.random.default_rng(seed)
-    for rnd in range(-max(warmup, 1), repeats):
-        for k in order_rng.permutation(len(batches)):  # no shape always follows the same one
-            batch = batches[k]
-            c = profile_layers(model.layers, [batch], repeats=1, warmup=0, device=device)
-            if rnd >= 0:
-                samples_f[rnd, :, k], samples_b[rnd, :, k] = c.forward_s[:, 0], c.backward_s[:, 0]
-                mem[:, k] = c.memory_bytes[:, 0]
-        if progress is not None and rnd >= 0:
-            progress(rnd + 1, repeats)
-    # the minimum, not the mean: on a shared machine timing noise only ever adds time
-    fwd, bwd = samples_f.min(axis=0), samples_b.min(axis=0)
-    costs = LayerCosts(fwd, bwd, mem)
-    bounds = (0, len(model.layers))
-    if num_stages > 1:
-        bounds = balanced_partition(costs, num_stages).bounds
+        cu = batch.get("cu_seqlens")
+        sample_lengths.append(None if cu is None else tuple(int(x) for x in np.diff(cu.numpy())))
+    costs = _measure(model, batches, repeats, warmup, device, seed, progress)
+    bounds = balanced_partition(costs, num_stages).bounds if num_stages > 1 else (0, len(model.layers))
     b = np.asarray(bounds)
-    stage_t = np.add.reduceat(fwd + bwd, b[:-1], axis=0)  # [S, G]
-    stage_m = np.add.reduceat(mem, b[:-1], axis=0)
-    slow = np.argmax(stage_t, axis=0)
-    t = stage_t[slow, np.arange(len(grid))]
-    m = stage_m.max(axis=0)
-    shape = (len(rows), len(lengths), len(tgrid))
-    table = ProfiledTable(np.asarray(rows), np.asarray(lengths), np.asarray(tgrid), t.reshape(shape), m.reshape(shape))
-    return table, tuple(int(x) for x in bounds)
+    stage_t = np.add.reduceat(costs.forward_s + costs.backward_s, b[:-1], axis=0)  # [S, micro-batches]
+    t = stage_t[np.argmax(stage_t, axis=0), np.arange(len(shapes))]
+    m = np.add.reduceat(costs.memory_bytes, b[:-1], axis=0).max(axis=0)
+    g = len(rows) * len(lengths) * len(tgrid)
+    grid = (len(rows), len(lengths), len(tgrid))
+    table = ProfiledTable(np.asarray(rows), np.asarray(lengths), np.asarray(tgrid), t[:g].reshape(grid),
+                          m[:g].reshape(grid))
+    return Profile(table, tuple(int(x) for x in bounds), tuple(shapes), tuple(sample_lengths), t, m, costs)
+
+
+def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
+                  repeats: int = 3, warmup: int = 1, device="cpu", seed: int = 0,
+                  progress=None) -> tuple[ProfiledTable, tuple[int, ...]]:
+    """The padded grid of `profile_model` alone (no packed or image micro-batches): the `ProfiledTable`
+    (seconds, bytes) and the stage bounds used (``(0, n_layers)`` for one stage)."""
+    prof = profile_model(model, rows=rows, lengths=lengths, target_lengths=target_lengths, packed=False, tiles=(),
+                         num_stages=num_stages, repeats=repeats, warmup=warmup, device=device, seed=seed,
+                         progress=progress)
+    return prof.table, prof.bounds
+
+
+def _features(cost: CostModel, prof: Profile, idx) -> np.ndarray:
+    """Cost-model features [len(idx), NUM_FEATURES] of measured micro-batches ``idx`` of ``prof``."""
+    rows = []
+    for k in idx:
+        shape, lens = prof.shapes[k], prof.lengths[k]
+        if lens is not None:
+            z = np.zeros(len(lens))
+            rows.append(cost.packed_features(np.asarray(lens), z, z, z.astype(np.int64))[0])
+        else:
+            rows.append(cost.padded_features(shape.rows, shape.input_len, shape.target_len, shape.tiles)[0])
+    return np.array(rows)
+
+
+def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: DeviceProfile | str | None = None,
+                      pad_multiple: int = 8) -> CostModel:
+    """The `CostModel` of one stage of ``model`` from the measurements ``prof``: padded micro-batches are
+    looked up in ``prof.table`` (`CostModel.profiled`), packed ones priced by coefficients fitted to the
+    measured packed micro-batches (the table's fit when none were measured). A vision-language model's
+    table cannot hold image tiles, so its coefficients are fitted to every measured micro-batch, with
+    and without tiles, and it keeps no table. The model config is one stage's share of the layers
+    (`stage_cost_model`); the device profile (the analytic prior) defaults to the preset closest to ``device``."""
+    from ...core.cost.fit import fit_relative
+    from .microbatches import stage_cost_model
+
+    dev = device_preset(device_profile) if isinstance(device_profile, str) else (device_profile or _device_profile(device))
+    cfg = stage_cost_model(model, len(prof.bounds) - 1, dev).model
+    if cfg.kind == "vision_language":
+        cm, idx = CostModel(cfg, dev, pad_multiple=pad_multiple), np.arange(len(prof.shapes))
+    else:
+        cm, idx = CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple), prof.extra
+    if len(idx):
+        phi, w = _features(cm, prof, idx), np.ones(len(idx))
+        cm.time_coef = fit_relative(phi, prof.time_s[idx], w, cm.time_coef, 1e-6)
+        cm.mem_coef = fit_relative(phi, prof.memory_bytes[idx], w, cm.mem_coef, 1e-6)
+    return cm
 
 
 def profile_cost_model(model, *, num_stages: int = 1, device="cpu", device_profile: DeviceProfile | str | None = None,
                        pad_multiple: int = 8, **kw) -> CostModel:
-    """`CostModel.profiled` from `profile_table` measurements of ``model`` on ``device``; the model
-    config is scaled to one stage's share of the layers, the device profile (the analytic prior)
-    defaults to the preset closest to ``device``."""
-    table, _ = profile_table(model, num_stages=num_stages, device=device, **kw)
-    cfg = model.config
-    if num_stages > 1:
-        cfg = replace(cfg, layers=cfg.layers / num_stages, decoder_layers=cfg.decoder_layers / num_stages)
-    dev = device_preset(device_profile) if isinstance(device_profile, str) else (device_profile or _device_profile(device))
-    return CostModel.profiled(table, cfg, dev, pad_multiple=pad_multiple)
+    """`fitted_cost_model` of `profile_model` measurements of ``model`` on ``device`` (``kw``: its grids,
+    ``repeats``, ``seed``, ``progress``)."""
+    prof = profile_model(model, num_stages=num_stages, device=device, **kw)
+    return fitted_cost_model(prof, model, device=device, device_profile=device_profile, pad_multiple=pad_multiple)
+
+
+def save_profile(path, cost: CostModel, layer_costs) -> None:
+    """Write ``cost`` as `CostModel.save` does, with the per-layer costs (`LayerCosts`, seconds and bytes)
+    beside it under ``layer_costs``: one file that `CostModel.load` (the DataLoader and the planner) and
+    `load_layer_costs` (the partition search) read."""
+    doc = cost.to_dict()
+    doc[LAYER_COSTS_KEY] = {name: (None if getattr(layer_costs, name) is None else
+                                   np.asarray(getattr(layer_costs, name), np.float64).tolist()) for name in LAYER_FIELDS}
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def load_layer_costs(path):
+    """The per-layer `LayerCosts` a ``dynabatch profile`` file holds (forward and backward seconds, kept
+    activation bytes per layer and measured micro-batch), for `balanced_partition`; ValueError naming
+    the file when it has none (a cost model saved by `CostModel.save`) or is not JSON."""
+    from ..models.partition import LayerCosts
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        part = doc[LAYER_COSTS_KEY]
+        return LayerCosts(*(None if part[name] is None else np.asarray(part[name], np.float64)
+                            for name in LAYER_FIELDS))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: no per-layer costs ({e!r}); write the file with `dynabatch profile` "
+                         "(save_profile), not CostModel.save") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,11 +258,13 @@ def add_profile_command(sub) -> None:
     """Register ``dynabatch profile`` on an argparse subparsers object."""
     from ..models import MODELS
 
-    p = sub.add_parser("profile", help="time micro-batch shapes of a tiny model and save a cost model",
-                       description="Time forward+backward of a grid of padded micro-batch shapes (rows x length "
-                                   "[x target length]) for a tiny trainable model on this machine, build a "
-                                   "profiled cost model (CostModel.profiled) and save it as JSON "
-                                   "(load it with CostModel.load).",
+    p = sub.add_parser("profile", help="time micro-batch shapes of a model and save a cost model",
+                       description="Time forward+backward of every layer of a tiny or Hugging Face model on this "
+                                   "machine over a grid of padded micro-batch shapes (rows x length [x target "
+                                   "length]), packed ones (decoder-only models) and ones with image tiles "
+                                   "(vision-language models); save the profiled cost model (load it with "
+                                   "CostModel.load, for the DataLoader and the planner) with the per-layer costs "
+                                   "(load_layer_costs, for the partition search) as JSON.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  dynabatch profile --model gpt-tiny --device cpu --out costs.json\n"
                               "  dynabatch profile --model t5-tiny --rows 1 4 --lengths 32 64 --target-lengths 8 16 "
@@ -143,6 +278,8 @@ def add_profile_command(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="main-stack lengths (tokens)")
     p.add_argument("--target-lengths", type=int, nargs="+", default=None,
                    help="decoder lengths (tokens) for t5-tiny (default 8 16 32)")
+    p.add_argument("--tiles", type=int, nargs="+", default=list(DEFAULT_TILES),
+                   help="image tiles per micro-batch for vision-language models (default 1 2 4)")
     p.add_argument("--stages", type=int, default=1, help="pipeline stages: record the slowest stage (default 1)")
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size")
     p.add_argument("--layers", type=int, default=None, help="override the number of (encoder) layers")
@@ -183,7 +320,8 @@ def _cmd_profile(args) -> int:
         over["hidden"] = args.hidden
     if args.layers:
         over["layers" if args.model == "gpt-tiny" else "encoder_layers"] = args.layers
-    for name, grid in (("rows", args.rows), ("lengths", args.lengths), ("target-lengths", args.target_lengths)):
+    for name, grid in (("rows", args.rows), ("lengths", args.lengths), ("target-lengths", args.target_lengths),
+                       ("tiles", args.tiles)):
         if grid is not None and (len(grid) == 0 or any(b <= a for a, b in zip(grid[:-1], grid[1:])) or min(grid) < 1):
             print(f"dynabatch profile: error: --{name} must be positive and strictly increasing", file=sys.stderr)
             return 2
@@ -198,14 +336,21 @@ def _cmd_profile(args) -> int:
         print(f"\rprofiling {args.model} on {args.device}: round {done}/{total} over the grid", end="",
               file=sys.stderr, flush=True)
 
-    cost = profile_cost_model(model, num_stages=args.stages, device=args.device, rows=args.rows, lengths=args.lengths,
-                              target_lengths=args.target_lengths, repeats=args.repeats, seed=args.seed,
-                              progress=progress)
+    try:
+        prof = profile_model(model, num_stages=args.stages, device=args.device, rows=args.rows, lengths=args.lengths,
+                             target_lengths=args.target_lengths, tiles=args.tiles, repeats=args.repeats, seed=args.seed,
+                             progress=progress)
+    except ValueError as e:  # e.g. no length holds an image tile
+        print(f"\ndynabatch profile: error: {e}", file=sys.stderr)
+        return 2
     print(file=sys.stderr)
-    cost.save(args.out)
-    t = cost.table
-    print(f"{args.model} on {args.device}: {len(t.rows) * len(t.main_len) * len(t.dec_len)} shapes in "
-          f"{time.perf_counter() - t0:.1f} s, written to {args.out}")
+    cost = fitted_cost_model(prof, model, device=args.device)
+    save_profile(args.out, cost, prof.layer_costs)
+    t = prof.table
+    extra = len(prof.extra)
+    print(f"{args.model} on {args.device}: {len(prof.shapes)} shapes ({t.time_s.size} padded"
+          + (f", {extra} {'with image tiles' if model.kind == 'vision_language' else 'packed'}" if extra else "")
+          + f") in {time.perf_counter() - t0:.1f} s, written to {args.out}")
     print("ms per micro-batch (fwd+bwd), rows x length" + (" (first target length)" if len(t.dec_len) > 1 else "") + ":")
     print("rows\\len " + " ".join(f"{int(x):>8d}" for x in t.main_len))
     for i, r in enumerate(t.rows):
