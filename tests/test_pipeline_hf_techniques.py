@@ -11,7 +11,7 @@ sizes and the LLaVA vision bypass.
 from __future__ import annotations
 
 import copy
-import json
+import itertools
 import socket
 import sys
 from pathlib import Path
@@ -71,24 +71,25 @@ def test_one_stage_flush_free_with_prediction_equals_synchronous(one_thread):
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline
     from dynabatch.pipeline.models.hf import from_hf
 
+    old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         with init_pipeline(1, rank=0, world_size=1, master_port=_port(), timeout_s=60) as ctx:
-            runs = {}
+            runs, start = {}, {}
             for mode in ("sync", "predict", "stash"):
                 model = from_hf(build(decoder_config("llama", tie_word_embeddings=True), seed=2))
                 cfg = RunnerConfig(schedule="1f1b", flush=mode == "sync",
                                    weight_prediction=None if mode == "sync" else mode)
                 runner = PipelineRunner.from_model(model, ctx, [0, len(model.layers)], cfg)
-                start = [p.detach().clone() for p in runner.parameters()]
+                start[mode] = [p.detach().clone() for p in runner.parameters()]
                 opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, eps=1e-4)
                 data = _steps(model, 3, seed=3)
                 res = runner.run_steps([(s, b) for s, b, _ in data], optimizer=opt, num_tokens=[n for *_, n in data])
                 runs[mode] = ([r.loss for r in res], [p.detach().clone() for p in runner.parameters()])
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(old)
     sync_loss, sync_w = runs["sync"]
-    assert not any(torch.equal(a, b) for a, b in zip(start, sync_w))  # every weight trained (the tie included)
+    assert not any(torch.equal(a, b) for a, b in zip(start["sync"], sync_w))  # every weight trained (the tie included)
     for mode in ("predict", "stash"):
         loss, w = runs[mode]
         assert loss == sync_loss, mode
@@ -210,14 +211,8 @@ def test_partition_search_on_the_profiled_layers(llama_profile):
         want = [per_layer[b[s]:b[s + 1]].sum() for s in range(stages)]
         assert np.allclose(split.stage_busy_s, want, rtol=1e-12), (split, want)
         assert split.makespan_s == pytest.approx(partition_makespan(costs, b))
-        others = [partition_makespan(costs, (0, *c, 5)) for c in _cuts(5, stages)]
+        others = [partition_makespan(costs, (0, *c, 5)) for c in itertools.combinations(range(1, 5), stages - 1)]
         assert split.makespan_s <= min(others) + 1e-15
-
-
-def _cuts(n: int, stages: int):
-    import itertools
-
-    return itertools.combinations(range(1, n), stages - 1)
 
 
 def test_profile_of_llava_measures_image_tiles(one_thread, tmp_path):
@@ -364,6 +359,7 @@ def _llava_case(ctx) -> dict:
     from dynabatch.pipeline.models.hf import from_hf, hf_reference_step
 
     bounds = [0, 4, 8]
+    old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         hf = build(llava_config(), seed=1)
@@ -397,7 +393,7 @@ def _llava_case(ctx) -> dict:
                         "labels": sorted({e.label.split()[0] for e in rec.events}), "entry": runner.entries(shapes).tolist(),
                         "loss": res.loss, "ref_loss": ref_loss, "diff": diff, "scale": scale})
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(old)
     return {"steps": out, "stage": ctx.stage}
 
 
