@@ -33,6 +33,7 @@ def config_from_payload(cls, payload: dict):
     for name, value in payload.items():
         if name.startswith("_"):
             continue
-        kind = kinds.get(name, "")
-        out[name] = PlanOptions.from_dict(value) if kind == "PlanOptions" else tuple(value) if kind == "tuple" else value
+        kind = kinds.get(name, "")  # an unknown name reaches cls, which refuses it
+        out[name] = (PlanOptions.from_dict(value) if kind == "PlanOptions"
+                     else tuple(value) if kind == "tuple" else value)
     return cls(**out)
