@@ -6,6 +6,7 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 (`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
 """
 
+from ._lazy import lazy_names
 from .core.batchplan import BatchPlan, MicroBatch
 from .core.plan.bounds import iteration_lower_bound, objective_lower_bound
 from .core.cost.model import (
@@ -58,9 +59,4 @@ _LAZY = {
 __all__ += sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)

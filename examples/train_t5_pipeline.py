@@ -3,7 +3,7 @@ FLAN-like data over 2 pipeline stages (2 local processes, gloo on CPU), fed by `
 run by `dynabatch.pipeline.PipelineRunner`, with the planner's cost model refit online from the
 measured micro-batch times by the loader's `dynabatch.core.plan.feedback.FeedbackLoop`:
 
-    loader = DataLoader(..., cost_model=cost, feedback=FeedbackLoop(cost))
+    loader = DataLoader(..., costing=Costing(cost_model=cost), feedback=FeedbackLoop(cost))
     for step in loader.steps():
         result = runner.step(batch_shapes(step), step, optimizer=optimizer)
         loader.feedback(result)

@@ -30,44 +30,60 @@ _BY_SUFFIX = {
 _HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-class JsonlSource(Source):
+class _FileSource(Source):
+    """Files of one format read by ``_reader`` (class attribute) over ``expand_paths(paths, _suffixes)``;
+    ``columns`` limits the columns read (columnar formats only)."""
+
+    _reader: type
+    _suffixes: tuple[str, ...]
+    _columnar = False
+
+    def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
+        self._open(paths, None, storage_options, cache_dir, options)
+
+    def _open(self, paths, columns, storage_options, cache_dir, options) -> None:
+        storage = Storage(storage_options, cache_dir)
+        files = expand_paths(paths, self._suffixes, storage)
+        reader = self._reader(files, columns, storage) if self._columnar else self._reader(files, storage)
+        Source.__init__(self, reader, **options)
+
+
+class JsonlSource(_FileSource):
     """JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.jsonl.bz2``); ``paths`` is a path, glob,
     ``{000..009}`` pattern, folder, URL (``s3://...``), or a list of them. ``storage_options``: the
     fsspec file system's keywords for URLs; ``cache_dir``: keep local copies of remote files there
     (see `loaders.Storage`). Other options: see ``Source``."""
 
-    def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
-        storage = Storage(storage_options, cache_dir)
-        super().__init__(JsonlReader(expand_paths(paths, JSONL_SUFFIXES, storage), storage), **options)
+    _reader, _suffixes = JsonlReader, JSONL_SUFFIXES
 
 
-class JsonSource(Source):
+class JsonSource(_FileSource):
     """``.json`` files holding one array of records (e.g. LLaVA), parsed whole into memory;
     ``storage_options``/``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
-        storage = Storage(storage_options, cache_dir)
-        super().__init__(JsonArrayReader(expand_paths(paths, JSON_SUFFIXES, storage), storage), **options)
+    _reader, _suffixes = JsonArrayReader, JSON_SUFFIXES
 
 
-class ParquetSource(Source):
+class _ColumnarSource(_FileSource):
+    _columnar = True
+
+    def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
+                 cache_dir: str | None = None, **options):
+        self._open(paths, columns, storage_options, cache_dir, options)
+
+
+class ParquetSource(_ColumnarSource):
     """Parquet files, read by row group; ``columns`` limits the columns read; ``storage_options``/
     ``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
-                 cache_dir: str | None = None, **options):
-        storage = Storage(storage_options, cache_dir)
-        super().__init__(ParquetReader(expand_paths(paths, PARQUET_SUFFIXES, storage), columns, storage), **options)
+    _reader, _suffixes = ParquetReader, PARQUET_SUFFIXES
 
 
-class ArrowSource(Source):
+class ArrowSource(_ColumnarSource):
     """Arrow IPC files or streams (memory-mapped), read by record batch; ``storage_options``/
     ``cache_dir`` as for `JsonlSource`."""
 
-    def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
-                 cache_dir: str | None = None, **options):
-        storage = Storage(storage_options, cache_dir)
-        super().__init__(ArrowIPCReader(expand_paths(paths, ARROW_SUFFIXES, storage), columns, storage), **options)
+    _reader, _suffixes = ArrowIPCReader, ARROW_SUFFIXES
 
 
 class WebDatasetSource(Source):

@@ -174,3 +174,26 @@ def test_pad_rows_kernel_matches_numpy_reference():
         values, am = _rows(flat, lengths, L, -7, True)
         assert np.array_equal(values, _dense(flat, mask, -7))
         assert np.array_equal(am, mask.astype(np.int64))
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+def test_flat_ids_slices_collate_like_their_samples(family):
+    # a loader that gathered a whole step's ids hands each micro-batch over as a FlatIds of slices
+    from dynabatch.loader.collate import FlatIds, flat_ids
+
+    if family == "decoder":
+        samples = [dec([1, 2, 3], [X, 2, 3]), dec([4, 5], [4, 5]), dec([6, 7, 8, 9], [X, X, 8, 9])]
+    else:
+        samples = [encdec([1, 2, 3], [7, 8]), encdec([4], [9, 10, 11]), encdec([5, 6], [12])]
+    step = flat_ids(samples * 2, family)  # the step: this micro-batch's samples follow another's
+    n, cut = len(samples), int(step.lengths[:3].sum())
+    scut = int(step.second_lengths[:3].sum())
+    part = FlatIds(step.ids[cut:], step.lengths[n:], step.second[scut:], step.second_lengths[n:])
+    for collate, kw in ((collate_padded, {"pad_to_multiple_of": 4}), (collate_padded, {"rows": [0, 1, 0]}),
+                        (collate_packed, {})):
+        want, got = collate(samples, family=family, **kw), collate(part, family=family, **kw)
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k], k
+    with pytest.raises(ValueError, match="family must be"):
+        collate_padded(part, family="encoder")

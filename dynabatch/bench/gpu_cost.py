@@ -24,10 +24,9 @@ import numpy as np
 
 def flan_microbatches(cfg, data, index, cost, count: int) -> list[dict]:
     """The first ``count`` micro-batches ``dp`` plans from the bench data with ``cost``."""
-    import dynabatch
+    from .gpu_setup import bench_loader
 
-    loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), source=dynabatch.DataSource(index=index, mode="indexed"),
-        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0))
+    loader = bench_loader(cfg, data, index, cost)
     out: list[dict] = []
     try:
         for step in loader.steps():

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .gpu_setup import SKIP_NO_CUDA, sync
+from .gpu_setup import SKIP_NO_CUDA, bench_loader, sync
 
 LR_FACTORS = (1.0, 0.3)
 
@@ -62,13 +62,11 @@ def multimodel_section(ctx, cfg, factory, data, index, cost, *, tick=None) -> di
     import torch
 
     from ..pipeline import MultiModelRunner, PipelineRunner, RunnerConfig, batch_shapes
-    import dynabatch
 
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        loader = dynabatch.DataLoader(list(data), options=cfg.options("dp"), source=dynabatch.DataSource(index=index, mode="indexed"),
-        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0))
+        loader = bench_loader(cfg, data, index, cost)
         try:
             steps = [s for s, _ in zip(loader.steps(), range(cfg.multimodel_steps))]
             collation = loader.collation

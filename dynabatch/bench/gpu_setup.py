@@ -86,6 +86,20 @@ def bench_config(device: str, *, quick: bool = False, **over) -> GpuBenchConfig:
     return replace(cfg, **over)
 
 
+def bench_loader(cfg: GpuBenchConfig, data, index: str, cost, *, options: PlanOptions | None = None,
+                 num_workers: int = 0):
+    """The one `dynabatch.DataLoader` form every section reads the bench data with: indexed mode over
+    the length ``index`` (`prepare_data`), one rank, planned with the cost model ``cost`` and
+    ``options`` (default: ``dp`` on one stage, `GpuBenchConfig.options`); ``num_workers`` tokenizing
+    worker processes (0: in this process). Close it after use."""
+    import dynabatch
+
+    return dynabatch.DataLoader(list(data), options=options or cfg.options("dp"), num_workers=num_workers,
+                                source=dynabatch.DataSource(index=index, mode="indexed"),
+                                costing=dynabatch.Costing(cost_model=cost),
+                                runtime=dynabatch.Runtime(world_size=1, rank=0))
+
+
 def prepare_data(cfg: GpuBenchConfig, tmp: str) -> tuple[tuple, str]:
     """(data files, length index path): ``cfg.data``, else the shared FLAN sample on a GPU run, else
     generated FLAN-like records (`dynabatch.datagen`); the index built once for every arm."""

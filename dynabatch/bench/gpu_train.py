@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .gpu_setup import SKIP_NO_CUDA, real_tokens, sync
+from .gpu_setup import SKIP_NO_CUDA, bench_loader, real_tokens, sync
 
 GPU_METHODS = ("dp", "dp_varlen", "pack", "token_budget", "pad")
 #: the planner's method of each arm where it differs from its name: a Hugging Face model must not attend
@@ -40,16 +40,12 @@ class Arm:
     def __init__(self, ctx, cfg, factory, data, index, method: str, cost, *, options=None, recompute="auto"):
         import torch
 
-        import dynabatch
         from ..pipeline import PipelineRunner, RunnerConfig
 
         self.cfg, self.method = cfg, method
         model = factory.fresh()
         options = options or cfg.options(PLANNER_METHOD.get(method, method))
-        self.loader = dynabatch.DataLoader(list(data), options=options,
-                                           source=dynabatch.DataSource(index=index, mode="indexed"),
-        costing=dynabatch.Costing(cost_model=cost), runtime=dynabatch.Runtime(world_size=1, rank=0),
-                                           num_workers=cfg.loader_workers)
+        self.loader = bench_loader(cfg, data, index, cost, options=options, num_workers=cfg.loader_workers)
         self._it = iter(self.loader.steps())
         self.runner = PipelineRunner.from_model(model, ctx, [0, len(model.layers)],
                                                 config=RunnerConfig(schedule="1f1b", recompute=recompute))

@@ -40,11 +40,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..core.options import PlanOptions
+from .payload import config_from_payload, config_payload
 from .progress import add_progress_option, rank_tick, show_progress, watch_ticks
 
 #: learning-rate multipliers of the K models (a sweep around ``lr``); K <= len(LR_FACTORS)
@@ -80,14 +81,11 @@ class MultiBenchConfig:
 
     def to_payload(self) -> dict:
         """A JSON-able dict for the worker processes (`from_payload` reads it back)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(options=self.options.to_dict(), data=list(self.data), ks=list(self.ks))
-        return d
+        return config_payload(self)
 
     @classmethod
     def from_payload(cls, d: dict) -> "MultiBenchConfig":
-        return cls(**{**d, "options": PlanOptions.from_dict(d["options"]), "data": tuple(d["data"]),
-                      "ks": tuple(d["ks"])})
+        return config_from_payload(cls, d)
 
 
 def _sizes(cfg: MultiBenchConfig) -> dict:
@@ -371,27 +369,19 @@ def _cmd_bench_multimodel(args) -> int:
 
     from .train_report import sizes_from_args
 
-    try:
-        sizes = sizes_from_args(args)
-    except ValueError as e:
-        print(f"dynabatch bench multimodel: {e}", file=sys.stderr)
-        return 2
-    options = default_multimodel_options().replace(num_stages=args.stages, global_batch_tokens=args.global_batch_tokens,
-                                                   max_len=args.max_len, max_target_len=args.max_target_len,
-                                                   seed=args.seed)
-    cfg = MultiBenchConfig(model=args.model, ks=tuple(args.k), data=tuple(args.data or ()), options=options,
-                           steps=args.steps, warmup=args.warmup, lr=args.lr, budget_shards=args.budget_shards,
-                           interleave=not args.no_interleave, timeout_s=args.timeout,
-                           model_sizes=sizes)
-    try:
+    try:  # bad sizes, options or settings: one line naming the command, exit 2
+        options = default_multimodel_options().replace(
+            num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
+            max_target_len=args.max_target_len, seed=args.seed)
+        cfg = MultiBenchConfig(model=args.model, ks=tuple(args.k), data=tuple(args.data or ()), options=options,
+                               steps=args.steps, warmup=args.warmup, lr=args.lr, budget_shards=args.budget_shards,
+                               interleave=not args.no_interleave, timeout_s=args.timeout,
+                               model_sizes=sizes_from_args(args))
         result = run_multimodel_bench(cfg, progress=show_progress(args))
     except ValueError as e:
         print(f"dynabatch bench multimodel: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, default=float))
-    else:
-        print(format_multimodel(result))
+    print(json.dumps(result, default=float) if args.json else format_multimodel(result))
     return 0
 
 

@@ -38,12 +38,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..core.options import PlanOptions
+from .payload import config_from_payload, config_payload
 from .progress import rank_tick, watch_ticks
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table, timer_noise)
@@ -98,15 +99,11 @@ class TrainBenchConfig:
 
     def to_payload(self) -> dict:
         """A JSON-able dict (to send to worker processes); `from_payload` reads it back."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(options=self.options.to_dict(), data=list(self.data), methods=list(self.methods))
-        return d
+        return config_payload(self)
 
     @classmethod
     def from_payload(cls, d: dict) -> "TrainBenchConfig":
-        d = {k: v for k, v in d.items() if not k.startswith("_")}
-        return cls(**{**d, "options": PlanOptions.from_dict(d["options"]), "data": tuple(d["data"]),
-                      "methods": tuple(d["methods"])})
+        return config_from_payload(cls, d)
 
 
 def default_data(root: Path | None = None) -> tuple:

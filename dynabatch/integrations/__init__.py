@@ -10,6 +10,8 @@ Nothing here is imported by ``import dynabatch``; names load on first use, so `s
 does not import ``transformers``.
 """
 
+from .._lazy import lazy_names
+
 _LAZY = {
     "step_backward": "accumulation", "model_loss": "accumulation", "step_target_tokens": "accumulation",
     "DynabatchTrainer": "hf", "LOADER_STATE_NAME": "hf", "steps_in_epoch": "hf", "training_schedule": "hf",
@@ -17,9 +19,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)

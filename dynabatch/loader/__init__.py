@@ -9,6 +9,8 @@ the states, `collective` lets streaming ranks agree, `pixels` loads image tiles.
 
 Names are imported lazily (torch is only needed once the loader is used)."""
 
+from .._lazy import lazy_names
+
 _NAMES = {
     "DataLoader": "dataloader", "build_index": "dataloader", "Step": "step", "LoaderSettings": "settings",
     "Tokenization": "settings", "DataSource": "settings", "Costing": "settings", "Runtime": "settings",
@@ -18,9 +20,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _NAMES)

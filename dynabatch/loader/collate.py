@@ -28,6 +28,7 @@ normalization (`step_target_tokens`) needs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -153,8 +154,51 @@ def _first_masked(lab: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> n
     return lab
 
 
+def _check_family(family: str) -> None:
+    if family not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+
+
+@dataclass(frozen=True)
+class FlatIds:
+    """A micro-batch's samples as concatenated int64 ids, the input of both collations.
+
+    ``ids``/``lengths``: the samples' input ids one after another and their lengths (tokens);
+    ``second``/``second_lengths``: their labels (decoder-only, aligned with the input ids) or
+    target ids (encoder-decoder). A loader that gathers a whole step's ids at once slices them
+    into one `FlatIds` per micro-batch instead of building per-sample arrays."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    second: np.ndarray
+    second_lengths: np.ndarray
+
+
+def flat_ids(samples: Sequence, family: str) -> FlatIds:
+    """The `FlatIds` of `EncodedSample` s: labels (input ids where a sample has none) for
+    ``family="decoder"``, target ids for ``"encoder_decoder"``."""
+    _check_family(family)
+    ids, lengths, _ = _flatten([s.input_ids for s in samples])
+    if family == "decoder":
+        return FlatIds(ids, lengths, _flatten(_labels_of(samples))[0], lengths)
+    second, second_lengths, _ = _flatten([s.target_ids for s in samples])
+    return FlatIds(ids, lengths, second, second_lengths)
+
+
+def _as_flat(samples: Sequence | FlatIds, family: str) -> FlatIds:
+    _check_family(family)
+    return samples if isinstance(samples, FlatIds) else flat_ids(samples, family)
+
+
+def _targets(flat: FlatIds, pad_id: int, decoder_start_token_id: int | None):
+    """Encoder-decoder target side: (decoder start id, target ids int64, their lengths, their starts)."""
+    start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
+    tlen = np.asarray(flat.second_lengths, np.int64)
+    return start_id, np.asarray(flat.second, np.int64), tlen, np.cumsum(tlen) - tlen
+
+
 def collate_padded(
-    samples: Sequence,
+    samples: Sequence | FlatIds,
     *,
     family: str = "decoder",
     pad_id: int = 0,
@@ -165,7 +209,7 @@ def collate_padded(
     rows: Sequence[int] | np.ndarray | None = None,
     mask_first_label: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded batch of `EncodedSample` s (int64 tensors).
+    """Right-padded batch of `EncodedSample` s (or their `FlatIds`), as int64 tensors.
 
     ``input_len``/``target_len`` (tokens) pad to at least these lengths (the plan's padded shape);
     otherwise the longest row is rounded up to ``pad_to_multiple_of``. Decoder-only: ``input_ids``,
@@ -177,41 +221,10 @@ def collate_padded(
     a model can tell the samples of a row apart (`dynabatch.pipeline.segment_ids`). See the module
     docstring for the label rule.
     """
-    if family not in ("decoder", "encoder_decoder"):
-        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
-    flat, lengths, _ = _flatten([s.input_ids for s in samples])
-    if family == "decoder":
-        second, slen = _flatten(_labels_of(samples))[0], lengths
-    else:
-        second, slen, _ = _flatten([s.target_ids for s in samples])
-    return collate_padded_flat(flat, lengths, second, slen, family=family, pad_id=pad_id,
-                               pad_to_multiple_of=pad_to_multiple_of, input_len=input_len, target_len=target_len,
-                               decoder_start_token_id=decoder_start_token_id, rows=rows,
-                               mask_first_label=mask_first_label)
-
-
-def collate_padded_flat(
-    flat: np.ndarray,
-    lengths: np.ndarray,
-    second: np.ndarray,
-    second_lengths: np.ndarray,
-    *,
-    family: str = "decoder",
-    pad_id: int = 0,
-    pad_to_multiple_of: int = 1,
-    input_len: int | None = None,
-    target_len: int | None = None,
-    decoder_start_token_id: int | None = None,
-    rows: Sequence[int] | np.ndarray | None = None,
-    mask_first_label: bool = True,
-) -> dict[str, torch.Tensor]:
-    """`collate_padded` from concatenated ids: ``flat``/``lengths`` are the samples' input ids and
-    lengths, ``second``/``second_lengths`` their labels (decoder-only, aligned with the input ids)
-    or target ids (encoder-decoder). The output is the same, tensor for tensor."""
-    if family not in ("decoder", "encoder_decoder"):
-        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
+    fl = _as_flat(samples, family)
     mult = max(int(pad_to_multiple_of or 1), 1)
-    lengths = np.asarray(lengths, np.int64)
+    flat, second = np.asarray(fl.ids, np.int64), fl.second
+    lengths = np.asarray(fl.lengths, np.int64)
     out: dict[str, torch.Tensor] = {}
     if rows is None:  # one sample per row: one kernel pass fills values and mask
         L = max(_round_up(int(lengths.max(initial=0)), mult), int(input_len or 0))
@@ -224,17 +237,14 @@ def collate_padded_flat(
                 lab[:, 0] = IGNORE_INDEX  # every sample starts its own row (empty rows are all -100)
             out["labels"] = torch.from_numpy(lab)
             return out
-        start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
-        tlen = np.asarray(second_lengths, np.int64)
-        tstarts = np.cumsum(tlen) - tlen
+        start_id, tflat, tlen, tstarts = _targets(fl, pad_id, decoder_start_token_id)
         T = max(_round_up(int(tlen.max(initial=0)), mult), int(target_len or 0))
-        lab, tmask = _rows(second, tlen, T, IGNORE_INDEX, True)
+        lab, tmask = _rows(tflat, tlen, T, IGNORE_INDEX, True)
         out["labels"] = torch.from_numpy(lab)
-        dec, _ = _rows(_shift_right(np.asarray(second, np.int64), tstarts, start_id), tlen, T, pad_id, False)
+        dec, _ = _rows(_shift_right(tflat, tstarts, start_id), tlen, T, pad_id, False)
         out["decoder_input_ids"] = torch.from_numpy(dec)
         out["decoder_attention_mask"] = torch.from_numpy(tmask)
         return out
-    flat = np.asarray(flat, np.int64)
     starts = np.cumsum(lengths) - lengths
     owner, within = _positions(lengths, starts, len(flat))
     row, col, nrows, longest = _row_layout(lengths, rows)
@@ -247,10 +257,7 @@ def collate_padded_flat(
         lab = _first_masked(second, lengths, starts) if mask_first_label else np.asarray(second, np.int64)
         out["labels"] = torch.from_numpy(_scatter(lab, owner, within, row, col, (nrows, L), IGNORE_INDEX))
         return out
-    start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
-    tflat = np.asarray(second, np.int64)
-    tlen = np.asarray(second_lengths, np.int64)
-    tstarts = np.cumsum(tlen) - tlen
+    start_id, tflat, tlen, tstarts = _targets(fl, pad_id, decoder_start_token_id)
     towner, twithin = _positions(tlen, tstarts, len(tflat))
     trow, tcol, _, tlongest = _row_layout(tlen, rows)
     T = max(_round_up(tlongest, mult), int(target_len or 0))
@@ -274,14 +281,15 @@ def _flash_kwargs(cu: torch.Tensor, longest: int) -> dict:
 
 
 def collate_packed(
-    samples: Sequence,
+    samples: Sequence | FlatIds,
     *,
     family: str = "decoder",
     pad_id: int = 0,
     decoder_start_token_id: int | None = None,
     mask_first_label: bool = True,
 ) -> dict:
-    """All samples in one row, as ``DataCollatorWithFlattening`` (``return_flash_attn_kwargs``) does.
+    """All samples in one row, as ``DataCollatorWithFlattening`` (``return_flash_attn_kwargs``) does;
+    ``samples`` are `EncodedSample` s or their `FlatIds`.
 
     Decoder-only: ``input_ids``, ``labels``, ``position_ids`` (int64, [1, T]) with positions
     restarting at 0 per sample, ``cu_seqlens`` (int32, [n+1]: each sample's start, then T) and
@@ -294,33 +302,9 @@ def collate_packed(
     (shifted right per sample), ``decoder_position_ids``, ``decoder_cu_seqlens`` and
     ``decoder_max_seqlen``; no Hugging Face names (no HF encoder-decoder model reads them).
     """
-    if family not in ("decoder", "encoder_decoder"):
-        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
-    flat, lengths, _ = _flatten([s.input_ids for s in samples])
-    if family == "decoder":
-        second, slen = _flatten(_labels_of(samples))[0], lengths
-    else:
-        second, slen, _ = _flatten([s.target_ids for s in samples])
-    return collate_packed_flat(flat, lengths, second, slen, family=family, pad_id=pad_id,
-                               decoder_start_token_id=decoder_start_token_id, mask_first_label=mask_first_label)
-
-
-def collate_packed_flat(
-    flat: np.ndarray,
-    lengths: np.ndarray,
-    second: np.ndarray,
-    second_lengths: np.ndarray,
-    *,
-    family: str = "decoder",
-    pad_id: int = 0,
-    decoder_start_token_id: int | None = None,
-    mask_first_label: bool = True,
-) -> dict:
-    """`collate_packed` from concatenated ids (see `collate_padded_flat` for the arguments)."""
-    if family not in ("decoder", "encoder_decoder"):
-        raise ValueError(f"family must be 'decoder' or 'encoder_decoder', got {family!r}")
-    flat = np.asarray(flat, np.int64)
-    lengths = np.asarray(lengths, np.int64)
+    fl = _as_flat(samples, family)
+    flat = np.asarray(fl.ids, np.int64)
+    lengths = np.asarray(fl.lengths, np.int64)
     starts = np.cumsum(lengths) - lengths
     cu, longest = torch.from_numpy(np.append(starts, len(flat)).astype(np.int32)), int(lengths.max(initial=0))
     out: dict = {
@@ -330,14 +314,11 @@ def collate_packed_flat(
         "max_seqlen": longest,
     }
     if family == "decoder":
-        lab = _first_masked(second, lengths, starts) if mask_first_label else np.asarray(second, np.int64)
+        lab = _first_masked(fl.second, lengths, starts) if mask_first_label else np.asarray(fl.second, np.int64)
         out["labels"] = torch.from_numpy(lab.reshape(1, -1))
         out.update(_flash_kwargs(cu, longest))
         return out
-    start_id = pad_id if decoder_start_token_id is None else int(decoder_start_token_id)
-    tflat = np.asarray(second, np.int64)
-    tlen = np.asarray(second_lengths, np.int64)
-    tstarts = np.cumsum(tlen) - tlen
+    start_id, tflat, tlen, tstarts = _targets(fl, pad_id, decoder_start_token_id)
     out["labels"] = torch.from_numpy(tflat.reshape(1, -1))
     out["decoder_input_ids"] = torch.from_numpy(_shift_right(tflat, tstarts, start_id).reshape(1, -1))
     out["decoder_position_ids"] = torch.from_numpy(_within(tlen, tstarts, len(tflat)).reshape(1, -1))

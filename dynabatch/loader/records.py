@@ -17,7 +17,7 @@ import torch
 
 from . import pixels as _pixels
 from ..core.batchplan import BatchPlan
-from .collate import IGNORE_INDEX, _flatten, _labels_of, collate_packed_flat, collate_padded_flat, placeholder_batch
+from .collate import IGNORE_INDEX, FlatIds, collate_packed, collate_padded, flat_ids, placeholder_batch
 
 
 @dataclass(frozen=True)
@@ -288,16 +288,6 @@ class ShapeMismatch(Warning):
     other tokenization settings)."""
 
 
-def _flat_of(toks: Sequence[TokSample], family: str):
-    """Concatenated ids of tokenized samples: (input ids, lengths, labels or target ids, lengths)."""
-    encs = [t.enc for t in toks]
-    flat, lengths, _ = _flatten([e.input_ids for e in encs])
-    if family == "decoder":
-        return flat, lengths, _flatten(_labels_of(encs))[0], lengths
-    second, slen, _ = _flatten([e.target_ids for e in encs])
-    return flat, lengths, second, slen
-
-
 def collate_step(step: StepPlan, samples: Mapping[int, TokSample] | None, cfg: CollateConfig,
                  on_mismatch=None, gather=None) -> list[dict]:
     """Collate every micro-batch of a `StepPlan` and attach the metadata keys.
@@ -328,26 +318,25 @@ def collate_step(step: StepPlan, samples: Mapping[int, TokSample] | None, cfg: C
             if gather is not None:
                 a, b = bounds[i], bounds[i + 1]
                 lengths = len_all[a:b]
-                flat = flat_all[ends[a]:ends[b]]
-                second = second_all[sends[a]:sends[b]]
-                slen = lengths if slen_all is len_all else slen_all[a:b]
+                flat = FlatIds(flat_all[ends[a]:ends[b]], lengths, second_all[sends[a]:sends[b]],
+                               lengths if slen_all is len_all else slen_all[a:b])
                 has_vision = False
             else:
                 toks = [samples[int(s)] for s in mb.sample_ids]
-                flat, lengths, second, slen = _flat_of(toks, cfg.family)
+                flat = flat_ids([t.enc for t in toks], cfg.family)
                 has_vision = any(t.vision_tokens for t in toks)
             if cfg.collation == "packed":
-                batch = collate_packed_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
-                                            decoder_start_token_id=cfg.decoder_start_token_id)
+                batch = collate_packed(flat, family=cfg.family, pad_id=cfg.pad_id,
+                                       decoder_start_token_id=cfg.decoder_start_token_id)
             else:
                 # The plan's main length counts vision tokens: without image placeholders the model
                 # inserts them itself, so the text ids are padded to their own longest row; with
                 # placeholders (image_token_id) the ids hold them, and that row is the merged one.
                 want_in = 0 if has_vision else mb.input_len
-                batch = collate_padded_flat(flat, lengths, second, slen, family=cfg.family, pad_id=cfg.pad_id,
-                                            pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,
-                                            target_len=mb.target_len, rows=mb.rows,
-                                            decoder_start_token_id=cfg.decoder_start_token_id)
+                batch = collate_padded(flat, family=cfg.family, pad_id=cfg.pad_id,
+                                       pad_to_multiple_of=cfg.pad_to_multiple_of, input_len=want_in,
+                                       target_len=mb.target_len, rows=mb.rows,
+                                       decoder_start_token_id=cfg.decoder_start_token_id)
                 if on_mismatch is not None and not has_vision and mb.input_len and (
                         batch["input_ids"].shape[1] > mb.input_len
                         or ("decoder_input_ids" in batch and batch["decoder_input_ids"].shape[1] > mb.target_len)):

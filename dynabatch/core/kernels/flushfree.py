@@ -21,19 +21,17 @@ barrier: ``U_k`` on stage ``s`` starts on every rank at once, when the last rank
 reached it (the data-parallel gradient all-reduce of that stage), and lasts ``upd[s]`` seconds.
 Times are seconds.
 
-=====================  ==========================
-kernel                 reference
-=====================  ==========================
-`flushfree_ops`        `flushfree_ops_reference`
-`flushfree_kernel`     `flushfree_reference`
-`stage_loads`          `stage_loads_reference`
-=====================  ==========================
+Each kernel has its plain-Python reference, named with ``_reference`` (`flushfree_ops_reference`,
+`flushfree_reference`, `stage_loads_reference`); the event loop is built from the pieces of
+`dynabatch.core.kernels.simulate`'s (`op_ready`, `worklist`, `requeue`, `place`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from .simulate import op_ready, place, requeue, worklist
 
 #: Return codes of :func:`flushfree_kernel`.
 OK, DEADLOCK = 0, 1
@@ -125,11 +123,7 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
     waiting = np.zeros(R * S, dtype=np.bool_)  # registered at the barrier of its current update
     arrived = np.zeros((S, K), dtype=np.int64)
     latest = np.zeros((S, K))
-    stack = np.empty(R * S, dtype=np.int64)
-    queued = np.ones(R * S, dtype=np.bool_)
-    for i in range(R * S):
-        stack[i] = R * S - 1 - i
-    top = R * S
+    stack, queued, top = worklist(R * S)  # the (rank, stage) op lists that may be able to advance
     remaining = loff[R * S]
     while top > 0:
         top -= 1
@@ -160,51 +154,24 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
                 remaining -= 1
                 advanced = True
                 continue
-            if op > 0:
-                g = base + op - 1
-                kk = 0
-                dur = fwd[s, g]
-                if s == 0:
-                    ready = 0.0
-                else:
-                    e = end[s - 1, g, 0]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[g]
-            else:
-                g = base - op - 1
-                kk = 1
-                dur = bwd[s, g]
-                if s == S - 1:
-                    ready = end[s, g, 0]
-                    if ready == -np.inf:
-                        break
-                else:
-                    e = end[s + 1, g, 1]
-                    if e == -np.inf:
-                        break
-                    ready = e + p2p[g]
-            t0 = max(free[q], ready)
-            start[s, g, kk] = t0
-            end[s, g, kk] = t0 + dur
-            free[q] = t0 + dur
+            # a local micro-batch code, shifted to the flat axis, has simulate's dependency rule
+            g, kk, dur, ready = op_ready(fwd, bwd, p2p, end, s, base + op if op > 0 else op - base)
+            if ready == -np.inf:
+                break
+            free[q] = place(start, end, s, g, kk, max(free[q], ready), dur)
             ptr[q] += 1
             remaining -= 1
             advanced = True
-        if advanced:
-            for nb in (q - 1, q + 1):
-                if s > 0 and nb == q - 1 or s < S - 1 and nb == q + 1:
-                    if not queued[nb] and ptr[nb] < loff[nb + 1]:
-                        stack[top] = nb
-                        top += 1
-                        queued[nb] = True
+        if advanced:  # the op's result may unblock this rank's neighbouring stages
+            if s > 0 and ptr[q - 1] < loff[q]:
+                top = requeue(stack, top, queued, q - 1)
+            if s < S - 1 and ptr[q + 1] < loff[q + 2]:
+                top = requeue(stack, top, queued, q + 1)
         if released >= 0:  # every rank's stage s may pass the barrier now
             for r2 in range(R):
                 nb = r2 * S + s
-                if nb != q and not queued[nb] and ptr[nb] < loff[nb + 1]:
-                    stack[top] = nb
-                    top += 1
-                    queued[nb] = True
+                if nb != q and ptr[nb] < loff[nb + 1]:
+                    top = requeue(stack, top, queued, nb)
     return DEADLOCK if remaining > 0 else OK
 
 

@@ -17,7 +17,9 @@ kernel                 reference
 
 `run_ops` is the event loop of `simulate_kernel` and of `dynabatch.core.kernels.spill`'s kernel,
 whose ops also wait for shard loads (`gated_start`; `op_ready` is the dependency rule); the
-reference's `_sweep` takes a ``start_at`` hook for the same purpose.
+reference's `_sweep` takes a ``start_at`` hook for the same purpose. `op_ready`, `worklist`,
+`requeue` and `place` are also the pieces of the flush-free event loop
+(`dynabatch.core.kernels.flushfree`).
 """
 
 from __future__ import annotations
@@ -155,6 +157,37 @@ def gated_start(s, use, shard, free, ready, copies, state):
 
 
 @njit(cache=True, inline="always")
+def worklist(n):
+    """``(stack, queued, top)`` of an event loop over ``n`` op lists: every list queued, popped in
+    order ``0, 1, ...``. A list only unblocks when another finishes an op, so re-queueing just the
+    lists that op feeds (`requeue`) keeps a simulation O(ops) instead of re-sweeping to a fixpoint."""
+    stack = np.empty(n, dtype=np.int64)
+    queued = np.ones(n, dtype=np.bool_)
+    for i in range(n):
+        stack[i] = n - 1 - i
+    return stack, queued, n
+
+
+@njit(cache=True, inline="always")
+def requeue(stack, top, queued, q):
+    """Push op list ``q`` onto the `worklist` unless it is queued already; returns the new top."""
+    if queued[q]:
+        return top
+    stack[top] = q
+    queued[q] = True
+    return top + 1
+
+
+@njit(cache=True, inline="always")
+def place(start, end, s, j, k, t0, dur):
+    """Record op ``k`` (0 forward / 1 backward) of micro-batch ``j`` on stage ``s`` as running from
+    ``t0`` for ``dur`` seconds; returns its end (when the stage is free again)."""
+    start[s, j, k] = t0
+    end[s, j, k] = t0 + dur
+    return t0 + dur
+
+
+@njit(cache=True, inline="always")
 def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
     """The event loop of `simulate_kernel` and `dynabatch.core.kernels.spill.spill_timing_kernel` over op
     lists ``ops`` (int32 ``[S, 2N]``, shape checked by the caller); fills ``start``/``end`` (float64
@@ -168,14 +201,7 @@ def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
     gated = copies[0].shape[0] == S
     ptr = np.zeros(S, dtype=np.int64)
     free = np.zeros(S)
-    # Worklist of stages that may be able to advance: a stage only becomes unblocked when a
-    # neighbour finishes an op, so re-queueing neighbours after progress keeps this O(S*N)
-    # instead of re-sweeping all stages until a fixpoint.
-    stack = np.empty(S, dtype=np.int64)
-    queued = np.ones(S, dtype=np.bool_)
-    for i in range(S):
-        stack[i] = S - 1 - i
-    top = S
+    stack, queued, top = worklist(S)  # the stages that may be able to advance
     remaining = S * n_ops
     while top > 0:
         top -= 1
@@ -189,18 +215,14 @@ def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
             if ready == -np.inf:
                 break
             t0 = gated_start(s, ptr[s], j // M, free[s], ready, copies, state) if gated else max(free[s], ready)
-            start[s, j, k] = t0
-            end[s, j, k] = t0 + dur
-            free[s] = t0 + dur
+            free[s] = place(start, end, s, j, k, t0, dur)
             ptr[s] += 1
             remaining -= 1
             advanced = True
-        if advanced:
+        if advanced:  # the op's result may unblock a neighbour
             for nb in (s - 1, s + 1):
-                if nb >= 0 and nb < S and not queued[nb] and ptr[nb] < n_ops:
-                    stack[top] = nb
-                    top += 1
-                    queued[nb] = True
+                if nb >= 0 and nb < S and ptr[nb] < n_ops:
+                    top = requeue(stack, top, queued, nb)
     return DEADLOCK if remaining > 0 else OK
 
 

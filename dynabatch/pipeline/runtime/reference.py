@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..models.partition import PipelineStage
+from ..models.reference import token_mean_step
 from ..models.spec import to_device
 
 
@@ -20,15 +21,4 @@ def sequential_step(layers: Sequence[nn.Module], batches: Sequence[dict], *, dev
     if device is not None:
         whole.to(device)
         batches = [to_device(b, torch.device(device)) for b in batches]
-    for p in whole.parameters():
-        p.grad = None
-    total, n = 0.0, 0
-    for b in batches:
-        loss, ntok = whole(None, b)
-        loss.backward()
-        total += float(loss.detach())
-        n += int(ntok)
-    for p in whole.parameters():
-        if p.grad is not None:
-            p.grad.div_(max(n, 1))
-    return total / max(n, 1), n
+    return token_mean_step(whole, batches, lambda b: whole(None, b))

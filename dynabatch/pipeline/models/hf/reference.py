@@ -8,6 +8,7 @@ from typing import Sequence
 
 from torch import nn
 
+from ..reference import token_mean_step
 from .common import summed_cross_entropy
 
 #: Micro-batch keys the Hugging Face model's forward takes (the rest is dynabatch metadata).
@@ -33,16 +34,8 @@ def hf_reference_step(hf_model: nn.Module, batches: Sequence[dict]) -> tuple[flo
     for causal LMs, as the model's loss takes them), backward each, and divide the gradients by all
     real target tokens. Returns (loss per token, target tokens)."""
     seq2seq = bool(getattr(hf_model.config, "is_encoder_decoder", False))
-    for p in hf_model.parameters():
-        p.grad = None
-    total, n = 0.0, 0
-    for b in batches:
-        logits = hf_model(**hf_inputs(b)).logits
-        loss, ntok = summed_cross_entropy(logits, b["labels"], shift=not seq2seq)
-        loss.backward()
-        total += float(loss.detach())
-        n += int(ntok)
-    for p in hf_model.parameters():
-        if p.grad is not None:
-            p.grad.div_(max(n, 1))
-    return total / max(n, 1), n
+
+    def loss_of(b: dict):
+        return summed_cross_entropy(hf_model(**hf_inputs(b)).logits, b["labels"], shift=not seq2seq)
+
+    return token_mean_step(hf_model, batches, loss_of)
