@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from liveness import run_live
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_ranks runs this file by path
+from liveness import run_live  # noqa: E402
 
 LIMIT = 200_000  # activation bytes a stage may hold
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_hf.py"
@@ -76,3 +78,50 @@ def test_example_trains_a_hugging_face_folder_on_two_stages(tmp_path):
         logits = merged(ids).logits
         assert torch.equal(logits, from_parts(ids).logits)
         assert not torch.equal(logits, initial(ids).logits)  # trained: not the saved initial weights
+
+
+def ranks_target(rank, world, port, tag):
+    """A `run_ranks` target (by path): its rank and world back, or a failure on rank 0 for tag 'fail'."""
+    if tag == "fail":
+        raise RuntimeError("rank 0 failed on purpose")
+    return [rank, world, port, tag]
+
+
+def test_run_ranks_joins_torchrun_or_names_a_failed_rank(monkeypatch):
+    """Under torchrun (RANK, WORLD_SIZE, MASTER_PORT set) the target runs in this process with them; alone,
+    a failing rank is a RuntimeError naming it with its error."""
+    from dynabatch.pipeline import run_ranks
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29617")
+    assert run_ranks(f"{__file__}:ranks_target", 2, args=("x",)) == [1, 2, 29617, "x"]
+    monkeypatch.delenv("RANK")
+    with pytest.raises(RuntimeError, match=r"rank 0 of 1 exited with 1:(.|\n)*failed on purpose"):
+        run_ranks(f"{__file__}:ranks_target", 1, args=("fail",))
+
+
+def test_load_stage_reads_only_its_layers(tmp_path):
+    """Stage 1 of 2 of a folder: equal layer counts, only its layers (and the tied embedding its head
+    uses) materialized, equal to the saved weights; bounds that do not fit the pipeline are refused."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from dynabatch.pipeline import load_stage
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    ctx = SimpleNamespace(stage=1, num_stages=2, device=torch.device("cpu"))
+    part = load_stage(tmp_path, ctx)
+    assert part.bounds == (0, 2, 4) and part.layers == range(2, 4)
+    assert all(p.is_meta for p in part.model.layers[1].parameters())
+    named = dict(hf.named_parameters())
+    for i in part.layers:
+        for path, key in part.model.param_keys(i).items():
+            assert torch.equal(part.model.layers[i].get_parameter(path), named[key]), key
+    with pytest.raises(ValueError, match="give 3 stages, the pipeline has 2"):
+        load_stage(tmp_path, ctx, bounds=[0, 1, 2, 4])
