@@ -50,9 +50,9 @@ class BartEmbedding(HFLayer):
                     self._side(dec, self.dec_tokens, self.dec_pos, self.dec_norm, self.rates[1],
                                batch["decoder_position_ids"]), cu, dcu)
         if "position_ids" in batch or "decoder_input_ids" not in batch:
-            raise ValueError(f"{self.model_name} takes padded or packed encoder-decoder micro-batches (collate='padded' "
-                             "or 'packed', family='encoder_decoder'): rows holding several samples would attend across "
-                             "them")
+            raise ValueError(f"{self.model_name} takes padded or packed encoder-decoder micro-batches "
+                             "(collate='padded' or 'packed', family='encoder_decoder'): rows holding several samples "
+                             "would attend across them")
         ids, dec = batch["input_ids"], batch["decoder_input_ids"]
         mask, dmask = batch.get("attention_mask"), batch.get("decoder_attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask.long()

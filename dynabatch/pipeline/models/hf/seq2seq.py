@@ -11,6 +11,11 @@ T5 computes its relative position bias ``[1, heads, L, L]`` once, in block 0, an
 other blocks. Here every block computes it from the bias table (a `tied_parameters` entry: each
 stage holds a copy of it), so only the hidden states and the two [R, L]/[R, T] masks cross a
 stage boundary: nothing quadratic in the length.
+
+Packed micro-batches (``collate='packed'``, one process): the state is ``(encoder hidden [1, N, H],
+decoder hidden [1, Nt, H], cu_seqlens [n + 1], decoder_cu_seqlens [n + 1])`` and every layer adds a
+same-sample predicate to the model's own mask functions (`same_sample`); the bias of the whole row
+is the samples' own within each sample (relative positions do not depend on where a sample starts).
 """
 
 from __future__ import annotations
@@ -139,7 +144,8 @@ class T5Embedding(HFLayer):
     def forward(self, batch: dict) -> tuple:
         if "cu_seqlens" in batch:
             cu, dcu = packed_state(self.model_name, batch, self.attn)
-            return self.enc_drop(self.embed(batch["input_ids"])), self.dec_drop(self.embed(batch["decoder_input_ids"])), cu, dcu
+            enc, dec = self.embed(batch["input_ids"]), self.embed(batch["decoder_input_ids"])
+            return self.enc_drop(enc), self.dec_drop(dec), cu, dcu
         if "position_ids" in batch:
             raise ValueError(f"{self.model_name}: rows holding several samples (collate='packed_rows') would attend "
                              "across samples; use collate='packed' or 'padded'")
