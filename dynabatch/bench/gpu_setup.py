@@ -10,6 +10,8 @@ same initialization. Seconds, tokens, bytes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import contextlib
 import copy
 import os
@@ -103,9 +105,12 @@ def bench_loader(cfg: GpuBenchConfig, data, index: str, cost, *, options: PlanOp
 def prepare_data(cfg: GpuBenchConfig, tmp: str) -> tuple[tuple, str]:
     """(data files, length index path): ``cfg.data``, else the shared FLAN sample on a GPU run, else
     generated FLAN-like records (`dynabatch.datagen`); the index built once for every arm."""
+    from ..datagen import write_text_shards
     from .train import TrainBenchConfig, build_data, default_data
 
     data = tuple(cfg.data) or (default_data() if cfg.cuda else ())
+    if not data:  # generated here: build_data would take the shared sample where present, also on CPU
+        data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", cfg.generated_samples, seed=cfg.seed))
     opts = cfg.options().replace(num_stages=1)
     got = build_data(TrainBenchConfig(model="gpt-tiny", data=data, options=opts), tmp, cfg.generated_samples)
     return tuple(got.data), got.index

@@ -6,7 +6,8 @@ Three subpackages, each importing only the ones listed before it:
   `MicroBatchShape`, parameters shared between layers), the tiny models ``gpt-tiny``, ``t5-tiny`` and
   ``vlm-tiny`` (`make_model`), and the stage split (`balanced_partition`, `split_model` ->
   `PipelineStage`); `models.hf`: users' Hugging Face models as layered models (`from_hf`: Llama-family
-  decoders, T5/BART, LLaVA; each rank loads only its stage; `save_stage`/`merge_stages` checkpoints;
+  decoders, T5/BART, LLaVA; each rank loads only its stage; `save_stage`/`merge_stages` checkpoints,
+  `load_stage` one rank's stage of a folder;
   docs/pipeline_hf.md).
 * `measure`: what is measured. `StepTiming`/`StepResult`, activation bytes (`SavedBytes`,
   `measured_stage_memory`), per-layer costs (`profile_layers`, `search_partition`: one split agreed
@@ -18,7 +19,7 @@ Three subpackages, each importing only the ones listed before it:
   spilled under a device budget: `ShardStore`). Parameters shared between stages (`Ties`) are summed
   over their stages before every update; `Bypass` skips a micro-batch's idle stages; `init_pipeline`
   sets up the process groups, `PipelineAborted` ends every rank when one fails, `launch_local` runs N
-  local ranks.
+  local ranks (`run_ranks`: alone or under torchrun).
 
 See docs/pipeline.md.
 """
@@ -34,8 +35,9 @@ from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistC
                       MultiModelRunner, MultiStepResult, P2P, PipelineAborted, PipelineRunner, Post, ProcResult,
                       ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor, adaptive_orders,
                       build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
-                      run_program, sequential_step, stage_orders, tie_stages)
-from .models.hf import HFLayeredModel, UnsupportedModel, from_hf, hf_reference_step, merge_stages, save_stage
+                      run_program, run_ranks, sequential_step, stage_orders, tie_stages)
+from .models.hf import (HFLayeredModel, HFStage, UnsupportedModel, from_hf, hf_reference_step, load_stage, merge_stages,
+                        save_stage)
 
 __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
@@ -51,3 +53,4 @@ __all__ = [
 ]
 __all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]
 __all__ += ["HFLayeredModel", "UnsupportedModel", "from_hf", "hf_reference_step", "merge_stages", "save_stage"]
+__all__ += ["HFStage", "load_stage", "run_ranks"]

@@ -8,7 +8,7 @@
 * `update`: the step's end written once (loss all-reduce, update, timing gather); `tied`: parameters
   shared between stages; `bypass`: stages a micro-batch skips; `reference`: the one-process step.
 * `comm`: process groups and transfers; `failure`, `waits`, `guard`: no hang when a rank fails;
-  `launch`: run N local ranks.
+  `launch`: run N local ranks (`run_ranks`: the same script alone or under torchrun).
 """
 
 from .bypass import Bypass
@@ -16,7 +16,7 @@ from .comm import CommEvent, CommRecorder, DistContext, P2P, ShapeMismatch, chec
 from .config import RunnerConfig
 from .failure import PipelineAborted
 from .interpreter import Hooks, StageRun, run_program
-from .launch import ProcResult, free_port, launch_local
+from .launch import ProcResult, free_port, launch_local, run_ranks
 from .multimodel import MultiModelRunner, MultiStepResult
 from .reference import sequential_step
 from .runner import PipelineRunner
@@ -29,7 +29,7 @@ from .weight_prediction import WeightPredictor
 __all__ = [
     "Bypass", "CommEvent", "CommRecorder", "DistContext", "P2P", "ShapeMismatch", "check_peer_sequences",
     "init_pipeline", "RunnerConfig", "PipelineAborted", "Hooks", "StageRun", "run_program", "ProcResult",
-    "free_port", "launch_local", "MultiModelRunner", "MultiStepResult", "sequential_step", "PipelineRunner",
+    "free_port", "launch_local", "run_ranks", "MultiModelRunner", "MultiStepResult", "sequential_step", "PipelineRunner",
     "SCHEDULES", "Compute", "Message", "Post", "ProgramError", "adaptive_orders", "build_programs", "check_programs",
     "stage_orders", "ShardStore", "shard_bytes", "Ties", "tie_stages", "WeightPredictor",
 ]

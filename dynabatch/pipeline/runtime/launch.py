@@ -245,6 +245,29 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     return results
 
 
+def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None):
+    """Run ``target`` (``"file.py:function"``, called as ``function(rank, world_size, port, *args)``)
+    as every rank of a job, the same script under ``torchrun`` or alone.
+
+    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank: the function runs
+    here with the environment's rank, world size and ``MASTER_PORT``, and its value is returned.
+    Otherwise `launch_local` starts ``nprocs`` local processes (``idle_timeout_s``: its liveness
+    timeout); rank 0's output is written to stdout and its value returned, and a rank that failed or
+    hung raises `RuntimeError` naming it, with the end of its stderr."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _resolve(target)(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                int(os.environ.get("MASTER_PORT", 29500)), *args)
+    results = launch_local(target, nprocs, args=args, idle_timeout_s=idle_timeout_s)
+    sys.stdout.write("".join(line for line in results[0].stdout.splitlines(keepends=True)
+                             if not line.startswith(RESULT_PREFIX)))
+    sys.stdout.flush()
+    for r in results:
+        if r.timed_out or r.returncode != 0:
+            what = f"was killed ({r.timeout_reason} timeout)" if r.timed_out else f"exited with {r.returncode}"
+            raise RuntimeError(f"{target}: rank {r.rank} of {nprocs} {what}:\n{r.stderr[-4000:]}")
+    return results[0].result
+
+
 def _main(argv: list[str]) -> int:
     target, rank, world, port, payload = argv
     heartbeat(0.0)  # dynabatch (torch) imported

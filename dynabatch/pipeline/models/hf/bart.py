@@ -18,7 +18,7 @@ from torch import nn
 from ..tiny import t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
-from .seq2seq import _masks, decoder_masks, seq2seq_boundary
+from .seq2seq import decoder_masks, packed_state, seq2seq_boundary, state_masks
 
 WHAT = "BART-style encoder-decoder (model.encoder/decoder with embed_tokens, embed_positions, layernorm_embedding, " \
        "layers; lm_head)"
@@ -34,17 +34,25 @@ class BartEmbedding(HFLayer):
                           "enc_norm": enc.layernorm_embedding, "dec_tokens": dec.embed_tokens,
                           "dec_pos": dec.embed_positions, "dec_norm": dec.layernorm_embedding})
         self.rates, self.model_name = (float(enc.dropout), float(dec.dropout)), name
+        self.attn = model.config._attn_implementation
         self.train(model.training)
 
-    def _side(self, ids, tokens, positions, norm, rate) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
+    def _side(self, ids, tokens, positions, norm, rate, pos=None) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device) if pos is None else pos[0]  # packed: per sample
         h = norm(tokens(ids) + positions(ids, 0, position_ids=pos))
         return F.dropout(h, p=rate, training=self.training)
 
     def forward(self, batch: dict) -> tuple:
-        if "cu_seqlens" in batch or "position_ids" in batch or "decoder_input_ids" not in batch:
-            raise ValueError(f"{self.model_name} takes padded encoder-decoder micro-batches (collate='padded', "
-                             "family='encoder_decoder'): a packed row would attend across samples")
+        if "cu_seqlens" in batch:
+            cu, dcu = packed_state(self.model_name, batch, self.attn)
+            ids, dec = batch["input_ids"], batch["decoder_input_ids"]
+            return (self._side(ids, self.enc_tokens, self.enc_pos, self.enc_norm, self.rates[0], batch["position_ids"]),
+                    self._side(dec, self.dec_tokens, self.dec_pos, self.dec_norm, self.rates[1],
+                               batch["decoder_position_ids"]), cu, dcu)
+        if "position_ids" in batch or "decoder_input_ids" not in batch:
+            raise ValueError(f"{self.model_name} takes padded or packed encoder-decoder micro-batches "
+                             "(collate='padded' or 'packed', family='encoder_decoder'): rows holding several samples "
+                             "would attend across them")
         ids, dec = batch["input_ids"], batch["decoder_input_ids"]
         mask, dmask = batch.get("attention_mask"), batch.get("decoder_attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask.long()
@@ -61,10 +69,8 @@ class BartEncoderLayer(HFLayer):
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
-        enc, dec, mask, dmask = state
-        bidirectional, _ = _masks()
-        out = self.block(enc, bidirectional(config=self.config, inputs_embeds=enc, attention_mask=mask))
-        return (out[0] if isinstance(out, tuple) else out), dec, mask, dmask
+        out = self.block(state[0], state_masks(self.config, state[0], state))
+        return ((out[0] if isinstance(out, tuple) else out), *state[1:])
 
 
 class BartEncoderEnd(HFLayer):
@@ -85,10 +91,10 @@ class BartDecoderLayer(HFLayer):
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
-        enc, dec, mask, dmask = state
-        self_mask, cross = decoder_masks(self.config, dec, dmask, enc, mask)
+        enc, dec = state[0], state[1]
+        self_mask, cross = decoder_masks(self.config, state)
         out = self.block(dec, self_mask, enc, encoder_attention_mask=cross, cache=None, use_cache=False)
-        return enc, (out[0] if isinstance(out, tuple) else out), mask, dmask
+        return (enc, (out[0] if isinstance(out, tuple) else out), *state[2:])
 
 
 class BartHead(HFLayer):

@@ -1,6 +1,6 @@
 """The one-process reference a pipeline run of a Hugging Face model is checked against: the model's own
-``forward`` on each micro-batch, the summed token loss, ``backward``, then the gradients divided by
-the step's target tokens (the runner's normalization, in the same order of operations)."""
+``forward`` on each micro-batch, the summed token loss, ``backward``, then the gradients times 1 / the
+step's target tokens (the runner's normalization, the same operations: bit for bit where the sums agree)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def hf_inputs(batch: dict) -> dict:
 
 def hf_reference_step(hf_model: nn.Module, batches: Sequence[dict]) -> tuple[float, int]:
     """Run ``batches`` through ``hf_model``'s own forward (summed cross-entropy over ``labels``, shifted
-    for causal LMs, as the model's loss takes them), backward each, and divide the gradients by all
+    for causal LMs, as the model's loss takes them), backward each, and scale the gradients by 1 / all
     real target tokens. Returns (loss per token, target tokens)."""
     seq2seq = bool(getattr(hf_model.config, "is_encoder_decoder", False))
 

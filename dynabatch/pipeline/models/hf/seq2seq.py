@@ -11,6 +11,11 @@ T5 computes its relative position bias ``[1, heads, L, L]`` once, in block 0, an
 other blocks. Here every block computes it from the bias table (a `tied_parameters` entry: each
 stage holds a copy of it), so only the hidden states and the two [R, L]/[R, T] masks cross a
 stage boundary: nothing quadratic in the length.
+
+Packed micro-batches (``collate='packed'``, one process): the state is ``(encoder hidden [1, N, H],
+decoder hidden [1, Nt, H], cu_seqlens [n + 1], decoder_cu_seqlens [n + 1])`` and every layer adds a
+same-sample predicate to the model's own mask functions (`same_sample`); the bias of the whole row
+is the samples' own within each sample (relative positions do not depend on where a sample starts).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tiny import _t5_boundary as seq2seq_boundary, t5_random_batch
+from ..spec import MicroBatchShape
+from ..tiny import _t5_boundary, t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
 
@@ -31,12 +37,90 @@ def _masks():
     return create_bidirectional_mask, create_causal_mask
 
 
-def decoder_masks(config, dec: torch.Tensor, dmask: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor):
+def _segments(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Each token's sample index [total] from a packed row's ``cu_seqlens`` [n + 1]."""
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), (cu[1:] - cu[:-1]).long(),
+                                   output_size=total)
+
+
+def same_sample(q_cu: torch.Tensor, kv_cu: torch.Tensor, q_len: int, kv_len: int):
+    """The mask predicate "query and key belong to the same sample" of packed rows (sample ``k`` of the
+    queries is sample ``k`` of the keys), in the ``(batch, head, q, kv)`` form the model's own mask
+    functions combine with theirs (``and_mask_function``): they then build the mask their attention
+    implementation takes (a BlockMask under flex; SDPA and eager take a dense [1, 1, q, kv] mask)."""
+    q_seg, kv_seg = _segments(q_cu, q_len), _segments(kv_cu, kv_len)
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return q_seg[q_idx] == kv_seg[kv_idx]
+
+    return inner
+
+
+def state_masks(config, h: torch.Tensor, state: tuple):
+    """The bidirectional self-attention mask of an encoder layer from a padded state ``(enc, dec, mask,
+    dmask)`` or a packed one ``(enc, dec, cu, dcu)`` (samples kept apart), with the model's mask function."""
+    bidirectional, _ = _masks()
+    if not is_packed(state):
+        return bidirectional(config=config, inputs_embeds=h, attention_mask=state[2])
+    cu = state[2]
+    return bidirectional(config=config, inputs_embeds=h, attention_mask=None,
+                         and_mask_function=same_sample(cu, cu, h.shape[1], h.shape[1]))
+
+
+def decoder_masks(config, state: tuple):
     """(causal self-attention mask, cross-attention mask) of a decoder layer, from the model's own mask
-    functions, as the Hugging Face decoder stack builds them."""
+    functions as the Hugging Face decoder stack builds them; a packed state keeps every decoder token to
+    its own sample's decoder tokens (causally) and encoder tokens."""
     bidirectional, causal = _masks()
-    return (causal(config=config, inputs_embeds=dec, attention_mask=dmask, cache=None),
-            bidirectional(config=config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc))
+    enc, dec = state[0], state[1]
+    if not is_packed(state):
+        mask, dmask = state[2], state[3]
+        return (causal(config=config, inputs_embeds=dec, attention_mask=dmask, cache=None),
+                bidirectional(config=config, inputs_embeds=dec, attention_mask=mask, encoder_hidden_states=enc))
+    cu, dcu = state[2], state[3]
+    T, L = dec.shape[1], enc.shape[1]
+    return (causal(config=config, inputs_embeds=dec, attention_mask=None, cache=None,
+                   and_mask_function=same_sample(dcu, dcu, T, T)),
+            bidirectional(config=config, inputs_embeds=dec, attention_mask=None, encoder_hidden_states=enc,
+                          and_mask_function=same_sample(dcu, cu, T, L)))
+
+
+def is_packed(state: tuple) -> bool:
+    """True for a packed encoder-decoder state ``(enc [1, N, H], dec [1, Nt, H], cu [n + 1] int32, dcu
+    [n + 1] int32)``; a padded one carries [rows, len] int64 masks instead."""
+    return state[2].dim() == 1
+
+
+def packed_state(name: str, batch: dict, attn_implementation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encoder ``cu_seqlens``, decoder ``decoder_cu_seqlens``) of a packed encoder-decoder micro-batch
+    (``collate='packed'``), checked: as many samples on both sides, one row each."""
+    if "decoder_cu_seqlens" not in batch or "decoder_input_ids" not in batch:
+        raise ValueError(f"{name}: a packed encoder-decoder micro-batch needs decoder_input_ids and decoder_cu_seqlens "
+                         "(collate='packed' with family='encoder_decoder')")
+    if "flash" in str(attn_implementation):
+        raise ValueError(f"{name}: packed encoder-decoder micro-batches under {attn_implementation} are not supported "
+                         "(its cross-attention needs separate query/key cu_seqlens); use sdpa, eager or flex_attention")
+    cu, dcu = batch["cu_seqlens"].to(torch.int32), batch["decoder_cu_seqlens"].to(torch.int32)
+    if len(cu) != len(dcu) or batch["input_ids"].shape[0] != 1:
+        raise ValueError(f"{name}: the packed micro-batch holds {len(cu) - 1} encoder and {len(dcu) - 1} decoder "
+                         f"samples in {batch['input_ids'].shape[0]} rows; each sample needs both sides, in one row")
+    return cu, dcu
+
+
+def seq2seq_boundary(hidden: int, dtype: torch.dtype):
+    """The stage-boundary specs of the T5 and BART adapters: the padded state's (t5-tiny's). A packed
+    state is refused: a plan's `MicroBatchShape` gives the packed encoder total (``tokens``) but not the
+    decoder's, so the [1, decoder tokens, hidden] state a stage would send is not known from the plan."""
+    padded = _t5_boundary(hidden, dtype)
+
+    def boundary(shape: MicroBatchShape, layer: int):
+        if shape.packed:
+            raise ValueError("packed encoder-decoder micro-batches run in one process only (sequential_step): the "
+                             "plan's shapes carry no decoder token total for the state crossing a stage boundary; "
+                             "use collate='padded' on several stages")
+        return padded(shape, layer)
+
+    return boundary
 
 
 def relative_bias(table: nn.Embedding, attention: nn.Module, q_len: int, k_len: int) -> torch.Tensor:
@@ -55,12 +139,16 @@ class T5Embedding(HFLayer):
 
     def __init__(self, model: nn.Module, name: str):
         super().__init__({"embed": model.shared, "enc_drop": model.encoder.dropout, "dec_drop": model.decoder.dropout})
-        self.model_name = name
+        self.model_name, self.attn = name, model.config._attn_implementation
 
     def forward(self, batch: dict) -> tuple:
-        if "cu_seqlens" in batch or "position_ids" in batch:
-            raise ValueError(f"{self.model_name}: T5 attends across the samples of a packed row (no varlen path in "
-                             "transformers); use collate='padded'")
+        if "cu_seqlens" in batch:
+            cu, dcu = packed_state(self.model_name, batch, self.attn)
+            enc, dec = self.embed(batch["input_ids"]), self.embed(batch["decoder_input_ids"])
+            return self.enc_drop(enc), self.dec_drop(dec), cu, dcu
+        if "position_ids" in batch:
+            raise ValueError(f"{self.model_name}: rows holding several samples (collate='packed_rows') would attend "
+                             "across samples; use collate='packed' or 'padded'")
         if "decoder_input_ids" not in batch:
             raise ValueError(f"{self.model_name}: the micro-batch has no decoder_input_ids (collate with "
                              "family='encoder_decoder')")
@@ -81,11 +169,13 @@ class T5EncoderBlock(HFLayer):
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
-        enc, dec, mask, dmask = state
-        bidirectional, _ = _masks()
-        attn = bidirectional(config=self.config, inputs_embeds=enc, attention_mask=mask)
+        enc = state[0]
+        # packed: the bias of the whole row; within a sample it is the sample's own (relative positions
+        # do not depend on where the sample starts), across samples the mask hides it. T5's attention adds
+        # the [1, heads, N, N] bias to its scores (eager only), so the row's mask costs no more than the bias
+        attn = state_masks(self.config, enc, state)
         bias = relative_bias(self.bias, self.attention[0], enc.shape[1], enc.shape[1])
-        return self.block(enc, attn, bias)[0], dec, mask, dmask
+        return (self.block(enc, attn, bias)[0], *state[1:])
 
 
 class T5EncoderEnd(HFLayer):
@@ -95,8 +185,7 @@ class T5EncoderEnd(HFLayer):
         super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout})
 
     def forward(self, state: tuple) -> tuple:
-        enc, dec, mask, dmask = state
-        return self.drop(self.norm(enc)), dec, mask, dmask
+        return (self.drop(self.norm(state[0])), *state[1:])
 
 
 class T5DecoderBlock(HFLayer):
@@ -109,10 +198,10 @@ class T5DecoderBlock(HFLayer):
         self.config = config
 
     def forward(self, state: tuple) -> tuple:
-        enc, dec, mask, dmask = state
-        self_mask, cross = decoder_masks(self.config, dec, dmask, enc, mask)
+        enc, dec = state[0], state[1]
+        self_mask, cross = decoder_masks(self.config, state)
         bias = relative_bias(self.bias, self.attention[0], dec.shape[1], dec.shape[1])
-        return enc, self.block(dec, self_mask, bias, enc, cross, None)[0], mask, dmask
+        return (enc, self.block(dec, self_mask, bias, enc, cross, None)[0], *state[2:])
 
 
 class T5Head(HFLayer):
