@@ -10,12 +10,11 @@ same initialization. Seconds, tokens, bytes.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import contextlib
 import copy
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..core.options import PlanOptions
 
