@@ -463,7 +463,7 @@ columns:
                shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
   step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
                time the planner balances sees, with the per-micro-batch timer noise averaged out
-  per-stage MAPE  (vlm-tiny) each stage's planned vs measured seconds per micro-batch, stage 0/1/...,
+  per-stage MAPE  (vlm-tiny, hf-llama) each stage's planned vs measured seconds per micro-batch, stage 0/1/...,
                pooled over every micro-batch; refit: dp's feedback (per_stage: one coefficient row per
                stage; max: the slowest stage). The lines below the table split it: the micro-batches a
                stage runs layers on, and those it passes through (the vision stage on a text-only
@@ -479,4 +479,5 @@ examples:
   dynabatch bench train --model t5-tiny --stages 2 --steps 20
   dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
   dynabatch bench train --model vlm-tiny --stages 2 --steps 40 --global-batch-tokens 16384
+  dynabatch bench train --model hf-llama --steps 30 --global-batch-tokens 16384 --max-len 1024
 """
