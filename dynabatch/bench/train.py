@@ -28,7 +28,9 @@ What is measured (seconds, tokens):
 
 ``--model vlm-tiny`` (image+text and text-only records over a vision | language split; stage-aware
 ``dp`` with per-stage feedback vs stage-blind ``dp-blind``, ``pack``, ``token_budget``; per-stage MAPE):
-see `dynabatch.bench.train_vlm`. Stopping, timeouts and partial results, the command line: see
+see `dynabatch.bench.train_vlm`. ``--model hf-llama`` (a tiny transformers Llama through ``from_hf``, costed
+by a profile of the model, ``dp`` refit per stage): see `dynabatch.bench.train_hf`. Stopping, timeouts and
+partial results, the command line: see
 `dynabatch.bench.train_report`.
 """
 
