@@ -28,7 +28,9 @@ What is measured (seconds, tokens):
 
 ``--model vlm-tiny`` (image+text and text-only records over a vision | language split; stage-aware
 ``dp`` with per-stage feedback vs stage-blind ``dp-blind``, ``pack``, ``token_budget``; per-stage MAPE):
-see `dynabatch.bench.train_vlm`. Stopping, timeouts and partial results, the command line: see
+see `dynabatch.bench.train_vlm`. ``--model hf-llama`` (a tiny transformers Llama through ``from_hf``, costed
+by a profile of the model, ``dp`` refit per stage): see `dynabatch.bench.train_hf`. Stopping, timeouts and
+partial results, the command line: see
 `dynabatch.bench.train_report`.
 """
 
@@ -39,7 +41,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 
@@ -50,11 +52,12 @@ from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop,
                            _write_json, add_bench_train_command, assemble_result, format_table, timer_noise)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
+from .train_data import SHARED_FLAN, build_data, default_data  # noqa: F401
+from .train_hf import HF_MODEL, HF_SIZES
 from .train_vlm import VLM_METHODS, VLM_MODEL, VLM_SIZES  # noqa: F401
 
 TRAIN_METHODS = ("dp", "pack", "pad", "token_budget")  # text models; vlm-tiny: VLM_METHODS
 PARTIAL_EVERY_S = 1.0  # rank 0 rewrites the partial result after a round at most this often
-SHARED_FLAN = ("../shared/data/text/niv2_sample.jsonl.gz", "../shared/data/text/flan_cot_sample.jsonl.gz")
 MODEL_SIZES = {"gpt-tiny": dict(vocab=512, hidden=256, layers=4, heads=4),
                "t5-tiny": dict(vocab=512, hidden=256, encoder_layers=2, decoder_layers=2, heads=4), VLM_MODEL: VLM_SIZES}
 
@@ -93,9 +96,18 @@ class TrainBenchConfig:
     text_fraction: float = 0.5  # vlm-tiny's generated mix: share of FLAN text-only records
     flush_window: int = 10  # flush-free variants: steps run as one stream between flushes
     bypass_idle_stages: bool = False  # RunnerConfig(bypass_idle_stages=...) for every method (flushed runs)
+    cost_model: str | None = None  # hf-llama: the profile every method starts from (JSON; profiled when None)
 
     def resolved_sizes(self) -> dict:
-        return {**MODEL_SIZES[self.model], **self.model_sizes}
+        return {**(HF_SIZES if self.model == HF_MODEL else MODEL_SIZES[self.model]), **self.model_sizes}
+
+    def build_model(self):
+        """The run's model (same seed, same weights on every rank and for every method)."""
+        from ..pipeline import make_model
+        from .train_hf import hf_llama
+
+        return (hf_llama if self.model == HF_MODEL else partial(make_model, self.model))(
+            **self.resolved_sizes(), seed=self.options.seed)
 
     def to_payload(self) -> dict:
         """A JSON-able dict (to send to worker processes); `from_payload` reads it back."""
@@ -104,13 +116,6 @@ class TrainBenchConfig:
     @classmethod
     def from_payload(cls, d: dict) -> "TrainBenchConfig":
         return config_from_payload(cls, d)
-
-
-def default_data(root: Path | None = None) -> tuple:
-    """The shared FLAN sample when present (relative to the repository root), else ()."""
-    root = root or Path(__file__).resolve().parents[2]
-    paths = tuple(str((root / p).resolve()) for p in SHARED_FLAN)
-    return paths if all(os.path.exists(p) for p in paths) else ()
 
 
 def uniform_bounds(model, stages: int) -> list[int]:
@@ -135,15 +140,17 @@ class MethodRun:
 
         import dynabatch
         from ..core.plan.feedback import FeedbackLoop
-        from ..pipeline import (PipelineRunner, RunnerConfig, make_model, representative, search_partition,
-                                stage_cost_model)
+        from ..pipeline import PipelineRunner, RunnerConfig, representative, search_partition, stage_cost_model
+        from . import train_hf
         from ..pipeline.runtime.launch import heartbeat  # each set-up phase is progress (a minute each, loaded)
 
         self.cfg, self.method, self.rank = cfg, method, ctx.rank
         base_method, self.flush_kind = split_flush(method)  # "dp/predict": dp, flush-free with prediction
         base_method, self.recompute = split_variant(base_method)  # "dp+adaptive": dp with that recompute policy
-        model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
-        self.cost = stage_cost_model(model, ctx.num_stages, cfg.device_preset)
+        model = cfg.build_model()
+        hf = cfg.model == HF_MODEL  # its costs: a profile of the model on this machine (bench.train_hf)
+        self.cost = train_hf.load_costs(cfg.cost_model) if hf else stage_cost_model(model, ctx.num_stages,
+                                                                                     cfg.device_preset)
         if self.recompute is not None:  # fixed stages, their measured memory (see bench.train_recompute)
             model.to(ctx.device)
             measured_memory(model, uniform_bounds(model, ctx.num_stages), self.cost, ctx.device)
@@ -152,8 +159,10 @@ class MethodRun:
             from . import train_vlm
 
             self.vlm = train_vlm.setup(model, self.cost, ctx.num_stages, cfg, method)
-            self.model, self.stage_preds, self.stage_meas, self.stage_comp = model, [], [], []
-        vlm = self.vlm or {}
+        # hf-llama: train_hf.setup (planning method, feedback mode); both: per-stage planned vs measured seconds
+        self.spec = vlm = self.vlm or (train_hf.setup(base_method) if hf else {})
+        self.staged = bool(vlm)
+        self.model, self.stage_preds, self.stage_meas, self.stage_comp = model, [], [], []
         self.prior = self.cost.time_coef.copy()
         # dp (and dp-blind): the loader's feedback loop refits its cost model; baselines: a loop that only scores
         self.feedback = (FeedbackLoop(self.cost, refit_every=cfg.refit_every, forgetting=cfg.forgetting,
@@ -225,21 +234,28 @@ class MethodRun:
             return None
 
         if self.vlm is not None:
-            from .train_vlm import rows_as_sequences, stage_computes, stage_observation
+            from .train_vlm import rows_as_sequences
 
             run = rows_as_sequences(mbs)
             res = self.runner.step(self.model.batch_shapes(run), run, optimizer=self.optimizer)
-            vlm_obs = stage_observation(self.cost, mbs, res)  # before the refit in loader.feedback
-            self.stage_preds.append(vlm_obs[1])
-            self.stage_meas.append(vlm_obs[2])
-            self.stage_comp.append(stage_computes(self.model, self.bounds, vlm_obs[0]))
         else:
             counts = mbs.plan.options.get("recompute_layers") if self.recompute and mbs.plan is not None else None
             res = self.runner.step(batch_shapes(mbs, self.loader.collation), mbs, optimizer=self.optimizer,
                                    recompute=counts)
             if self.recompute:
                 self.memory_rows.append(observe(mbs, res))
-        return self._row(k, mbs, res, t_data, max(t.step_s for t in res.all_timings), vlm_obs if self.vlm else None)
+        obs = self._observe_stages(mbs, res) if self.staged else None  # before the refit in loader.feedback
+        return self._row(k, mbs, res, t_data, max(t.step_s for t in res.all_timings), obs)
+
+    def _observe_stages(self, mbs, res) -> tuple:
+        """Keep each stage's planned and measured seconds of this step's micro-batches (per-stage MAPE)."""
+        from .train_vlm import stage_computes, stage_observation
+
+        obs = stage_observation(self.cost, mbs, res)
+        self.stage_preds.append(obs[1])
+        self.stage_meas.append(obs[2])
+        self.stage_comp.append(stage_computes(self.model, self.bounds, obs[0]))
+        return obs
 
     def _row(self, k, mbs, res, t_data, wall, vlm_obs=None) -> dict:
         """Score one trained step (MAPE; feedback refit for dp) and keep its row."""
@@ -250,7 +266,7 @@ class MethodRun:
         err = self.scorer.step_errors[-1].mape
         seen = self.scorer.last  # features, measured (slowest stage) and planned seconds per micro-batch
         phi, measured, pred = seen.phi, seen.measured_s, seen.predicted_s
-        if self.vlm is not None:  # every method alike: planned vs measured seconds of the slowest stage
+        if vlm_obs is not None:  # every method alike: planned vs measured seconds of the slowest stage
             phi, pred, measured = vlm_obs[0], vlm_obs[1].max(axis=0), vlm_obs[2].max(axis=0)
             err = _mape(pred, measured)
         self.phis.append(phi)
@@ -314,12 +330,12 @@ class MethodRun:
             limit = cfg.options.device_memory_limit
             out["memory"] = {**summarize(self.memory_rows[w:] or self.memory_rows, limit),
                              "recompute": self.recompute}
-        if self.vlm is not None:  # per-stage MAPE: each stage's planned vs measured seconds
+        if self.stage_preds:  # per-stage MAPE: each stage's planned vs measured seconds
             from .train_vlm import vlm_stats
 
             out.update(vlm_stats(self.stage_preds, self.stage_meas, self.stage_comp, self.phis, first, last, w),
-                       feedback_mode=self.vlm["feedback_mode"], stage_aware=bool(self.cost.stage_aware),
-                       plan_method=self.vlm["plan_method"])
+                       feedback_mode=self.spec["feedback_mode"], stage_aware=bool(self.cost.stage_aware),
+                       plan_method=self.spec["plan_method"])
         return out
 
 
@@ -395,30 +411,6 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
     return out if rank == 0 else None
 
 
-def build_data(cfg: TrainBenchConfig, tmp: str, generated_samples: int = 2000) -> TrainBenchConfig:
-    """Resolve the data (given, shared FLAN sample, or generated) and build the length index once."""
-    import dynabatch
-    from ..datagen import write_text_shards
-
-    if cfg.model == VLM_MODEL:
-        from .train_vlm import build_vlm_data, vision_policy
-
-        data = tuple(cfg.data) or build_vlm_data(tmp, generated_samples, cfg.text_fraction, cfg.options.seed)
-        index = os.path.join(tmp, "index.parquet")
-        dynabatch.build_index(list(data), family="decoder", max_len=cfg.options.max_len, vision=vision_policy(),
-                              path=index)
-        return replace(cfg, data=data, index=index)
-    data = tuple(cfg.data) or default_data()
-    if not data:
-        data = tuple(str(p) for p in write_text_shards(Path(tmp) / "data", generated_samples, seed=cfg.options.seed))
-    family = "encoder_decoder" if cfg.model == "t5-tiny" else "decoder"
-    index = os.path.join(tmp, "index.parquet")
-    o = cfg.options
-    dynabatch.build_index(list(data), family=family, max_len=o.max_len,
-                          max_target_len=o.max_target_len if family == "encoder_decoder" else None, path=index)
-    return replace(cfg, data=data, index=index)
-
-
 def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_samples: int = 2000,
                     out: str | None = None, progress: bool = False) -> dict:
     """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result
@@ -426,12 +418,18 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     ``"status": "running"``) and holding the final or stopped result at the end. A run that does
     not finish (SIGINT/SIGTERM, liveness timeout, ``max_wall_s``, a failed rank) raises
     `TrainBenchStopped` with the partial result of the steps done so far."""
-    from ..pipeline import count_parameters, launch_local, make_model
+    from ..pipeline import count_parameters, launch_local
 
     unknown = (set(cfg.methods) - set(TRAIN_METHODS) - set(RECOMPUTE_VARIANTS) - set(FLUSH_VARIANTS)
                - {"dp-blind", "group_by_length", "kk", "rebalance"})
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}")
+    if cfg.cost_model is not None and cfg.model != HF_MODEL:
+        raise ValueError(f"--cost-model starts hf-llama from a profile; {cfg.model} uses the analytic --device-preset")
+    if cfg.model == HF_MODEL:
+        from .train_hf import check_cost_model
+
+        check_cost_model(cfg.cost_model)
     if cfg.model == VLM_MODEL:  # a fixed split: vision | language ("searched", the text models' default, maps here)
         cfg = replace(cfg, partition="modality" if cfg.partition == "searched" else cfg.partition)
         if cfg.partition not in ("modality", "uniform"):
@@ -446,8 +444,13 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
             t0 = time.perf_counter()
             cfg = build_data(cfg, tmp, generated_samples)
             index_s = time.perf_counter() - t0
-            model = make_model(cfg.model, **cfg.resolved_sizes(), seed=cfg.options.seed)
-            config = _result_config(cfg, index_s, count_parameters(model))
+            model = cfg.build_model()
+            costs = {}  # hf-llama: the profile every method starts from (bench.train_hf)
+            if cfg.model == HF_MODEL:
+                from .train_hf import prepare_costs
+
+                cfg, costs = prepare_costs(cfg, model, tmp, progress)
+            config = {**_result_config(cfg, index_s, count_parameters(model)), **costs}
             payload = {**cfg.to_payload(), "_verbose": verbose, "_partial": partial_path, "_config": config}
             with watch_ticks(os.path.join(tmp, "progress"), cfg.steps,
                              f"bench train ({cfg.model}, {len(cfg.methods)} methods)", "step", progress) as env:

@@ -251,16 +251,20 @@ def add_bench_train_command(bench_sub) -> None:
 
     from ..option_flags import parse_bytes
     from ..core.options import SCHEDULES
-    from .train import MODEL_SIZES, TRAIN_METHODS
+    from .train import HF_MODEL, MODEL_SIZES, TRAIN_METHODS
 
     p = bench_sub.add_parser(
         "train", help="real training tokens/s of a pipelined tiny model: dp + feedback vs pack/pad/token_budget",
         description="Train the same tiny model on the same global batches with each method, over local "
                     "pipeline stages, and report real tokens/s and the cost model's MAPE.",
         epilog=BENCH_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=tuple(MODEL_SIZES), default="t5-tiny",
+    p.add_argument("--model", choices=(*MODEL_SIZES, HF_MODEL), default="t5-tiny",
                    help="vlm-tiny: ViT -> projector -> GPT on image+text and text-only records (methods dp, "
-                        "dp-blind, pack, token_budget by default)")
+                        "dp-blind, pack, token_budget by default); hf-llama: a tiny transformers Llama (random "
+                        "weights) through from_hf, costed by a profile on this machine, dp refit per stage")
+    p.add_argument("--cost-model", metavar="PATH",
+                   help="hf-llama: start every method from this cost model (`dynabatch profile --model "
+                        "hf:CONFIG.json --stages N --out PATH`) instead of profiling the model first")
     p.add_argument("--data", nargs="+", metavar="PATH",
                    help="JSONL files with inputs/targets; default the shared FLAN sample when present, else "
                         "generated FLAN-like data (vlm-tiny: image+text records; default the shared COCO/LLaVA "
@@ -352,7 +356,9 @@ def model_size_overrides(model: str, items) -> dict:
     from ..pipeline import models
 
     ctor = models.gpt_tiny if model == "gpt-tiny" else models.t5_tiny if model == "t5-tiny" else None
-    if ctor is None:
+    if model == "hf-llama":
+        from .train_hf import hf_llama as ctor
+    elif ctor is None:
         from ..pipeline.models.vlm import vlm_tiny as ctor
     fixed = ("seed", "tile_size", "patch_size", "tile_tokens")  # vlm-tiny's tiling is the loader's vision policy
     names = sorted(k for k, p in inspect.signature(ctor).parameters.items()
@@ -402,11 +408,12 @@ def _cmd_bench_train(args) -> int:
                            timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
                            bypass_idle_stages=bypass,
                            flush_window=args.flush_window,
-                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None)
+                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None,
+                           cost_model=os.path.abspath(args.cost_model) if args.cost_model else None)
     if args.device_memory_limit:
         from .train_recompute import format_recompute_table, run_recompute_bench
 
-        if vlm:
+        if vlm or args.model == "hf-llama":
             print("dynabatch bench train: --device-memory-limit compares recomputation on gpt-tiny or t5-tiny",
                   file=sys.stderr)
             return 2
@@ -456,7 +463,7 @@ columns:
                shapes in the run (about the floor a per-micro-batch MAPE can reach on this machine)
   step MAPE    the same on each step's sum over its micro-batches (start -> end): what the step
                time the planner balances sees, with the per-micro-batch timer noise averaged out
-  per-stage MAPE  (vlm-tiny) each stage's planned vs measured seconds per micro-batch, stage 0/1/...,
+  per-stage MAPE  (vlm-tiny, hf-llama) each stage's planned vs measured seconds per micro-batch, stage 0/1/...,
                pooled over every micro-batch; refit: dp's feedback (per_stage: one coefficient row per
                stage; max: the slowest stage). The lines below the table split it: the micro-batches a
                stage runs layers on, and those it passes through (the vision stage on a text-only
@@ -472,4 +479,5 @@ examples:
   dynabatch bench train --model t5-tiny --stages 2 --steps 20
   dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
   dynabatch bench train --model vlm-tiny --stages 2 --steps 40 --global-batch-tokens 16384
+  dynabatch bench train --model hf-llama --steps 30 --global-batch-tokens 16384 --max-len 1024
 """
