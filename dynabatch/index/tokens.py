@@ -97,15 +97,25 @@ class TokenCache:
         # a release after each sample whose pages cross a multiple of RELEASE_BYTES: at most
         # RELEASE_BYTES plus one sample's pages stay mapped
         ends = np.flatnonzero(np.diff(mapped // RELEASE_BYTES, prepend=self._mapped // RELEASE_BYTES)) + 1
-        parts, start = [], 0
-        for end in ends.tolist():  # windows of samples (few per step), not samples
-            parts.append(self._gather(pos[start:end]))
-            self._release()
-            start = end
-        if start < len(pos):
-            parts.append(self._gather(pos[start:]))
         self._mapped = int(mapped[-1])
-        return parts[0] if len(parts) == 1 else tuple(np.concatenate(x) for x in zip(*parts))
+        if not len(ends):
+            return self._gather(pos)
+        cuts = np.concatenate([[0], ends, [len(pos)]]) if ends[-1] < len(pos) else np.concatenate([[0], ends])
+        flat = self._windows(self.input_ids, self.input_offsets[pos], lengths, cuts)
+        second = self._windows(self.second, self.second_offsets[pos], slen, cuts)
+        return flat, lengths, second, slen
+
+    def _windows(self, values, starts, lengths, cuts) -> np.ndarray:
+        """``values[s:s + n]`` of every sample, concatenated, read window by window (samples
+        ``cuts[k]:cuts[k + 1]``), the mapped pages released after each."""
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        src = np.repeat(starts - ends[:-1], lengths) + np.arange(ends[-1], dtype=np.int64)
+        out = np.empty(int(ends[-1]), np.int32)
+        for k in range(len(cuts) - 1):  # windows (a few per step), not samples
+            a, b = ends[cuts[k]], ends[cuts[k + 1]]
+            np.take(values, src[a:b], out=out[a:b])
+            self._release()
+        return out
 
     def _gather(self, pos: np.ndarray):
         """`gather` of offset rows ``pos``, read in one pass."""
