@@ -21,8 +21,10 @@ from .token_file import TokenFileError, TokenFileWriter, read_token_file
 #: Default memory budget of the token cache (bytes of int32 ids held in memory).
 TOKEN_CACHE_BUDGET = 2 << 30
 #: Bytes of a token file one process may keep mapped before it releases the pages (`TokenCache.gather`):
-#: the bound of the cache's resident memory, whatever the dataset's size.
-RELEASE_BYTES = 32 << 20
+#: the bound of the cache's resident memory, whatever the dataset's size. A release costs a page
+#: fault per sample read after it, so a smaller bound trades throughput for memory (a file under it
+#: stays mapped).
+RELEASE_BYTES = 256 << 20
 #: The most of a file one read of a few ids maps (counted per sample and region): the kernel maps a
 #: whole large folio of the page cache on a fault, up to 2 MiB (a PMD) on Linux 6.x, so random reads
 #: map the whole file long before they have read its size in ids (measured: 10 samples, 0.1 MiB of
