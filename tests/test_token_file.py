@@ -122,3 +122,45 @@ def test_other_settings_and_missing_footer_are_refused(tmp_path):
     w.add([0], np.array([1], np.int32), [1], np.array([1], np.int32), [1])
     w.discard()
     assert os.listdir(tmp_path) == ["t.bin"]
+
+
+def _mapped_bytes(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) > 5 and head[5] == path
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_the_caches_resident_pages_stay_bounded_over_an_epoch(tmp_path, monkeypatch):
+    """Issue 27.8: an epoch reads every sample through the map in random order, and each read maps
+    a large folio of the file (up to 2 MiB), not only its ids: the pages the cache keeps resident
+    must stay under the release bound however large the file is (main released by ids read, and
+    the mapping grew to the whole file)."""
+    from dynabatch.index import tokens as tokmod
+    from test_dataloader_data import write_jsonl
+
+    rng = np.random.default_rng(11)
+    recs = [{"inputs": "".join(rng.choice(list("abcdefgh "), int(rng.integers(1000, 3000)))), "targets": "yes"}
+            for _ in range(1500)]
+    data = write_jsonl(tmp_path / "long.jsonl", recs)
+    monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokmod, "RELEASE_BYTES", 1 << 20)
+    dl = DataLoader(data, **records_from_keywords(global_batch_tokens=65536, max_len=4096, cache_tokens=True,
+                                                     mode="indexed"))
+    tc = dl.token_cache
+    # the release bound plus one sample's pages: its ids and a folio on each side of a boundary, per region
+    bound = tokmod.RELEASE_BYTES + 4 * tokmod.MAP_GRAIN_BYTES + 8 * 4096
+    assert os.path.getsize(tc.path) > 2.5 * bound  # the file is far larger than what may stay mapped
+    peak, seen = 0, 0
+    for step in dl.steps():  # a step's micro-batches come from one read of the cache
+        seen += sum(len(mb["sample_ids"]) for mb in step)
+        peak = max(peak, _mapped_bytes(tc.path))
+    assert seen == len(recs) and peak <= bound, (peak, bound)
+    assert int(tc.input_ids[: 1 << 20].sum()) and _mapped_bytes(tc.path) >= 1 << 20  # what reads map is seen

@@ -22,9 +22,9 @@ batch is this rank's).
 
 What is timed, symmetrically: setup is NOT timed for either side but is measured and reported
 (``setup_s``): the baselines read and tokenize every sample up front (a ``.map`` a user would
-run once); dynabatch builds its length index with its token cache
-(`dynabatch.build_index(cache_tokens=True)`: the same single tokenization pass over the same
-files, keeping the token ids) and constructs its loader. The timed loop is one epoch of ``for
+run once); dynabatch builds its length index and its token cache (the loader's own scan with an
+``index_cache``: the same single tokenization pass over the same files, writing the token ids to
+the memory-mapped token file every later loader reuses, the default path) and constructs its loader. The timed loop is one epoch of ``for
 batch in loader.microbatches()`` (torch: ``loader``) touching the tensors (``input_ids.numel()``, ``attention_mask.sum()``, the sample
 ids). Within that loop dynabatch plans every step ("while planning": in its planning thread,
 inside each worker with ``num_workers > 0``) and collates the step's micro-batches from the cached
@@ -65,9 +65,10 @@ REFERENCE = "torch_pad"
 METHOD_PATHS = {
     "torch_pad": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + pad-to-batch-max collate",
     "torch_pack": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + packing collate (rows of max_len)",
-    "dynabatch_padded": "dynabatch.DataLoader(costing=Costing(collate='padded')), method dp, indexed mode, prebuilt index + token cache",
-    "dynabatch_packed": "dynabatch.DataLoader(costing=Costing(collate='packed')), method dp_varlen, indexed mode, prebuilt index + "
-                        "token cache",
+    "dynabatch_padded": "dynabatch.DataLoader(costing=Costing(collate='padded')), method dp, indexed mode, index cache + "
+                        "memory-mapped token cache",
+    "dynabatch_packed": "dynabatch.DataLoader(costing=Costing(collate='packed')), method dp_varlen, indexed mode, index cache + "
+                        "memory-mapped token cache",
 }
 
 
@@ -186,13 +187,12 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
         lengths = np.fromiter((len(x) for x in ds.input_ids), np.int64, count=len(ds))
         B = max(1, int(round(cfg.options.global_batch_tokens / float(lengths.mean()))))
         dyna_setup = 0.0
-        index = None
+        # The first loader's index scan writes the token ids to the token file beside the index
+        # cache (the same one tokenization pass as the baselines' pre-tokenization); every later
+        # loader reads both back, checked, and maps the token file.
+        index_cache = Path(tmp_name) / "index.parquet"
         if any(m.startswith("dynabatch") for m in cfg.methods):
             t0 = time.perf_counter()
-            # The index scan keeps the token ids (the token cache): the same one tokenization pass
-            # as the baselines' pre-tokenization.
-            index = dynabatch.build_index(jsonl_source(files), tokenizer=fmt.tokenizer, max_len=cfg.options.max_len,
-                                          cache_tokens=True)
             # the planning target (default a100-80gb, whatever this machine is): no device-mismatch warning
             cost = CostModel.preset(cfg.cost_model, cfg.device, num_stages=cfg.options.num_stages)
             # Warm-up (untimed, counted in setup_s): the planner's numba kernels load or compile on
@@ -202,7 +202,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             for collate in ("padded", "packed"):
                 warm = dynabatch.DataLoader(jsonl_source(files), options=cfg.loader_options(collate),
                                             tokenization=Tokenization(tokenizer=fmt.tokenizer),
-                                            source=DataSource(index=index, mode="indexed"),
+                                            source=DataSource(index_cache=index_cache, mode="indexed", cache_tokens=True),
                                             costing=Costing(cost_model=cost), runtime=Runtime(rank=0, world_size=1))
                 next(iter(warm.steps()))
                 del warm
@@ -223,7 +223,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
             dl = dynabatch.DataLoader(jsonl_source(files),
                                       options=cfg.loader_options("padded" if method == "dynabatch_padded" else "packed"),
                                       num_workers=workers, tokenization=Tokenization(tokenizer=fmt.tokenizer),
-                                      source=DataSource(index=index, mode="indexed"),
+                                      source=DataSource(index_cache=index_cache, mode="indexed", cache_tokens=True),
                                       costing=Costing(cost_model=cost), runtime=Runtime(rank=0, world_size=1))
             return dl, time.perf_counter() - t0
 
@@ -318,8 +318,8 @@ ids, per method and per --workers value, on one rank (world_size 1, no torch.dis
   dynabatch_packed  dynabatch.DataLoader(costing=Costing(collate="packed")), method dp_varlen
 B = round(--global-batch-tokens / mean sample length), so both sides put about as many tokens in a step.
 Setup is not timed for either side (reported as setup_s): the baselines tokenize every sample up
-front, dynabatch builds its length index and token cache up front (build_index(cache_tokens=True),
-one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
+front, dynabatch builds its length index and token cache up front (the loader's scan into an
+index cache and its memory-mapped token file, one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
 each worker with --workers > 0) and collates from the cached token ids.
 
 columns:

@@ -20,8 +20,16 @@ from .token_file import TokenFileError, TokenFileWriter, read_token_file
 
 #: Default memory budget of the token cache (bytes of int32 ids held in memory).
 TOKEN_CACHE_BUDGET = 2 << 30
-#: Bytes of ids gathered from a token file between two releases of its mapped pages (`TokenCache.gather`).
-RELEASE_BYTES = 64 << 20
+#: Bytes of a token file one process may keep mapped before it releases the pages (`TokenCache.gather`):
+#: the bound of the cache's resident memory, whatever the dataset's size. A release costs a page
+#: fault per sample read after it, so a smaller bound trades throughput for memory (a file under it
+#: stays mapped).
+RELEASE_BYTES = 256 << 20
+#: The most of a file one read of a few ids maps (counted per sample and region): the kernel maps a
+#: whole large folio of the page cache on a fault, up to 2 MiB (a PMD) on Linux 6.x, so random reads
+#: map the whole file long before they have read its size in ids (measured: 10 samples, 0.1 MiB of
+#: ids, mapped 22 MiB).
+MAP_GRAIN_BYTES = 2 << 20
 
 
 class TokenCache:
@@ -39,7 +47,7 @@ class TokenCache:
         self.second_offsets = np.asarray(second_offsets, np.int64)
         self.rows = rows  # index position -> row of the offsets (None: the same)
         self.path = path  # the memory-mapped token file, if any
-        self._gathered = 0
+        self._mapped = 0  # bytes of the file counted as mapped by this process's reads (see gather)
         self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
                                   index.shapes.sample_id[-1] == len(index) - 1))
 
@@ -65,7 +73,9 @@ class TokenCache:
     def _take(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Concatenated slices ``values[offsets[p]:offsets[p+1]]`` for ``p`` in ``pos``, and their lengths."""
         lengths = offsets[pos + 1] - offsets[pos]
-        return ragged_take(values, offsets[pos], lengths), lengths
+        taken = ragged_take(values, offsets[pos], lengths)
+        # one sample comes back as a view: of a token file, it would be read (mapped) after the release
+        return (np.array(taken) if len(pos) == 1 else taken), lengths
 
     def positions(self, sample_ids) -> np.ndarray:
         ids = np.asarray(sample_ids, np.int64)
@@ -75,26 +85,51 @@ class TokenCache:
 
     def gather(self, sample_ids, positions=None):
         """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
-        order: int32 arrays and int64 lengths (``positions``: their index positions, if known)."""
+        order: int32 arrays and int64 lengths (``positions``: their index positions, if known).
+        From a token file, the samples are read in windows of about `RELEASE_BYTES` of mapped
+        pages, each released before the next is read (see `MAP_GRAIN_BYTES`)."""
         pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
         if self.rows is not None:
             pos = self.rows[pos]
+        if self.path is None or not len(pos):
+            return self._gather(pos)
+        lengths = self.input_offsets[pos + 1] - self.input_offsets[pos]
+        slen = self.second_offsets[pos + 1] - self.second_offsets[pos]
+        mapped = self._mapped + np.cumsum(4 * (lengths + slen) + 2 * MAP_GRAIN_BYTES)
+        # a release after each sample whose pages cross a multiple of RELEASE_BYTES: at most
+        # RELEASE_BYTES plus one sample's pages stay mapped
+        ends = np.flatnonzero(np.diff(mapped // RELEASE_BYTES, prepend=self._mapped // RELEASE_BYTES)) + 1
+        self._mapped = int(mapped[-1])
+        if not len(ends):
+            return self._gather(pos)
+        cuts = np.concatenate([[0], ends, [len(pos)]]) if ends[-1] < len(pos) else np.concatenate([[0], ends])
+        flat = self._windows(self.input_ids, self.input_offsets[pos], lengths, cuts)
+        second = self._windows(self.second, self.second_offsets[pos], slen, cuts)
+        return flat, lengths, second, slen
+
+    def _windows(self, values, starts, lengths, cuts) -> np.ndarray:
+        """``values[s:s + n]`` of every sample, concatenated, read window by window (samples
+        ``cuts[k]:cuts[k + 1]``), the mapped pages released after each."""
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        src = np.repeat(starts - ends[:-1], lengths) + np.arange(ends[-1], dtype=np.int64)
+        out = np.empty(int(ends[-1]), np.int32)
+        for k in range(len(cuts) - 1):  # windows (a few per step), not samples
+            a, b = ends[cuts[k]], ends[cuts[k + 1]]
+            np.take(values, src[a:b], out=out[a:b])
+            self._release()
+        return out
+
+    def _gather(self, pos: np.ndarray):
+        """`gather` of offset rows ``pos``, read in one pass."""
         flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
         if self.second_offsets is self.input_offsets:
-            second, slen = self._take(self.second, self.input_offsets, pos)[0], lengths
-        else:
-            second, slen = self._take(self.second, self.second_offsets, pos)
-        if self.path is not None:
-            self._gathered += flat.nbytes + second.nbytes
-            if self._gathered >= RELEASE_BYTES:
-                self._release()
-        return flat, lengths, second, slen
+            return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
+        return (flat, lengths, *self._take(self.second, self.second_offsets, pos))
 
     def _release(self) -> None:
         """Unmap the file pages read so far from this process: they count in its RSS until then
         and would add up to the whole file over an epoch; they stay in the page cache (a later
         read is a minor fault, not a disk read)."""
-        self._gathered = 0
         mm = getattr(self.input_ids, "_mmap", None)
         if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
