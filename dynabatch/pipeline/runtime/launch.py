@@ -76,6 +76,7 @@ _last_beat = [0.0]
 CPU_PROGRESS_SHARE = 0.01
 START_ENV = "DYNABATCH_LAUNCH_START"  # launch_local's start method when the caller names none
 START_METHODS = ("spawn", "forkserver")
+PRELOAD_ENV = "DYNABATCH_LAUNCH_PRELOAD"  # launch_local's preload when the caller names none: "a,b"
 # prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
 # libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
 # change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the module doc)
@@ -251,7 +252,7 @@ def _start_rank(ctx, argv: list[str], env: dict, out, err, threads: int):
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
                  timeout_s: float | None = None, max_wall_s: float | None = None, env: dict | None = None,
                  threads_per_proc: int = 1, poll_s: float = 0.05, start_method: str | None = None,
-                 preload: tuple[str, ...] = ()) -> list[ProcResult]:
+                 preload: tuple[str, ...] | None = None) -> list[ProcResult]:
     """Run ``target`` on ``nprocs`` local processes and collect their results (see the module doc).
 
     ``idle_timeout_s`` (default 120; ``timeout_s`` is its old name and means the same): kill every
@@ -261,7 +262,8 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     fastest). An exception in the caller while waiting (KeyboardInterrupt, a signal handler's
     exception) kills the ranks before it propagates. ``start_method``: ``"spawn"`` or ``"forkserver"``
     (default ``$DYNABATCH_LAUNCH_START``, else spawn), ``preload``: modules the fork server imports
-    when this call starts it (e.g. ``("transformers",)``); see the module doc."""
+    when this call starts it (e.g. ``("transformers",)``; default: ``$DYNABATCH_LAUNCH_PRELOAD``, names
+    separated by commas); see the module doc."""
     if idle_timeout_s is not None and timeout_s is not None and idle_timeout_s != timeout_s:
         raise ValueError("pass idle_timeout_s or its old name timeout_s, not both")
     idle = float(idle_timeout_s if idle_timeout_s is not None else
@@ -270,6 +272,8 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     payload = json.dumps(list(args))
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_proc), **(env or {})}
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
+    if preload is None:
+        preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
     ctx = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
     beat_dir = tempfile.mkdtemp(prefix="dynabatch-launch-")
     beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
@@ -405,6 +409,7 @@ def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -
         traceback.print_exc()
         code = -2
     except BaseException:  # noqa: BLE001 - an uncaught error: traceback, status 1
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()  # as the interpreter sets them
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()  # noqa: SLF001 - the part of an interpreter's teardown a worker may rely on
