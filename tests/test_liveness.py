@@ -44,7 +44,9 @@ if os.environ.get(SPIN_ENV):  # a rank of test_cpu_time_is_progress_...: its imp
 
 @pytest.fixture(scope="module", autouse=True)
 def _launches(request):
-    yield from LAUNCHES.started(request)
+    with pytest.MonkeyPatch.context() as mp:  # the point here: a fresh interpreter's start and teardown
+        mp.setenv("DYNABATCH_LAUNCH_START", "spawn")
+        yield from LAUNCHES.started(request)
 
 
 def chatty(rank, world, port, seconds, every):

@@ -48,7 +48,9 @@ def test_close_waits_for_the_helper_threads():
     assert res.result == []  # main: the watchdog outlived close() (joined for 1.1 s only)
 
 
-def test_clean_exits_return_zero_in_every_mode():
-    """One clean 2-rank launch per mode (`exit_soak` runs them N times: see its docstring)."""
+def test_clean_exits_return_zero_in_every_mode(monkeypatch):
+    """One clean 2-rank launch per mode (`exit_soak` runs them N times: see its docstring); spawned:
+    the point is the fresh interpreter's teardown (a forked rank skips it)."""
+    monkeypatch.setenv("DYNABATCH_LAUNCH_START", "spawn")
     for mode, r in soak(1).items():
         assert r["ok"] == r["runs"], (mode, r["bad"])

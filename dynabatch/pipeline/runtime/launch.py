@@ -22,13 +22,35 @@ is still killed within about ``idle_timeout_s``. ``max_wall_s`` is an optional w
 Liveness nests: while its ranks make progress, `launch_local` itself calls `heartbeat`, so a
 process that runs ``launch_local`` under a parent watching ``DYNABATCH_HEARTBEAT`` (another
 ``launch_local``, or the test suite's ``tests/liveness.py``) looks alive exactly while its ranks do.
+
+**Start methods** (``start_method``, default ``$DYNABATCH_LAUNCH_START``, else ``"spawn"``): ``"spawn"``
+starts each rank as a fresh ``python -c`` interpreter (as torchrun does; ~4.9 s CPU per rank for the
+imports of torch and dynabatch). ``"forkserver"`` forks each rank from a server process
+(`multiprocessing`'s fork server) that imported torch, `dynabatch.pipeline`, the op-order kernels
+(`dynabatch.pipeline.runtime.preload`) and the modules in ``preload`` once, when the first such launch of
+this process started it. A forked rank gets the same environment (``os.environ`` is replaced by the one
+a spawned rank would get), ``torch.set_num_threads(threads_per_proc)`` (torch read ``OMP_NUM_THREADS``
+before it was set), the ``PYTHONPATH`` entries at the front of ``sys.path`` (the launcher's other
+``sys.path`` entries stay after them), its stdout and stderr on fds 1 and 2 of the same files, written
+through at once, the same exit codes and the same liveness rules. What it cannot honour makes the launch
+fall back to spawn: an environment that differs from the server's start environment in a variable read
+at interpreter start or import time (`IMPORT_TIME_ENV`), a fork server started by someone else, or a
+platform without one. Differences that remain: a forked rank's stdin is ``/dev/null``; after the worker
+it runs the ``atexit`` handlers and leaves with ``os._exit``, skipping the rest of the interpreter's
+teardown (module and thread finalization); the caller's main script is imported as ``__mp_main__``
+(as multiprocessing does; keep its work under ``if __name__ == "__main__"``); modules in ``preload``
+that the running server did not import are imported by each rank itself. Ranks outlive a killed
+launcher no more than spawned ones do (neither is killed with it; the fork server itself exits).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
+import io
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -37,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +74,17 @@ _last_beat = [0.0]
 # sign of life: a process importing or tearing down torch uses 3%+ of a core even on a 2-core machine
 # shared by 8 sessions (autogroup scheduling), a loop polling hung ranks 0.7% (launch_local, measured)
 CPU_PROGRESS_SHARE = 0.01
+START_ENV = "DYNABATCH_LAUNCH_START"  # launch_local's start method when the caller names none
+START_METHODS = ("spawn", "forkserver")
+PRELOAD_ENV = "DYNABATCH_LAUNCH_PRELOAD"  # launch_local's preload when the caller names none: "a,b"
+# prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
+# libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
+# change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the module doc)
+IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
+                   "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
+_server: dict = {}  # the fork server this module started: "pid", "env" (at its start), "preload"
+_server_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -153,9 +187,72 @@ def _beat_state(path: str) -> tuple[int, int]:
     return st.st_mtime_ns, st.st_size
 
 
+def _resolve_start(start_method: str | None) -> str:
+    method = start_method if start_method is not None else os.environ.get(START_ENV) or "spawn"
+    if method not in START_METHODS:
+        where = "start_method" if start_method is not None else f"${START_ENV}"
+        raise ValueError(f"{where} must be one of {START_METHODS}, got {method!r}")
+    return method
+
+
+def _fork_server(preload: tuple[str, ...], rank_env: dict):
+    """The forkserver context to fork ranks with ``rank_env`` from, started (with ``preload``) on first
+    use; None where a forked rank could not honour ``rank_env`` or there is no fork server of ours."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    from multiprocessing import forkserver
+
+    with _server_lock:
+        running = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - whose server, if any
+        if not _server and running is not None:
+            return None  # started by someone else, with an environment and preload we do not know
+        if _server.get("pid") != running or running is None:
+            mods = ["dynabatch.pipeline.runtime.preload", *preload]
+            forkserver.set_forkserver_preload(mods)
+            forkserver.ensure_running()  # starts it now, with today's os.environ
+            _server.update(pid=forkserver._forkserver._forkserver_pid, env=dict(os.environ), preload=mods)  # noqa: SLF001
+        start_env = _server["env"]
+    for key in set(start_env) ^ set(rank_env) | {k for k in rank_env if start_env.get(k) != rank_env[k]}:
+        if key not in _HONOURED_ENV and key.startswith(IMPORT_TIME_ENV):
+            return None
+    return multiprocessing.get_context("forkserver")
+
+
+class _ForkedRank:
+    """A rank forked from the fork server, with the parts of `subprocess.Popen` `launch_local` uses."""
+
+    def __init__(self, ctx, argv: list[str], env: dict, out: str, err: str, threads: int):
+        self._p = ctx.Process(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
+        self._p.start()
+        self.pid = self._p.pid
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def kill(self) -> None:
+        self._p.kill()
+
+    def wait(self) -> int | None:
+        self._p.join()
+        return self._p.exitcode
+
+
+def _start_rank(ctx, argv: list[str], env: dict, out, err, threads: int):
+    """Rank ``argv[1]``: a fresh interpreter (ctx None) or a child of the fork server, output to the
+    files ``out`` and ``err`` (open for reading in this process)."""
+    if ctx is None:
+        return subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=out, stderr=err, text=True, env=env)
+    return _ForkedRank(ctx, argv, env, out.name, err.name, threads)
+
+
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
                  timeout_s: float | None = None, max_wall_s: float | None = None, env: dict | None = None,
-                 threads_per_proc: int = 1, poll_s: float = 0.05) -> list[ProcResult]:
+                 threads_per_proc: int = 1, poll_s: float = 0.05, start_method: str | None = None,
+                 preload: tuple[str, ...] | None = None) -> list[ProcResult]:
     """Run ``target`` on ``nprocs`` local processes and collect their results (see the module doc).
 
     ``idle_timeout_s`` (default 120; ``timeout_s`` is its old name and means the same): kill every
@@ -163,7 +260,10 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     seconds. ``max_wall_s`` (default None: no cap): kill them after that many seconds whatever
     they do. ``threads_per_proc`` sets ``OMP_NUM_THREADS`` (small tensors on few cores: 1 is
     fastest). An exception in the caller while waiting (KeyboardInterrupt, a signal handler's
-    exception) kills the ranks before it propagates."""
+    exception) kills the ranks before it propagates. ``start_method``: ``"spawn"`` or ``"forkserver"``
+    (default ``$DYNABATCH_LAUNCH_START``, else spawn), ``preload``: modules the fork server imports
+    when this call starts it (e.g. ``("transformers",)``; default: ``$DYNABATCH_LAUNCH_PRELOAD``, names
+    separated by commas); see the module doc."""
     if idle_timeout_s is not None and timeout_s is not None and idle_timeout_s != timeout_s:
         raise ValueError("pass idle_timeout_s or its old name timeout_s, not both")
     idle = float(idle_timeout_s if idle_timeout_s is not None else
@@ -172,6 +272,9 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     payload = json.dumps(list(args))
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_proc), **(env or {})}
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
+    if preload is None:
+        preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
+    ctx = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
     beat_dir = tempfile.mkdtemp(prefix="dynabatch-launch-")
     beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
     procs = []
@@ -180,11 +283,11 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     reason = None
     try:
         for r in range(nprocs):
-            cmd = [sys.executable, "-c", _CHILD, target, str(r), str(nprocs), str(port), payload]
+            argv = [target, str(r), str(nprocs), str(port), payload]
             # files, not pipes: a rank blocked on a full pipe while we wait on another would look hung
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                           env={**base_env, HEARTBEAT_ENV: beats[r]}), out, err))
+            out, err = (open(os.path.join(beat_dir, f"rank{r}.{s}"), "w+") for s in ("out", "err"))
+            procs.append((_start_rank(ctx, argv, {**base_env, HEARTBEAT_ENV: beats[r]}, out, err,
+                                      threads_per_proc), out, err))
         seen = [(0, 0, 0, 0)] * nprocs
         cpu_seen = [0.0] * nprocs  # CPU seconds of each rank at the last progress
         last_progress = time.monotonic()
@@ -290,6 +393,57 @@ def _main(argv: list[str]) -> int:
         sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
         sys.stdout.flush()
     return 0
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``sys.exit(code)`` gives an interpreter (a message is printed to stderr)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -> None:
+    """A rank in a child of the fork server: what ``python -c _CHILD`` does in a fresh interpreter, on
+    the server's imports (see the module doc for what is honoured)."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
+    # written through at once (PYTHONUNBUFFERED): a print is progress as soon as it is made
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                   errors="backslashreplace")
+    os.environ.clear()
+    os.environ.update(env)
+    heartbeat(0.0)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = ["", *paths, *(p for p in sys.path if p and p not in paths)]
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        code = _exit_code(_main(argv))
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:  # as an interpreter does: die of the signal
+        traceback.print_exc()
+        code = -2
+    except BaseException:  # noqa: BLE001 - an uncaught error: traceback, status 1
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()  # as the interpreter sets them
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # noqa: SLF001 - the part of an interpreter's teardown a worker may rely on
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        import signal
+
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
 
 
 if __name__ == "__main__":

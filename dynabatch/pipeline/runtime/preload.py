@@ -1,0 +1,11 @@
+"""Imported once by `launch_local`'s fork server (``start_method="forkserver"``) before it forks any rank:
+torch, `dynabatch.pipeline` and the op-order numba kernels (`warm_orders`: 0.8 s CPU from their on-disk
+cache, measured) are loaded here, so every forked rank inherits them instead of paying for them again."""
+
+from __future__ import annotations
+
+import dynabatch.pipeline  # noqa: F401  (torch with it)
+from dynabatch.pipeline.runtime.launch import _forked_rank  # noqa: F401  (what each forked rank runs)
+from dynabatch.pipeline.runtime.schedule import warm_orders
+
+warm_orders()

@@ -1,0 +1,94 @@
+"""`launch_local`'s two start methods agree: the same results, outputs, exit codes, environment and
+timeouts from ranks spawned as fresh interpreters and ranks forked from the fork server."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+from dynabatch.pipeline import launch_local
+
+MOD = '''
+import os, signal, sys
+
+def act(rank, world, port, tag):
+    import torch
+    print("out", rank, tag)
+    print("err", rank, file=sys.stderr)
+    if rank == 1:
+        raise ValueError(f"boom {tag}")
+    if rank == 2:
+        sys.exit(3)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return {"env": dict(os.environ), "threads": torch.get_num_threads(), "path0": sys.path[1],
+            "forked": "dynabatch.pipeline.runtime.preload" in sys.modules}
+
+def hang(rank, world, port):
+    import time
+    print("started", rank)
+    time.sleep(600)
+'''
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    """A module importable only through the PYTHONPATH the launch passes."""
+    where = tmp_path_factory.mktemp("launchpkg")
+    (where / "launchmod.py").write_text(MOD)
+    return str(where)
+
+
+def _launch(pkg, method, target="launchmod:act", nprocs=4, args=("t",), idle=120.0, extra=None):
+    env = {"PYTHONPATH": os.pathsep.join([pkg, os.environ.get("PYTHONPATH", "")]), "LAUNCH_TEST": "yes",
+           **(extra or {})}
+    return launch_local(target, nprocs, args=args, env=env, idle_timeout_s=idle, threads_per_proc=2,
+                        start_method=method)
+
+
+def test_both_start_methods_give_the_same_ranks(pkg):
+    spawned, forked = _launch(pkg, "spawn"), _launch(pkg, "forkserver")
+    for s, f in zip(spawned, forked):
+        assert (s.rank, s.returncode, s.timed_out) == (f.rank, f.returncode, f.timed_out)
+        # rank 0's result line names its heartbeat file and says how it started: compared below
+        assert s.stdout.splitlines()[0] == f.stdout.splitlines()[0] == f"out {s.rank} t"
+        assert s.rank == 0 or s.stdout == f.stdout
+        assert s.stderr.splitlines()[0] == f.stderr.splitlines()[0] == f"err {s.rank}"
+    assert [r.returncode for r in forked] == [0, 1, 3, -signal.SIGTERM]
+    assert forked[0].stdout.startswith("out 0 t\nDYNABATCH_RESULT ")
+    assert "Traceback" in forked[1].stderr and forked[1].stderr.splitlines()[-1] == "ValueError: boom t"
+    assert spawned[1].stderr.splitlines()[-1] == "ValueError: boom t"
+    assert [r.result for r in forked[1:]] == [None] * 3
+    s, f = spawned[0].result, forked[0].result
+    assert (s["forked"], f["forked"]) == (False, True)  # the forkserver launch did not fall back to spawn
+    assert _same_env(s["env"], f["env"])  # the whole environment, heartbeat file names aside
+    assert f["env"]["LAUNCH_TEST"] == "yes" and f["env"]["OMP_NUM_THREADS"] == "2"
+    assert s["threads"] == f["threads"] == 2
+    assert s["path0"] == f["path0"] == pkg
+
+
+def _same_env(a, b):
+    return {k: v for k, v in a.items() if k != "DYNABATCH_HEARTBEAT"} == \
+        {k: v for k, v in b.items() if k != "DYNABATCH_HEARTBEAT"}
+
+
+def test_a_hung_launch_is_killed_at_the_idle_timeout_either_way(pkg):
+    for method in ("spawn", "forkserver"):
+        res = _launch(pkg, method, "launchmod:hang", nprocs=2, args=(), idle=4.0)
+        assert [(r.timed_out, r.timeout_reason, r.returncode) for r in res] == [(True, "idle", None)] * 2, method
+        assert [r.stdout for r in res] == ["started 0\n", "started 1\n"], method
+
+
+def test_an_import_time_variable_falls_back_to_spawn(pkg):
+    (res,) = _launch(pkg, "forkserver", nprocs=1, extra={"NUMBA_LAUNCH_TEST": "1"})
+    assert res.returncode == 0 and res.result["forked"] is False
+    assert res.result["env"]["NUMBA_LAUNCH_TEST"] == "1"
+
+
+def test_the_start_method_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        launch_local("launchmod:act", 1, start_method="fork")
+    monkeypatch.setenv("DYNABATCH_LAUNCH_START", "threads")
+    with pytest.raises(ValueError, match="DYNABATCH_LAUNCH_START must be one of"):
+        launch_local("launchmod:act", 1)
