@@ -33,13 +33,15 @@ def soak(runs: int, modes=tuple(MODES)) -> dict:
     for mode in modes:
         target, args = MODES[mode]
         ok, bad = 0, []
-        for _ in range(runs):
-            res = launch_local(target, 2, args=args, idle_timeout_s=120)
+        for k in range(runs):
+            # spawn: the point is a fresh interpreter's teardown (a forked rank leaves by os._exit)
+            res = launch_local(target, 2, args=args, idle_timeout_s=120, start_method="spawn")
             codes = [r.returncode for r in res]
             if all(c == 0 for c in codes):
                 ok += 1
             else:
                 bad.append((codes, [r.stderr[-400:] for r in res]))
+            print(f"{mode} run {k + 1}/{runs}: exit codes {codes}", file=sys.stderr, flush=True)  # a partial count
         out[mode] = {"ok": ok, "runs": runs, "bad": bad}
     return out
 
