@@ -18,8 +18,8 @@
   the Hugging Face adapter takes (a row of several samples without it would attend across
   samples). The model's own SDPA attention then builds a boolean mask of the whole packed row and,
   on the CPU, computes attention over all of it: quadratic in the row's length, not per sample.
-  The profile times padded shapes only, so ``pack``'s planned seconds (the profile's linear fit,
-  which prices attention per sample) under-estimate it; its MAPE shows by how much.
+  The profile also times packed rows (`dynabatch.pipeline.measure.profile_model`) and prices packed
+  shapes from them, so ``pack``'s planned seconds include that; its MAPE shows how well.
 
 Times are seconds, lengths tokens.
 """
@@ -66,7 +66,7 @@ def profile_lengths(max_len: int) -> tuple[int, ...]:
 
 
 def profile_costs(model, num_stages: int, max_len: int, path: str, *, seed: int = 0, threads: int = 1) -> str:
-    """Profile ``model`` (one stage's padded micro-batch costs on this machine, ``threads`` torch threads
+    """Profile ``model`` (one stage's padded and packed micro-batch costs on this machine, ``threads`` torch threads
     as each stage runs with) and save the cost model to ``path`` (JSON); returns ``path``."""
     import torch
 
