@@ -86,13 +86,14 @@ class TokenCache:
     def gather(self, sample_ids, positions=None):
         """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
         order: int32 arrays and int64 lengths (``positions``: their index positions, if known).
-        From a token file, the samples are read in windows of about `RELEASE_BYTES` of mapped
-        pages, each released before the next is read (see `MAP_GRAIN_BYTES`)."""
+        From a token file larger than `RELEASE_BYTES`, the samples are read in windows of about
+        `RELEASE_BYTES` of mapped pages, each released before the next is read (see `MAP_GRAIN_BYTES`);
+        a smaller file stays mapped (at most its size, no page faults after a release)."""
         pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
         if self.rows is not None:
             pos = self.rows[pos]
-        if self.path is None or not len(pos):
-            return self._gather(pos)
+        if self.path is None or not len(pos) or self.input_ids.nbytes + self.second.nbytes <= RELEASE_BYTES:
+            return self._gather(pos)  # in memory, or a file small enough to stay mapped whole
         lengths = self.input_offsets[pos + 1] - self.input_offsets[pos]
         slen = self.second_offsets[pos + 1] - self.second_offsets[pos]
         mapped = self._mapped + np.cumsum(4 * (lengths + slen) + 2 * MAP_GRAIN_BYTES)
