@@ -417,7 +417,8 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     mb_order = (np.arange(len(perm)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
     new_sizes = sizes[perm]
     new_off = np.concatenate(([0], np.cumsum(new_sizes))).astype(np.int64)
-    take = np.concatenate([np.arange(off[k], off[k + 1]) for k in perm]) if len(perm) else np.zeros(0, np.int64)
+    # the samples' positions in execution order: micro-batch perm[j]'s slice of the grouping, vectorized
+    take = np.repeat(off[perm] - new_off[:-1], new_sizes) + np.arange(new_off[-1], dtype=np.int64)
     plan = BatchPlan(
         method=method, collation=collation, num_ranks=ranks, num_stages=stages, schedule=schedule,
         sample_ids=shapes.sample_id[pos[take]], sample_row=g.row[take].astype(np.int32), mb_offsets=new_off,
