@@ -15,11 +15,11 @@ from .table import (DATA_FILES_KEY, FINGERPRINT_KEY, INTEGRITY_KEY, LABEL_COLUMN
                     TOKEN_SETTINGS_KEY, LengthIndex, LengthIndexError, check_index, derived_labels, read_index,
                     read_index_table, write_index)
 from .token_file import TokenFileError, TokenFileWriter
-from .tokens import TOKEN_CACHE_BUDGET, TokenCache, encode_all, encode_to_file, token_cache_bytes
+from .tokens import TokenCache, encode_all, encode_to_file, token_cache_bytes
 
 __all__ = [
     "DATA_FILES_KEY", "FINGERPRINT_KEY", "INTEGRITY_KEY", "LABEL_COLUMN", "SCAN_KEY", "SETTINGS_KEY",
-    "TOKEN_CACHE_BUDGET", "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig",
+    "TOKEN_COLUMNS", "TOKEN_SETTINGS_KEY", "LengthIndex", "LengthIndexError", "ScanConfig",
     "ScanResult", "TokenCache", "TokenFileError", "TokenFileWriter", "check_ids_in_data", "check_index",
     "derived_labels", "encode_all", "encode_to_file", "index_settings",
     "read_index", "read_index_table", "scan_dataset", "scan_parts", "scan_source", "token_cache_bytes",

@@ -18,8 +18,6 @@ from .scan import natural_order
 from .table import TOKEN_COLUMNS, LengthIndex
 from .token_file import TokenFileError, TokenFileWriter, read_token_file
 
-#: Default memory budget of the token cache (bytes of int32 ids held in memory).
-TOKEN_CACHE_BUDGET = 2 << 30
 #: Bytes of a token file one process may keep mapped before it releases the pages (`TokenCache.gather`):
 #: the bound of the cache's resident memory, whatever the dataset's size. A release costs a page
 #: fault per sample read after it, so a smaller bound trades throughput for memory (a file under it

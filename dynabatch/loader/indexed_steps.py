@@ -24,7 +24,7 @@ from ..core.cost.model import CostModel
 from ..core.options import PlanOptions
 from ..core.plan.steps import global_batches, num_global_batches, plan_step
 # The length index, its scan and the token cache live in `dynabatch.index`; re-exported here for the loader.
-from ..index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_CACHE_BUDGET, TOKEN_COLUMNS,  # noqa: F401
+from ..index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_COLUMNS,  # noqa: F401
                      TOKEN_SETTINGS_KEY, LengthIndex, TokenCache, derived_labels, encode_all, index_settings,
                      read_index, read_index_table, scan_source, token_cache_bytes, write_index)
 from .records import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
