@@ -10,7 +10,10 @@ a module-level function so that it pickles by reference.
 Engines:
 
 * ``local`` (default): a `concurrent.futures.ProcessPoolExecutor` of ``workers`` processes
-  (default: the CPU count); ``workers=1`` (or a single item) runs in this process.
+  (default: the CPU count); ``workers=1`` (or a single item) runs in this process. A caller
+  with one Python thread forks them; one with more (a DataLoader's, an async file system's, a
+  test runner's) starts them from a fork server, since a child forked mid-way through another
+  thread's work can crash (a segfault in the child's garbage collector was seen).
 * ``ray``: ``ray.data.range(len(items)).map(...)`` with one block per item. Uses the running
   Ray instance, else ``ray.init(address=$RAY_ADDRESS)`` when that variable is set, else starts a
   local instance with ``num_cpus=workers``. Install with ``pip install dynabatch[ray]``.
@@ -20,8 +23,10 @@ A tqdm bar (``progress=True``) counts the items' ``weights`` (samples, steps...)
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
@@ -95,9 +100,27 @@ def map_parts(
         bar.close()
 
 
+def _pool_context(fn: Callable) -> multiprocessing.context.BaseContext:
+    """The start method of local workers. A process running one Python thread forks (cheapest: the
+    workers share its imports and loaded kernels; native pools such as BLAS's handle a fork); one
+    running more starts them from a fork server (spawn where there is none), since a child forked
+    while another thread is inside the interpreter can crash. The fork
+    server (one per process, started at its first use) imports ``fn``'s module once, so that each
+    worker forked from it does not import the library again (~1 s of CPU each)."""
+    methods = multiprocessing.get_all_start_methods()
+    if threading.active_count() == 1 and "fork" in methods:
+        return multiprocessing.get_context("fork")
+    if "forkserver" not in methods:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["dynabatch.engines", fn.__module__])  # no effect once the server runs
+    return ctx
+
+
 def _map_local(fn, items, context, workers, bar, weights) -> list:
     results: list = [None] * len(items)
-    pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(context,))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(fn), initializer=_init_worker,
+                               initargs=(context,))
     try:
         index = {pool.submit(_call_in_worker, fn, item): i for i, item in enumerate(items)}
         pending = set(index)

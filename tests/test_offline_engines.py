@@ -29,3 +29,29 @@ def test_bad_arguments():
         map_parts(_scaled, [1], 1, engine="spark")
     with pytest.raises(ValueError, match="workers must be >= 1"):
         map_parts(_scaled, [1], 1, workers=0)
+
+
+def _parent(context, item):
+    import os
+
+    return os.getppid()
+
+
+def test_workers_are_not_forked_from_a_process_running_other_threads():
+    """A busy second thread: forking mid-way through its work can crash the child (a segfault in the
+    child's garbage collector was seen when the suite's threads were running), so the workers come from
+    a fork server (their parent is not this process); alone, this process forks them (cheapest)."""
+    import os
+    import threading
+
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [list(range(1000)) for _ in iter(stop.is_set, True)], daemon=True)
+    busy.start()
+    try:
+        parents = map_parts(_parent, list(range(4)), None, workers=2, progress=False)
+        assert all(p != os.getpid() for p in parents), parents
+    finally:
+        stop.set()
+        busy.join()
+    if threading.active_count() == 1:  # pytest may run other threads (plugins): then there is nothing to fork
+        assert map_parts(_parent, list(range(4)), None, workers=2, progress=False) == [os.getpid()] * 4
