@@ -100,6 +100,14 @@ def map_parts(
         bar.close()
 
 
+def _other_threads() -> list[threading.Thread]:
+    """Python threads besides this one, leaving out tqdm's progress-bar monitor (it sleeps 10 s
+    between looks at the bars, and every progress bar here starts it)."""
+    from tqdm._monitor import TMonitor
+
+    return [t for t in threading.enumerate() if t is not threading.current_thread() and not isinstance(t, TMonitor)]
+
+
 def _pool_context(fn: Callable) -> multiprocessing.context.BaseContext:
     """The start method of local workers. A process running one Python thread forks (cheapest: the
     workers share its imports and loaded kernels; native pools such as BLAS's handle a fork); one
@@ -108,7 +116,7 @@ def _pool_context(fn: Callable) -> multiprocessing.context.BaseContext:
     server (one per process, started at its first use) imports ``fn``'s module once, so that each
     worker forked from it does not import the library again (~1 s of CPU each)."""
     methods = multiprocessing.get_all_start_methods()
-    if threading.active_count() == 1 and "fork" in methods:
+    if not _other_threads() and "fork" in methods:
         return multiprocessing.get_context("fork")
     if "forkserver" not in methods:
         return multiprocessing.get_context("spawn")
