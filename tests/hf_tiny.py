@@ -93,3 +93,34 @@ def bart_config(**over):
               scale_embedding=True)
     kw.update(over)
     return BartConfig(**kw)
+
+
+def seq2seq_samples(vocab: int, dims, rng) -> list:
+    """`EncodedSample` s of (input tokens, target tokens) ``dims``, ids drawn by ``rng`` from 3..vocab-1 (no
+    pad, start or end id of the tiny configs)."""
+    import numpy as np
+
+    from tokenization import EncodedSample
+
+    return [EncodedSample(i, rng.integers(3, vocab, n).astype(np.int32), rng.integers(3, vocab, t).astype(np.int32),
+                          None, n, t, 0, False) for i, (n, t) in enumerate(dims)]
+
+
+def seq2seq_microbatches(config, rows, seed: int) -> tuple[list, list]:
+    """Micro-batches of an encoder-decoder ``config``, ``rows[k]`` random samples in micro-batch ``k`` (inputs
+    of 2-9 tokens, targets of 1-7), collated ``packed`` and ``padded``: (packed, padded) lists of dicts of
+    the same samples (the padded ones are what the Hugging Face model's own forward takes)."""
+    import numpy as np
+
+    from dynabatch.loader.collate import collate_packed, collate_padded
+
+    rng = np.random.default_rng(seed)
+    kw = dict(family="encoder_decoder", pad_id=int(config.pad_token_id),
+              decoder_start_token_id=int(config.decoder_start_token_id))
+    packed, padded = [], []
+    for n in rows:
+        dims = [(int(rng.integers(2, 10)), int(rng.integers(1, 8))) for _ in range(n)]
+        samples = seq2seq_samples(int(config.vocab_size), dims, rng)
+        packed.append(collate_packed(samples, **kw))
+        padded.append(collate_padded(samples, **kw))
+    return packed, padded

@@ -180,3 +180,29 @@ def test_constructor_validates():
         dataclasses.replace(plan, mb_time_s=plan.mb_time_s[:-1])
     with pytest.raises(ValueError, match="rank_time_s"):
         dataclasses.replace(plan, rank_time_s=np.zeros(plan.num_ranks + 1))
+
+
+def _older_release(table: pa.Table) -> pa.Table:
+    """``table`` as an older release wrote it: no target_tokens column, its integrity record made without it."""
+    from dynabatch.planfile import format as fmt
+
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items() if k.decode() != fmt.INTEGRITY_KEY}
+    old = table.drop_columns(["target_tokens"]).replace_schema_metadata(meta)
+    return old.replace_schema_metadata({**meta, **fmt.integrity_metadata(old, int(meta[fmt.NUM_RANKS_KEY]))})
+
+
+def test_plan_file_of_an_older_release_without_target_tokens(tmp_path):
+    """A plan without decoder tokens (decoder-only: target_len 0) reads exactly, 0 decoder tokens per
+    micro-batch; an encoder-decoder plan, whose decoder totals the file does not hold, is refused naming the
+    file, the column and the fix."""
+    from dynabatch import PlanMismatchError, load_run_plan
+
+    gpt = make_plan("dp_varlen", preset="gpt", step=0)
+    assert gpt.num_microbatches > 1 and not gpt.mb_target_tokens.any()
+    pq.write_table(_older_release(plans_to_arrow([gpt])), tmp_path / "gpt.parquet")
+    assert_same_plan(gpt, load_run_plan(tmp_path / "gpt.parquet").step(0))
+    t5 = make_plan("dp_varlen", preset="t5", step=0)
+    assert (t5.mb_target_tokens > 0).all()
+    pq.write_table(_older_release(plans_to_arrow([t5])), tmp_path / "t5.parquet")
+    with pytest.raises(PlanMismatchError, match=r"t5\.parquet: step 0 .* no target_tokens column .*`dynabatch plan`"):
+        load_run_plan(tmp_path / "t5.parquet").step(0)

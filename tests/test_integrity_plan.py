@@ -54,6 +54,7 @@ EDITS = {
     "sample_tokens": _set("sample_tokens", lambda c, t: np.where(np.arange(len(c)) == 5, c + 100, c)),
     "memory_bytes": _set("memory_bytes", lambda c, t: c * 0.5),
     "target_len": _set("target_len", lambda c, t: np.where(_first_mb_rows(t), c + 8, c)),
+    "target_tokens": _set("target_tokens", lambda c, t: np.where(_first_mb_rows(t), c + 3, c)),
     "row": _set("row", lambda c, t: _shuffled_rows(c, t)),
 }
 

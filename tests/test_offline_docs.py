@@ -27,7 +27,7 @@ def test_doc_lists_every_plan_column():
 
     text = DOC.read_text(encoding="utf-8")
     columns = ("step", "rank", "microbatch", "row", "sample_id", "rows", "input_len", "target_len", "vision_tiles",
-               "tokens", "real_tokens", "time_s", "memory_bytes", "epoch", "task_id", "sample_tokens")
+               "tokens", "real_tokens", "target_tokens", "time_s", "memory_bytes", "epoch", "task_id", "sample_tokens")
     for col in columns:
         assert f"| `{col}` |" in text, col
         assert f"  {col} " in PLAN_EPILOG, col

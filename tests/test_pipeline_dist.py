@@ -86,18 +86,19 @@ def check_correctness(results, world, stages):
 
 
 TWO_STAGE_CASES = [["gpt-tiny", [0, 2, 5], "padded", False], ["gpt-tiny", [0, 3, 5], "packed", False],
-                   ["t5-tiny", [0, 3, 6], "padded", True]]
+                   ["t5-tiny", [0, 3, 6], "padded", True], ["t5-tiny", [0, 2, 6], "packed", True]]
 TWO_STAGES = shared("correctness", 2, 2, TWO_STAGE_CASES, SCHEDULES, 2, False, weight=3)
 
 
 @LAUNCHES.plan(lambda: [TWO_STAGES])
 def test_two_stages_match_single_process_all_schedules():
-    """gpt-tiny padded and packed, t5-tiny padded (with debug headers): 2-stage loss and gradients
-    equal a single-process run of the same micro-batches, for gpipe, 1f1b and adaptive."""
+    """gpt-tiny padded and packed, t5-tiny padded and packed (its two rows' totals from the plan; with debug
+    headers): 2-stage loss and gradients equal a single-process run of the same micro-batches, for gpipe,
+    1f1b and adaptive."""
     results = run(TWO_STAGES)
     check_correctness(results, 2, 2)
     seen = {(c["model"], c["collation"], c["schedule"]) for c in results[0]["cases"]}
-    assert len(seen) == 9
+    assert len(seen) == 12
 
 
 DATA_PARALLEL = launch("correctness", 4, 2, [["t5-tiny", [0, 3, 6], "padded", False]], SCHEDULES, 1, True, weight=8)

@@ -15,7 +15,7 @@ EXAMPLE = ROOT / "examples" / "pipeline_hf.py"
 def test_python_blocks_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     namespace: dict = {}
     dtype = torch.get_default_dtype()
     try:
@@ -28,6 +28,7 @@ def test_python_blocks_run(tmp_path, monkeypatch, capsys):
     stage_bytes = [int(x) for x in re.findall(r"stage \d: (\d+) of", out)]
     whole = int(re.search(r"of (\d+) parameter bytes", out).group(1))
     assert len(stage_bytes) == 2 and all(b < whole for b in stage_bytes)
+    assert "19 12 ['[1, 19, 16] float32', '[1, 12, 16] float32', '[4] int32', '[4] int32']" in out
 
 
 def test_training_block_is_the_example():

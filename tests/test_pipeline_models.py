@@ -24,6 +24,8 @@ def states(model, batch):
     (lambda: gpt_tiny(layers=2, **SMALL), MicroBatchShape("padded", 3, 16)),
     (lambda: gpt_tiny(layers=2, **SMALL), MicroBatchShape("packed", 4, 9, tokens=23)),
     (lambda: t5_tiny(encoder_layers=1, decoder_layers=2, **SMALL), MicroBatchShape("padded", 2, 12, 7)),
+    (lambda: t5_tiny(encoder_layers=1, decoder_layers=2, **SMALL),
+     MicroBatchShape("packed", 3, 9, 4, 20, target_tokens=11)),
 ])
 def test_boundary_spec_predicts_every_state(make, shape):
     model = make()
@@ -94,19 +96,24 @@ def _encoded(rng, n, family):
     return out
 
 
-@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
-def test_packed_rows_train_the_same_function_as_one_sample_per_row(family):
-    """The ``pack`` baseline's rows (several samples per row, collated by the library) give the same
-    summed loss and gradients as one sample per row: no attention crosses a sample boundary, and
-    positions restart at every sample."""
-    from dynabatch.loader.collate import collate_padded
+@pytest.mark.parametrize("family,layout", [("decoder", "rows"), ("encoder_decoder", "rows"),
+                                           ("encoder_decoder", "packed")])
+def test_packed_rows_train_the_same_function_as_one_sample_per_row(family, layout):
+    """The ``pack`` baseline's rows (several samples per row, collated by the library) and t5-tiny's packed
+    (varlen) micro-batches (inputs in one row, targets in another) give the same summed loss and gradients
+    as one sample per row: no attention crosses a sample boundary, and positions restart at every sample."""
+    from dynabatch.loader.collate import collate_packed, collate_padded
 
     model = (gpt_tiny(layers=2, **SMALL) if family == "decoder"
              else t5_tiny(encoder_layers=1, decoder_layers=2, **SMALL))
     samples = _encoded(np.random.default_rng(5), 7, family)
     rows = np.array([0, 0, 1, 0, 1, 2, 2])
-    packed = collate_padded(samples, family=family, rows=rows)
-    assert packed["input_ids"].shape[0] == 3
+    if layout == "rows":
+        packed = collate_padded(samples, family=family, rows=rows)
+        assert packed["input_ids"].shape[0] == 3
+    else:
+        packed = collate_packed(samples, family=family)
+        assert packed["input_ids"].shape[0] == 1 and len(packed["decoder_cu_seqlens"]) == 8
     per_row = collate_padded(samples, family=family)
 
     def loss_and_grads(batch):

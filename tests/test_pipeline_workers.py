@@ -36,15 +36,19 @@ def synthetic_plan(rng: np.random.Generator, *, collation: str, num_ranks: int, 
     """A plan of random micro-batch shapes (what a planner would hand every rank)."""
     counts = [int(rng.integers(mbs[0], mbs[1] + 1))] * num_ranks if equal else \
         [int(rng.integers(mbs[0], mbs[1] + 1)) for _ in range(num_ranks)]
-    rank, order, rows, L, T, tok, t, mem = [], [], [], [], [], [], [], []
+    rank, order, rows, L, T, tok, tgt, t, mem = [], [], [], [], [], [], [], [], []
     for r, c in enumerate(counts):
         for k in range(c):
             n = int(rng.integers(1, max_rows + 1))
             ln = int(rng.integers(2, max_len + 1))
             tl = int(rng.integers(1, max_target + 1)) if max_target else 0
-            total = int(rng.integers(max(n, ln), n * ln + 1)) if collation == "packed" else n * (ln + tl)
+            if collation == "packed":  # the planner's packed tokens count both rows of an encoder-decoder
+                dec = int(rng.integers(max(n, tl), n * tl + 1)) if tl else 0
+                total = int(rng.integers(max(n, ln), n * ln + 1)) + dec
+            else:
+                dec, total = n * tl, n * (ln + tl)
             rank.append(r), order.append(k), rows.append(n), L.append(ln), T.append(tl), tok.append(total)
-            t.append(float(total) * 1e-5), mem.append(float(total) * 100.0)
+            tgt.append(dec), t.append(float(total) * 1e-5), mem.append(float(total) * 100.0)
     sizes = np.array(rows)
     m = len(rows)
     return BatchPlan(
@@ -54,7 +58,8 @@ def synthetic_plan(rng: np.random.Generator, *, collation: str, num_ranks: int, 
         mb_offsets=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64), mb_rank=np.array(rank, np.int32),
         mb_order=np.array(order, np.int32), mb_rows=sizes.astype(np.int64), mb_input_len=np.array(L, np.int64),
         mb_target_len=np.array(T, np.int64), mb_vision_tiles=np.zeros(m, np.int64), mb_tokens=np.array(tok, np.int64),
-        mb_real_tokens=np.array(tok, np.int64), mb_time_s=np.array(t), mb_memory_bytes=np.array(mem),
+        mb_real_tokens=np.array(tok, np.int64), mb_target_tokens=np.array(tgt, np.int64),
+        mb_time_s=np.array(t), mb_memory_bytes=np.array(mem),
         rank_time_s=np.zeros(num_ranks), step=step)
 
 

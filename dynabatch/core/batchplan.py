@@ -25,8 +25,11 @@ MB_FIELDS = {
     "mb_input_len": (np.int64, "padded main-stack length, tokens (packed: longest sample)"),
     "mb_target_len": (np.int64, "padded decoder length, tokens"),
     "mb_vision_tiles": (np.int64, "image tiles the vision encoder processes"),
-    "mb_tokens": (np.int64, "tokens computed: rows x (input_len + target_len), or the packed total"),
+    "mb_tokens": (np.int64, "tokens computed: rows x (input_len + target_len), or the packed total (an "
+                          "encoder-decoder's two rows)"),
     "mb_real_tokens": (np.int64, "tokens of the micro-batch's samples"),
+    "mb_target_tokens": (np.int64, "decoder (target) tokens of the micro-batch's samples, summed: packed, the "
+                                   "decoder row's length (0 without a decoder stack)"),
     "mb_time_s": (np.float64, "predicted forward+backward seconds of the micro-batch on one stage (per-stage "
                               "plans: on its slowest stage)"),
     "mb_memory_bytes": (np.float64, "predicted peak activation bytes of the micro-batch on one stage (per-stage "
@@ -49,6 +52,7 @@ class MicroBatch:
     vision_tiles: int
     tokens: int
     real_tokens: int
+    target_tokens: int
     time_s: float
     memory_bytes: float
 
@@ -80,6 +84,7 @@ class BatchPlan:
     mb_vision_tiles: np.ndarray
     mb_tokens: np.ndarray
     mb_real_tokens: np.ndarray
+    mb_target_tokens: np.ndarray
     mb_time_s: np.ndarray
     mb_memory_bytes: np.ndarray
     rank_time_s: np.ndarray
@@ -173,6 +178,7 @@ class BatchPlan:
                 rows=int(self.mb_rows[k]), input_len=int(self.mb_input_len[k]),
                 target_len=int(self.mb_target_len[k]), vision_tiles=int(self.mb_vision_tiles[k]),
                 tokens=int(self.mb_tokens[k]), real_tokens=int(self.mb_real_tokens[k]),
+                target_tokens=int(self.mb_target_tokens[k]),
                 time_s=float(self.mb_time_s[k]), memory_bytes=float(self.mb_memory_bytes[k]),
             ))
         return out

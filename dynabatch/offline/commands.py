@@ -73,6 +73,7 @@ the plan (--out, Parquet), one row per sample placement, grouped by step, rank, 
   vision_tiles   image tiles the vision encoder processes
   tokens         tokens computed: rows x (input_len + target_len), or the packed total
   real_tokens    tokens of the micro-batch's samples (no padding)
+  target_tokens  decoder tokens of the micro-batch's samples (packed: the decoder row's length)
   time_s         predicted forward+backward seconds of the micro-batch on one stage
   memory_bytes   predicted peak activation bytes of the micro-batch on one stage
   epoch          epoch of the step

@@ -105,7 +105,10 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
     change = np.flatnonzero((np.diff(rank) != 0) | (np.diff(order) != 0)) + 1
     starts = np.concatenate(([0], change))
     offsets = np.concatenate((starts, [len(sel)])).astype(np.int64)
-    mb = {name: col[_column(name)][starts].astype(dtype) for name, (dtype, _) in MB_FIELDS.items()}
+    mb = {name: col[_column(name)][starts].astype(dtype) for name, (dtype, _) in MB_FIELDS.items()
+          if name != "mb_target_tokens" or _column(name) in col}
+    if "mb_target_tokens" not in mb:
+        mb["mb_target_tokens"] = _older_target_tokens(mb["mb_target_len"], step)
     for name in STAGE_FIELDS:
         if name in table.column_names:
             rows = table.column(name).combine_chunks().take(pa.array(sel[starts]))
@@ -124,6 +127,17 @@ def plan_from_arrow(table: pa.Table, step: int | None = None) -> BatchPlan:
         mb_offsets=offsets, rank_time_s=np.asarray(rank_times, np.float64), step=step,
         options=json.loads(meta.get(fmt.OPTIONS_KEY, "{}")), **mb,
     )
+
+
+def _older_target_tokens(target_len: np.ndarray, step: int) -> np.ndarray:
+    """``mb_target_tokens`` of a plan file of an older release (no ``target_tokens`` column): 0 where a
+    micro-batch has no decoder tokens (``target_len`` 0: decoder-only and vision-language plans), which is
+    exact; an encoder-decoder plan's decoder totals were not recorded and cannot be derived from the file."""
+    if np.any(target_len > 0):
+        raise ValueError(f"step {step} of this plan has micro-batches with decoder tokens (target_len > 0) but the "
+                         "file has no target_tokens column (each micro-batch's decoder token total, which older "
+                         "releases did not write); re-create the plan file with `dynabatch plan`")
+    return np.zeros(len(target_len), np.int64)
 
 
 def step_schedule(meta: dict[str, str], step: int) -> str:

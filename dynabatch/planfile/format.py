@@ -17,7 +17,11 @@ Columns (`COLUMNS`; the first five are required, the others optional):
     target_len     int64    padded decoder length, tokens
     vision_tiles   int64    image tiles the vision encoder processes
     tokens         int64    tokens computed: rows x (input_len + target_len), or the packed total
+                            (an encoder-decoder's two rows)
     real_tokens    int64    tokens of the micro-batch's samples
+    target_tokens  int64    decoder (target) tokens of the micro-batch's samples (packed: the decoder
+                            row a pipeline stage sends); files of older releases lack it: read as 0
+                            where target_len is 0, refused (re-plan) where a micro-batch has decoder tokens
     time_s         float64  predicted forward+backward seconds of the micro-batch on one stage
     memory_bytes   float64  predicted peak activation bytes of the micro-batch on one stage
     epoch          int32    epoch of the step (files of older releases may lack it)

@@ -365,7 +365,10 @@ class RunPlan:
 
     def step(self, step: int) -> BatchPlan:
         """The `BatchPlan` of one step, equal to what `plan_microbatches` returned when planning."""
-        plan = plan_from_arrow(self.step_rows(step), step=int(step))
+        try:
+            plan = plan_from_arrow(self.step_rows(step), step=int(step))
+        except ValueError as e:  # name the file (a plan of an older release lacking a column)
+            raise PlanMismatchError(f"{self.name}: {e}") from None
         opts = self.step_options(step)
         return dataclasses.replace(plan, options=dict(plan.options if opts is None else opts))
 

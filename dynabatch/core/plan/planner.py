@@ -358,6 +358,8 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
     L = np.maximum.reduceat(m_main, starts) if len(pos) else np.zeros(0, np.int64)
     T = np.maximum.reduceat(m_dec, starts) if len(pos) else np.zeros(0, np.int64)
     real = np.add.reduceat(m_main + m_dec, starts) if len(pos) else np.zeros(0, np.int64)
+    # the decoder tokens (packed: the decoder row a stage boundary carries), from the same per-sample lengths
+    target = np.add.reduceat(m_dec, starts) if len(pos) else np.zeros(0, np.int64)
     if collation == "packed":
         group = np.repeat(np.arange(len(sizes)), sizes)
         phi = cost.packed_features(m_main, m_dec, m_tiles, group)
@@ -425,6 +427,7 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         mb_rank=mb_rank, mb_order=mb_order, mb_rows=rows[perm], mb_input_len=L[perm].astype(np.int64),
         mb_target_len=T[perm].astype(np.int64), mb_vision_tiles=n_tiles[perm].astype(np.int64),
         mb_tokens=computed[perm].astype(np.int64), mb_real_tokens=real[perm].astype(np.int64),
+        mb_target_tokens=target[perm].astype(np.int64),
         mb_time_s=time_s[perm], mb_memory_bytes=mem[perm], rank_time_s=rank_time, step=step,
         options={k: v for k, v in options.items() if v is not None},
         stage_time_s=None if stage_t is None else stage_t[:, perm],

@@ -37,9 +37,11 @@ def batch_shapes(microbatches: Sequence[dict], collation: str | None = None) -> 
         c = collation or _collation_of(b)
         rows, L = b["input_ids"].shape
         t, m = float(b.get("predicted_time_s", 0.0)), float(b.get("predicted_memory_bytes", 0.0))
-        if c == "packed":
-            out.append(MicroBatchShape("packed", int(b["cu_seqlens"].numel() - 1), int(b["max_seqlen"]), 0, int(L),
-                                       t, m))
+        if c == "packed":  # an encoder-decoder's targets: a second row (its length crosses stage boundaries)
+            dec = b.get("decoder_input_ids")
+            T, Nt = (0, 0) if dec is None else (int(b["decoder_max_seqlen"]), int(dec.shape[1]))
+            out.append(MicroBatchShape("packed", int(b["cu_seqlens"].numel() - 1), int(b["max_seqlen"]), T, int(L),
+                                       t, m, target_tokens=Nt))
         else:
             T = b["decoder_input_ids"].shape[1] if "decoder_input_ids" in b else 0
             out.append(MicroBatchShape(c, int(rows), int(L), int(T), 0, t, m))

@@ -54,9 +54,11 @@ class MicroBatchShape:
 
     ``collation`` is ``padded``/``packed_rows`` (``rows`` x ``input_len`` main tokens and ``rows`` x
     ``target_len`` decoder tokens) or ``packed`` (``rows`` sequences concatenated into one row of
-    ``tokens`` tokens, the longest ``input_len``). ``time_s`` and ``memory_bytes`` are the plan's
-    predicted forward+backward seconds and activation bytes on one stage. ``tiles`` is the number
-    of image tiles (vision-language models: the ViT's batch; 0 for a text-only micro-batch).
+    ``tokens`` main-stack tokens, the longest ``input_len``; an encoder-decoder's targets in a second
+    row of ``target_tokens`` decoder tokens, the longest ``target_len``). ``time_s`` and
+    ``memory_bytes`` are the plan's predicted forward+backward seconds and activation bytes on one
+    stage. ``tiles`` is the number of image tiles (vision-language models: the ViT's batch; 0 for a
+    text-only micro-batch).
     """
 
     collation: str
@@ -67,11 +69,12 @@ class MicroBatchShape:
     time_s: float = 0.0
     memory_bytes: float = 0.0
     tiles: int = 0
+    target_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.collation not in RUNNER_COLLATIONS:
             raise ValueError(f"collation must be one of {RUNNER_COLLATIONS}, got {self.collation!r}")
-        if self.rows < 1 or self.input_len < 1 or self.target_len < 0 or self.tiles < 0:
+        if self.rows < 1 or self.input_len < 1 or min(self.target_len, self.tiles, self.target_tokens) < 0:
             raise ValueError(f"a micro-batch needs rows >= 1 and input_len >= 1, got {self}")
         if self.packed and self.tokens < 1:
             raise ValueError("a packed micro-batch needs its total token count (tokens >= 1)")
@@ -83,9 +86,11 @@ class MicroBatchShape:
 
     @classmethod
     def from_microbatch(cls, mb: MicroBatch, collation: str) -> "MicroBatchShape":
-        """The shape of one `MicroBatch` of a plan with the given collation."""
-        return cls(collation, int(mb.rows), int(mb.input_len), int(mb.target_len), int(mb.tokens),
-                   float(mb.time_s), float(mb.memory_bytes), int(mb.vision_tiles))
+        """The shape of one `MicroBatch` of a plan with the given collation (packed: the plan's ``tokens``
+        count both rows of an encoder-decoder, ``tokens`` here the main stack's only)."""
+        main = int(mb.tokens) - int(mb.target_tokens) if collation == "packed" else int(mb.tokens)
+        return cls(collation, int(mb.rows), int(mb.input_len), int(mb.target_len), main,
+                   float(mb.time_s), float(mb.memory_bytes), int(mb.vision_tiles), int(mb.target_tokens))
 
 
 def plan_shapes(plan: BatchPlan, replica: int) -> list[MicroBatchShape]:
@@ -102,17 +107,24 @@ class PlanMismatch(ValueError):
 def check_batch(batch: dict, shape: MicroBatchShape, where: str) -> None:
     """Raise `PlanMismatch` if a Hugging Face-style micro-batch dictionary does not have the plan's
     shape: padded ``input_ids`` [rows, input_len] (``decoder_input_ids``/``labels`` [rows,
-    target_len] when target_len > 0); packed ``input_ids`` [1, tokens], ``cu_seqlens`` [rows + 1]."""
+    target_len] when target_len > 0); packed ``input_ids`` [1, tokens], ``cu_seqlens`` [rows + 1] (an
+    encoder-decoder's ``decoder_input_ids``/``labels`` [1, target_tokens], ``decoder_cu_seqlens`` [rows + 1])."""
     def need(key, want):
         if key in batch and isinstance(batch[key], torch.Tensor) and tuple(batch[key].shape) != tuple(want):
             raise PlanMismatch(f"{where}: {key} has shape {list(batch[key].shape)} but the plan says {list(want)} "
                                f"({shape.collation}, rows {shape.rows}, input_len {shape.input_len}, "
-                               f"target_len {shape.target_len}, tokens {shape.tokens})")
+                               f"target_len {shape.target_len}, tokens {shape.tokens}, "
+                               f"target_tokens {shape.target_tokens})")
     if shape.packed:
         need("input_ids", (1, shape.tokens))
         need("position_ids", (1, shape.tokens))
-        need("labels", (1, shape.tokens))
         need("cu_seqlens", (shape.rows + 1,))
+        if "decoder_input_ids" in batch:
+            for key in ("decoder_input_ids", "decoder_position_ids", "labels"):
+                need(key, (1, shape.target_tokens))
+            need("decoder_cu_seqlens", (shape.rows + 1,))
+        else:
+            need("labels", (1, shape.tokens))
     elif shape.tiles:  # a vision-language model inserts the tiles' tokens itself: text is [rows, <= input_len]
         if int(batch.get("image_tiles", torch.zeros(0)).sum()) != shape.tiles or len(batch["input_ids"]) != shape.rows:
             raise PlanMismatch(f"{where}: image_tiles and input_ids are not the plan's {shape.tiles} tiles in "

@@ -3,8 +3,9 @@
 ``gpt-tiny`` is a GPT-style decoder, ``t5-tiny`` a T5-style encoder-decoder (learned absolute
 positions instead of T5's relative bias, to stay small). Both accept the micro-batch dictionaries
 Hugging Face collators produce (padded: ``input_ids``/``attention_mask``/``labels``, plus
-``decoder_input_ids`` for the encoder-decoder; packed/varlen, decoder only: ``input_ids``
-``[1, total]``, ``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``labels``).
+``decoder_input_ids`` for the encoder-decoder; packed/varlen: ``input_ids`` ``[1, total]``,
+``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``labels``, and for the encoder-decoder the
+targets' row with ``decoder_input_ids``, ``decoder_position_ids``, ``decoder_cu_seqlens``).
 
 Layer contract (what `dynabatch.pipeline` needs from any model):
 
@@ -17,7 +18,9 @@ Layer contract (what `dynabatch.pipeline` needs from any model):
 predicts from the plan alone. Padded GPT: ``(hidden [rows, L, H], segments [rows, L])``;
 packed GPT: ``(hidden [1, N, H], position_ids [1, N], cu_seqlens [n + 1] int32)``; T5:
 ``(encoder hidden [rows, L, H], decoder hidden [rows, T, H], encoder segments [rows, L], decoder
-segments [rows, T])``. The state layout is the same after every layer, so any cut is valid.
+segments [rows, T])``, packed: one row of ``tokens`` (N) encoder and one of ``target_tokens`` (Nt)
+decoder tokens, ``(hidden [1, N, H], hidden [1, Nt, H], segments [1, N], segments [1, Nt])``. The
+state layout is the same after every layer, so any cut is valid.
 
 ``segments`` (`segment_ids`) number the samples of a row from 1 and are 0 on padding: with one
 sample per row they equal the attention mask; in packed rows (the ``pack`` baseline, where
@@ -295,25 +298,39 @@ class T5Embedding(nn.Module):
         self.dec_pos = nn.Embedding(max_positions, hidden)
 
     def forward(self, batch: dict) -> tuple:
-        if "cu_seqlens" in batch:
-            raise ValueError("t5-tiny takes padded micro-batches only (packed encoder-decoder plans do "
-                                      "not record separate encoder and decoder token totals)")
         ids, dec = batch["input_ids"], batch["decoder_input_ids"]
-        mask = batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask.long()
-        dmask = batch.get("decoder_attention_mask")
-        dmask = torch.ones_like(dec) if dmask is None else dmask.long()
         pos, dpos = batch.get("position_ids"), batch.get("decoder_position_ids")
-        if (pos is None) != (dpos is None):
-            raise ValueError("t5-tiny: packed rows need both position_ids and decoder_position_ids "
-                             "(the collator's packed_rows layout)")
-        seg, dseg = segment_ids(mask, pos), segment_ids(dmask, dpos)
+        if "cu_seqlens" in batch:
+            seg, dseg = _packed_segments(batch)
+        else:
+            mask = batch.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else mask.long()
+            dmask = batch.get("decoder_attention_mask")
+            dmask = torch.ones_like(dec) if dmask is None else dmask.long()
+            if (pos is None) != (dpos is None):
+                raise ValueError("t5-tiny: packed rows need both position_ids and decoder_position_ids "
+                                 "(the collator's packed_rows layout)")
+            seg, dseg = segment_ids(mask, pos), segment_ids(dmask, dpos)
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device)
             dpos = torch.arange(dec.shape[1], device=dec.device)
         enc = self.tok(ids) + self.enc_pos(pos.long())
         dech = self.tok(dec) + self.dec_pos(dpos.long())
         return enc, dech, seg, dseg
+
+
+def _packed_segments(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, N] and [1, Nt] sample numbers (from 1) of a packed encoder-decoder micro-batch (``collate='packed'``,
+    ``family='encoder_decoder'``): the segments of one packed row, so the padded masks keep the samples apart."""
+    if any(k not in batch for k in ("decoder_cu_seqlens", "position_ids", "decoder_position_ids")):
+        raise ValueError("t5-tiny: a packed micro-batch needs decoder_cu_seqlens and both position_ids "
+                         "(collate='packed' with family='encoder_decoder')")
+    cu, dcu = batch["cu_seqlens"], batch["decoder_cu_seqlens"]
+    if len(cu) != len(dcu):
+        raise ValueError(f"t5-tiny: the packed micro-batch holds {len(cu) - 1} encoder and {len(dcu) - 1} decoder "
+                         "samples; each sample needs both sides")
+    return (_segments(cu, batch["input_ids"].shape[1])[None] + 1,
+            _segments(dcu, batch["decoder_input_ids"].shape[1])[None] + 1)
 
 
 class T5EncoderBlock(_SelfAttentionBlock):
@@ -364,14 +381,15 @@ class T5Head(nn.Module):
 
 
 def _t5_boundary(hidden: int, dtype: torch.dtype):
-    """The encoder-decoder state's specs (t5-tiny, Hugging Face T5/BART adapters): both hidden states and
-    both [rows, len] masks."""
+    """The encoder-decoder state's specs (t5-tiny; the Hugging Face T5/BART adapters' padded state): both
+    hidden states and both [rows, len] masks; t5-tiny's packed state is one row of each side
+    (``tokens`` and ``target_tokens`` long) with their segments."""
     def boundary(shape: MicroBatchShape, layer: int) -> tuple[TensorSpec, ...]:
-        if shape.packed:
-            raise ValueError("an encoder-decoder model takes padded micro-batches only")
-        if shape.target_len < 1:
-            raise ValueError("an encoder-decoder micro-batch needs target_len >= 1")
-        r, L, T = shape.rows, shape.input_len, shape.target_len
+        if shape.target_len < 1 or (shape.packed and shape.target_tokens < 1):
+            raise ValueError("an encoder-decoder micro-batch needs decoder tokens (target_len >= 1; packed: the "
+                             "plan's decoder total, target_tokens >= 1)")
+        r, L, T = (1, shape.tokens, shape.target_tokens) if shape.packed else \
+            (shape.rows, shape.input_len, shape.target_len)
         return (TensorSpec((r, L, hidden), dtype, True), TensorSpec((r, T, hidden), dtype, True),
                 TensorSpec((r, L), torch.int64), TensorSpec((r, T), torch.int64))
     return boundary
@@ -380,8 +398,14 @@ def _t5_boundary(hidden: int, dtype: torch.dtype):
 def t5_random_batch(vocab: int):
     def make(shape: MicroBatchShape, generator: torch.Generator | None = None) -> dict:
         gen = generator or torch.Generator().manual_seed(0)
-        if shape.packed:
-            raise ValueError("t5-tiny takes padded micro-batches only")
+        if shape.packed:  # the DataLoader's packed seq2seq layout of random samples
+            from ...loader.collate import FlatIds, collate_packed
+
+            lin = _random_packed_lengths(gen, shape.rows, shape.tokens)
+            lt = _random_packed_lengths(gen, shape.rows, shape.target_tokens)
+            ids = torch.randint(1, vocab, (shape.tokens,), generator=gen).numpy()
+            tgt = torch.randint(1, vocab, (shape.target_tokens,), generator=gen).numpy()
+            return collate_packed(FlatIds(ids, np.array(lin), tgt, np.array(lt)), family="encoder_decoder")
         r, L, T = shape.rows, shape.input_len, shape.target_len
         lin = _random_lengths(gen, r, L)
         lt = _random_lengths(gen, r, T)

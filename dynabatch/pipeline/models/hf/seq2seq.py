@@ -12,7 +12,7 @@ other blocks. Here every block computes it from the bias table (a `tied_paramete
 stage holds a copy of it), so only the hidden states and the two [R, L]/[R, T] masks cross a
 stage boundary: nothing quadratic in the length.
 
-Packed micro-batches (``collate='packed'``, one process): the state is ``(encoder hidden [1, N, H],
+Packed micro-batches (``collate='packed'``, on any number of stages): the state is ``(encoder hidden [1, N, H],
 decoder hidden [1, Nt, H], cu_seqlens [n + 1], decoder_cu_seqlens [n + 1])`` and every layer adds a
 same-sample predicate to the model's own mask functions (`same_sample`); the bias of the whole row
 is the samples' own within each sample (relative positions do not depend on where a sample starts).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..spec import MicroBatchShape
+from ..spec import MicroBatchShape, TensorSpec
 from ..tiny import _t5_boundary, t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
@@ -108,17 +108,20 @@ def packed_state(name: str, batch: dict, attn_implementation: str) -> tuple[torc
 
 
 def seq2seq_boundary(hidden: int, dtype: torch.dtype):
-    """The stage-boundary specs of the T5 and BART adapters: the padded state's (t5-tiny's). A packed
-    state is refused: a plan's `MicroBatchShape` gives the packed encoder total (``tokens``) but not the
-    decoder's, so the [1, decoder tokens, hidden] state a stage would send is not known from the plan."""
+    """The stage-boundary specs of the T5 and BART adapters: the padded state's (t5-tiny's), or the packed
+    state ``(enc [1, tokens, H], dec [1, target_tokens, H], cu_seqlens [rows + 1] int32, decoder_cu_seqlens
+    [rows + 1] int32)`` (the plan states both rows' token totals)."""
     padded = _t5_boundary(hidden, dtype)
 
     def boundary(shape: MicroBatchShape, layer: int):
-        if shape.packed:
-            raise ValueError("packed encoder-decoder micro-batches run in one process only (sequential_step): the "
-                             "plan's shapes carry no decoder token total for the state crossing a stage boundary; "
-                             "use collate='padded' on several stages")
-        return padded(shape, layer)
+        if not shape.packed:
+            return padded(shape, layer)
+        if shape.target_tokens < 1:
+            raise ValueError("a packed encoder-decoder micro-batch needs its decoder token total (target_tokens >= 1; "
+                             "the plan's target_tokens, or batch_shapes of the collated micro-batches)")
+        cu = TensorSpec((shape.rows + 1,), torch.int32)
+        return (TensorSpec((1, shape.tokens, hidden), dtype, True),
+                TensorSpec((1, shape.target_tokens, hidden), dtype, True), cu, cu)
 
     return boundary
 
