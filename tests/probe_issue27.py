@@ -111,16 +111,6 @@ def rest(dl) -> str:
     return f"{len(steps)} steps, {samples} samples, {sum(s.target_tokens for s in steps)} target tokens"
 
 
-def state_after(dl, steps: int = 2) -> dict:
-    """The loader's state after ``steps`` steps, as read back from JSON."""
-    it = iter(dl)
-    for _ in range(steps):
-        next(it)
-    state = json.loads(json.dumps(dl.state_dict()))
-    dl.close()
-    return state
-
-
 def resumed(dl, state) -> str:
     """``dl`` resumed from ``state``: what it yields for the rest of the epoch."""
     dl.load_state_dict(state)
@@ -237,6 +227,7 @@ def case4(w: Work, r: Report) -> None:
     import importlib.util
 
     from dynabatch import build_index
+    from test_integrity_data import _state_after as state_after  # the state after 2 steps, through JSON
 
     data = w.generated("parquet", 300, "parquet")
     s3_copy = str(shutil.copy(data, w.root / "part_s3.parquet"))  # the text as it was, for the S3 object
@@ -273,6 +264,7 @@ def case4(w: Work, r: Report) -> None:
 def case5(w: Work, r: Report) -> None:
     import loaders
     from dynabatch import build_index
+    from test_integrity_data import _state_after as state_after
     from test_integrity_tokenizer import _char_tokenizer
     from tokenization import load_tokenizer
 
