@@ -118,12 +118,14 @@ def resumed(dl, state) -> str:
 
 
 class Work:
-    """The probe's generated files, made on first use under ``root``."""
+    """The probe's files under ``root``, made on first use: ``jsonl`` (300 generated samples), its length
+    ``index`` (bytes tokenizer, ``MAX_LEN``) and ``plan`` (``dynabatch plan`` of the index)."""
 
     def __init__(self, root: Path, memory: str | None = None):
         self.root, self.memory = root, memory  # memory: case 8's file (None: a generated one)
 
     def generated(self, name: str, samples: int, fmt: str = "jsonl") -> str:
+        """A ``dynabatch datagen`` text shard of ``samples`` samples in ``fmt`` (one file), its path."""
         from dynabatch.datagen import write_text_shards
 
         return str(write_text_shards(self.root / name, samples, num_shards=1, format=fmt)[0])
@@ -153,6 +155,7 @@ class Work:
 
 
 def case1(w: Work, r: Report) -> None:
+    """Loader state edited, truncated or emptied between save and resume."""
     from dynabatch.loader import load_loader_state, save_loader_state
 
     dl, path = loader(w.jsonl, mode="indexed"), w.root / "loader_state.json"
@@ -183,6 +186,7 @@ def case1(w: Work, r: Report) -> None:
 
 
 def case2(w: Work, r: Report) -> None:
+    """Length index columns edited: read by a DataLoader and by ``dynabatch plan``."""
     from test_integrity_index import EDITS
 
     r.control("2 index as written", lambda: "ran: " + rest(loader(w.jsonl, index=w.index)))
@@ -194,6 +198,7 @@ def case2(w: Work, r: Report) -> None:
 
 
 def case3(w: Work, r: Report) -> None:
+    """Plan file columns edited: replayed by a DataLoader and read by ``dynabatch inspect``."""
     from test_integrity_plan import EDITS
 
     r.control("3 plan as written, replay", lambda: "replayed: " + rest(loader(w.jsonl, plan=w.plan, index=w.index)))
@@ -262,6 +267,7 @@ def case4(w: Work, r: Report) -> None:
 
 
 def case5(w: Work, r: Report) -> None:
+    """Another tokenizer than the one an index, a plan or a state was made with."""
     import loaders
     from dynabatch import build_index
     from test_integrity_data import _state_after as state_after
@@ -343,6 +349,7 @@ def epoch_peak(mode: str, path: str) -> None:
 
 
 def case8(w: Work, r: Report) -> None:
+    """One epoch's peak RSS, indexed (default token cache) vs streaming, each in a fresh process."""
     path, what = w.memory, "the given file"
     if path is None:
         path, what = w.generated("memory", MEMORY_SAMPLES), "a generated file (not the issue's 200 MB one)"
