@@ -9,6 +9,7 @@ at the end of this file (no server)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -61,11 +62,13 @@ class S3:
         return self.url(key)
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    pytest.importorskip("s3fs")
-    pytest.importorskip("boto3")
-    moto_server = pytest.importorskip("moto.server")
+@contextlib.contextmanager
+def moto_s3(scratch: str):
+    """A moto S3 server on 127.0.0.1 (AWS settings of this process pointed at it only, an empty bucket
+    ``BUCKET``; ``scratch``: a folder for the absent AWS config files and ``S3.local``), stopped and the
+    environment restored on exit. Needs moto, s3fs and boto3."""
+    from moto import server as moto_server
+
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                             "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
@@ -74,7 +77,7 @@ def s3(tmp_path_factory):
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "HTTP_PROXY", "HTTPS_PROXY",
                      "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
             mp.delenv(name, raising=False)
-        missing = str(tmp_path_factory.mktemp("aws") / "none")
+        missing = os.path.join(scratch, "no-aws-config")
         mp.setenv("AWS_CONFIG_FILE", missing)
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", missing)
         werkzeug = logging.getLogger("werkzeug")  # one INFO line per request otherwise
@@ -85,13 +88,24 @@ def s3(tmp_path_factory):
         try:
             host, port = server.get_host_and_port()
             _wait_for_port(host, port)
-            s = S3(f"http://{host}:{port}", str(tmp_path_factory.mktemp("s3-local")))
+            local = os.path.join(scratch, "s3-local")
+            os.makedirs(local, exist_ok=True)
+            s = S3(f"http://{host}:{port}", local)
             s.client.create_bucket(Bucket=BUCKET)
-            _fill(s)
             yield s
         finally:
             server.stop()
             werkzeug.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    with moto_s3(str(tmp_path_factory.mktemp("s3"))) as s:
+        _fill(s)
+        yield s
 
 
 def _fill(s: S3) -> None:
