@@ -414,3 +414,22 @@ def test_not_a_plan_is_refused(tmp_path, work):
     meta = {**table.schema.metadata, b"dynabatch.run_plan_version": b"99"}
     with pytest.raises(PlanMismatchError, match="run plan version 99 is not supported"):
         load_run_plan(table.replace_schema_metadata(meta))
+
+
+def test_commands_print_their_own_warnings_not_other_packages_deprecations(tmp_path, capsys, monkeypatch):
+    """A command's stderr holds one line per warning of its own; another package's DeprecationWarning (Ray
+    printed three under pytest, breaking `scan --engine ray`'s one-line error) is not shown as ours."""
+    import warnings
+
+    import dynabatch.offline.commands as commands
+
+    def scan(args):
+        warnings.warn_explicit("setting x is deprecated", DeprecationWarning, "ray/data/context.py", 1,
+                               module="ray.data.context")
+        warnings.warn_explicit("old flag", DeprecationWarning, "dynabatch/x.py", 1, module="dynabatch.x")
+        warnings.warn("a sample was truncated", UserWarning)
+        return 0
+
+    assert commands._guarded(scan)(None) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["dynabatch: warning: old flag", "dynabatch: warning: a sample was truncated"], err

@@ -145,6 +145,10 @@ def _guarded(fn):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", UserWarning)
+                # another package's deprecations (Ray's settings...) are for its own users, not ours: a
+                # command's stderr stays its own messages (Python hides them outside __main__ too)
+                for category in (DeprecationWarning, PendingDeprecationWarning):
+                    warnings.filterwarnings("ignore", category=category, module=r"(?!dynabatch|loaders|tokenization)")
                 warnings.showwarning = _one_line_warning  # restored on exit by catch_warnings
                 return int(fn(args) or 0)
         except (PlanningError, ShapeSourceError, EngineError, ValueError, OSError, ImportError) as e:
