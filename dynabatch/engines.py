@@ -12,7 +12,7 @@ Engines:
 * ``local`` (default): a `concurrent.futures.ProcessPoolExecutor` of ``workers`` processes
   (default: the CPU count); ``workers=1`` (or a single item) runs in this process. A caller
   with one Python thread forks them; one with more (a DataLoader's, an async file system's, a
-  test runner's) starts them from a fork server, since a child forked mid-way through another
+  test runner's) spawns them, since a child forked mid-way through another
   thread's work can crash (a segfault in the child's garbage collector was seen).
 * ``ray``: ``ray.data.range(len(items)).map(...)`` with one block per item. Uses the running
   Ray instance, else ``ray.init(address=$RAY_ADDRESS)`` when that variable is set, else starts a
@@ -108,26 +108,19 @@ def _other_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not threading.current_thread() and not isinstance(t, TMonitor)]
 
 
-def _pool_context(fn: Callable) -> multiprocessing.context.BaseContext:
-    """The start method of local workers. A process running one Python thread forks (cheapest: the
-    workers share its imports and loaded kernels; native pools such as BLAS's handle a fork); one
-    running more starts them from a fork server (spawn where there is none), since a child forked
-    while another thread is inside the interpreter can crash. The fork
-    server (one per process, started at its first use) imports ``fn``'s module once, so that each
-    worker forked from it does not import the library again (~1 s of CPU each)."""
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """The start method of local workers. A process running one Python thread forks them (cheapest:
+    the workers share its imports and loaded kernels; native pools such as BLAS's handle a fork); one
+    running more spawns them, since a child forked while another thread is inside the interpreter can
+    crash. Not multiprocessing's fork server: there is one per process, and `launch_local` starts it
+    with torch imported for its ranks (a server started here first would leave them spawning)."""
     methods = multiprocessing.get_all_start_methods()
-    if not _other_threads() and "fork" in methods:
-        return multiprocessing.get_context("fork")
-    if "forkserver" not in methods:
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["dynabatch.engines", fn.__module__])  # no effect once the server runs
-    return ctx
+    return multiprocessing.get_context("fork" if not _other_threads() and "fork" in methods else "spawn")
 
 
 def _map_local(fn, items, context, workers, bar, weights) -> list:
     results: list = [None] * len(items)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(fn), initializer=_init_worker,
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=_init_worker,
                                initargs=(context,))
     try:
         index = {pool.submit(_call_in_worker, fn, item): i for i, item in enumerate(items)}

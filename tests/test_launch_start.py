@@ -92,3 +92,17 @@ def test_the_start_method_is_checked(monkeypatch):
     monkeypatch.setenv("DYNABATCH_LAUNCH_START", "threads")
     with pytest.raises(ValueError, match="DYNABATCH_LAUNCH_START must be one of"):
         launch_local("launchmod:act", 1)
+
+
+def test_a_fork_server_started_by_other_code_is_said_not_silently_used(pkg, monkeypatch):
+    """Another user of multiprocessing's one fork server per process started it first: the ranks are
+    spawned (the server's environment and imports are unknown), with a warning saying so."""
+    from multiprocessing import forkserver
+
+    from dynabatch.pipeline.runtime import launch
+
+    monkeypatch.setattr(launch, "_server", {})
+    monkeypatch.setattr(launch, "_server_warned", [])
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 4242)  # as if another library's server ran
+    with pytest.warns(RuntimeWarning, match="fork server .*pid 4242.* started by other code"):
+        assert launch._fork_server((), dict(os.environ)) is None

@@ -31,29 +31,35 @@ def test_bad_arguments():
         map_parts(_scaled, [1], 1, workers=0)
 
 
-def _parent(context, item):
-    import os
+_STARTED = "imported"  # set to "forked" in the test: a forked worker inherits it, a spawned one imports it anew
 
-    return os.getppid()
+
+def _how_started(context, item):
+    return _STARTED
 
 
 def test_workers_are_not_forked_from_a_process_running_other_threads():
     """A busy second thread: forking mid-way through its work can crash the child (a segfault in the
-    child's garbage collector was seen when the suite's threads were running), so the workers come from
-    a fork server (their parent is not this process); alone, this process forks them (cheapest)."""
-    import os
+    child's garbage collector was seen when the suite's threads were running), so the workers are
+    spawned; with no other thread, this process forks them (cheapest)."""
     import threading
 
     from dynabatch import engines
 
+    global _STARTED
+    _STARTED = "forked"
     stop = threading.Event()
     busy = threading.Thread(target=lambda: [list(range(1000)) for _ in iter(stop.is_set, True)], daemon=True)
     busy.start()
     try:
-        parents = map_parts(_parent, list(range(4)), None, workers=2, progress=False)
-        assert all(p != os.getpid() for p in parents), parents
+        assert map_parts(_how_started, list(range(4)), None, workers=2, progress=False) == ["imported"] * 4
     finally:
         stop.set()
         busy.join()
-    if not engines._other_threads():  # pytest may run other threads (plugins): then it cannot fork
-        assert map_parts(_parent, list(range(4)), None, workers=2, progress=False) == [os.getpid()] * 4
+        _STARTED = "imported"
+    if not engines._other_threads():  # pytest-xdist workers run another thread (execnet's): then nothing forks
+        _STARTED = "forked"
+        try:
+            assert map_parts(_how_started, list(range(4)), None, workers=2, progress=False) == ["forked"] * 4
+        finally:
+            _STARTED = "imported"

@@ -60,6 +60,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,7 @@ IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPEN
 _HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
 _server: dict = {}  # the fork server this module started: "pid", "env" (at its start), "preload"
 _server_lock = threading.Lock()
+_server_warned: list = []  # the pid of a fork server started by someone else, once warned about
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,13 @@ def _fork_server(preload: tuple[str, ...], rank_env: dict):
 
     with _server_lock:
         running = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - whose server, if any
-        if not _server and running is not None:
-            return None  # started by someone else, with an environment and preload we do not know
+        if not _server and running is not None:  # started by someone else: environment and preload unknown
+            if not _server_warned:
+                _server_warned.append(running)
+                warnings.warn(f"launch_local: multiprocessing's fork server (pid {running}) was started by other "
+                              "code in this process, so ranks are spawned (~5 s of CPU each) instead of forked; "
+                              "launch first, or start that code's workers with spawn", RuntimeWarning, stacklevel=3)
+            return None
         if _server.get("pid") != running or running is None:
             mods = ["dynabatch.pipeline.runtime.preload", *preload]
             forkserver.set_forkserver_preload(mods)
