@@ -12,8 +12,8 @@ Engines:
 * ``local`` (default): a `concurrent.futures.ProcessPoolExecutor` of ``workers`` processes
   (default: the CPU count); ``workers=1`` (or a single item) runs in this process. A caller
   with one Python thread forks them; one with more (a DataLoader's, an async file system's, a
-  test runner's) spawns them, since a child forked mid-way through another
-  thread's work can crash (a segfault in the child's garbage collector was seen).
+  test runner's) spawns them, since a child forked mid-way through another thread's work can
+  crash (a segfault in the child's garbage collector was seen).
 * ``ray``: ``ray.data.range(len(items)).map(...)`` with one block per item. Uses the running
   Ray instance, else ``ray.init(address=$RAY_ADDRESS)`` when that variable is set, else starts a
   local instance with ``num_cpus=workers``. Install with ``pip install dynabatch[ray]``.
