@@ -93,6 +93,20 @@ class MicroBatchShape:
                    float(mb.time_s), float(mb.memory_bytes), int(mb.vision_tiles), int(mb.target_tokens))
 
 
+def packed_pair_seqlens(name: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encoder ``cu_seqlens``, decoder ``decoder_cu_seqlens``) of a packed encoder-decoder micro-batch
+    (``collate='packed'``, ``family='encoder_decoder'``), checked: both rows present, as many samples on
+    both sides, one row each (``name``: the model, for the error)."""
+    if "decoder_cu_seqlens" not in batch or "decoder_input_ids" not in batch:
+        raise ValueError(f"{name}: a packed encoder-decoder micro-batch needs decoder_input_ids and decoder_cu_seqlens "
+                         "(collate='packed' with family='encoder_decoder')")
+    cu, dcu = batch["cu_seqlens"], batch["decoder_cu_seqlens"]
+    if len(cu) != len(dcu) or batch["input_ids"].shape[0] != 1:
+        raise ValueError(f"{name}: the packed micro-batch holds {len(cu) - 1} encoder and {len(dcu) - 1} decoder "
+                         f"samples in {batch['input_ids'].shape[0]} rows; each sample needs both sides, in one row")
+    return cu, dcu
+
+
 def plan_shapes(plan: BatchPlan, replica: int) -> list[MicroBatchShape]:
     """The micro-batch shapes data-parallel replica ``replica`` runs, in the plan's execution order."""
     if not 0 <= replica < plan.num_ranks:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ...core.cost.model import ModelConfig
 from .layered import LayeredModel
-from .spec import MicroBatchShape, TensorSpec
+from .spec import MicroBatchShape, TensorSpec, packed_pair_seqlens
 
 MODELS = ("gpt-tiny", "t5-tiny", "vlm-tiny")  # vlm-tiny: dynabatch.pipeline.models.vlm
 IGNORE_INDEX = -100
@@ -322,13 +322,10 @@ class T5Embedding(nn.Module):
 def _packed_segments(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, N] and [1, Nt] sample numbers (from 1) of a packed encoder-decoder micro-batch (``collate='packed'``,
     ``family='encoder_decoder'``): the segments of one packed row, so the padded masks keep the samples apart."""
-    if any(k not in batch for k in ("decoder_cu_seqlens", "position_ids", "decoder_position_ids")):
-        raise ValueError("t5-tiny: a packed micro-batch needs decoder_cu_seqlens and both position_ids "
-                         "(collate='packed' with family='encoder_decoder')")
-    cu, dcu = batch["cu_seqlens"], batch["decoder_cu_seqlens"]
-    if len(cu) != len(dcu):
-        raise ValueError(f"t5-tiny: the packed micro-batch holds {len(cu) - 1} encoder and {len(dcu) - 1} decoder "
-                         "samples; each sample needs both sides")
+    cu, dcu = packed_pair_seqlens("t5-tiny", batch)
+    if "position_ids" not in batch or "decoder_position_ids" not in batch:
+        raise ValueError("t5-tiny: a packed micro-batch needs both position_ids (collate='packed' with "
+                         "family='encoder_decoder')")
     return (_segments(cu, batch["input_ids"].shape[1])[None] + 1,
             _segments(dcu, batch["decoder_input_ids"].shape[1])[None] + 1)
 

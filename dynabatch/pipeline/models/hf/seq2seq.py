@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..spec import MicroBatchShape, TensorSpec
+from ..spec import MicroBatchShape, TensorSpec, packed_pair_seqlens
 from ..tiny import _t5_boundary, t5_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
@@ -94,17 +94,11 @@ def is_packed(state: tuple) -> bool:
 def packed_state(name: str, batch: dict, attn_implementation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(encoder ``cu_seqlens``, decoder ``decoder_cu_seqlens``) of a packed encoder-decoder micro-batch
     (``collate='packed'``), checked: as many samples on both sides, one row each."""
-    if "decoder_cu_seqlens" not in batch or "decoder_input_ids" not in batch:
-        raise ValueError(f"{name}: a packed encoder-decoder micro-batch needs decoder_input_ids and decoder_cu_seqlens "
-                         "(collate='packed' with family='encoder_decoder')")
+    cu, dcu = packed_pair_seqlens(name, batch)
     if "flash" in str(attn_implementation):
         raise ValueError(f"{name}: packed encoder-decoder micro-batches under {attn_implementation} are not supported "
                          "(its cross-attention needs separate query/key cu_seqlens); use sdpa, eager or flex_attention")
-    cu, dcu = batch["cu_seqlens"].to(torch.int32), batch["decoder_cu_seqlens"].to(torch.int32)
-    if len(cu) != len(dcu) or batch["input_ids"].shape[0] != 1:
-        raise ValueError(f"{name}: the packed micro-batch holds {len(cu) - 1} encoder and {len(dcu) - 1} decoder "
-                         f"samples in {batch['input_ids'].shape[0]} rows; each sample needs both sides, in one row")
-    return cu, dcu
+    return cu.to(torch.int32), dcu.to(torch.int32)
 
 
 def seq2seq_boundary(hidden: int, dtype: torch.dtype):
