@@ -112,8 +112,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     """The start method of local workers. A process running one Python thread forks them (cheapest:
     the workers share its imports and loaded kernels; native pools such as BLAS's handle a fork); one
     running more spawns them, since a child forked while another thread is inside the interpreter can
-    crash. Not multiprocessing's fork server: there is one per process, and `launch_local` starts it
-    with torch imported for its ranks (a server started here first would leave them spawning)."""
+    crash."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if not _other_threads() and "fork" in methods else "spawn")
 

@@ -1,9 +1,11 @@
 """`launch_local`'s two start methods agree: the same results, outputs, exit codes, environment and
 timeouts from ranks spawned as fresh interpreters and ranks forked from the fork server."""
 
+import multiprocessing
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -23,7 +25,7 @@ def act(rank, world, port, tag):
     if rank == 3:
         os.kill(os.getpid(), signal.SIGTERM)
     return {"env": dict(os.environ), "threads": torch.get_num_threads(), "path0": sys.path[1],
-            "forked": "dynabatch.pipeline.runtime.preload" in sys.modules}
+            "forked": "dynabatch.pipeline.runtime.preload" in sys.modules, "ppid": os.getppid()}
 
 def hang(rank, world, port):
     import time
@@ -94,15 +96,17 @@ def test_the_start_method_is_checked(monkeypatch):
         launch_local("launchmod:act", 1)
 
 
-def test_a_fork_server_started_by_other_code_is_said_not_silently_used(pkg, monkeypatch):
-    """Another user of multiprocessing's one fork server per process started it first: the ranks are
-    spawned (the server's environment and imports are unknown), with a warning saying so."""
+def test_a_fork_server_started_by_other_code_does_not_stop_ranks_forking(pkg):
+    """Other code in this process started `multiprocessing`'s process-wide fork server first (as a
+    DataLoader with forkserver workers does): ranks still fork, from launch_local's own server."""
     from multiprocessing import forkserver
 
     from dynabatch.pipeline.runtime import launch
 
-    monkeypatch.setattr(launch, "_server", {})
-    monkeypatch.setattr(launch, "_server_warned", [])
-    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 4242)  # as if another library's server ran
-    with pytest.warns(RuntimeWarning, match="fork server .*pid 4242.* started by other code"):
-        assert launch._fork_server((), dict(os.environ)) is None
+    other = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
+    other.start()
+    other.join()
+    assert other.exitcode == 0 and forkserver._forkserver._forkserver_pid is not None
+    (res,) = _launch(pkg, "forkserver", nprocs=1)
+    assert res.returncode == 0 and res.result["forked"] is True
+    assert res.result["ppid"] == launch._server["pid"] != forkserver._forkserver._forkserver_pid

@@ -34,8 +34,10 @@ before it was set), the ``PYTHONPATH`` entries at the front of ``sys.path`` (the
 ``sys.path`` entries stay after them), its stdout and stderr on fds 1 and 2 of the same files, written
 through at once, the same exit codes and the same liveness rules. What it cannot honour makes the launch
 fall back to spawn: an environment that differs from the server's start environment in a variable read
-at interpreter start or import time (`IMPORT_TIME_ENV`), a fork server started by someone else, or a
-platform without one. Differences that remain: a forked rank's stdin is ``/dev/null``; after the worker
+at interpreter start or import time (`IMPORT_TIME_ENV`), or a platform without fork servers. The server
+is ``launch_local``'s own, not the one `multiprocessing` shares across a process, so other code that
+started that one first (a ``DataLoader`` with ``multiprocessing_context="forkserver"``) neither stops
+ranks forking nor gets ranks forked from a server without torch. Differences that remain: a forked rank's stdin is ``/dev/null``; after the worker
 it runs the ``atexit`` handlers and leaves with ``os._exit``, skipping the rest of the interpreter's
 teardown (module and thread finalization); the caller's main script is imported as ``__mp_main__``
 (as multiprocessing does; keep its work under ``if __name__ == "__main__"``); modules in ``preload``
@@ -60,7 +62,7 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +86,10 @@ PRELOAD_ENV = "DYNABATCH_LAUNCH_PRELOAD"  # launch_local's preload when the call
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
                    "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 _HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
-_server: dict = {}  # the fork server this module started: "pid", "env" (at its start), "preload"
+# this module's fork server: "server", "popen" (see _own_server); once started "pid", "env" (at its
+# start) and "preload"
+_server: dict = {}
 _server_lock = threading.Lock()
-_server_warned: list = []  # the pid of a fork server started by someone else, once warned about
 
 
 @dataclass(frozen=True)
@@ -197,39 +200,69 @@ def _resolve_start(start_method: str | None) -> str:
     return method
 
 
+def _own_server():
+    """This module's fork server: a `multiprocessing.forkserver.ForkServer` of its own, made on first
+    use, and the `Popen` class that asks it for each `_ServerProcess`."""
+    if "server" not in _server:
+        from multiprocessing import forkserver, popen_forkserver
+
+        server = forkserver.ForkServer()
+        # popen_forkserver.Popen._launch as it is, run with a `forkserver` that names our server: the
+        # stdlib one asks the module's process-wide server (its code reads no other name of ours)
+        launch_code = popen_forkserver.Popen._launch.__code__
+        assert not launch_code.co_freevars, "popen_forkserver.Popen._launch changed: re-check this rebinding"
+        names = {**vars(popen_forkserver), "forkserver": _ServerModule(server, forkserver.read_signed)}
+        popen = type("Popen", (popen_forkserver.Popen,), {"_launch": types.FunctionType(launch_code, names)})
+        _server.update(server=server, popen=popen)
+    return _server["server"]
+
+
+@dataclass(frozen=True)
+class _ServerModule:
+    """What `popen_forkserver.Popen._launch` uses of the `multiprocessing.forkserver` module, on one server."""
+
+    server: object
+    read_signed: object
+
+    def connect_to_new_process(self, fds):
+        return self.server.connect_to_new_process(fds)
+
+
+class _ServerProcess(getattr(multiprocessing.context, "ForkServerProcess", multiprocessing.Process)):
+    """A process forked by this module's fork server (`_own_server`); a module-level class, since
+    the server unpickles it. (Windows has no fork servers: the base is only there to import.)"""
+
+    @staticmethod
+    def _Popen(process_obj):  # noqa: N802 - multiprocessing's name
+        return _server["popen"](process_obj)
+
+
 def _fork_server(preload: tuple[str, ...], rank_env: dict):
-    """The forkserver context to fork ranks with ``rank_env`` from, started (with ``preload``) on first
-    use; None where a forked rank could not honour ``rank_env`` or there is no fork server of ours."""
+    """`_ServerProcess`, to fork ranks with ``rank_env`` from this module's fork server, started (with ``preload``)
+    on first use or after it died; None where a forked rank could not honour ``rank_env`` or the platform
+    has no fork servers."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
-    from multiprocessing import forkserver
-
     with _server_lock:
-        running = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - whose server, if any
-        if not _server and running is not None:  # started by someone else: environment and preload unknown
-            if not _server_warned:
-                _server_warned.append(running)
-                warnings.warn(f"launch_local: multiprocessing's fork server (pid {running}) was started by other "
-                              "code in this process, so ranks are spawned (~5 s of CPU each) instead of forked; "
-                              "launch first, or start that code's workers with spawn", RuntimeWarning, stacklevel=3)
-            return None
-        if _server.get("pid") != running or running is None:
-            mods = ["dynabatch.pipeline.runtime.preload", *preload]
-            forkserver.set_forkserver_preload(mods)
-            forkserver.ensure_running()  # starts it now, with today's os.environ
-            _server.update(pid=forkserver._forkserver._forkserver_pid, env=dict(os.environ), preload=mods)  # noqa: SLF001
+        server = _own_server()
+        if server._forkserver_pid is None:  # noqa: SLF001 - a server already running keeps its imports
+            server.set_forkserver_preload(["dynabatch.pipeline.runtime.preload", *preload])
+        server.ensure_running()  # (re)starts it now, with today's os.environ, if it is not running
+        if _server.get("pid") != server._forkserver_pid:  # noqa: SLF001
+            _server.update(pid=server._forkserver_pid, env=dict(os.environ),  # noqa: SLF001
+                           preload=list(server._preload_modules))  # noqa: SLF001
         start_env = _server["env"]
     for key in set(start_env) ^ set(rank_env) | {k for k in rank_env if start_env.get(k) != rank_env[k]}:
         if key not in _HONOURED_ENV and key.startswith(IMPORT_TIME_ENV):
             return None
-    return multiprocessing.get_context("forkserver")
+    return _ServerProcess
 
 
 class _ForkedRank:
     """A rank forked from the fork server, with the parts of `subprocess.Popen` `launch_local` uses."""
 
-    def __init__(self, ctx, argv: list[str], env: dict, out: str, err: str, threads: int):
-        self._p = ctx.Process(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
+    def __init__(self, process: type, argv: list[str], env: dict, out: str, err: str, threads: int):
+        self._p = process(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
         self._p.start()
         self.pid = self._p.pid
 
@@ -248,12 +281,13 @@ class _ForkedRank:
         return self._p.exitcode
 
 
-def _start_rank(ctx, argv: list[str], env: dict, out, err, threads: int):
-    """Rank ``argv[1]``: a fresh interpreter (ctx None) or a child of the fork server, output to the
+def _start_rank(forked: type | None, argv: list[str], env: dict, out, err, threads: int):
+    """Rank ``argv[1]``: a fresh interpreter (``forked`` None) or a ``forked`` process (a child of the
+    fork server), output to the
     files ``out`` and ``err`` (open for reading in this process)."""
-    if ctx is None:
+    if forked is None:
         return subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=out, stderr=err, text=True, env=env)
-    return _ForkedRank(ctx, argv, env, out.name, err.name, threads)
+    return _ForkedRank(forked, argv, env, out.name, err.name, threads)
 
 
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
@@ -281,7 +315,7 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
     if preload is None:
         preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
-    ctx = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
+    forked = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
     beat_dir = tempfile.mkdtemp(prefix="dynabatch-launch-")
     beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
     procs = []
@@ -293,7 +327,7 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
             argv = [target, str(r), str(nprocs), str(port), payload]
             # files, not pipes: a rank blocked on a full pipe while we wait on another would look hung
             out, err = (open(os.path.join(beat_dir, f"rank{r}.{s}"), "w+") for s in ("out", "err"))
-            procs.append((_start_rank(ctx, argv, {**base_env, HEARTBEAT_ENV: beats[r]}, out, err,
+            procs.append((_start_rank(forked, argv, {**base_env, HEARTBEAT_ENV: beats[r]}, out, err,
                                       threads_per_proc), out, err))
         seen = [(0, 0, 0, 0)] * nprocs
         cpu_seen = [0.0] * nprocs  # CPU seconds of each rank at the last progress
