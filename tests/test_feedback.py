@@ -403,3 +403,21 @@ def test_record_step_on_a_real_two_stage_pipeline():
     assert a["prior_mape"] > 0.3 and a["fit_mape"] < 0.5 * a["prior_mape"], (a["fit_mape"], a["prior_mape"])
     # and out of sample: the plans made after refits predict the measured times better than the prior's
     assert np.median(a["errors"][-6:]) < 0.7 * np.median(a["errors"][:3]), a["errors"]
+
+
+def test_a_coefficient_the_data_would_make_negative_is_held_at_zero_and_the_rest_refitted():
+    """Times made with a negative price on a second feature (which no cost may have): the fit holds
+    that coefficient at 0 and solves the first alone, exactly the one-feature fit; clipping the joint
+    solution afterwards (the old fit) left every prediction biased."""
+    from dynabatch.core.cost.fit import fit_relative
+
+    x1 = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    x2 = np.array([0.5, 0.1, 0.9, 0.3, 1.2, 0.2])
+    y = 3.0 * x1 - 0.5 * x2
+    phi, w = np.stack([x1, x2], axis=1), np.ones(6)
+    got = fit_relative(phi, y, w, np.array([1.0, 1.0]), 1e-9)
+    alone = fit_relative(phi[:, :1], y, w, np.array([1.0]), 1e-9)
+    assert got[1] == 0.0 and got[0] == pytest.approx(alone[0], rel=1e-12)
+    clipped = np.array([3.0, 0.0])  # the joint least-squares solution with its negative part cut off
+    rel2 = lambda c: ((phi @ c / y - 1) ** 2).mean()  # noqa: E731 - what the fit minimizes
+    assert rel2(got) < 0.6 * rel2(clipped)

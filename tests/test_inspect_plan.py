@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,13 @@ def test_summary_figures_match_the_plans(run):
     assert s["model"] == "t5" and s["ranks"] == 4 and s["stages"] == 2
     text = format_summary(s)
     assert f"{s['padding_efficiency']:.3f}" in text and "token share by task" in text
+    # T5: the decoder's tokens, from the plans' per-micro-batch totals (each sample's target tokens)
+    target = sum(int(p.mb_target_tokens.sum()) for p in plans)
+    shapes, _ = synthetic_shapes("text", 3000, seed=2)  # the run's samples: each one's target tokens, truncated
+    placed = run.table.column("sample_id").to_numpy()
+    assert s["target_tokens"] == target == int(np.minimum(shapes.target_tokens[placed], 512).sum()) > 0
+    assert s["target_tokens_per_microbatch_max"] == max(int(p.mb_target_tokens.max()) for p in plans)
+    assert re.search(rf"decoder \(target\) tokens +{target:,} \({100 * target / real:.1f}% of the real tokens", text)
 
 
 # -- per-stage busy time and the simulated timeline --------------------------------------------------

@@ -8,6 +8,9 @@ M = 0) and several stages and ranks, and outputs are compared exactly: the refer
 same float operations in the same order.
 """
 
+import os
+import tempfile
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -387,3 +390,36 @@ def test_split_matches_reference(times, stages, fwd_fraction):
     fwd, bwd = split_kernel(stage_t, fwd_fraction)
     rf, rb = split_reference(stage_t, fwd_fraction)
     assert fwd.tolist() == rf.tolist() and bwd.tolist() == rb.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 300)), max_size=40), st.integers(0, 2**32 - 1))
+def test_pread_ragged_matches_reference(ranges, seed):
+    """Byte ranges of a 4 KiB file, some of them past its end (the first such range is reported)."""
+    from dynabatch.core.kernels.reads import pread_ragged, pread_ragged_reference
+
+    data = np.random.default_rng(seed).integers(0, 256, 4096, dtype=np.uint8)
+    r, w = os.pipe()  # a pipe cannot pread: every range of it fails
+    os.close(w)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "f.bin")
+        data.tofile(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offsets = np.array([o for o, _ in ranges], np.int64)
+            nbytes = np.array([n for _, n in ranges], np.int64)
+            for f in (fd, r):
+                got, want = (np.full(int(nbytes.sum()), 7, np.uint8) for _ in range(2))
+                bad = pread_ragged(f, offsets, nbytes, got)
+                assert bad == pread_ragged_reference(f, offsets, nbytes, want)
+                ok = len(ranges) if bad < 0 else bad
+                assert got[:nbytes[:ok].sum()].tobytes() == want[:nbytes[:ok].sum()].tobytes()
+                if f == fd:
+                    assert bad == next((i for i, (o, n) in enumerate(ranges) if n and o + n > 4096), -1)
+                    assert got[:nbytes[:ok].sum()].tobytes() == b"".join(
+                        data[o:o + n].tobytes() for o, n in ranges[:ok])
+                else:
+                    assert bad == next((i for i, (_, n) in enumerate(ranges) if n), -1)
+        finally:
+            os.close(fd)
+            os.close(r)

@@ -73,3 +73,29 @@ def test_cli_profile_writes_a_loadable_cost_model(tmp_path, capsys, one_thread):
 def test_cli_profile_rejects_a_bad_grid(tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path / "x.json"), "--lengths", "64", "16"]) == 2
     assert "strictly increasing" in capsys.readouterr().err
+
+
+def test_a_t5_profile_prices_packed_micro_batches_from_packed_measurements(one_thread):
+    """An encoder-decoder is measured on packed micro-batches too (r samples in r x L main tokens and
+    r x T target tokens, for r > 1), and the fitted cost model prices packed shapes from them: their
+    activation bytes (deterministic) closer than a fit to the padded table alone."""
+    from dynabatch.pipeline.measure.profile import fitted_cost_model, profile_model
+
+    model = t5_tiny(vocab=128, hidden=32, encoder_layers=1, decoder_layers=1, heads=2, max_positions=256)
+    prof = profile_model(model, rows=(1, 2, 4), lengths=(16, 48), target_lengths=(8, 24), repeats=1)
+    packed = prof.extra
+    assert [(prof.shapes[k].rows, sum(prof.lengths[k]), sum(prof.decoder_lengths[k])) for k in packed] == \
+        [(r, r * L, r * T) for r in (2, 4) for L in (16, 48) for T in (8, 24)]
+    assert all(len(prof.lengths[k]) == len(prof.decoder_lengths[k]) == prof.shapes[k].rows for k in packed)
+    assert all(prof.decoder_lengths[k] is None for k in range(prof.table.time_s.size))  # the padded grid
+    cost = fitted_cost_model(prof, model)
+    table_only = CostModel.profiled(prof.table, cost.model, cost.device)
+
+    def packed_bytes_error(cm):
+        got = [float(cm.packed(np.array(prof.lengths[k]), np.array(prof.decoder_lengths[k]),
+                               np.zeros(prof.shapes[k].rows), np.zeros(prof.shapes[k].rows, np.int64))[1][0])
+               for k in packed]
+        return float(np.abs(np.array(got) / prof.memory_bytes[packed] - 1).max())
+
+    err = packed_bytes_error(cost)
+    assert err < packed_bytes_error(table_only) and err < 0.25, err

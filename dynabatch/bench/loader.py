@@ -24,7 +24,7 @@ What is timed, symmetrically: setup is NOT timed for either side but is measured
 (``setup_s``): the baselines read and tokenize every sample up front (a ``.map`` a user would
 run once); dynabatch builds its length index and its token cache (the loader's own scan with an
 ``index_cache``: the same single tokenization pass over the same files, writing the token ids to
-the memory-mapped token file every later loader reuses, the default path) and constructs its loader. The timed loop is one epoch of ``for
+the token file every later loader reuses, the default path) and constructs its loader. The timed loop is one epoch of ``for
 batch in loader.microbatches()`` (torch: ``loader``) touching the tensors (``input_ids.numel()``, ``attention_mask.sum()``, the sample
 ids). Within that loop dynabatch plans every step ("while planning": in its planning thread,
 inside each worker with ``num_workers > 0``) and collates the step's micro-batches from the cached
@@ -66,9 +66,9 @@ METHOD_PATHS = {
     "torch_pad": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + pad-to-batch-max collate",
     "torch_pack": "pre-tokenized list + torch DataLoader(batch_size=B, shuffle=True) + packing collate (rows of max_len)",
     "dynabatch_padded": "dynabatch.DataLoader(costing=Costing(collate='padded')), method dp, indexed mode, index cache + "
-                        "memory-mapped token cache",
+                        "token cache file",
     "dynabatch_packed": "dynabatch.DataLoader(costing=Costing(collate='packed')), method dp_varlen, indexed mode, index cache + "
-                        "memory-mapped token cache",
+                        "token cache file",
 }
 
 
@@ -319,7 +319,7 @@ ids, per method and per --workers value, on one rank (world_size 1, no torch.dis
 B = round(--global-batch-tokens / mean sample length), so both sides put about as many tokens in a step.
 Setup is not timed for either side (reported as setup_s): the baselines tokenize every sample up
 front, dynabatch builds its length index and token cache up front (the loader's scan into an
-index cache and its memory-mapped token file, one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
+index cache and its token file, one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
 each worker with --workers > 0) and collates from the cached token ids.
 
 columns:

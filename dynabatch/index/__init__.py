@@ -6,7 +6,7 @@
   Ray): `scan_dataset` for ``dynabatch scan``/``plan``, `scan_source` for the DataLoader and
   ``build_index``.
 * `tokens`: the DataLoader's `TokenCache` (token ids by index position); `token_file`: its file on
-  disk, memory-mapped, checked against its integrity record and the tokenizer's content hash.
+  disk, read with pread, checked against its integrity record and the tokenizer's content hash.
 """
 
 from .scan import (ScanConfig, ScanResult, check_ids_in_data, index_settings, scan_dataset, scan_parts, scan_source,

@@ -1,6 +1,6 @@
 """The token cache on disk: every sample's token ids in one file, written once by the scan (batch
-by batch, nothing held in memory) and read back memory-mapped, so the cache does not grow with the
-dataset in RAM (the page cache holds what the steps touch).
+by batch, nothing held in memory) and read back with pread (`dynabatch.index.tokens`), so the cache
+does not grow with the dataset in RAM (the page cache holds what the steps touch).
 
 Layout (little-endian; offsets in int32 values from the start of each region)::
 

@@ -1,12 +1,12 @@
 """The token cache: every sample's token ids after formatting and truncation, by length-index
 position, so the DataLoader collates a step without reading or tokenizing its records again. It
 comes from a token file (`dynabatch.index.token_file`: written by the scan or by one tokenization
-pass, `encode_to_file`, and memory-mapped) or from an index table's token columns
+pass, `encode_to_file`, read with one ``pread`` per sample and region, so its pages stay in the
+OS page cache and never count in the process's memory) or from an index table's token columns
 (`dynabatch.index.TOKEN_COLUMNS`, kept in memory by ``build_index(cache_tokens=True)``)."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import weakref
 
@@ -14,20 +14,13 @@ import numpy as np
 import pyarrow as pa
 from tokenization import count_labels, ragged_take
 
+from ..core.kernels.reads import pread_ragged
 from .scan import natural_order
 from .table import TOKEN_COLUMNS, LengthIndex
 from .token_file import TokenFileError, TokenFileWriter, read_token_file
 
-#: Bytes of a token file one process may keep mapped before it releases the pages (`TokenCache.gather`):
-#: the bound of the cache's resident memory, whatever the dataset's size. A release costs a page
-#: fault per sample read after it, so a smaller bound trades throughput for memory (a file under it
-#: stays mapped).
-RELEASE_BYTES = 256 << 20
-#: The most of a file one read of a few ids maps (counted per sample and region): the kernel maps a
-#: whole large folio of the page cache on a fault, up to 2 MiB (a PMD) on Linux 6.x, so random reads
-#: map the whole file long before they have read its size in ids (measured: 10 samples, 0.1 MiB of
-#: ids, mapped 22 MiB).
-MAP_GRAIN_BYTES = 2 << 20
+# the token file is read with pread where the platform has it (POSIX), else through its memory map
+_PREAD = hasattr(os, "pread")
 
 
 class TokenCache:
@@ -44,14 +37,15 @@ class TokenCache:
         self.second = second if isinstance(second, np.memmap) else np.asarray(second, np.int32)
         self.second_offsets = np.asarray(second_offsets, np.int64)
         self.rows = rows  # index position -> row of the offsets (None: the same)
-        self.path = path  # the memory-mapped token file, if any
-        self._mapped = 0  # bytes of the file counted as mapped by this process's reads (see gather)
+        self.path = path  # the token file, if any (input_ids and second: its memory map, for reference)
+        self._fd: int | None = None  # the token file open for pread (forked workers share it)
         self._identity_ids = bool(len(index) == 0 or (index.shapes.sample_id[0] == 0 and
                                   index.shapes.sample_id[-1] == len(index) - 1))
 
     def __getstate__(self) -> dict:
         """Pickled (spawned workers) by the file's path, not its ids: the child maps the same file."""
         state = dict(self.__dict__)
+        state["_fd"] = None  # a descriptor of this process: the child opens the file itself
         if self.path is not None:
             state["input_ids"] = state["second"] = None
         return state
@@ -72,7 +66,7 @@ class TokenCache:
         """Concatenated slices ``values[offsets[p]:offsets[p+1]]`` for ``p`` in ``pos``, and their lengths."""
         lengths = offsets[pos + 1] - offsets[pos]
         taken = ragged_take(values, offsets[pos], lengths)
-        # one sample comes back as a view: of a token file, it would be read (mapped) after the release
+        # one sample comes back as a view: copied, so no caller holds on to (or reads through) the arrays
         return (np.array(taken) if len(pos) == 1 else taken), lengths
 
     def positions(self, sample_ids) -> np.ndarray:
@@ -84,54 +78,39 @@ class TokenCache:
     def gather(self, sample_ids, positions=None):
         """(input ids, input lengths, labels or target ids, their lengths) of these samples, in
         order: int32 arrays and int64 lengths (``positions``: their index positions, if known).
-        From a token file larger than `RELEASE_BYTES`, the samples are read in windows of about
-        `RELEASE_BYTES` of mapped pages, each released before the next is read (see `MAP_GRAIN_BYTES`);
-        a smaller file stays mapped (at most its size, no page faults after a release)."""
+        From a token file, each sample's ids are read with ``pread`` (`pread_ragged`): the file's
+        pages stay in the OS page cache, so the process's memory does not grow with the dataset."""
         pos = self.positions(sample_ids) if positions is None else np.asarray(positions, np.int64)
         if self.rows is not None:
             pos = self.rows[pos]
-        if self.path is None or not len(pos) or self.input_ids.nbytes + self.second.nbytes <= RELEASE_BYTES:
-            return self._gather(pos)  # in memory, or a file small enough to stay mapped whole
+        if self.path is None or not len(pos) or not _PREAD:
+            return self._gather(pos)  # in memory (or read through the map without pread)
         lengths = self.input_offsets[pos + 1] - self.input_offsets[pos]
         slen = self.second_offsets[pos + 1] - self.second_offsets[pos]
-        mapped = self._mapped + np.cumsum(4 * (lengths + slen) + 2 * MAP_GRAIN_BYTES)
-        # a release after each sample whose pages cross a multiple of RELEASE_BYTES: at most
-        # RELEASE_BYTES plus one sample's pages stay mapped
-        ends = np.flatnonzero(np.diff(mapped // RELEASE_BYTES, prepend=self._mapped // RELEASE_BYTES)) + 1
-        self._mapped = int(mapped[-1])
-        if not len(ends):
-            return self._gather(pos)
-        cuts = np.concatenate([[0], ends, [len(pos)]]) if ends[-1] < len(pos) else np.concatenate([[0], ends])
-        flat = self._windows(self.input_ids, self.input_offsets[pos], lengths, cuts)
-        second = self._windows(self.second, self.second_offsets[pos], slen, cuts)
+        # the file holds the input ids from byte 0, then the second ids (`dynabatch.index.token_file`)
+        flat = self._read(self.input_offsets[pos], lengths)
+        second = self._read(self.second_offsets[pos] + len(self.input_ids), slen)
         return flat, lengths, second, slen
 
-    def _windows(self, values, starts, lengths, cuts) -> np.ndarray:
-        """``values[s:s + n]`` of every sample, concatenated, read window by window (samples
-        ``cuts[k]:cuts[k + 1]``), the mapped pages released after each."""
-        ends = np.concatenate([[0], np.cumsum(lengths)])
-        src = np.repeat(starts - ends[:-1], lengths) + np.arange(ends[-1], dtype=np.int64)
-        out = np.empty(int(ends[-1]), np.int32)
-        for k in range(len(cuts) - 1):  # windows (a few per step), not samples
-            a, b = ends[cuts[k]], ends[cuts[k + 1]]
-            np.take(values, src[a:b], out=out[a:b])
-            self._release()
+    def _read(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Ids ``[s, s + n)`` of the token file for every ``(s, n)``, concatenated (int32)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            weakref.finalize(self, os.close, self._fd)
+        out = np.empty(int(lengths.sum()), np.int32)
+        bad = pread_ragged(self._fd, 4 * starts, 4 * lengths, out.view(np.uint8))
+        if bad >= 0:
+            raise TokenFileError(f"token cache {self.path}: the ids at values {int(starts[bad])}-"
+                                 f"{int(starts[bad] + lengths[bad])} could not be read (the file was cut "
+                                 "short or replaced while in use); delete it and restart the epoch")
         return out
 
     def _gather(self, pos: np.ndarray):
-        """`gather` of offset rows ``pos``, read in one pass."""
+        """`gather` of offset rows ``pos`` from the arrays, in one pass."""
         flat, lengths = self._take(self.input_ids, self.input_offsets, pos)
         if self.second_offsets is self.input_offsets:
             return flat, lengths, self._take(self.second, self.input_offsets, pos)[0], lengths
         return (flat, lengths, *self._take(self.second, self.second_offsets, pos))
-
-    def _release(self) -> None:
-        """Unmap the file pages read so far from this process: they count in its RSS until then
-        and would add up to the whole file over an epoch; they stay in the page cache (a later
-        read is a minor fault, not a disk read)."""
-        mm = getattr(self.input_ids, "_mmap", None)
-        if mm is not None:
-            mm.madvise(mmap.MADV_DONTNEED)
 
     def label_counts(self, sample_ids, family: str) -> np.ndarray:
         """Loss labels of these samples from the cached ids (`tokenization.count_labels`)."""

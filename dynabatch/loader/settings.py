@@ -78,7 +78,7 @@ class DataSource:
         ``"indexed"`` or ``"streaming"``.
     index / index_cache: the indexed mode's length index (a path or table; else the data is scanned
         once), and where to keep the scanned one between runs.
-    cache_tokens: keep every sample's token ids in a memory-mapped token file on disk (beside
+    cache_tokens: keep every sample's token ids in a token file on disk, read per step with pread (beside
         ``index_cache``, else under ``$DYNABATCH_CACHE_DIR``), checked against the tokenizer and the data
         (None: when the disk has room for them).
     plan: a plan file (``dynabatch plan``) to replay exactly.

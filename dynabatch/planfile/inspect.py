@@ -28,16 +28,18 @@ _MB_FIELDS = ("step", "rank", "microbatch", "rows", "input_len", "target_len", "
 def microbatch_columns(run: RunPlan) -> dict[str, np.ndarray]:
     """One entry per micro-batch of the run (in file order): the plan's micro-batch columns, plus
     ``samples`` (sample placements in it) and ``length`` (padded row length = input_len +
-    target_len tokens; for packed collation the longest sample)."""
+    target_len tokens; for packed collation the longest sample). ``target_tokens`` (decoder tokens)
+    where the file has that column."""
     t = run.table
+    fields = (*_MB_FIELDS, "target_tokens") if "target_tokens" in t.column_names else _MB_FIELDS
     step, rank, mb = (t.column(c).to_numpy() for c in ("step", "rank", "microbatch"))
     n = len(step)
     if n == 0:
-        return {k: np.zeros(0) for k in (*_MB_FIELDS, "samples", "length")}
+        return {k: np.zeros(0) for k in (*fields, "samples", "length")}
     new = np.ones(n, bool)
     new[1:] = (np.diff(step) != 0) | (np.diff(rank) != 0) | (np.diff(mb) != 0)
     starts = np.flatnonzero(new)
-    out = {k: t.column(k).to_numpy()[starts] for k in _MB_FIELDS}
+    out = {k: t.column(k).to_numpy()[starts] for k in fields}
     out["samples"] = np.diff(np.append(starts, n))
     out["length"] = out["input_len"] + out["target_len"]
     return out
@@ -221,6 +223,9 @@ def summarize_plan(run: RunPlan, step: int | None = None, top_tasks: int = 10) -
         "epochs": run.epochs, "steps": run.num_steps, "steps_per_epoch": run.steps_per_epoch,
         "placements": int(run.table.num_rows), "unique_samples": int(len(np.unique(ids))),
         "real_tokens": real, "computed_tokens": computed,
+        # decoder (target) tokens: what an encoder-decoder's decoder computes on (None: an older file)
+        "target_tokens": int(mb["target_tokens"].sum()) if "target_tokens" in mb else None,
+        "target_tokens_per_microbatch_max": int(mb["target_tokens"].max(initial=0)) if "target_tokens" in mb else None,
         "padding_efficiency": real / computed if computed else 1.0,
         "iteration_time_s": _stats(it),
         "run_time_s": float(it.sum()),
@@ -289,6 +294,9 @@ def format_summary(s: dict) -> str:
         ("predicted run time", f"{s['run_time_s']:.1f} s ({s['run_time_s'] / 3600:.2f} h)"),
         ("predicted throughput", f"{s['tokens_per_s']:,.0f} real tokens/s"),
         ("padding efficiency", f"{s['padding_efficiency']:.3f} (real / computed tokens)"),
+        *([("decoder (target) tokens",
+            f"{s['target_tokens']:,} ({100 * s['target_tokens'] / max(s['real_tokens'], 1):.1f}% of the real tokens; "
+            f"at most {s['target_tokens_per_microbatch_max']:,} in a micro-batch)")] if s.get("target_tokens") else []),
         ("rank balance (max/mean rank)", f"mean {ri['mean']:.3f}  worst {ri['worst']:.3f} (step {ri['worst_step']})"),
         ("rank totals over the run", f"max/min {s['rank_total_max_over_min']:.4f}"),
         ("micro-batches per step",

@@ -28,8 +28,9 @@ def fit_relative(phi, y, w, prior, strength, scale=None) -> np.ndarray:
     ``scale`` (seconds per feature unit, [NUM_FEATURES]) is positive there: such a coefficient is
     fitted from 0 as ``scale * x`` with the same ``strength`` on ``x`` (pulled towards 0, in units
     of ``scale``): a per-stage fit uses it for a feature the stage's layout prices at 0 although the
-    stage may still pay for it. Negative coefficients are clipped to 0 (a cost cannot shrink with
-    more work).
+    stage may still pay for it. No coefficient is negative (a cost cannot shrink with more work): one
+    the solution puts below 0 is held at 0 and the others are solved again (the most negative first,
+    until none is), instead of clipping it afterwards, which would bias every prediction.
     """
     phi = np.asarray(phi, np.float64)
     y = np.asarray(y, np.float64)
@@ -44,9 +45,20 @@ def fit_relative(phi, y, w, prior, strength, scale=None) -> np.ndarray:
     if extra.any():
         X = np.concatenate([X, phi[:, extra] * units[extra]], axis=1)
     A = X * w_rel[:, None]
-    delta = np.linalg.solve(A.T @ A + strength * np.eye(A.shape[1]), A.T @ b)
-    c = prior.copy()
     n = int(active.sum())
+    zero = np.where(np.arange(A.shape[1]) < n, -1.0, 0.0)  # each unknown's value at a zero coefficient
+    free = np.ones(A.shape[1], bool)
+    delta = zero.copy()
+    while free.any():
+        rhs = b - A[:, ~free] @ zero[~free]
+        Af = A[:, free]
+        delta = zero.copy()
+        delta[free] = np.linalg.solve(Af.T @ Af + strength * np.eye(Af.shape[1]), Af.T @ rhs)
+        below = np.where(free, delta - zero, 0.0)
+        if below.min() >= 0.0:
+            break
+        free[int(np.argmin(below))] = False  # held at 0 from now on
+    c = prior.copy()
     c[active] = np.maximum(prior[active] * (1.0 + delta[:n]), 0.0)
     c[extra] = np.maximum(units[extra] * delta[n:], 0.0)
     return c

@@ -292,7 +292,7 @@ def balance_simulated(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_c
     cand_i = np.empty(top, np.int64)
     cand_j = np.empty(top, np.int64)
     for _ in range(max_rounds):
-        a = 0
+        a = np.int64(0)  # not the literal 0: numba would compile _rank_span for it as well
         for r in range(1, ranks):
             if span[r] > span[a]:
                 a = r
@@ -333,7 +333,7 @@ def balance_simulated(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_c
         for q in range(used):
             i = cand_i[q]
             j = cand_j[q]
-            b = rank_of[j]
+            b = np.int64(rank_of[j])  # one type for _rank_span's rank (int32 here, int64 above): one compile
             rank_of[i] = b
             rank_of[j] = a
             sa = _rank_span(times, p2p, rank_of, a, fwd_fraction, stages, ops_by_count)

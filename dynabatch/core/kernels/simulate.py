@@ -148,11 +148,12 @@ def gated_start(s, use, shard, free, ready, copies, state):
     """When stage ``s``'s ``use`` of ``shard`` starts, given when the stage is free and when the use's
     dependency is ready (s): its demand copies run first (issued at ``free``), it waits for
     ``shard``'s latest load, adds the wait to ``state``'s stall, then issues its prefetch copies."""
-    _run_copies(s, use, 0, free, copies, state)
+    # np.int64, not literals: numba compiles a kernel once per literal argument value
+    _run_copies(s, use, np.int64(0), free, copies, state)
     base = max(free, ready)
     t0 = max(base, state[2][s, shard])
     state[5][s] += t0 - base
-    _run_copies(s, use, 1, t0, copies, state)
+    _run_copies(s, use, np.int64(1), t0, copies, state)
     return t0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.arrays import kernel_array
 from ..kernels.schedules import OK, OVERSIZE, adaptive_kernel, order_ranks_schedule, order_ranks_stages
 from ..kernels.simulate import schedule_kernel
 from ..options import SCHEDULE_CODES
@@ -96,10 +97,8 @@ def order_step(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: f
     where it cannot be simulated), and the concrete schedule (``auto`` resolved; see the module
     docstring).
     """
-    st = np.ascontiguousarray(st, np.float64)
-    p2p = np.ascontiguousarray(p2p, np.float64)
-    mem = np.ascontiguousarray(mem, np.float64)
-    rank_of = np.ascontiguousarray(rank_of, np.int32)
+    st, p2p, mem = (kernel_array(x, np.float64) for x in (st, p2p, mem))
+    rank_of = kernel_array(rank_of, np.int32)
     names = AUTO_PREFERENCE if schedule == "auto" else (schedule,)
     results = {}
     for name in names:

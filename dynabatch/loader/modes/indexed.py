@@ -58,7 +58,7 @@ class VersionedPlanner:
 def open_index(ctx: Context, index, index_cache):
     """(length index, its table, token cache or None) of the loader's data (scans it without ``index``).
 
-    The token cache is a memory-mapped file (`dynabatch.index.token_file`): ``<index_cache>.tokens``
+    The token cache is a file read with pread (`dynabatch.index.token_file`): ``<index_cache>.tokens``
     beside an index cache (kept and checked on the next run), else a private file in the cache
     folder (`token_cache_folder`) deleted when the loader is; the scan writes it as it goes."""
     s = ctx.settings

@@ -2,8 +2,9 @@
 
 `profile_model` times forward+backward layer by layer (`dynabatch.pipeline.profile_layers`) and
 counts the activation bytes autograd saves for backward, on a grid of padded micro-batch shapes
-(rows x main length [x decoder length]), on packed (varlen) micro-batches of a decoder-only model
-and on micro-batches with image tiles of a vision-language model (a `Profile`). With
+(rows x main length [x decoder length]), on packed (varlen) micro-batches of a text model
+(decoder-only or encoder-decoder) and on micro-batches with image tiles of a vision-language model
+(a `Profile`). With
 ``num_stages > 1`` the layers are split with `dynabatch.pipeline.balanced_partition` and each
 micro-batch records the slowest stage, which is what one stage of the pipeline costs.
 `fitted_cost_model` turns it into a `CostModel`: padded shapes interpolated from the measured table
@@ -58,8 +59,9 @@ class Profile:
     ``table``: padded text-only micro-batches on the (rows, length, target length) grid, each the
     slowest stage's seconds and the largest stage's bytes; ``bounds``: the stage cut (``(0, n_layers)``
     for one stage); ``shapes``: every measured micro-batch, the grid's first (table order), then the
-    packed ones (decoder-only models: ``rows`` samples in one row) and the ones with image tiles
-    (vision-language models); ``lengths``: each packed one's sample lengths (None for padded);
+    packed ones (text models: ``rows`` samples in one row; an encoder-decoder's targets in a second row)
+    and the ones with image tiles (vision-language models); ``lengths``: each packed one's sample
+    lengths (None for padded); ``decoder_lengths``: their target lengths (encoder-decoder; else None);
     ``time_s``/``memory_bytes`` [len(shapes)]: slowest stage's seconds, largest stage's bytes;
     ``layer_costs``: every layer on every measured micro-batch (what `balanced_partition` takes).
     """
@@ -68,6 +70,7 @@ class Profile:
     bounds: tuple[int, ...]
     shapes: tuple
     lengths: tuple
+    decoder_lengths: tuple
     time_s: np.ndarray
     memory_bytes: np.ndarray
     layer_costs: object  # dynabatch.pipeline.LayerCosts (torch-side, imported lazily)
@@ -78,14 +81,18 @@ class Profile:
         return np.arange(self.table.time_s.size, len(self.shapes))
 
 
-def _extra_shapes(model, rows, lengths, packed: bool, tiles) -> list:
+def _extra_shapes(model, rows, lengths, tgrid, packed: bool, tiles) -> list:
     """The micro-batch shapes measured beyond the padded grid: with ``packed``, packed ones for a
-    decoder-only model (``r`` samples, ``r * L`` tokens in one row, r > 1) and, for a vision-language model,
+    decoder-only model (``r`` samples, ``r * L`` tokens in one row, r > 1) or an encoder-decoder (also
+    ``r * T`` target tokens in the decoder's row, for ``T`` in ``tgrid``) and, for a vision-language model,
     ``t`` of ``tiles`` image tiles in ``r`` rows of ``L`` tokens wherever they fit one row (``t * tile_tokens < L``)."""
     from ..models.spec import MicroBatchShape
 
     if model.kind == "decoder":
         return [MicroBatchShape("packed", r, L, 0, r * L) for r in rows if r > 1 for L in lengths] if packed else []
+    if model.kind == "encoder_decoder":
+        return [MicroBatchShape("packed", r, L, T, r * L, target_tokens=r * T)
+                for r in rows if r > 1 for L in lengths for T in tgrid] if packed else []
     if model.kind != "vision_language" or not tiles:
         return []
     per_tile = int(model.config.tile_tokens)
@@ -125,8 +132,8 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
 
     ``rows``, ``lengths`` (main-stack tokens) and ``target_lengths`` (decoder tokens; encoder-decoder
     models only, default (8, 16, 32)) are strictly increasing grids of padded micro-batches (full rows:
-    every grid point computes exactly rows x length tokens). With ``packed`` a decoder-only model is also
-    measured on packed micro-batches (varlen), and a vision-language model on micro-batches with ``tiles``
+    every grid point computes exactly rows x length tokens). With ``packed`` a decoder-only or
+    encoder-decoder model is also measured on packed micro-batches (varlen), and a vision-language model on micro-batches with ``tiles``
     image tiles (none: ``tiles=()``).
     With ``num_stages > 1`` the layers are split by `balanced_partition` over everything measured.
     ``progress(done, total)`` is called per round.
@@ -145,16 +152,17 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     model.to(device)
     gen = torch.Generator().manual_seed(seed)
     shapes = [MicroBatchShape("padded", r, L, T) for r in rows for L in lengths for T in tgrid]
-    shapes += _extra_shapes(model, rows, lengths, packed, tiles)
-    batches, sample_lengths = [], []
+    shapes += _extra_shapes(model, rows, lengths, tgrid, packed, tiles)
+    batches, sample_lengths, decoder_lengths = [], [], []
     for shape in shapes:
         batch = model.random_batch(shape, gen)
         if not shape.packed and not shape.tiles:
             batch.pop("attention_mask", None)  # full rows: every grid point computes exactly r x L tokens
             batch.pop("decoder_attention_mask", None)
         batches.append(batch)
-        cu = batch.get("cu_seqlens")
-        sample_lengths.append(None if cu is None else tuple(int(x) for x in np.diff(cu.numpy())))
+        for key, out in (("cu_seqlens", sample_lengths), ("decoder_cu_seqlens", decoder_lengths)):
+            cu = batch.get(key)
+            out.append(None if cu is None else tuple(int(x) for x in np.diff(cu.numpy())))
     costs = _measure(model, batches, repeats, warmup, device, seed, progress)
     bounds = balanced_partition(costs, num_stages).bounds if num_stages > 1 else (0, len(model.layers))
     b = np.asarray(bounds)
@@ -165,7 +173,8 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     grid = (len(rows), len(lengths), len(tgrid))
     table = ProfiledTable(np.asarray(rows), np.asarray(lengths), np.asarray(tgrid), t[:g].reshape(grid),
                           m[:g].reshape(grid))
-    return Profile(table, tuple(int(x) for x in bounds), tuple(shapes), tuple(sample_lengths), t, m, costs)
+    return Profile(table, tuple(int(x) for x in bounds), tuple(shapes), tuple(sample_lengths), tuple(decoder_lengths),
+                   t, m, costs)
 
 
 def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
@@ -183,10 +192,11 @@ def _features(cost: CostModel, prof: Profile, idx) -> np.ndarray:
     """Cost-model features [len(idx), NUM_FEATURES] of measured micro-batches ``idx`` of ``prof``."""
     rows = []
     for k in idx:
-        shape, lens = prof.shapes[k], prof.lengths[k]
+        shape, lens, dec = prof.shapes[k], prof.lengths[k], prof.decoder_lengths[k]
         if lens is not None:
             z = np.zeros(len(lens))
-            rows.append(cost.packed_features(np.asarray(lens), z, z, z.astype(np.int64))[0])
+            rows.append(cost.packed_features(np.asarray(lens), z if dec is None else np.asarray(dec), z,
+                                             z.astype(np.int64))[0])
         else:
             rows.append(cost.padded_features(shape.rows, shape.input_len, shape.target_len, shape.tiles)[0])
     return np.array(rows)
@@ -261,7 +271,7 @@ def add_profile_command(sub) -> None:
     p = sub.add_parser("profile", help="time micro-batch shapes of a model and save a cost model",
                        description="Time forward+backward of every layer of a tiny or Hugging Face model on this "
                                    "machine over a grid of padded micro-batch shapes (rows x length [x target "
-                                   "length]), packed ones (decoder-only models) and ones with image tiles "
+                                   "length]), packed ones (text models: decoder-only and encoder-decoder) and ones with image tiles "
                                    "(vision-language models); save the profiled cost model (load it with "
                                    "CostModel.load, for the DataLoader and the planner) with the per-layer costs "
                                    "(load_layer_costs, for the partition search) as JSON.",
