@@ -18,11 +18,8 @@ shares:
   no progress for ``timeout_s`` (``stalled for N s in forward of micro-batch j of step k``), when its
   heartbeat stopped for ``dead_after_s`` (``died (no heartbeat for N s)``; sooner when its
   connection closed), or when it already closed its context; if everyone on the chain only waits,
-  the ranks are deadlocked. The verdict is published like an error, so every rank raises it. A
-  busy rank's idle time counts its main thread's CPU seconds instead of wall seconds while that
-  thread keeps using at least `BUSY_CPU_SHARE` of a core: it is computing, only slowly (starved on a
-  shared machine), and a hang that spins is still caught after ``timeout_s`` of CPU; a stall in a
-  sleep, a lock or I/O uses no CPU and is caught after ``timeout_s`` of wall time as before;
+  the ranks are deadlocked (idle time: `progress_clock`, which counts a busy rank's CPU seconds
+  while it computes, however slowly). The verdict is published like an error, so every rank raises it;
 * the watchdog polls the error key (``poll_s``) with its own store client and acknowledges it; the
   runner checks the flag between ops and raises `PipelineAborted` naming the root cause;
 * a rank still stuck in a blocking call (or the blamed rank itself) ``abort_after_s`` seconds after
@@ -41,6 +38,7 @@ import threading
 import time
 import traceback
 
+from .progress_clock import ProgressClock
 from .waits import Waiter, abandon_wait, note_daemon_calls
 
 MSG_KEY = "dynabatch/failure/message"
@@ -53,25 +51,10 @@ LIVE_PREFIX = "dynabatch/live/"
 #: ``set_state`` kinds: ``busy`` (computing, posting), ``wait`` (blocked on peers), ``idle`` (outside
 #: the runner), ``closed`` (the context was closed: this rank will post nothing more).
 KINDS = ("busy", "wait", "idle", "closed")
-#: a busy main thread that used at least this share of one core since its last progress is working,
-#: not stalled: a rank at a fair share of a 2-core machine under load 12 gets ~17%, a thread blocked
-#: in a sleep, a lock or a read ~0%
-BUSY_CPU_SHARE = 0.03
 
 
 class PipelineAborted(RuntimeError):
     """Another rank failed, stalled or died (this exception's message names it and what it was doing)."""
-
-
-def _thread_cpu_clock(ident: int):
-    """The clock id of thread ``ident``'s CPU time (readable from any thread), or None where the
-    platform has none."""
-    try:
-        clock = time.pthread_getcpuclockid(ident)
-        time.clock_gettime(clock)
-    except (AttributeError, OSError):
-        return None
-    return clock
 
 
 class _Seen:
@@ -130,10 +113,7 @@ class FailureMonitor:
         # liveness: written by the main thread, published by the watchdog
         self._state: tuple[str, str, tuple[int, ...]] = ("idle", "outside the runner before its first step", ())
         self._progress = 0
-        self._progress_at = time.monotonic()
-        self._mark = (self._progress_at, 0.0)  # (monotonic, main-thread CPU) seconds at the last progress
-        self._cpu_thread: int | None = None
-        self._cpu_clock = None  # the CPU clock of the thread calling set_state (None: not on this platform)
+        self._clock = ProgressClock()  # the main thread's last progress
         self._beat = 0
         self._published = -1
         self._next_beat = 0.0
@@ -177,21 +157,7 @@ class FailureMonitor:
         self._beat += 1
         store.set(f"{LIVE_PREFIX}{self.rank}", json.dumps(
             {"n": self._beat, "p": self._progress, "k": kind, "t": text, "w": list(peers),
-             "i": round(self._idle(kind, now), 3)}))
-
-    def _idle(self, kind: str, now: float) -> float:
-        """Seconds without progress that count towards a stall (see the module doc): wall seconds, or
-        the main thread's CPU seconds while it is busy and uses at least `BUSY_CPU_SHARE` of a core."""
-        at, cpu_at = self._mark
-        wall = now - at
-        clock = self._cpu_clock
-        if kind != "busy" or clock is None:
-            return wall
-        try:
-            cpu = time.clock_gettime(clock) - cpu_at
-        except OSError:  # the thread ended
-            return wall
-        return cpu if cpu >= BUSY_CPU_SHARE * wall else wall
+             "i": round(self._clock.idle(kind == "busy", now), 3)}))
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -262,13 +228,9 @@ class FailureMonitor:
         """Record what the main thread does now (one of `KINDS`; ``text`` reads after "stalled for N s",
         e.g. ``in forward of micro-batch 3 of step 7``; ``peers``: the ranks a ``wait`` waits on).
         Every call counts as progress. Cheap: no store access (the watchdog publishes it)."""
-        me = threading.get_ident()
-        if me != self._cpu_thread:
-            self._cpu_thread, self._cpu_clock = me, _thread_cpu_clock(me)
         self._state = (kind, text, tuple(peers))
         self._progress += 1
-        self._progress_at = time.monotonic()
-        self._mark = (self._progress_at, time.clock_gettime(self._cpu_clock) if self._cpu_clock is not None else 0.0)
+        self._clock.mark()
 
     def enter(self) -> None:
         """Mark the main thread as inside runner code (a stuck rank may be ended after a failure)."""
@@ -399,7 +361,7 @@ class FailureMonitor:
             return r, f"{self.name(r)} stalled for {idle:.0f} s {s.info['t']} (no progress within timeout_s=" \
                       f"{self.timeout_s:g})", False
         # everyone on the chain waits and nobody moves: a deadlock (e.g. programs that do not pair)
-        mine = now - self._progress_at
+        mine = now - self._clock.at
         if order and mine >= self.timeout_s and all(
                 s.info is not None and s.info.get("k") == "wait"
                 and float(s.info.get("i", 0.0)) + (now - s.changed_at) >= self.timeout_s for _, s in order):
