@@ -33,11 +33,13 @@ a spawned rank would get), ``torch.set_num_threads(threads_per_proc)`` (torch re
 before it was set), the ``PYTHONPATH`` entries at the front of ``sys.path`` (the launcher's other
 ``sys.path`` entries stay after them), its stdout and stderr on fds 1 and 2 of the same files, written
 through at once, the same exit codes and the same liveness rules. What it cannot honour makes the launch
-fall back to spawn: an environment that differs from the server's start environment in a variable read
-at interpreter start or import time (`IMPORT_TIME_ENV`), or a platform without fork servers. The server
-is ``launch_local``'s own, not the one `multiprocessing` shares across a process, so other code that
-started that one first (a ``DataLoader`` with ``multiprocessing_context="forkserver"``) neither stops
-ranks forking nor gets ranks forked from a server without torch. Differences that remain: a forked rank's stdin is ``/dev/null``; after the worker
+fall back to spawn: an ``env`` that changes a variable read at interpreter start or import time
+(`IMPORT_TIME_ENV`), or a platform without fork servers. The servers are ``launch_local``'s own, one per
+import-time environment of this process (a variable such as ``TOKENIZERS_PARALLELISM`` set since an
+earlier launch gets a new server, as a fresh interpreter would see it), not the one `multiprocessing`
+shares across a process, so other code that started that one first (a ``DataLoader`` with
+``multiprocessing_context="forkserver"``) neither stops ranks forking nor gets ranks forked from a
+server without torch. Differences that remain: a forked rank's stdin is ``/dev/null``; after the worker
 it runs the ``atexit`` handlers and leaves with ``os._exit``, skipping the rest of the interpreter's
 teardown (module and thread finalization); the caller's main script is imported as ``__mp_main__``
 (as multiprocessing does; keep its work under ``if __name__ == "__main__"``); modules in ``preload``
@@ -86,9 +88,9 @@ PRELOAD_ENV = "DYNABATCH_LAUNCH_PRELOAD"  # launch_local's preload when the call
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
                    "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 _HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
-# this module's fork server: "server", "popen" (see _own_server); once started "pid", "env" (at its
-# start) and "preload"
-_server: dict = {}
+# this module's fork servers by import-time environment (`_server_for`): "server", "popen", once
+# started "pid" and "preload"
+_servers: dict = {}
 _server_lock = threading.Lock()
 
 
@@ -200,10 +202,15 @@ def _resolve_start(start_method: str | None) -> str:
     return method
 
 
-def _own_server():
-    """This module's fork server: a `multiprocessing.forkserver.ForkServer` of its own, made on first
-    use, and the `Popen` class that asks it for each `_ServerProcess`."""
-    if "server" not in _server:
+def _import_env(env) -> tuple:
+    """The variables of ``env`` a forked rank cannot change (`IMPORT_TIME_ENV`, less the honoured ones)."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in _HONOURED_ENV))
+
+
+def _server_for(key: tuple) -> dict:
+    """This module's fork server for the import-time environment ``key`` (made on first use): a
+    `multiprocessing.forkserver.ForkServer` of its own and the `Popen` class that asks it."""
+    if key not in _servers:
         from multiprocessing import forkserver, popen_forkserver
 
         server = forkserver.ForkServer()
@@ -213,8 +220,8 @@ def _own_server():
         assert not launch_code.co_freevars, "popen_forkserver.Popen._launch changed: re-check this rebinding"
         names = {**vars(popen_forkserver), "forkserver": _ServerModule(server, forkserver.read_signed)}
         popen = type("Popen", (popen_forkserver.Popen,), {"_launch": types.FunctionType(launch_code, names)})
-        _server.update(server=server, popen=popen)
-    return _server["server"]
+        _servers[key] = {"server": server, "popen": popen}
+    return _servers[key]
 
 
 @dataclass(frozen=True)
@@ -229,40 +236,42 @@ class _ServerModule:
 
 
 class _ServerProcess(getattr(multiprocessing.context, "ForkServerProcess", multiprocessing.Process)):
-    """A process forked by this module's fork server (`_own_server`); a module-level class, since
-    the server unpickles it. (Windows has no fork servers: the base is only there to import.)"""
+    """A process forked by one of this module's fork servers (``server_key``, see `_server_for`); a
+    module-level class, since the server unpickles it. (Windows has no fork servers: the base is only
+    there to import.)"""
+
+    server_key: tuple = ()
 
     @staticmethod
     def _Popen(process_obj):  # noqa: N802 - multiprocessing's name
-        return _server["popen"](process_obj)
+        return _servers[process_obj.server_key]["popen"](process_obj)
 
 
-def _fork_server(preload: tuple[str, ...], rank_env: dict):
-    """`_ServerProcess`, to fork ranks with ``rank_env`` from this module's fork server, started (with ``preload``)
-    on first use or after it died; None where a forked rank could not honour ``rank_env`` or the platform
-    has no fork servers."""
+def _fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
+    """The key (`_server_for`) of the fork server started with today's import-time environment
+    (importing ``preload``; again if it died), to fork ranks with ``rank_env`` from; None where
+    ``rank_env`` changes a variable read at import time or the platform has no fork servers."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
+    key = _import_env(os.environ)
+    if _import_env(rank_env) != key:
+        return None
     with _server_lock:
-        server = _own_server()
+        entry = _server_for(key)
+        server = entry["server"]
         if server._forkserver_pid is None:  # noqa: SLF001 - a server already running keeps its imports
             server.set_forkserver_preload(["dynabatch.pipeline.runtime.preload", *preload])
         server.ensure_running()  # (re)starts it now, with today's os.environ, if it is not running
-        if _server.get("pid") != server._forkserver_pid:  # noqa: SLF001
-            _server.update(pid=server._forkserver_pid, env=dict(os.environ),  # noqa: SLF001
-                           preload=list(server._preload_modules))  # noqa: SLF001
-        start_env = _server["env"]
-    for key in set(start_env) ^ set(rank_env) | {k for k in rank_env if start_env.get(k) != rank_env[k]}:
-        if key not in _HONOURED_ENV and key.startswith(IMPORT_TIME_ENV):
-            return None
-    return _ServerProcess
+        entry.update(pid=server._forkserver_pid, preload=list(server._preload_modules))  # noqa: SLF001
+    return key
 
 
 class _ForkedRank:
     """A rank forked from the fork server, with the parts of `subprocess.Popen` `launch_local` uses."""
 
-    def __init__(self, process: type, argv: list[str], env: dict, out: str, err: str, threads: int):
-        self._p = process(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
+    def __init__(self, server_key: tuple, argv: list[str], env: dict, out: str, err: str, threads: int):
+        self._p = _ServerProcess(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
+        self._p.server_key = server_key
         self._p.start()
         self.pid = self._p.pid
 
@@ -281,10 +290,9 @@ class _ForkedRank:
         return self._p.exitcode
 
 
-def _start_rank(forked: type | None, argv: list[str], env: dict, out, err, threads: int):
-    """Rank ``argv[1]``: a fresh interpreter (``forked`` None) or a ``forked`` process (a child of the
-    fork server), output to the
-    files ``out`` and ``err`` (open for reading in this process)."""
+def _start_rank(forked: tuple | None, argv: list[str], env: dict, out, err, threads: int):
+    """Rank ``argv[1]``: a fresh interpreter (``forked`` None) or a child of the fork server whose key
+    is ``forked`` (`_fork_server`), output to the files ``out`` and ``err`` (open for reading here)."""
     if forked is None:
         return subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=out, stderr=err, text=True, env=env)
     return _ForkedRank(forked, argv, env, out.name, err.name, threads)
