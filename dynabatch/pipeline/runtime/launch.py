@@ -89,7 +89,7 @@ IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPEN
                    "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 _HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
 # this module's fork servers by import-time environment (`_server_for`): "server", "popen", once
-# started "pid" and "preload"
+# started "pid"
 _servers: dict = {}
 _server_lock = threading.Lock()
 
@@ -262,7 +262,7 @@ def _fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
         if server._forkserver_pid is None:  # noqa: SLF001 - a server already running keeps its imports
             server.set_forkserver_preload(["dynabatch.pipeline.runtime.preload", *preload])
         server.ensure_running()  # (re)starts it now, with today's os.environ, if it is not running
-        entry.update(pid=server._forkserver_pid, preload=list(server._preload_modules))  # noqa: SLF001
+        entry["pid"] = server._forkserver_pid  # noqa: SLF001
     return key
 
 
