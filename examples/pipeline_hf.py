@@ -1,10 +1,6 @@
-"""Train a Hugging Face decoder (a save_pretrained folder: model + tokenizer) on pipeline stages, each rank
-reading only its stage's weights, fed by the DataLoader with feedback, recomputing activations where a
-stage would exceed --memory-limit, and merge the trained stages into a save_pretrained folder:
-
-    python examples/pipeline_hf.py MODEL_DIR DATA [--stages 2] [--steps N] [--out DIR]   (local processes)
-    torchrun --nproc-per-node 2 examples/pipeline_hf.py MODEL_DIR DATA                     (one rank each)
-"""
+"""Train a Hugging Face decoder folder (model + tokenizer) on pipeline stages, each rank loading only its
+stage's weights, with feedback and adaptive recomputation; merge the stages into a save_pretrained folder.
+Run `python examples/pipeline_hf.py MODEL_DIR DATA --stages 2` (local ranks) or under torchrun (one rank each)."""
 import argparse
 
 import torch
@@ -15,38 +11,36 @@ from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, load
 
 def train(rank, world, port, a):
     with init_pipeline(a["stages"], rank=rank, world_size=world, master_port=port) as ctx:
-        part = load_stage(a["model_dir"], ctx)                   # this rank's layers only
-        cost = stage_cost_model(part.model, ctx.num_stages)      # analytic prior, refit from measured steps
-        loader = DataLoader(a["data"], tokenization=Tokenization(tokenizer=a["model_dir"]),
-                            feedback=FeedbackLoop(cost), costing=Costing(cost_model=cost),
-                            options=PlanOptions(num_stages=ctx.num_stages, global_batch_tokens=a["batch_tokens"],
-                                                max_len=a["max_len"], recompute="adaptive",
-                                                device_memory_limit=a["memory_limit"]),
+        part = load_stage(a["model_dir"], ctx)  # this rank's layers only
+        cost = stage_cost_model(part.model, ctx.num_stages)  # analytic prior, refit from the measured steps
+        options = PlanOptions(num_stages=ctx.num_stages, global_batch_tokens=a["batch_tokens"], max_len=a["max_len"],
+                              recompute="adaptive", device_memory_limit=a["memory_limit"])
+        loader = DataLoader(a["data"], options=options, tokenization=Tokenization(tokenizer=a["model_dir"]),
+                            costing=Costing(cost_model=cost), feedback=FeedbackLoop(cost),
                             runtime=Runtime(world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0))
         runner = PipelineRunner.from_model(part.model, ctx, part.bounds, RunnerConfig(gather_timing=True))
-        optimizer = torch.optim.AdamW(runner.parameters(), lr=a["lr"])
+        optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-3)
         for k, step in zip(range(a["steps"]), loader.steps()):
-            result = runner.step(step.plan, step, optimizer=optimizer)  # its recompute counts too
-            loader.feedback(result)                              # refit the cost model from the measured times
+            result = runner.step(step.plan, step, optimizer=optimizer)
+            loader.feedback(result)  # refit the cost model from the measured times
             if ctx.rank == 0:
+                t = result.timing  # the recomputed layers the plan chose and the activation bytes measured
                 print(f"step {k} loss {result.loss:.4f} tokens {result.num_tokens} recomputed layers "
-                      f"{result.timing.recompute_layers} peak activations {result.timing.peak_saved_bytes:.0f} B",
-                      flush=True)
+                      f"{t.recompute_layers} peak activations {t.peak_saved_bytes:.0f} B", flush=True)
         loader.close()
         part.save(a["out"])
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir")
-    p.add_argument("data", help="JSONL/Parquet file, folder or glob of {inputs, targets} records")
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("model_dir", help="a save_pretrained folder with the tokenizer")
+    p.add_argument("data", help="JSONL/Parquet file, folder or glob of records")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="pipeline_hf_out", help="the merged save_pretrained folder")
     p.add_argument("--batch-tokens", type=int, default=4096, help="global batch, tokens")
     p.add_argument("--max-len", type=int, default=512, help="longest sample, tokens")
     p.add_argument("--memory-limit", type=float, default=256e6, help="activation bytes a stage may hold")
-    p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()
-    run_ranks(f"{__file__}:train", args.stages, args=(vars(args),), idle_timeout_s=600)  # 600 s: first numba compile
+    run_ranks(f"{__file__}:train", args.stages, args=(vars(args),), idle_timeout_s=600)  # 600 s: numba's first compile
     print("merged into", args.out)

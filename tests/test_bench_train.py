@@ -278,7 +278,17 @@ def test_bench_train_vlm_tiny_json(tmp_path):
     assert dp["stage_aware"] and not blind["stage_aware"] and dp["refits"] >= 1
     # vlm-tiny's default: text-only micro-batches bypass the vision stage (no op there, no observation)
     assert res["config"]["bypass_idle_stages"] is True
-    assert 0 < dp["stage_bypassed_share"][0] < 1 and dp["stage_bypassed_share"][1] == 0
+    # stage 0 (vision) never ran exactly the timed micro-batches without vision tiles; stage 1 ran all. Which
+    # micro-batches are text-only is the plan's (dp's follows its refits of measured times), so the share is
+    # checked against each run's own micro-batches, and the data must give some text-only ones
+    text_only = 0
+    for name, m in res["methods"].items():
+        timed = m["per_step"][m["warmup_steps"]:]
+        share = sum(r["text_only_microbatches"] for r in timed) / sum(r["microbatches"] for r in timed)
+        assert m["stage_bypassed_share"][0] == pytest.approx(share, abs=1e-12), name
+        assert m["stage_bypassed_share"][1] == 0, name
+        text_only += sum(r["text_only_microbatches"] for r in timed)
+    assert text_only > 0
     assert dp["feedback_mode"] in ("per_stage", "max") and blind["feedback_mode"] == "max"
     assert res["methods"]["pack"]["knobs"]["collation"] == "packed_rows"
     # every method saw the same samples, step by step

@@ -277,6 +277,10 @@ class MethodRun:
                "data_s": float(t_data), "predicted_s": float(pred.sum()), "measured_s": float(measured.sum()),
                "mape": float(err),
                "sample_ids": sorted(int(i) for b in mbs for i in b.get("sample_ids", ()))}  # this rank's samples
+        if vlm_obs is not None:  # micro-batches without vision tiles: the ones a vision stage can bypass
+            from ..core.kernels.cost import FEATURES
+
+            row["text_only_microbatches"] = int((vlm_obs[0][:, FEATURES.index("has_vis")] <= 0).sum())
         self.rows.append(row)
         return row
 
