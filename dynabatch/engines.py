@@ -50,6 +50,21 @@ def default_workers() -> int:
         return max(os.cpu_count() or 1, 1)
 
 
+SAMPLES_PER_WORKER = 16384  # the least a default local worker gets: starting a worker process costs ~1-3 s
+# of CPU (imports, kernels, tokenizer), a sample well under 0.2 ms to scan or plan, so fewer run sooner here
+
+
+def workers_for(num_samples: int | None, workers: int | None = None, engine: str = "local") -> int:
+    """Worker processes for a job over ``num_samples`` samples: ``workers`` when given; by default the CPUs
+    this process may use (`default_workers`), and on the local engine at most one per `SAMPLES_PER_WORKER`
+    samples (1 runs it in this process; an unknown count, None, takes the CPUs)."""
+    if workers is not None:
+        return workers
+    if engine != "local" or num_samples is None:
+        return default_workers()
+    return max(1, min(default_workers(), num_samples // SAMPLES_PER_WORKER))
+
+
 def _init_worker(context: Any) -> None:
     global _CONTEXT
     _CONTEXT = context

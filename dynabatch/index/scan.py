@@ -269,7 +269,8 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     the data paths, the `ScanConfig` and the loader error counts).
 
     ``workers``: processes (local) or CPUs of a Ray instance started here (default: the CPU
-    count). ``parts``: slots the rows are split into (default ``2 * workers``; 1 when
+    count; on the local engine at most one per `dynabatch.engines.SAMPLES_PER_WORKER` rows of the
+    data, so a small scan runs in this process). ``parts``: slots the rows are split into (default ``2 * workers``; 1 when
     ``workers`` is 1). Bad input raises the loaders'/tokenizer's error, whose message names the
     file and line (or sample key), unless ``config.on_error == "skip"``. Remote data (``s3://``,
     ``gs://``, ``memory://``...) is read through fsspec with ``storage_options`` (else the
@@ -278,7 +279,7 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     import loaders
     from tokenization import load_tokenizer, resolve_chat, tokenizer_fingerprint
 
-    from ..engines import default_workers
+    from ..engines import workers_for
 
     config = config or ScanConfig()
     paths = [data] if isinstance(data, (str, Path)) else list(data)
@@ -292,10 +293,10 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     chat = resolve_chat(config.chat_template, tok, config.family)  # and a template that does not fit it
     # a string spec travels to the workers as is; an object as its adapter (adapters pickle)
     spec = config.tokenizer if isinstance(config.tokenizer, str) else tok
-    workers = workers or default_workers()
-    num_parts = parts or (1 if workers == 1 else 2 * workers)
     source = loaders.open_source([str(p) for p in paths], on_error=config.on_error,
                                  **({"storage_options": storage_options} if storage_options else {}))
+    workers = workers_for(source.num_rows, workers, engine)
+    num_parts = parts or (1 if workers == 1 else 2 * workers)
     table, errors = scan_parts(source, spec, config.scan_kwargs(), engine=engine, workers=workers,
                                parts=num_parts, progress=progress)
     data_paths = [str(Path(p).resolve()) if not loaders.is_url(p) and Path(p).exists() else str(p) for p in paths]

@@ -211,10 +211,16 @@ def _chat_template(value: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 worker"``, ``"2 workers"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _add_engine_options(p) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--workers", type=int, default=None,
-                   help="processes (local) or Ray CPUs (default: the CPUs available)")
+                   help="processes (local) or Ray CPUs (default: the CPUs available, but on the local engine at "
+                        "most one process per 16384 samples, so a smaller job runs in this process)")
     g.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data (pip install 'dynabatch[ray]')")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -310,7 +316,7 @@ def _cmd_scan(args) -> int:
     skipped = ", ".join(f"{k} {v}" for k, v in s["skipped_by_kind"].items()) or "none"
     tps = s["tokens_per_sample"]
     print(f"scanned {s['samples']} samples ({s['tasks']} tasks) with {s['tokenizer']} in {s['seconds']:.1f} s "
-          f"({s['engine']}, {s['workers']} workers, {s['parts']} parts)")
+          f"({s['engine']}, {_count(s['workers'], 'worker')}, {_count(s['parts'], 'part')})")
     print(f"tokens: input {s['input_tokens']:,}, target {s['target_tokens']:,}, vision {s['vision_tokens']:,}; "
           f"per sample mean {tps['mean']:.0f}, p50 {tps['p50']:.0f}, p99 {tps['p99']:.0f}, max {tps['max']}")
     print(f"skipped: {skipped}; truncated: {s['truncated']}; fingerprint {s['fingerprint']}")
@@ -360,10 +366,10 @@ def _check_chat_template(value: str, scan_options: dict, tokenizer, family) -> N
 
 def _cmd_plan(args) -> int:
     from ..planfile.inspect import microbatch_columns
-    from ..engines import default_workers
     from .inputs import is_index, read_index, tokenizer_spec
     from ..option_flags import plan_options_from_args
     from .runplan import RunPlanConfig, plan_run
+    from ..engines import workers_for
     from .scan import ScanConfig, scan_dataset
 
     quiet = args.no_progress or args.json
@@ -422,7 +428,7 @@ def _cmd_plan(args) -> int:
         "padding_efficiency": real / computed if computed else 1.0,
         "rank_imbalance_mean": float((rt.max(axis=1) / rt.mean(axis=1)).mean()),
         "scanned": scanned, "scan_s": round(scan_s, 3), "plan_s": round(plan_s, 3), "engine": args.engine,
-        "workers": args.workers or default_workers(),
+        "workers": workers_for(run.table.num_rows, args.workers, args.engine),
     }
     if differ:
         summary["loader_default_differences"] = differ
@@ -447,7 +453,7 @@ def _cmd_plan(args) -> int:
               f"{' '.join(f'{x / 2**30:.2f}' for x in recompute['max_peak_bytes_per_stage'])} GiB"
               + (f" (device limit {lim / 2**30:.2f} GiB)" if lim else ""))
     print(f"{'scan' if scanned else 'read index'} {scan_s:.1f} s, plan {plan_s:.1f} s "
-          f"({summary['workers']} workers, {args.engine}); wrote "
+          f"({_count(summary['workers'], 'worker')}, {args.engine}); wrote "
           f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
     print(f"next: dynabatch inspect {args.out} --plot plan.png")
     return 0

@@ -30,7 +30,7 @@ from ..core.options import PlanOptions
 from ..core.plan.planner import PlanningError
 from ..core.shapes import Shapes
 from ..core.plan.steps import global_batches, oversized_samples, plan_step, sample_tokens
-from ..engines import default_workers, map_parts
+from ..engines import map_parts, workers_for
 from .inputs import Index, OfflineError
 from ..planfile import format as fmt
 from ..planfile.format import RUN_PLAN_VERSION
@@ -124,7 +124,7 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
         raise OfflineError(f"every global batch holds at most {most} samples, fewer than the {config.num_ranks} ranks "
                            f"asked for: the plan would be for {most} ranks; raise --global-batch-tokens/"
                            "--global-batch-size or lower --ranks")
-    workers = workers or default_workers()
+    workers = workers_for(sum(len(b) for _, _, b in steps), workers, engine)
     size = max(1, min(16, math.ceil(len(steps) / (8 * workers))))
     chunks = [steps[i:i + size] for i in range(0, len(steps), size)]
     results = map_parts(_plan_chunk, chunks, (shapes, cost, config.options), engine=engine, workers=workers,
