@@ -7,6 +7,7 @@ included); a run resumed from a checkpoint continues exactly where the loader st
 import copy
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -318,38 +319,86 @@ def test_a_transformers_without_the_overridden_hooks_is_refused(data_path, tmp_p
         DynabatchTrainer(model=tiny_llama(), args=args, train_loader=make_loader(data_path))
 
 
-DDP_CHILD = r'''
-import os, sys, torch, transformers
-sys.path.insert(0, sys.argv[3])
-import test_hf_trainer as t
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+def fork(fn, *args, log):
+    """Start ``fn(*args)`` in a fork of this process (torch and the Trainer are imported here already; a
+    fresh interpreter would import them again, ~15 s of CPU each); its pid, for `fork_result`. A
+    traceback goes to the file ``log``. Nothing of pytest runs in the child: it leaves with ``os._exit``."""
+    import traceback
 
-rank, calls = int(os.environ["RANK"]), []
+    with open(log, "w") as f:
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in a fresh child
+                fn(*args)
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported through the exit code and the log
+                traceback.print_exc(file=f)
+                f.flush()
+            finally:
+                os._exit(code)
+    return pid
 
-def f64_loss_func(outputs, labels, num_items_in_batch):
-    logits = outputs.logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                             ignore_index=-100, reduction="sum") / num_items_in_batch
 
-class Spy(transformers.TrainerCallback):
-    grad = None
-    def on_train_begin(self, args, state, control, **kw):
-        ddp = trainer.model_wrapped
-        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
-        ddp.register_comm_hook(None, lambda s, bucket: (calls.append(1), allreduce_hook(None, bucket))[1])
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        self.grad = t.grads(model).clone()
+def fork_result(pid, log, cap_s=600.0):
+    """The exit code (``-signal`` when killed) and log of the child ``pid`` once it ended. ``cap_s`` is
+    the cap the child subprocesses had (a last resort, not a wall clock of the check)."""
+    import signal
+    import time
 
-spy = Spy()
-args = transformers.TrainingArguments(output_dir=sys.argv[2], max_steps=1, use_cpu=True, report_to=[],
-                                      save_strategy="no", logging_steps=1, max_grad_norm=0.0, disable_tqdm=True)
-trainer = t.RecordingTrainer(model=t.tiny_llama(), args=args, callbacks=[spy], compute_loss_func=f64_loss_func,
-                             train_loader=t.make_loader(sys.argv[1], rank=rank, world_size=2))
-trainer.seen = []
-trainer.train()
-torch.save({"grad": spy.grad, "calls": len(calls), "seen": trainer.seen, "loss": trainer.state.log_history[0]["loss"]},
-           os.path.join(sys.argv[2], f"rank{rank}.pt"))
-'''
+    deadline = time.monotonic() + cap_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"child {pid} still running after {cap_s:g} s")
+        time.sleep(0.05)
+    with open(log) as f:
+        return os.waitstatus_to_exitcode(status), f.read()
+
+
+def ddp_child(data_path, out, rank, port):
+    """One rank of a 2-process gloo DDP Trainer run (in a fork: accelerate's process state, set here by
+    the earlier single-process runs, is reset so that the Trainer reads the rank from the environment)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    calls = []
+
+    def f64_loss_func(outputs, labels, num_items_in_batch):
+        logits = outputs.logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                               reduction="sum") / num_items_in_batch
+
+    class Spy(transformers.TrainerCallback):
+        grad = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            ddp = trainer.model_wrapped
+            assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+            ddp.register_comm_hook(None, lambda s, bucket: (calls.append(1), allreduce_hook(None, bucket))[1])
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            self.grad = grads(model).clone()
+
+    spy = Spy()
+    args = transformers.TrainingArguments(output_dir=out, max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_steps=1, max_grad_norm=0.0, disable_tqdm=True)
+    assert args.world_size == 2, args.world_size
+    trainer = RecordingTrainer(model=tiny_llama(), args=args, callbacks=[spy], compute_loss_func=f64_loss_func,
+                               train_loader=make_loader(data_path, rank=rank, world_size=2))
+    trainer.seen = []
+    trainer.train()
+    torch.save({"grad": spy.grad, "calls": len(calls), "seen": trainer.seen, "loss": trainer.state.log_history[0]["loss"]},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
@@ -357,25 +406,13 @@ def test_trainer_under_ddp_two_ranks(data_path, tmp_path):
     """Two CPU processes (gloo DDP through the Trainer's accelerator): each rank trains its share of
     the global step; the all-reduced gradient is the big batch's of the whole step (the world-size
     factor), gradients are all-reduced once per step (no_sync on all but the last micro-batch)."""
-    import socket
-    import subprocess
-    import sys
+    from dynabatch.pipeline import free_port
 
-    script = tmp_path / "child.py"
-    script.write_text(DDP_CHILD)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(2):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script), data_path, str(tmp_path),
-                                       os.path.dirname(os.path.abspath(__file__))], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    port = free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    pids = [fork(ddp_child, data_path, str(tmp_path), r, port, log=logs[r]) for r in range(2)]  # both at once
+    for code, log in [fork_result(pid, log) for pid, log in zip(pids, logs)]:
+        assert code == 0, log[-3000:]
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     step = next(iter(make_loader(data_path)))  # the same global step on one rank
@@ -430,32 +467,30 @@ def test_streaming_run_resumes_under_the_trainer(data_path, tmp_path):
     assert rel(params(rest.model), params(full.model)) < 1e-12
 
 
-KILL_CHILD = r'''
-import json, os, signal, sys
-sys.path.insert(0, sys.argv[4])
-import test_hf_trainer as t
+def kill_child(data_path, out, kill_at):
+    """Train 4 steps with a checkpoint every 2 (in a fork); SIGKILL this process just before the
+    kill_at-th file-system write of the save of step 4 (anything under a 'checkpoint-4' path); with
+    kill_at 0, write the list of those writes to events.json."""
+    import signal
 
-out, kill_at, events = sys.argv[2], int(sys.argv[3]), []
-WRITES = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
+    events = []
+    writes_of = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
 
-def hook(event, args):
-    """Count the file-system writes of the save of step 4 (anything under a 'checkpoint-4' path);
-    SIGKILL this process just before the kill_at-th one."""
-    if event == "open":
-        path, mode, flags = args
-        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
-    else:
-        path, writes = (args[0] if args else ""), event in WRITES
-    if writes and "checkpoint-4" in str(path):
-        events.append(f"{event} {path}")
-        if len(events) == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+        else:
+            path, writes = (args[0] if args else ""), event in writes_of
+        if writes and "checkpoint-4" in str(path):
+            events.append(f"{event} {path}")
+            if len(events) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-sys.addaudithook(hook)
-t.train(sys.argv[1], out, t.tiny_llama(), save_strategy="steps", save_steps=2, max_steps=4)
-with open(os.path.join(out, "events.json"), "w") as f:
-    json.dump(events, f)
-'''
+    sys.addaudithook(hook)  # this child's only: it ends with os._exit
+    train(data_path, out, tiny_llama(), save_strategy="steps", save_steps=2, max_steps=4)
+    with open(os.path.join(out, "events.json"), "w") as f:
+        json.dump(events, f)
 
 
 def test_checkpoints_are_complete_or_absent_after_a_kill(data_path, tmp_path):
@@ -465,17 +500,13 @@ def test_checkpoints_are_complete_or_absent_after_a_kill(data_path, tmp_path):
     with the weights of an unbroken run."""
     import signal
     import subprocess
-    import sys
 
     from transformers.trainer_utils import get_last_checkpoint
 
-    script = tmp_path / "child.py"
-    script.write_text(KILL_CHILD)
-
     def child(out, kill_at):
-        return subprocess.run([sys.executable, str(script), data_path, str(out), str(kill_at),
-                               os.path.dirname(os.path.abspath(__file__))], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        log = f"{out}.log"
+        code, text = fork_result(fork(kill_child, data_path, str(out), kill_at, log=log), log)
+        return subprocess.CompletedProcess([kill_at], code, text)
 
     count = child(tmp_path / "count", 0)
     assert count.returncode == 0, count.stdout[-3000:]

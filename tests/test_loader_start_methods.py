@@ -32,6 +32,19 @@ METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.ge
 LIVENESS_S = 120  # torch's timeout=: a worker silent this long fails the test instead of hanging it
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver_preload():
+    """`multiprocessing`'s fork server, when this module starts it, imports torch and dynabatch once
+    instead of every forkserver worker importing them itself (seconds each). A worker still gets the
+    loader's objects pickled and is still a child of the server, not of the loader's process."""
+    from multiprocessing import forkserver
+
+    before = list(forkserver._forkserver._preload_modules)
+    multiprocessing.set_forkserver_preload([*before, "torch", "dynabatch"])
+    yield
+    multiprocessing.set_forkserver_preload(before)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from dynabatch.core.cost import CostModel
