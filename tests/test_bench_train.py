@@ -6,6 +6,7 @@ the selected tests' runs start in the background, two at a time, when the module
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -19,6 +20,9 @@ from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
 
 LAUNCHES = Prelaunch(parallel=2)
+# the benches' ranks build tiny dynabatch models only: their fork server needs no transformers (the suite's
+# preload, conftest.py), which would cost each bench process's fork server seconds of CPU for nothing
+BENCH_ENV = {**os.environ, "DYNABATCH_LAUNCH_PRELOAD": ""}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,7 +36,7 @@ def _bench_json(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
          "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096", "--max-len", "512",
          "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
-         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120)
+         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120, env=BENCH_ENV)
 
 
 BENCH_WEIGHT = {"_bench_json": 11, "_bench_flush_free": 11}  # about their seconds (others: 8): the longest first
@@ -101,7 +105,7 @@ def _bench_adaptive(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--schedule",
          "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--progress",
-         "--out", str(tmp_path / "adaptive.json")], idle_s=120)
+         "--out", str(tmp_path / "adaptive.json")], idle_s=120, env=BENCH_ENV)
 
 
 @pytest.mark.slow
@@ -149,7 +153,7 @@ def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "100000",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--methods", "dp",
          "pack", "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=BENCH_ENV)
     try:
         # --out is rewritten after a round, once a second (partial, "running"): wait for two rounds, with a
         # liveness check of our own (the file must keep changing, the process must keep running)
@@ -251,7 +255,7 @@ def _bench_vlm(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
          "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
-         "--data", data, "--timeout", "90", "--json"], idle_s=150), data
+         "--data", data, "--timeout", "90", "--json"], idle_s=150, env=BENCH_ENV), data
 
 
 @pytest.mark.slow
@@ -330,7 +334,8 @@ def _bench_recompute(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
-         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"],
+        idle_s=180, env=BENCH_ENV)
 
 
 @LAUNCHES.plan(lambda tmp: [bench_job(_bench_recompute, tmp)])
@@ -362,7 +367,7 @@ def _bench_flush_free(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "6",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free",
-         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180)
+         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180, env=BENCH_ENV)
 
 
 @LAUNCHES.plan(lambda tmp: [bench_job(_bench_flush_free, tmp)])

@@ -1,8 +1,12 @@
 """Imported once by `launch_local`'s fork server (``start_method="forkserver"``) before it forks any rank:
-torch, `dynabatch.pipeline` and the op-order numba kernels (`warm_orders`: 0.8 s CPU from their on-disk
-cache, measured) are loaded here, so every forked rank inherits them instead of paying for them again."""
+torch, `dynabatch.pipeline`, the op-order numba kernels (`warm_orders`: 0.8 s CPU from their on-disk
+cache, measured) and ``torch._dynamo`` (a rank's first optimizer imports it: ``torch.optim`` wraps its
+methods with it, 3 s CPU, measured) are loaded here, so every forked rank inherits them instead of paying
+for them again."""
 
 from __future__ import annotations
+
+import torch._dynamo  # noqa: F401  (what the first torch.optim optimizer of a rank imports)
 
 import dynabatch.pipeline  # noqa: F401  (torch with it)
 from dynabatch.pipeline.runtime.launch import _forked_rank  # noqa: F401  (what each forked rank runs)
