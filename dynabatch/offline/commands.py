@@ -211,11 +211,6 @@ def _chat_template(value: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
-def _count(n: int, noun: str) -> str:
-    """``"1 worker"``, ``"2 workers"``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _add_engine_options(p) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--workers", type=int, default=None,
@@ -316,7 +311,8 @@ def _cmd_scan(args) -> int:
     skipped = ", ".join(f"{k} {v}" for k, v in s["skipped_by_kind"].items()) or "none"
     tps = s["tokens_per_sample"]
     print(f"scanned {s['samples']} samples ({s['tasks']} tasks) with {s['tokenizer']} in {s['seconds']:.1f} s "
-          f"({s['engine']}, {_count(s['workers'], 'worker')}, {_count(s['parts'], 'part')})")
+          f"({s['engine']}, {s['workers']} worker{'s' * (s['workers'] != 1)}, "
+          f"{s['parts']} part{'s' * (s['parts'] != 1)})")
     print(f"tokens: input {s['input_tokens']:,}, target {s['target_tokens']:,}, vision {s['vision_tokens']:,}; "
           f"per sample mean {tps['mean']:.0f}, p50 {tps['p50']:.0f}, p99 {tps['p99']:.0f}, max {tps['max']}")
     print(f"skipped: {skipped}; truncated: {s['truncated']}; fingerprint {s['fingerprint']}")
@@ -453,7 +449,7 @@ def _cmd_plan(args) -> int:
               f"{' '.join(f'{x / 2**30:.2f}' for x in recompute['max_peak_bytes_per_stage'])} GiB"
               + (f" (device limit {lim / 2**30:.2f} GiB)" if lim else ""))
     print(f"{'scan' if scanned else 'read index'} {scan_s:.1f} s, plan {plan_s:.1f} s "
-          f"({_count(summary['workers'], 'worker')}, {args.engine}); wrote "
+          f"({summary['workers']} worker{'s' * (summary['workers'] != 1)}, {args.engine}); wrote "
           f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
     print(f"next: dynabatch inspect {args.out} --plot plan.png")
     return 0
