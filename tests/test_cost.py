@@ -230,11 +230,14 @@ def test_profiled_table_outside_grid_is_infeasible_unless_extrapolate():
         t, m = tab.lookup(r, l, d)
         assert t == np.inf and m == np.inf, (r, l, d)
     ext = make_table(extrapolate=True)
-    t, m = ext.lookup(8, 16, 0)  # linear from the rows 2..4 edge cell
-    expect = ext.time_s[2, 1, 0] + 2 * (ext.time_s[2, 1, 0] - ext.time_s[1, 1, 0])
-    assert np.isfinite(t) and t == pytest.approx(expect, rel=1e-12)
-    t, _ = ext.lookup(2, 64, 0)
-    assert t == pytest.approx(ext.time_s[1, 2, 0] + 2 * (ext.time_s[1, 2, 0] - ext.time_s[1, 1, 0]), rel=1e-12)
+    t, m = ext.lookup(8, 16, 0)  # linear from the rows 2..4 edge cell, at least the edge's time in proportion
+    linear = ext.time_s[2, 1, 0] + 2 * (ext.time_s[2, 1, 0] - ext.time_s[1, 1, 0])
+    proportional = ext.time_s[2, 1, 0] * 8 / ext.rows[-1]
+    assert np.isfinite(t) and t == pytest.approx(max(linear, proportional), rel=1e-12)
+    t, _ = ext.lookup(2, 64, 0)  # linear, but never below the edge's time in proportion to the length
+    linear = ext.time_s[1, 2, 0] + 2 * (ext.time_s[1, 2, 0] - ext.time_s[1, 1, 0])
+    proportional = ext.time_s[1, 2, 0] * 64 / ext.main_len[-1]
+    assert t == pytest.approx(max(linear, proportional), rel=1e-12)
 
 
 def test_profiled_table_validates_grid():

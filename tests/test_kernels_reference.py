@@ -12,6 +12,7 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -423,3 +424,17 @@ def test_pread_ragged_matches_reference(ranges, seed):
         finally:
             os.close(fd)
             os.close(r)
+
+
+def test_extrapolation_above_the_grid_never_makes_a_larger_shape_cheaper():
+    """A profile whose largest row count measured faster than the one before (timer noise on a busy
+    machine) made the linear extrapolation fall to 0 s at 64 rows; above the grid a lookup is now never
+    below the edge's value in proportion (16 rows -> 64 rows: 4x), in the kernel and its reference."""
+    grids = (np.array([1.0, 4.0, 16.0]), np.array([32.0, 64.0]), np.array([0.0]))
+    values = np.zeros((3, 2, 1))
+    values[:, :, 0] = [[0.010, 0.012], [0.020, 0.030], [0.015, 0.025]]  # 16 rows noisily faster than 4
+    for fn in (profiled_lookup, profiled_lookup_reference):
+        t64, t16 = fn(*grids, values, 64, 64, 0, True), fn(*grids, values, 16, 64, 0, True)
+        assert t16 == 0.025 and t64 == pytest.approx(4 * 0.025)  # the old lookup: max(0.025 - 0.005 * 8, 0) = 0
+        assert fn(*grids, values, 16, 128, 0, True) >= 2 * 0.025  # 2x the longest profiled length
+        assert fn(*grids, values, 2, 48, 0, True) == fn(*grids, values, 2, 48, 0, False)  # inside: unchanged

@@ -103,20 +103,11 @@ def _interp_axis(grid, x):
 
 
 @njit(cache=True)
-def profiled_lookup(grid_rows, grid_len, grid_dec, values, rows, main_len, dec_len, extrapolate) -> float:
-    """Trilinear interpolation of ``values[r, l, t]`` at a padded shape; +inf outside the grid
-    unless ``extrapolate`` (then linear extrapolation from the edge cell, clipped at 0).
-
-    The result has the unit of ``values`` (seconds or bytes); the grids are strictly increasing
-    float64 rows, tokens and decoder tokens.
-    """
-    if not extrapolate:
-        if (rows < grid_rows[0] or rows > grid_rows[-1] or main_len < grid_len[0] or main_len > grid_len[-1]
-                or dec_len < grid_dec[0] or dec_len > grid_dec[-1]):
-            return np.inf
-    i, wi = _interp_axis(grid_rows, float(rows))
-    j, wj = _interp_axis(grid_len, float(main_len))
-    k, wk = _interp_axis(grid_dec, float(dec_len))
+def _trilinear(grid_rows, grid_len, grid_dec, values, x_rows, x_len, x_dec) -> float:
+    """Trilinear blend of ``values`` at a point (a weight beyond [0, 1] extrapolates the edge cell)."""
+    i, wi = _interp_axis(grid_rows, x_rows)
+    j, wj = _interp_axis(grid_len, x_len)
+    k, wk = _interp_axis(grid_dec, x_dec)
     ni = 1 if grid_rows.shape[0] > 1 else 0
     nj = 1 if grid_len.shape[0] > 1 else 0
     nk = 1 if grid_dec.shape[0] > 1 else 0
@@ -128,6 +119,33 @@ def profiled_lookup(grid_rows, grid_len, grid_dec, values, rows, main_len, dec_l
                 w *= (wj if dj else 1.0 - wj) if nj else 1.0
                 w *= (wk if dk else 1.0 - wk) if nk else 1.0
                 acc += w * values[i + di, j + dj, k + dk]
+    return acc
+
+
+@njit(cache=True)
+def profiled_lookup(grid_rows, grid_len, grid_dec, values, rows, main_len, dec_len, extrapolate) -> float:
+    """Trilinear interpolation of ``values[r, l, t]`` at a padded shape; +inf outside the grid
+    unless ``extrapolate``: then linear extrapolation from the edge cell, but above the grid never
+    less than the value at the grid's edge scaled in proportion (x / largest grid point, per axis
+    beyond it), so that noisy edge measurements cannot make a larger shape cheaper; clipped at 0.
+
+    The result has the unit of ``values`` (seconds or bytes); the grids are strictly increasing
+    float64 rows, tokens and decoder tokens.
+    """
+    r, ml, dl = float(rows), float(main_len), float(dec_len)
+    if not extrapolate:
+        if (r < grid_rows[0] or r > grid_rows[-1] or ml < grid_len[0] or ml > grid_len[-1]
+                or dl < grid_dec[0] or dl > grid_dec[-1]):
+            return np.inf
+    acc = _trilinear(grid_rows, grid_len, grid_dec, values, r, ml, dl)
+    if extrapolate and (r > grid_rows[-1] or ml > grid_len[-1] or dl > grid_dec[-1]):
+        scale = 1.0
+        for x, top in ((r, grid_rows[-1]), (ml, grid_len[-1]), (dl, grid_dec[-1])):
+            if x > top and top > 0.0:
+                scale *= x / top
+        edge = _trilinear(grid_rows, grid_len, grid_dec, values, min(r, grid_rows[-1]), min(ml, grid_len[-1]),
+                          min(dl, grid_dec[-1]))
+        acc = max(acc, edge * scale)
     return max(acc, 0.0)
 
 
@@ -155,4 +173,10 @@ def profiled_lookup_reference(grid_rows, grid_len, grid_dec, values, rows, main_
     total = 0.0
     for (i, wi), (j, wj), (k, wk) in itertools.product(*axes):
         total += wi * wj * wk * float(values[i][j][k])
+    above = [x > grid[-1] for x, grid in zip(point, grids)]
+    if any(above):  # never below the edge's value in proportion: noise at the edge cannot make it cheaper
+        edge = profiled_lookup_reference(grid_rows, grid_len, grid_dec, values,
+                                         *[min(x, grid[-1]) for x, grid in zip(point, grids)], extrapolate)
+        total = max(total, edge * math.prod(x / grid[-1] for x, grid, up in zip(point, grids, above)
+                                            if up and grid[-1] > 0))
     return max(total, 0.0)  # extrapolation can go below zero; a cost cannot
