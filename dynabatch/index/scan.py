@@ -271,8 +271,8 @@ def scan_dataset(data, config: ScanConfig | None = None, *, engine: str = "local
     ``workers``: processes (local) or CPUs of a Ray instance started here (default: the CPU
     count; on the local engine at most one per `dynabatch.engines.SAMPLES_PER_WORKER` rows of the
     data, so a small scan runs in this process). ``parts``: slots the rows are split into (default
-    ``2 * workers``; 1 when ``workers`` is 1). Bad input raises the loaders'/tokenizer's error, whose message names the
-    file and line (or sample key), unless ``config.on_error == "skip"``. Remote data (``s3://``,
+    ``2 * workers``; 1 when ``workers`` is 1). Bad input raises the loaders'/tokenizer's error, whose
+    message names the file and line (or sample key), unless ``config.on_error == "skip"``. Remote data (``s3://``,
     ``gs://``, ``memory://``...) is read through fsspec with ``storage_options`` (else the
     backend's defaults: environment credentials, ``FSSPEC_S3_ENDPOINT_URL``...).
     """
