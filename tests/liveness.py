@@ -21,10 +21,17 @@ import tempfile
 import threading
 import time
 
-from dynabatch.pipeline.runtime.launch import CPU_PROGRESS_SHARE, HEARTBEAT_ENV, process_cpu_s
+from dynabatch.pipeline.runtime.launch import CPU_PROGRESS_SHARE, HEARTBEAT_ENV, PRELOAD_ENV, process_cpu_s
 
 DEFAULT_IDLE_S = 120.0
 DEFAULT_MAX_S = 1800.0
+
+
+def tiny_models_env() -> dict:
+    """This process's environment with no fork-server preload, for a command whose ranks build only
+    dynabatch's tiny models: the suite's preload (transformers, conftest.py) would cost each such
+    process's fork server seconds of CPU for nothing."""
+    return {**os.environ, PRELOAD_ENV: ""}
 
 
 class LivenessTimeout(subprocess.TimeoutExpired):

@@ -2,18 +2,13 @@
 train the same models (bit for bit), spilling is reported, bad settings are refused."""
 
 import json
-import os
 import sys
 
 import pytest
-from liveness import run_live
+from liveness import run_live, tiny_models_env
 
 from dynabatch.bench.multimodel import format_multimodel, summarize_k
 from dynabatch.datagen import write_text_shards
-
-# the bench's ranks build tiny dynabatch models only: its fork server needs no transformers (the suite's
-# preload, conftest.py), which would cost each bench process's fork server seconds of CPU for nothing
-BENCH_ENV = {**os.environ, "DYNABATCH_LAUNCH_PRELOAD": ""}
 
 
 @pytest.mark.slow
@@ -24,7 +19,7 @@ def test_bench_multimodel_json_and_table(tmp_path):
     common = [sys.executable, "-m", "dynabatch.cli", "bench", "multimodel", "--stages", "2", "--steps", "3",
               "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "256",
               "--data", *map(str, paths), "--timeout", "60"]
-    out = run_live(common + ["--k", "2", "--json", "--progress"], idle_s=120, env=BENCH_ENV)
+    out = run_live(common + ["--k", "2", "--json", "--progress"], idle_s=120, env=tiny_models_env())
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert "bench multimodel" not in out.stderr  # --json: no bar even with --progress
@@ -40,7 +35,7 @@ def test_bench_multimodel_json_and_table(tmp_path):
         assert len(row["single_s"]) == 2 and row["tokens"] > 0
 
     out = run_live(common + ["--k", "3", "--budget-shards", "1.2", "--no-interleave", "--progress"], idle_s=120,
-                   env=BENCH_ENV)
+                   env=tiny_models_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bench multimodel (K=(3,))" in out.stderr and "3/3" in out.stderr  # the bar of the steps trained
     table = out.stdout

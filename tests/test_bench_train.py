@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from liveness import run_live
+from liveness import run_live, tiny_models_env
 from prelaunch import Prelaunch, job
 
 from dynabatch import CostModel
@@ -20,10 +20,6 @@ from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
 
 LAUNCHES = Prelaunch(parallel=2)
-# the benches' ranks build tiny dynabatch models only: their fork server needs no transformers (the suite's
-# preload, conftest.py), which would cost each bench process's fork server seconds of CPU for nothing
-BENCH_ENV = {**os.environ, "DYNABATCH_LAUNCH_PRELOAD": ""}
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _launches(request, tmp_path_factory):
@@ -36,7 +32,7 @@ def _bench_json(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
          "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096", "--max-len", "512",
          "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
-         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120, env=BENCH_ENV)
+         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120, env=tiny_models_env())
 
 
 BENCH_WEIGHT = {"_bench_json": 11, "_bench_flush_free": 11}  # about their seconds (others: 8): the longest first
@@ -105,7 +101,7 @@ def _bench_adaptive(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--schedule",
          "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--progress",
-         "--out", str(tmp_path / "adaptive.json")], idle_s=120, env=BENCH_ENV)
+         "--out", str(tmp_path / "adaptive.json")], idle_s=120, env=tiny_models_env())
 
 
 @pytest.mark.slow
@@ -153,7 +149,8 @@ def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "100000",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--methods", "dp",
          "pack", "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=BENCH_ENV)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=tiny_models_env())
     try:
         # --out is rewritten after a round, once a second (partial, "running"): wait for two rounds, with a
         # liveness check of our own (the file must keep changing, the process must keep running)
@@ -255,7 +252,7 @@ def _bench_vlm(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
          "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
-         "--data", data, "--timeout", "90", "--json"], idle_s=150, env=BENCH_ENV), data
+         "--data", data, "--timeout", "90", "--json"], idle_s=150, env=tiny_models_env()), data
 
 
 @pytest.mark.slow
@@ -335,7 +332,7 @@ def _bench_recompute(tmp_path):
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
          "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"],
-        idle_s=180, env=BENCH_ENV)
+        idle_s=180, env=tiny_models_env())
 
 
 @LAUNCHES.plan(lambda tmp: [bench_job(_bench_recompute, tmp)])
@@ -367,7 +364,8 @@ def _bench_flush_free(tmp_path):
     return run_live(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "6",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free",
-         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180, env=BENCH_ENV)
+         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180,
+        env=tiny_models_env())
 
 
 @LAUNCHES.plan(lambda tmp: [bench_job(_bench_flush_free, tmp)])
