@@ -28,8 +28,8 @@ F = {name: k for k, name in enumerate(FEATURES)}
 
 
 def test_feature_names():
-    assert FEATURES == ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis")
-    assert NUM_FEATURES == 9
+    assert FEATURES == ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis", "q_pad")
+    assert NUM_FEATURES == 10
 
 
 def test_padded_vs_packed_features_two_samples():

@@ -12,8 +12,8 @@ from dynabatch.pipeline.measure.timing import StepTiming
 
 CFG = gpt_tiny(hidden=64, layers=2).config
 # truth differs from the analytic CPU prior by factors 0.4..5 per feature
-TRUE_A = np.array([3.0, 0.4, 1, 1, 1, 1, 1, 5.0, 1])
-TRUE_B = np.array([1.5, 1.5, 1, 1, 1, 1, 1, 1.5, 1])
+TRUE_A = np.array([3.0, 0.4, 1, 1, 1, 1, 1, 5.0, 1, 1])
+TRUE_B = np.array([1.5, 1.5, 1, 1, 1, 1, 1, 1.5, 1, 1])
 
 
 # A fixed device profile (the first, guessed cpu preset): the thresholds below were set for its prior,
@@ -199,7 +199,7 @@ def test_record_step_predictions_converge_to_measured_times():
     rng = np.random.default_rng(7)
     cm = CostModel(t5_tiny(hidden=64).config, device_preset("cpu"))
     plan_features_of.cost = cm
-    truth = cm.prior_time_coef * np.array([2.5, 0.5, 1.8, 1, 0.7, 1, 1, 4.0, 1])
+    truth = cm.prior_time_coef * np.array([2.5, 0.5, 1.8, 1, 0.7, 1, 1, 4.0, 1, 1])
     fb = FeedbackLoop(cm, refit_every=2)
     errors = []
     for k in range(12):

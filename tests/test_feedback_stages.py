@@ -212,7 +212,7 @@ def test_per_stage_feedback_on_a_real_uneven_two_stage_pipeline():
     assert np.all(np.isfinite(err))
     assert np.all(end < 0.7 * np.array(a["first_before"])), (a["first_before"], end)
     rows = np.array(a["rows"])
-    assert rows[1] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0] > 1.5 * rows[0] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert rows[1] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0, 0] > 1.5 * rows[0] @ np.r_[2048, 0, 0, 0, 0, 0, 0, 1, 0, 0]
 
 
 # ----------------------------------------------------------------------------- zeros of the stage layout

@@ -237,11 +237,12 @@ def test_inflight_matches_reference(S, M, seed):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 64), st.integers(0, 4096), st.integers(0, 512), st.integers(0, 6), st.sampled_from([0, 1025]))
-def test_padded_features_match_reference(rows, main_len, dec_len, tiles, tile_patches):
+@given(st.integers(0, 64), st.integers(0, 4096), st.integers(0, 512), st.integers(0, 6), st.sampled_from([0, 1025]),
+       st.booleans())
+def test_padded_features_match_reference(rows, main_len, dec_len, tiles, tile_patches, padding):
     out = np.full(NUM_FEATURES, np.nan)
-    padded_features(rows, main_len, dec_len, tiles, tile_patches, out)
-    assert out.tolist() == padded_features_reference(rows, main_len, dec_len, tiles, tile_patches)
+    padded_features(rows, main_len, dec_len, tiles, tile_patches, out, padding)
+    assert out.tolist() == padded_features_reference(rows, main_len, dec_len, tiles, tile_patches, padding)
 
 
 grid_st = st.lists(st.integers(0, 600), min_size=1, max_size=4, unique=True).map(sorted)

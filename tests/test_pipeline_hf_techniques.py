@@ -131,10 +131,10 @@ def test_cli_profile_of_a_hugging_face_folder_writes_packed_and_layer_costs(llam
     out = folder / "cli.json"
     assert main(["profile", "--model", f"hf:{folder / 'llama'}", "--out", str(out), "--rows", "1", "2", "--lengths",
                  "8", "--repeats", "1"]) == 0
-    assert "3 shapes (2 padded, 1 packed)" in capsys.readouterr().out
+    assert "5 shapes (2 padded, 1 packed, 2 padded with a padded row)" in capsys.readouterr().out
     assert CostModel.load(out).table.time_s.shape == (2, 1, 1)
     layers = load_layer_costs(out)
-    assert (layers.num_layers, layers.num_microbatches) == (5, 3)
+    assert (layers.num_layers, layers.num_microbatches) == (5, 5)
     assert (layers.memory_bytes > 0).all() and (layers.boundary_bytes > 0).all()
     CostModel.load(out).save(folder / "plain.json")
     with pytest.raises(ValueError, match="no per-layer costs"):
@@ -144,16 +144,20 @@ def test_cli_profile_of_a_hugging_face_folder_writes_packed_and_layer_costs(llam
 def test_profile_of_a_hugging_face_llama_prices_packed_from_packed_measurements(llama_profile):
     """The packed micro-batches measured have the shapes asked for (r samples in r x L tokens), and the file's
     packed prices come from them: their activation bytes (deterministic) are predicted closer than a fit
-    to the padded table alone predicts them; the padded table is the measured grid."""
+    to the padded table alone predicts them; the padded table is the measured grid. The grid's longer
+    half is measured again with a padded row (its mask's cost, ``q_pad``), not as packed."""
     from dynabatch import CostModel
     from dynabatch.pipeline.measure.profile import load_layer_costs
 
     path, prof, _ = llama_profile
     cost = CostModel.load(path)
-    packed = prof.extra
+    packed = [k for k in prof.extra if not prof.padding[k]]
     assert [prof.shapes[k].packed for k in packed] == [True, True]
     assert [sum(prof.lengths[k]) for k in packed] == [2 * 8, 2 * 16]
     assert all(len(prof.lengths[k]) == prof.shapes[k].rows for k in packed)
+    ragged = [k for k in prof.extra if prof.padding[k]]
+    assert [(prof.shapes[k].rows, prof.shapes[k].input_len, prof.shapes[k].packed) for k in ragged] == [
+        (1, 16, False), (2, 16, False)]
     assert np.array_equal(cost.table.time_s.ravel(), prof.time_s[:4])
     assert np.array_equal(prof.memory_bytes, load_layer_costs(path).memory_bytes.sum(axis=0))  # one stage: all layers
     table_only = CostModel.profiled(prof.table, cost.model, cost.device)
@@ -167,6 +171,13 @@ def test_profile_of_a_hugging_face_llama_prices_packed_from_packed_measurements(
 
     err = np.abs(packed_bytes(cost) / prof.memory_bytes[packed] - 1).max()
     assert err < np.abs(packed_bytes(table_only) / prof.memory_bytes[packed] - 1).max() and err < 0.25, err
+
+    def packed_seconds_error(cm):  # in sample: the file's packed seconds are a fit to these very measurements
+        lens = [np.array(prof.lengths[k]) for k in packed]
+        got = [float(cm.packed(x, 0 * x, 0 * x, 0 * x)[0][0]) for x in lens]
+        return float(np.sum((np.array(got) / prof.time_s[packed] - 1) ** 2))
+
+    assert packed_seconds_error(cost) < packed_seconds_error(table_only)
 
 
 def test_dataloader_and_planner_read_the_profile_file(llama_profile):

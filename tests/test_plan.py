@@ -19,7 +19,7 @@ from dynabatch.planfile import plan_to_arrow
 from dynabatch.core.kernels.dp import (INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel,
                                       dp_reference, segment_cost)
 from dynabatch.core.plan.baselines import BASELINE_COLLATION, BASELINE_KNOBS
-from dynabatch.core.cost.model import NUM_FEATURES, CostModel
+from dynabatch.core.cost.model import FEATURES, NUM_FEATURES, CostModel
 from dynabatch.core.plan.planner import METHODS, PlanningError, plan_microbatches
 
 DP_METHODS = ("dp", "dp_varlen")
@@ -41,6 +41,7 @@ def base_coefs():
         t[k] = vlm.time_coef[k]
     m[5] = vlm.mem_coef[5]
     m[7] = 1e6  # a fixed per-micro-batch workspace
+    t[FEATURES.index("q_pad")] = 0.5 * t[1]  # a padding mask's attention (analytic presets price it at 0)
     return t, m
 
 
@@ -61,7 +62,8 @@ def seg_features(main, dec, tiles, j, i, varlen, pad):
     L = -(-int(max(main[j:i])) // pad) * pad
     T = -(-int(max(dec[j:i])) // pad) * pad
     v = float(sum(int(x) for x in tiles[j:i])) * TILE_PATCHES
-    return np.array([r * L, r * L * L, r * T, r * T * T, r * T * L, v, v * TILE_PATCHES, 1.0, float(v > 0)])
+    q_pad = r * L * L if min(main[j:i]) < L else 0.0  # some row shorter than the padded length
+    return np.array([r * L, r * L * L, r * T, r * T * T, r * T * L, v, v * TILE_PATCHES, 1.0, float(v > 0), q_pad])
 
 
 def _dot(coef, phi):

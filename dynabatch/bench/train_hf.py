@@ -6,8 +6,9 @@
   the stages by the same partition search as the tiny models.
 * Costs (`profile_costs`): the model is profiled on this machine before the stages start
   (`dynabatch.pipeline.measure.profile.profile_cost_model`, what ``dynabatch profile --model hf:...``
-  writes: per-layer forward+backward seconds of a grid of padded shapes, the slowest of
-  ``num_stages`` balanced stages), or the cost-model file given with ``--cost-model`` (made by
+  writes: per-layer forward+backward seconds of a grid of padded shapes, its longer half again
+  with a padded row for the padding mask's cost ``q_pad``, the slowest of ``num_stages`` balanced
+  stages), or the cost-model file given with ``--cost-model`` (made by
   ``dynabatch profile --model hf:config.json``). Every method starts from it; ``dp``'s feedback then
   refits one coefficient row per stage (``FeedbackLoop(stage_reduce="per_stage")``), and the
   result carries the per-stage MAPE (`dynabatch.bench.train_vlm.vlm_stats`: each micro-batch's

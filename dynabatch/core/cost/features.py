@@ -10,13 +10,21 @@ from __future__ import annotations
 import numpy as np
 
 
+def main_padding(main_tokens, rows, main_len) -> np.ndarray:
+    """Whether each padded micro-batch holds padding on its main stack (``q_pad``): fewer real
+    main-stack tokens ``main_tokens`` than its ``rows`` x (rounded) ``main_len`` slots. No row holds
+    more than ``main_len``, so this is exactly "some row is shorter" (bool array)."""
+    return np.asarray(main_tokens, np.int64) < np.asarray(rows, np.int64) * np.asarray(main_len, np.int64)
+
+
 def microbatch_features(plan, cost, shapes=None) -> np.ndarray:
     """Features ``[M, NUM_FEATURES]`` of a plan's micro-batches (plan order) under ``cost``: from the
     plan's shape columns for padded collations; packed plans need the samples' ``shapes`` (any
     `Shapes` holding their sample ids)."""
     sizes = np.diff(plan.mb_offsets)
     if plan.collation != "packed":
-        return cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len, plan.mb_vision_tiles)
+        padding = main_padding(plan.mb_real_tokens - plan.mb_target_tokens, plan.mb_rows, plan.mb_input_len)
+        return cost.padded_features(plan.mb_rows, plan.mb_input_len, plan.mb_target_len, plan.mb_vision_tiles, padding)
     if shapes is None:
         raise ValueError(f"the features of a packed plan (step {plan.step}) need the samples' lengths: pass "
                          "shapes= (the global batch's Shapes)")

@@ -17,6 +17,11 @@ analytic model is exactly linear in them:
   micro-batches: the effective efficiency of a micro-batch of ``n`` tokens is
   ``eff_max * n / (n + n_half)`` with ``n_half = fixed / per-token time``.
 * ``has_vis``: the ViT's fixed cost, paid only by micro-batches that hold at least one tile.
+* ``q_pad``: ``rows * L**2`` of a padded micro-batch in which some row is shorter than ``L`` (0 for full
+  rows and packed micro-batches). Such a micro-batch needs a padding mask, and an attention kernel
+  given a mask cannot take its causal fast path: Hugging Face models call SDPA with ``is_causal``
+  and no ``[rows, 1, L, L]`` mask only when no row is padded. The analytic models price it at 0;
+  a profile measures it (`dynabatch.pipeline.profile_model`) and the feedback loop refits it.
 
 Three sources of truth sit behind this one interface: the analytic model built from a
 `ModelConfig` and a `DeviceProfile`; a `ProfiledTable` of measured padded shapes, interpolated
@@ -38,7 +43,7 @@ import numpy as np
 # The feature layout and the numba cost kernels live in `kernels.cost` (beside their plain-Python
 # references), the model/device descriptions and their presets in `presets`; their names are
 # re-exported so ``from dynabatch.core.cost.model import X`` keeps working for every X it offered.
-from ..kernels.cost import FEATURES, NUM_FEATURES
+from ..kernels.cost import FEATURES, NUM_FEATURES, Q_PAD
 from .profiled import ProfiledTable
 from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESETS, TINY_MODEL_PRESETS,  # noqa: F401
                       DeviceProfile, GiB, ModelConfig, device_preset, model_preset)
@@ -51,6 +56,12 @@ from .stages import LAYOUTS, StageCosts, StageLayout, stage_words  # noqa: F401
 # the coefficient buffer: time_coef, the version sequence counter, the per-stage block (`stages.stage_words`)
 _COEF_WORDS = NUM_FEATURES + 1 + stage_words(NUM_FEATURES)
 _BUFFER_VIEWS = ("_coef_raw", "_coef", "_coef_seq", "_stage_n", "_stage_buf")  # rebuilt by `_coef_store`
+
+
+def _features_of(coef) -> list:
+    """Coefficients read from a file: files written before ``q_pad`` existed hold one fewer, priced at 0."""
+    coef = list(coef)
+    return coef + [0.0] if len(coef) == NUM_FEATURES - 1 else coef
 
 
 class CostModel(StageCosts):
@@ -152,16 +163,19 @@ class CostModel(StageCosts):
         return main, dec, tiles
 
     # -- features ----------------------------------------------------------------------------
-    def padded_features(self, rows, main_len, dec_len, tiles) -> np.ndarray:
-        """Features [n, NUM_FEATURES] of padded micro-batches (lengths are rounded up to ``pad_multiple``)."""
-        rows, main_len, dec_len, tiles = (np.asarray(x, np.float64).ravel() for x in
-                                          np.broadcast_arrays(rows, main_len, dec_len, tiles))
+    def padded_features(self, rows, main_len, dec_len, tiles, padding=False) -> np.ndarray:
+        """Features [n, NUM_FEATURES] of padded micro-batches (lengths are rounded up to ``pad_multiple``);
+        ``padding`` (bool, per micro-batch): some row's main-stack sample is shorter than the
+        rounded length (``q_pad``; default: full rows)."""
+        rows, main_len, dec_len, tiles, padding = (np.asarray(x, np.float64).ravel() for x in
+                                                   np.broadcast_arrays(rows, main_len, dec_len, tiles, padding))
         p = self.pad_multiple
         L = np.ceil(main_len / p) * p if p > 1 else main_len
         T = np.ceil(dec_len / p) * p if p > 1 else dec_len
         v = tiles * self.model.tile_patches
         return np.stack([rows * L, rows * L * L, rows * T, rows * T * T, rows * T * L, v,
-                         v * self.model.tile_patches, (rows > 0).astype(float), (tiles > 0).astype(float)], axis=1)
+                         v * self.model.tile_patches, (rows > 0).astype(float), (tiles > 0).astype(float),
+                         np.where(padding > 0, rows * L * L, 0.0)], axis=1)
 
     def packed_features(self, main_len, dec_len, tiles, group) -> np.ndarray:
         """Features of packed (varlen) micro-batches: per-sample lengths summed by ``group`` id
@@ -188,14 +202,17 @@ class CostModel(StageCosts):
         """Peak activation bytes on one stage for feature rows ``phi``."""
         return np.atleast_2d(phi) @ self.mem_coef
 
-    def padded(self, rows, main_len, dec_len=0, tiles=0) -> tuple[np.ndarray, np.ndarray]:
-        """(seconds, bytes) of padded micro-batches; a `ProfiledTable`, when present, decides."""
+    def padded(self, rows, main_len, dec_len=0, tiles=0, padding=False) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, bytes) of padded micro-batches (``padding`` as in `padded_features`); a
+        `ProfiledTable`, when present, decides for full rows, and a padded one adds its ``q_pad`` cost."""
+        phi = self.padded_features(rows, main_len, dec_len, tiles, padding)
         if self.table is not None:
             p = self.pad_multiple
             L = np.ceil(np.asarray(main_len, np.float64) / p) * p
             T = np.ceil(np.asarray(dec_len, np.float64) / p) * p
-            return self.table.lookup(rows, L, T)
-        phi = self.padded_features(rows, main_len, dec_len, tiles)
+            t, m = self.table.lookup(rows, L, T)
+            q = self.time_coef[Q_PAD]
+            return (t + q * phi[:, Q_PAD].reshape(np.shape(t)) if q > 0 else t), m
         return self.time(phi), self.memory(phi)
 
     def packed(self, main_len, dec_len, tiles, group) -> tuple[np.ndarray, np.ndarray]:
@@ -427,12 +444,12 @@ class CostModel(StageCosts):
         if d.get("format") != "dynabatch.cost_model":
             raise ValueError("not a dynabatch cost model (missing format: dynabatch.cost_model)")
         table = ProfiledTable(**d["table"]) if d.get("table") else None
-        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=d["time_coef"],
-                   mem_coef=d["mem_coef"], table=table, pad_multiple=d["pad_multiple"],
+        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=_features_of(d["time_coef"]),
+                   mem_coef=_features_of(d["mem_coef"]), table=table, pad_multiple=d["pad_multiple"],
                    forgetting=d["forgetting"], prior_strength=d["prior_strength"]).set_layout(
                        StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
-            cm._stage_write(d["stage_time_coef"])
+            cm._stage_write([_features_of(row) for row in d["stage_time_coef"]])
         if d.get("stage_memory_model"):
             cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
         return cm

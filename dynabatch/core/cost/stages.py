@@ -49,7 +49,7 @@ LAYOUTS = ("uniform", "contiguous")
 #: Most stages per-stage coefficients can be kept for (the shared coefficient buffer is fixed-size).
 MAX_STAGE_ROWS = 128
 # feature columns (see `dynabatch.core.kernels.cost.FEATURES`) of each layer kind
-_MAIN, _DEC, _VIS = (0, 1), (2, 3, 4), (5, 6, 8)
+_MAIN, _DEC, _VIS = (0, 1, 9), (2, 3, 4), (5, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def representative_features(config: ModelConfig) -> np.ndarray:
     dec = 256 if config.kind == "encoder_decoder" else 0
     v = tiles * config.tile_patches
     phi[:] = [8 * main, 8 * main**2, 8 * dec, 8 * dec**2, 8 * dec * main, 8 * v, 8 * v * config.tile_patches, 1,
-              float(tiles > 0)]
+              float(tiles > 0), 0.0]  # packed: no padding
     return phi
 
 

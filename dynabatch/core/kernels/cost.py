@@ -24,8 +24,9 @@ import numpy as np
 from numba import njit
 
 #: Feature layout of ``phi``; `padded_features` and the DP write these slots by position.
-FEATURES = ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis")
+FEATURES = ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis", "q_pad")
 NUM_FEATURES = len(FEATURES)
+Q_PAD = FEATURES.index("q_pad")  # its slot, for the kernels that add a padded micro-batch's mask cost
 
 
 # --------------------------------------------------------------------------- features
@@ -40,10 +41,11 @@ def round_up(x: int, multiple: int) -> int:
 
 
 @njit(cache=True)
-def padded_features(rows, main_len, dec_len, tiles, tile_patches, out):
+def padded_features(rows, main_len, dec_len, tiles, tile_patches, out, padding=False):
     """Fill ``out`` (length NUM_FEATURES) with the features of a padded micro-batch of ``rows``
     rows padded to ``main_len``/``dec_len`` tokens, holding ``tiles`` vision tiles in total
-    (``tile_patches`` ViT tokens each)."""
+    (``tile_patches`` ViT tokens each); ``padding``: some row's main-stack sample is shorter than
+    ``main_len`` (its attention needs a padding mask)."""
     r = float(rows)
     L = float(main_len)
     T = float(dec_len)
@@ -57,9 +59,10 @@ def padded_features(rows, main_len, dec_len, tiles, tile_patches, out):
     out[6] = v * tile_patches
     out[7] = 1.0 if rows > 0 else 0.0
     out[8] = 1.0 if tiles > 0 else 0.0
+    out[9] = r * L * L if padding else 0.0
 
 
-def padded_features_reference(rows, main_len, dec_len, tiles, tile_patches):
+def padded_features_reference(rows, main_len, dec_len, tiles, tile_patches, padding=False):
     """Plain-Python `padded_features`: the feature list of a padded micro-batch, by name."""
     rows, length, target = float(rows), float(main_len), float(dec_len)
     vis_tokens = float(tiles) * tile_patches
@@ -73,6 +76,9 @@ def padded_features_reference(rows, main_len, dec_len, tiles, tile_patches):
         "q_vis": vis_tokens * tile_patches,  # ViT attention is quadratic per tile
         "one": 1.0 if rows > 0 else 0.0,
         "has_vis": 1.0 if tiles > 0 else 0.0,
+        # attention with a padding mask: Hugging Face models take their causal fast path (SDPA
+        # is_causal, no [rows, 1, L, L] mask) only when no row is padded
+        "q_pad": rows * length * length if padding else 0.0,
     }
     return [named[name] for name in FEATURES]
 

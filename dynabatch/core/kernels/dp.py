@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from .caps import _pick_caps_between, pick_caps_reference
-from .cost import NUM_FEATURES, padded_features, profiled_lookup, round_up
+from .cost import NUM_FEATURES, Q_PAD, padded_features, profiled_lookup, round_up
 from .objective import objective_kernel, objective_reference
 
 INFEASIBLE_SAMPLE = -1
@@ -122,6 +122,7 @@ def enumerate_segments(main, dec, tiles, cost):
     for i in range(1, n + 1):
         offset[i] = used
         L = 0
+        low = main[i - 1]  # the segment's shortest main length: padded rows need a mask (q_pad)
         T = 0
         v = 0
         s0 = 0.0
@@ -156,15 +157,18 @@ def enumerate_segments(main, dec, tiles, cost):
                 m = _dot_nz(mcoef, mnz, phi)
             else:
                 L = max(L, main[j])
+                low = min(low, main[j])
                 T = max(T, dec[j])
                 v += tiles[j]
                 Lp = round_up(L, pad_multiple)
                 Tp = round_up(T, pad_multiple)
-                if use_table:
+                if use_table:  # the table holds full rows; a padded segment adds its mask's cost
                     t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, Lp, Tp, extrapolate)
                     m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, Lp, Tp, extrapolate)
+                    if low < Lp and tcoef[Q_PAD] > 0:
+                        t += tcoef[Q_PAD] * (float(i - j) * Lp * Lp)
                 else:
-                    padded_features(i - j, Lp, Tp, v, tile_patches, phi)
+                    padded_features(i - j, Lp, Tp, v, tile_patches, phi, low < Lp)
                     t = _dot_nz(tcoef, tnz, phi)
                     m = _dot_nz(mcoef, mnz, phi)
             if m > mem_limit or not np.isfinite(t):
@@ -419,7 +423,9 @@ def dp_reference(main, dec, tiles, cost: SegmentCost, search: DPSearch):
             r = i - j
             L, T = up(max(main[j:i])), up(max(dec[j:i]))
             v = float(sum(tiles[j:i])) * tile_patches
-            phi = [r * L, r * L * L, r * T, r * T * T, r * T * L, v, v * tile_patches, 1.0, 1.0 if v > 0 else 0.0]
+            q_pad = r * L * L if min(main[j:i]) < L else 0.0
+            phi = [r * L, r * L * L, r * T, r * T * T, r * T * L, v, v * tile_patches, 1.0, 1.0 if v > 0 else 0.0,
+                   q_pad]
         return sum(c * p for c, p in zip(tcoef, phi)), sum(c * p for c, p in zip(mcoef, phi))
 
     seg = {}  # (j, i) -> time, for feasible segments (contiguous starts per end, as in the kernel)

@@ -24,6 +24,7 @@ from numba import njit
 
 from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
 from ..batchplan import BatchPlan
+from ..cost.features import main_padding
 from ..cost.model import CostModel
 from ..options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
 from ..schedule.orders import record_orders
@@ -376,8 +377,9 @@ def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method
         p = cost.pad_multiple
         L = -(-L // p) * p
         T = -(-T // p) * p
-        phi = cost.padded_features(rows, L, T, n_tiles)
-        time_s, mem = cost.padded(rows, L, T, n_tiles)
+        padding = main_padding(real - target, rows, L)
+        phi = cost.padded_features(rows, L, T, n_tiles, padding)
+        time_s, mem = cost.padded(rows, L, T, n_tiles, padding)
         computed = rows * (L + T)
     stage_t = stage_m = None
     if cost.stage_aware:  # per-stage path: a micro-batch's time is its slowest stage's, memory its largest

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ...core.cost.model import CostModel, DeviceProfile, ProfiledTable, device_preset
+from ...core.kernels.cost import Q_PAD
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -63,7 +64,9 @@ class Profile:
     and the ones with image tiles (vision-language models); ``lengths``: each packed one's sample
     lengths (None for padded); ``decoder_lengths``: their target lengths (encoder-decoder; else None);
     ``time_s``/``memory_bytes`` [len(shapes)]: slowest stage's seconds, largest stage's bytes;
-    ``layer_costs``: every layer on every measured micro-batch (what `balanced_partition` takes).
+    ``layer_costs``: every layer on every measured micro-batch (what `balanced_partition` takes);
+    ``padding``: for each shape, whether it was measured with a padded row (a decoder-only model's
+    padded shapes repeated with row 0 one token short: the mask cost, ``q_pad``).
     """
 
     table: ProfiledTable
@@ -74,10 +77,12 @@ class Profile:
     time_s: np.ndarray
     memory_bytes: np.ndarray
     layer_costs: object  # dynabatch.pipeline.LayerCosts (torch-side, imported lazily)
+    padding: tuple = ()  # per shape: a padded one measured with a padded row (``q_pad``); () for none
 
     @property
     def extra(self) -> np.ndarray:
-        """Indices of the measured micro-batches outside the padded grid (packed, with image tiles)."""
+        """Indices of the measured micro-batches outside the padded grid (packed, with image tiles, padded
+        with a padded row)."""
         return np.arange(self.table.time_s.size, len(self.shapes))
 
 
@@ -100,6 +105,29 @@ def _extra_shapes(model, rows, lengths, tgrid, packed: bool, tiles) -> list:
     if not out:
         raise ValueError(f"{model.name}: no length of {tuple(lengths)} holds {min(tiles)} image tile(s) of "
                          f"{per_tile} tokens; profile longer lengths (--lengths) or fewer tiles (--tiles)")
+    return out
+
+
+def _ragged_shapes(model, rows, lengths, ragged: bool) -> list:
+    """The padded shapes a decoder-only model is measured on again with padding (``ragged``): every row
+    count at the longer half of ``lengths``, where a padding mask costs most."""
+    from ..models.spec import MicroBatchShape
+
+    if not ragged or model.kind != "decoder":
+        return []
+    return [MicroBatchShape("padded", r, L) for r in rows for L in lengths[len(lengths) // 2:]]
+
+
+def _with_padding(batch: dict) -> dict:
+    """``batch`` (a padded one from ``random_batch``) with its first row one token short: at least one
+    padded row, so the model attends with a padding mask."""
+    from ..models.tiny import IGNORE_INDEX
+
+    mask = batch["attention_mask"].clone()
+    mask[0, -1] = 0
+    out = dict(batch, attention_mask=mask, input_ids=batch["input_ids"] * mask)
+    if "labels" in batch:
+        out["labels"] = batch["labels"].masked_fill(mask == 0, IGNORE_INDEX)
     return out
 
 
@@ -127,14 +155,15 @@ def _measure(model, batches, repeats: int, warmup: int, device, seed: int, progr
 
 def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, packed: bool = True,
                   tiles=DEFAULT_TILES, num_stages: int = 1, repeats: int = 3, warmup: int = 1, device="cpu", seed: int = 0,
-                  progress=None) -> Profile:
+                  progress=None, ragged: bool = True) -> Profile:
     """Measure ``model`` (a `dynabatch.pipeline.LayeredModel`) layer by layer on this device: a `Profile`.
 
     ``rows``, ``lengths`` (main-stack tokens) and ``target_lengths`` (decoder tokens; encoder-decoder
     models only, default (8, 16, 32)) are strictly increasing grids of padded micro-batches (full rows:
     every grid point computes exactly rows x length tokens). With ``packed`` a decoder-only or
     encoder-decoder model is also measured on packed micro-batches (varlen), and a vision-language model on micro-batches with ``tiles``
-    image tiles (none: ``tiles=()``).
+    image tiles (none: ``tiles=()``). With ``ragged`` a decoder-only model is also measured on padded
+    micro-batches that hold padding (`_ragged_shapes`): the cost of its padding mask (``q_pad``).
     With ``num_stages > 1`` the layers are split by `balanced_partition` over everything measured.
     ``progress(done, total)`` is called per round.
     """
@@ -153,10 +182,15 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     gen = torch.Generator().manual_seed(seed)
     shapes = [MicroBatchShape("padded", r, L, T) for r in rows for L in lengths for T in tgrid]
     shapes += _extra_shapes(model, rows, lengths, tgrid, packed, tiles)
+    plain = len(shapes)
+    shapes += _ragged_shapes(model, rows, lengths, ragged)
+    padding = tuple(k >= plain for k in range(len(shapes)))
     batches, sample_lengths, decoder_lengths = [], [], []
-    for shape in shapes:
+    for shape, pad in zip(shapes, padding):
         batch = model.random_batch(shape, gen)
-        if not shape.packed and not shape.tiles:
+        if pad:
+            batch = _with_padding(batch)
+        elif not shape.packed and not shape.tiles:
             batch.pop("attention_mask", None)  # full rows: every grid point computes exactly r x L tokens
             batch.pop("decoder_attention_mask", None)
         batches.append(batch)
@@ -174,7 +208,7 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     table = ProfiledTable(np.asarray(rows), np.asarray(lengths), np.asarray(tgrid), t[:g].reshape(grid),
                           m[:g].reshape(grid))
     return Profile(table, tuple(int(x) for x in bounds), tuple(shapes), tuple(sample_lengths), tuple(decoder_lengths),
-                   t, m, costs)
+                   t, m, costs, padding)
 
 
 def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
@@ -184,7 +218,7 @@ def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     (seconds, bytes) and the stage bounds used (``(0, n_layers)`` for one stage)."""
     prof = profile_model(model, rows=rows, lengths=lengths, target_lengths=target_lengths, packed=False, tiles=(),
                          num_stages=num_stages, repeats=repeats, warmup=warmup, device=device, seed=seed,
-                         progress=progress)
+                         progress=progress, ragged=False)
     return prof.table, prof.bounds
 
 
@@ -198,7 +232,8 @@ def _features(cost: CostModel, prof: Profile, idx) -> np.ndarray:
             rows.append(cost.packed_features(np.asarray(lens), z if dec is None else np.asarray(dec), z,
                                              z.astype(np.int64))[0])
         else:
-            rows.append(cost.padded_features(shape.rows, shape.input_len, shape.target_len, shape.tiles)[0])
+            pad = bool(prof.padding[k]) if prof.padding else False
+            rows.append(cost.padded_features(shape.rows, shape.input_len, shape.target_len, shape.tiles, pad)[0])
     return np.array(rows)
 
 
@@ -219,11 +254,30 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
         cm, idx = CostModel(cfg, dev, pad_multiple=pad_multiple), np.arange(len(prof.shapes))
     else:
         cm, idx = CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple), prof.extra
+    ragged = np.flatnonzero(np.asarray(prof.padding, bool)) if prof.padding else np.zeros(0, np.int64)
+    idx = np.setdiff1d(idx, ragged)
     if len(idx):
         phi, w = _features(cm, prof, idx), np.ones(len(idx))
         cm.time_coef = fit_relative(phi, prof.time_s[idx], w, cm.time_coef, 1e-6)
         cm.mem_coef = fit_relative(phi, prof.memory_bytes[idx], w, cm.mem_coef, 1e-6)
+    if len(ragged) and cm.table is not None:
+        cm.time_coef = _with_mask_cost(cm, prof, ragged)
     return cm
+
+
+def _with_mask_cost(cm: CostModel, prof: Profile, ragged: np.ndarray) -> np.ndarray:
+    """``cm.time_coef`` with ``q_pad`` fitted to the padded shapes measured with a padded row (`_ragged_shapes`):
+    each is a grid point of the table measured again, so what it costs beyond the table's full rows is its
+    padding mask. Relative least squares (as every fit here) of that surplus on ``rows x L**2``, never below 0."""
+    shapes = [prof.shapes[k] for k in ragged]
+    rows = np.array([s.rows for s in shapes])
+    length = np.array([s.input_len for s in shapes])
+    full = cm.table.lookup(rows, length, np.zeros(len(shapes), np.int64))[0]
+    y = prof.time_s[ragged]
+    q = rows * length.astype(np.float64) ** 2 / y  # relative units: each shape's error in percent
+    coef = cm.time_coef.copy()
+    coef[Q_PAD] = max(float(q @ ((y - full) / y) / (q @ q)), 0.0)
+    return coef
 
 
 def profile_cost_model(model, *, num_stages: int = 1, device="cpu", device_profile: DeviceProfile | str | None = None,
@@ -271,8 +325,9 @@ def add_profile_command(sub) -> None:
     p = sub.add_parser("profile", help="time micro-batch shapes of a model and save a cost model",
                        description="Time forward+backward of every layer of a tiny or Hugging Face model on this "
                                    "machine over a grid of padded micro-batch shapes (rows x length [x target "
-                                   "length]), packed ones (text models: decoder-only and encoder-decoder) and ones with image tiles "
-                                   "(vision-language models); save the profiled cost model (load it with "
+                                   "length]), packed ones (text models: decoder-only and encoder-decoder), ones with image tiles "
+                                   "(vision-language models) and, for a decoder-only model, the longer half of the grid "
+                                   "again with a padded row (what its padding mask costs, q_pad); save the profiled cost model (load it with "
                                    "CostModel.load, for the DataLoader and the planner) with the per-layer costs "
                                    "(load_layer_costs, for the partition search) as JSON.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -357,9 +412,11 @@ def _cmd_profile(args) -> int:
     cost = fitted_cost_model(prof, model, device=args.device)
     save_profile(args.out, cost, prof.layer_costs)
     t = prof.table
-    extra = len(prof.extra)
+    ragged = sum(prof.padding)
+    extra = len(prof.extra) - ragged
     print(f"{args.model} on {args.device}: {len(prof.shapes)} shapes ({t.time_s.size} padded"
           + (f", {extra} {'with image tiles' if model.kind == 'vision_language' else 'packed'}" if extra else "")
+          + (f", {ragged} padded with a padded row" if ragged else "")
           + f") in {time.perf_counter() - t0:.1f} s, written to {args.out}")
     print("ms per micro-batch (fwd+bwd), rows x length" + (" (first target length)" if len(t.dec_len) > 1 else "") + ":")
     print("rows\\len " + " ".join(f"{int(x):>8d}" for x in t.main_len))
