@@ -243,8 +243,10 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
     looked up in ``prof.table`` (`CostModel.profiled`), packed ones priced by coefficients fitted to the
     measured packed micro-batches (the table's fit when none were measured). A vision-language model's
     table cannot hold image tiles, so its coefficients are fitted to every measured micro-batch, with
-    and without tiles, and it keeps no table. The model config is one stage's share of the layers
-    (`stage_cost_model`); the device profile (the analytic prior) defaults to the preset closest to ``device``."""
+    and without tiles, and it keeps no table. A padded micro-batch with a padded row adds ``q_pad``'s
+    coefficient, fitted to the grid points measured again with one (`_with_mask_cost`). The model config is one
+    stage's share of the layers (`stage_cost_model`); the device profile (the analytic prior) defaults to the
+    preset closest to ``device``."""
     from ...core.cost.fit import fit_relative
     from .microbatches import stage_cost_model
 
