@@ -100,3 +100,36 @@ def test_cost_files_written_before_q_pad_load_with_it_at_zero(tmp_path):
     path.write_text(json.dumps(doc))
     old = CostModel.load(path)
     assert old.time_coef[Q] == 0.0 and np.array_equal(old.time_coef[:Q], cost.time_coef[:Q])
+
+
+def test_the_dps_table_path_prices_every_segment_as_the_cost_model_does():
+    """`enumerate_segments` on a profiled table with a q_pad coefficient: every candidate segment's seconds
+    equal `CostModel.padded` of its rows, rounded longest length and padding (its shortest sample shorter)."""
+    from dynabatch.core.kernels.dp import enumerate_segments, segment_cost
+
+    table = ProfiledTable(np.array([1, 2, 4]), np.array([8, 32, 64]), np.array([0]),
+                          np.array([[1.0, 2.0, 4.0], [1.5, 3.5, 8.0], [2.5, 7.0, 15.0]])[:, :, None] * 1e-3,
+                          np.full((3, 3, 1), 1e6))
+    preset = CostModel.preset("gpt")
+    cost = CostModel.profiled(table, preset.model, preset.device)
+    coef = cost.time_coef.copy()
+    coef[Q] = 2e-7
+    cost.time_coef = coef
+    main = np.array([8, 16, 16, 20, 24, 24, 40, 64], np.int64)  # sorted, as the planner passes them
+    zeros = np.zeros(len(main), np.int64)
+    seg = segment_cost(False, cost.pad_multiple, cost.model.tile_patches, cost.time_coef, cost.mem_coef, np.inf, table)
+    offset, count, seg_time, bad = enumerate_segments(main, zeros, zeros, seg)
+    assert bad == -1
+    padded_seen = full_seen = 0
+    for i in range(1, len(main) + 1):
+        for k in range(count[i]):
+            j = i - 1 - k
+            rows, top = i - j, -(-int(main[j:i].max()) // 8) * 8
+            padding = bool(main[j:i].min() < top)
+            if rows > 4:
+                continue  # beyond the grid: extrapolated, checked elsewhere
+            want = float(np.ravel(cost.padded(rows, top, 0, 0, padding)[0])[0])
+            assert seg_time[offset[i] + k] == pytest.approx(want, rel=1e-12), (j, i)
+            padded_seen += padding
+            full_seen += not padding
+    assert padded_seen and full_seen
