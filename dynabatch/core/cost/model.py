@@ -58,7 +58,7 @@ _COEF_WORDS = NUM_FEATURES + 1 + stage_words(NUM_FEATURES)
 _BUFFER_VIEWS = ("_coef_raw", "_coef", "_coef_seq", "_stage_n", "_stage_buf")  # rebuilt by `_coef_store`
 
 
-def _features_of(coef) -> list:
+def _coefficients_of(coef) -> list:
     """Coefficients read from a file: files written before ``q_pad`` existed hold one fewer, priced at 0."""
     coef = list(coef)
     return coef + [0.0] if len(coef) == NUM_FEATURES - 1 else coef
@@ -444,12 +444,12 @@ class CostModel(StageCosts):
         if d.get("format") != "dynabatch.cost_model":
             raise ValueError("not a dynabatch cost model (missing format: dynabatch.cost_model)")
         table = ProfiledTable(**d["table"]) if d.get("table") else None
-        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=_features_of(d["time_coef"]),
-                   mem_coef=_features_of(d["mem_coef"]), table=table, pad_multiple=d["pad_multiple"],
+        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=_coefficients_of(d["time_coef"]),
+                   mem_coef=_coefficients_of(d["mem_coef"]), table=table, pad_multiple=d["pad_multiple"],
                    forgetting=d["forgetting"], prior_strength=d["prior_strength"]).set_layout(
                        StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
-            cm._stage_write([_features_of(row) for row in d["stage_time_coef"]])
+            cm._stage_write([_coefficients_of(row) for row in d["stage_time_coef"]])
         if d.get("stage_memory_model"):
             cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
         return cm

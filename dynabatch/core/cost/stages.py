@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.cost import Q_PAD
 from .analytic import analytic_coefficients
 from .presets import ModelConfig
 
@@ -49,7 +50,7 @@ LAYOUTS = ("uniform", "contiguous")
 #: Most stages per-stage coefficients can be kept for (the shared coefficient buffer is fixed-size).
 MAX_STAGE_ROWS = 128
 # feature columns (see `dynabatch.core.kernels.cost.FEATURES`) of each layer kind
-_MAIN, _DEC, _VIS = (0, 1, 9), (2, 3, 4), (5, 6, 8)
+_MAIN, _DEC, _VIS = (0, 1, Q_PAD), (2, 3, 4), (5, 6, 8)
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,9 @@ def enumerate_segments(main, dec, tiles, cost):
                 if use_table:  # the table holds full rows; a padded segment adds its mask's cost
                     t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, Lp, Tp, extrapolate)
                     m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, Lp, Tp, extrapolate)
-                    if low < Lp and tcoef[Q_PAD] > 0:
-                        t += tcoef[Q_PAD] * (float(i - j) * Lp * Lp)
+                    if low < Lp and tcoef[Q_PAD] > 0:  # q_pad as `padded_features` defines it
+                        padded_features(i - j, Lp, Tp, v, tile_patches, phi, True)
+                        t += tcoef[Q_PAD] * phi[Q_PAD]
                 else:
                     padded_features(i - j, Lp, Tp, v, tile_patches, phi, low < Lp)
                     t = _dot_nz(tcoef, tnz, phi)
