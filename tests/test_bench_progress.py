@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dynabatch.bench import load_common
-from dynabatch.bench.progress import rank_tick, show_progress, watch_ticks
+from dynabatch.bench.progress import rank_note, rank_tick, show_progress, watch_ticks
 from dynabatch.cli import main
 from dynabatch.pipeline import launch_local
 
@@ -39,7 +39,9 @@ def test_show_progress(monkeypatch, json_out, flag, tty, shown):
 
 
 def ticking(rank, world, port, n):
-    """A rank that does ``n`` units (rank 0 ticks each)."""
+    """A rank that does ``n`` units (rank 0 ticks each), after a set-up it says it is in (rank 0's note)."""
+    if rank == 0:
+        rank_note("set up  the\nmethod")  # one line, whitespace folded
     for _ in range(n):
         if rank == 0:
             rank_tick()
@@ -54,8 +56,8 @@ def test_rank_ticks_move_the_launchers_bar(tmp_path, capsys, show):
     assert [r.result for r in res] == [7, 7], res[0].stderr[-2000:]
     err = capsys.readouterr().err
     if show:
-        assert "ticks test" in err and "7/7" in err
-        assert open(path).read() == "\n" * 7  # rank 0's ticks only
+        assert "ticks test" in err and "7/7" in err and "set up the method" in err  # the note beside the bar
+        assert open(path).read() == "set up the method\n" + "\n" * 7  # rank 0's note and ticks only
     else:
         assert err == "" and not (tmp_path / "progress").exists()  # the ranks wrote nothing
 

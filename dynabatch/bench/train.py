@@ -47,7 +47,7 @@ import numpy as np
 
 from ..core.options import PlanOptions
 from .payload import config_from_payload, config_payload
-from .progress import rank_tick, watch_ticks
+from .progress import rank_note, rank_tick, watch_ticks
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
                            _write_json, add_bench_train_command, assemble_result, format_table, timer_noise)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
@@ -351,14 +351,17 @@ def train_methods(ctx, cfg: TrainBenchConfig, *, log=None, on_round=None) -> dic
     from ..pipeline.runtime.launch import heartbeat
 
     runs = {}
-    for m in cfg.methods:
+    note = rank_note if ctx.rank == 0 else (lambda text: None)  # beside the launcher's bar (bench.progress)
+    for i, m in enumerate(cfg.methods):
         heartbeat()
+        note(f"set up {m} ({i + 1}/{len(cfg.methods)})")
         runs[m] = MethodRun(ctx, cfg, m)
     names = list(runs)
     for k in range(cfg.steps):
         order = names[k % len(names):] + names[:k % len(names)]
         for m in order:
             if not runs[m].done:
+                note(f"step {k + 1}: {m}")
                 row = runs[m].step(k)
                 heartbeat()
                 if row is not None and log is not None:

@@ -440,8 +440,8 @@ def _cmd_plan(args) -> int:
     print(f"predicted iteration time mean {it.mean() * 1e3:.1f} ms, max {it.max() * 1e3:.1f} ms; padding efficiency "
           f"{summary['padding_efficiency']:.3f}; max/mean rank {summary['rank_imbalance_mean']:.3f}")
     if differ:
-        print("defaults of dynabatch plan that differ from the DataLoader's (give both the same value for the same "
-              "plan): " + "; ".join(f"{k}={v}" for k, v in differ.items()))
+        print("values of this plan that differ from the DataLoader's defaults (give the DataLoader the same ones "
+              "for the same plan): " + "; ".join(f"{k}={v}" for k, v in differ.items()))
     if recompute:
         lim = recompute.get("device_memory_limit")
         print(f"recompute {recompute['policy']}: mean layers recomputed per stage "
@@ -456,9 +456,10 @@ def _cmd_plan(args) -> int:
 
 
 def loader_default_differences(args) -> dict[str, str]:
-    """The options ``dynabatch plan`` took at its own defaults where the DataLoader's differ
-    (name -> ``"<this command's value> (DataLoader: <its default>)"``): an offline plan is made for
-    the training cluster, the loader defaults to this machine and its own world size. Every other
+    """The options whose value in this plan is ``dynabatch plan``'s own default where the DataLoader's
+    default differs (name -> ``"<this command's value> (DataLoader: <its default>)"``), stated or not:
+    either way the DataLoader must be given that value to form the same plan. An offline plan is made
+    for the training cluster; the loader defaults to this machine and its own world size. Every other
     planning option defaults to `PlanOptions`' value in both."""
     from ..core.options import PlanOptions
 
