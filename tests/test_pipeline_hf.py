@@ -79,8 +79,10 @@ def test_packed_rows_do_not_attend_across_samples(family):
 
 
 def test_t5_equals_hugging_face_and_sends_no_bias():
-    """T5 (eager and SDPA): loss and gradients equal the model's own; each block computes the relative bias
-    from its table, so the boundary is the hidden states and [R, L]/[R, T] masks, as measured."""
+    """T5 (eager and SDPA): loss and gradients equal the model's own; a stack's first block on a stage
+    computes the relative bias from the stage's table and the stage's later blocks reuse it from the state,
+    but what a stage ending at any layer sends (`stage_output`) is the hidden states and [R, L]/[R, T]
+    masks, as measured."""
     for impl in ("eager", "sdpa"):
         cfg = t5_config()
         cfg._attn_implementation = impl
@@ -96,9 +98,13 @@ def test_t5_equals_hugging_face_and_sends_no_bias():
     state = model.layers[0](batch)
     for i, layer in enumerate(model.layers[1:-1], start=1):
         state = layer(state)
+        block = "Block" in type(layer).__name__  # a block leaves its stack's bias in the state, for this stage
+        n = 24 if i > 3 else 40  # decoder blocks follow the encoder end (layer 3)
+        assert [list(t.shape) for t in state[4:]] == ([[1, 4, n, n]] if block else [])
+        out = layer.stage_output(state)
         specs = model.boundary(shape, i)
-        assert all(s.matches(t) for s, t in zip(specs, state)) and len(specs) == len(state)
-        sent = sum(t.numel() * t.element_size() for t in state)
+        assert all(s.matches(t) for s, t in zip(specs, out)) and len(specs) == len(out)
+        sent = sum(t.numel() * t.element_size() for t in out)
         assert sent == sum(s.nbytes for s in specs) == 3 * (40 + 24) * (16 * 8 + 8)
 
 

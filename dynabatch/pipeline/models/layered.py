@@ -5,6 +5,8 @@ idle leading layers, parameters shared between layers).
 Layer contract: ``layers[0](batch) -> state`` (the embedding reads the micro-batch dictionary),
 ``layers[i](state) -> state`` for the middle layers, ``layers[-1](state, batch) -> (loss_sum,
 num_tokens)`` (the head returns the **sum** of token losses; the runner normalizes over the step).
+A layer whose state carries values only its stage's later layers use (T5's relative bias) has a
+``stage_output(state) -> state`` method giving what a stage ending with it sends (`PipelineStage`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class LayeredModel:
         state = self.layers[0](batch)
         for m in self.layers[1:layer]:
             state = m(state)
-        return state
+        local = getattr(self.layers[layer - 1], "stage_output", None)  # as a stage ending there sends it
+        return local(state) if local is not None else state
 
     def tied_parameters(self) -> dict[str, list[tuple[int, str]]]:
         """Parameters shared between layers (tied embeddings, a shared bias table): tie name -> the

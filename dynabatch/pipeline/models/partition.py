@@ -239,7 +239,9 @@ class PipelineStage(nn.Module):
 
     The first stage feeds the micro-batch dictionary to the model's embedding; the last stage calls
     the head with ``(state, batch)`` and returns ``(loss_sum, num_tokens)``; the others map state to
-    state. A one-tensor state may be passed bare.
+    state. A one-tensor state may be passed bare. A layer may carry values in the state that only
+    the stage's later layers use (T5's relative bias, computed once per stage): when the stage's last
+    layer has a ``stage_output(state)`` method, the stage returns (sends) what it gives.
 
     ``recompute``: the first ``recompute`` of the stage's `recomputable_layers` (its layers less the
     embedding and the head) run under ``torch.utils.checkpoint`` (non-reentrant): they keep only their
@@ -277,7 +279,10 @@ class PipelineStage(nn.Module):
         head = layers.pop() if self.is_last else None
         for i, layer in enumerate(layers):
             x = self._checkpointed(layer, x) if i < self.recompute else layer(x)
-        return head(x, batch) if head is not None else x
+        if head is not None:
+            return head(x, batch)
+        local = getattr(self.layers[-1], "stage_output", None)
+        return local(x) if local is not None else x
 
     def _checkpointed(self, layer: nn.Module, x):
         from torch.utils.checkpoint import checkpoint

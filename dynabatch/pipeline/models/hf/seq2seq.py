@@ -7,10 +7,15 @@ decoder hidden [R, T, H], attention_mask [R, L] int64, decoder_attention_mask [R
 embedding layer embeds both sides (the decoder ids are needed only there), the encoder end applies
 the encoder's final norm, so every decoder block attends to the finished encoder output.
 
-T5 computes its relative position bias ``[1, heads, L, L]`` once, in block 0, and hands it to the
-other blocks. Here every block computes it from the bias table (a `tied_parameters` entry: each
-stage holds a copy of it), so only the hidden states and the two [R, L]/[R, T] masks cross a
-stage boundary: nothing quadratic in the length.
+T5 computes each stack's relative position bias ``[1, heads, L, L]`` once, in block 0, and hands it to
+the other blocks. Here a stack's first block *on each stage* computes it from the bias table (a
+`tied_parameters` entry: each stage holds a copy of it) and appends it to the state, the stage's later
+blocks of that stack reuse it (the encoder end drops the encoder's), and the stage's last layer drops
+it from what the stage sends (`stage_output`, called by `PipelineStage`): only the hidden states and
+the two [R, L]/[R, T] masks cross a stage boundary, nothing quadratic in the length. A stack held by
+one stage thus computes its bias once and sums its blocks' bias gradients in bias space before one
+table backward, as Hugging Face does (bit for bit); a stack cut between stages sums the stages' table
+gradients instead (the same sum in another order).
 
 Packed micro-batches (``collate='packed'``, on any number of stages): the state is ``(encoder hidden [1, N, H],
 decoder hidden [1, Nt, H], cu_seqlens [n + 1], decoder_cu_seqlens [n + 1])`` and every layer adds a
@@ -131,7 +136,27 @@ def relative_bias(table: nn.Embedding, attention: nn.Module, q_len: int, k_len: 
     return table(buckets).permute([2, 0, 1]).unsqueeze(0)
 
 
-class T5Embedding(HFLayer):
+BOUNDARY = 4  # the state a stage sends: (enc, dec, mask, dmask) or (enc, dec, cu, dcu); a 5th entry is the bias
+
+
+class T5Layer(HFLayer):
+    """A T5 adapter layer: its state may carry the current stack's relative bias (module doc)."""
+
+    @staticmethod
+    def stage_output(state: tuple) -> tuple:
+        """What a stage ending with this layer sends: the state without the bias, which stays on the stage."""
+        return state[:BOUNDARY]
+
+
+def stage_bias(layer: nn.Module, state: tuple, h: torch.Tensor) -> torch.Tensor:
+    """The stack's relative bias for ``layer``'s block: the one an earlier block of this stage put in the
+    state, or computed here from the stage's copy of the table (the stack's first block on this stage)."""
+    if len(state) > BOUNDARY:
+        return state[BOUNDARY]
+    return relative_bias(layer.bias, layer.attention[0], h.shape[1], h.shape[1])
+
+
+class T5Embedding(T5Layer):
     """Layer 0: ``shared`` embedding of ``input_ids`` and ``decoder_input_ids``, each stack's dropout."""
 
     def __init__(self, model: nn.Module, name: str):
@@ -157,8 +182,8 @@ class T5Embedding(HFLayer):
         return self.enc_drop(self.embed(ids)), self.dec_drop(self.embed(dec)), mask, dmask
 
 
-class T5EncoderBlock(HFLayer):
-    """One encoder ``T5Block`` with the bidirectional mask and the relative bias computed here."""
+class T5EncoderBlock(T5Layer):
+    """One encoder ``T5Block`` with the bidirectional mask and the stage's encoder bias (`stage_bias`)."""
 
     def __init__(self, block: nn.Module, first: nn.Module, config):
         super().__init__({"block": block, "bias": first.relative_attention_bias})
@@ -171,22 +196,22 @@ class T5EncoderBlock(HFLayer):
         # do not depend on where the sample starts), across samples the mask hides it. T5's attention adds
         # the [1, heads, N, N] bias to its scores (eager only), so the row's mask costs no more than the bias
         attn = state_masks(self.config, enc, state)
-        bias = relative_bias(self.bias, self.attention[0], enc.shape[1], enc.shape[1])
-        return (self.block(enc, attn, bias)[0], *state[1:])
+        bias = stage_bias(self, state, enc)
+        return (self.block(enc, attn, bias)[0], *state[1:BOUNDARY], bias)
 
 
-class T5EncoderEnd(HFLayer):
-    """The encoder's final norm and dropout on the encoder hidden states."""
+class T5EncoderEnd(T5Layer):
+    """The encoder's final norm and dropout on the encoder hidden states (the encoder's bias dropped)."""
 
     def __init__(self, stack: nn.Module):
         super().__init__({"norm": stack.final_layer_norm, "drop": stack.dropout})
 
     def forward(self, state: tuple) -> tuple:
-        return (self.drop(self.norm(state[0])), *state[1:])
+        return (self.drop(self.norm(state[0])), *state[1:BOUNDARY])
 
 
-class T5DecoderBlock(HFLayer):
-    """One decoder ``T5Block``: causal self-attention with the relative bias computed here,
+class T5DecoderBlock(T5Layer):
+    """One decoder ``T5Block``: causal self-attention with the stage's decoder bias (`stage_bias`),
     cross-attention to the encoder output (no bias, as in T5)."""
 
     def __init__(self, block: nn.Module, first: nn.Module, config):
@@ -197,11 +222,11 @@ class T5DecoderBlock(HFLayer):
     def forward(self, state: tuple) -> tuple:
         enc, dec = state[0], state[1]
         self_mask, cross = decoder_masks(self.config, state)
-        bias = relative_bias(self.bias, self.attention[0], dec.shape[1], dec.shape[1])
-        return (enc, self.block(dec, self_mask, bias, enc, cross, None)[0], *state[2:])
+        bias = stage_bias(self, state, dec)
+        return (enc, self.block(dec, self_mask, bias, enc, cross, None)[0], *state[2:BOUNDARY], bias)
 
 
-class T5Head(HFLayer):
+class T5Head(T5Layer):
     """Decoder final norm and dropout, the tied-embedding output scaling, ``lm_head``, summed loss (no shift:
     ``decoder_input_ids`` are the labels shifted right)."""
 
