@@ -49,7 +49,10 @@ BASE_T, BASE_M = base_coefs()
 
 
 def seg_features(main, dec, tiles, j, i, varlen, pad):
-    """Independent feature vector of samples j..i-1 (the cost module's documented definition)."""
+    """Independent feature vector of samples j..i-1 (the cost module's documented definition).
+    ``varlen``: False (padded), True (packed, attention per sample) or "dense" (packed, the row of N
+    main / Nt decoder tokens attended whole with a mask: N**2, Nt**2, Nt * N, and q_pad = N**2 for a
+    row of several samples)."""
     phi = np.zeros(NUM_FEATURES)
     if varlen:
         for s in range(j, i):
@@ -57,6 +60,10 @@ def seg_features(main, dec, tiles, j, i, varlen, pad):
             phi[:7] += (L, L * L, T, T * T, T * L, v, v * TILE_PATCHES)
         phi[7] = 1.0
         phi[8] = float(phi[5] > 0)
+        if varlen == "dense":
+            n, t = phi[0], phi[2]
+            phi[1], phi[3], phi[4] = n * n, t * t, t * n
+            phi[FEATURES.index("q_pad")] = n * n if i - j > 1 else 0.0
         return phi
     r = i - j
     L = -(-int(max(main[j:i])) // pad) * pad
@@ -100,13 +107,15 @@ def partition_times(main, dec, tiles, starts, varlen, pad, tcoef, mcoef, limit):
 
 
 def call_kernel(main, dec, tiles, varlen, pad, tcoef, mcoef, limit, ranks, stages, max_caps, equal=True):
-    starts, status = dp_kernel(main, dec, tiles, segment_cost(varlen, pad, TILE_PATCHES, tcoef, mcoef, limit),
+    starts, status = dp_kernel(main, dec, tiles, segment_cost(bool(varlen), pad, TILE_PATCHES, tcoef, mcoef, limit,
+                                                              dense=varlen == "dense"),
                                DPSearch(ranks, stages, max_caps, bool(equal)))
     return [int(x) for x in starts], int(status)
 
 
 def call_reference(main, dec, tiles, varlen, pad, tcoef, mcoef, limit, ranks, stages, max_caps, equal=True):
-    starts, status = dp_reference(main, dec, tiles, segment_cost(varlen, pad, TILE_PATCHES, tcoef, mcoef, limit),
+    starts, status = dp_reference(main, dec, tiles, segment_cost(bool(varlen), pad, TILE_PATCHES, tcoef, mcoef,
+                                                                 limit, dense=varlen == "dense"),
                                   DPSearch(ranks, stages, max_caps, bool(equal)))
     return (None if starts is None else [int(x) for x in starts]), int(status)
 
@@ -121,7 +130,7 @@ def dp_cases(draw, max_n=14, ranks=st.integers(1, 4)):
     scale_m = np.array(draw(st.lists(st.floats(0.25, 4.0), min_size=NUM_FEATURES, max_size=NUM_FEATURES)))
     tcoef = np.ascontiguousarray(BASE_T * scale_t)
     mcoef = np.ascontiguousarray(BASE_M * scale_m)
-    varlen = draw(st.booleans())
+    varlen = draw(st.sampled_from([False, True, "dense"]))
     pad = draw(st.sampled_from([1, 8]))
     single = max(seg_cost(main, dec, tiles, i, i + 1, varlen, pad, tcoef, mcoef)[1] for i in range(n))
     whole = seg_cost(main, dec, tiles, 0, n, varlen, pad, tcoef, mcoef)[1]

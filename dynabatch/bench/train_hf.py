@@ -135,5 +135,6 @@ def prepare_costs(cfg, model, tmp: str, announce: bool = False) -> tuple:
                          seed=cfg.options.seed, threads=cfg.threads_per_proc)
     info = {"cost_source": f"profiled: rows {list(PROFILE_ROWS)} x lengths {list(lengths)}, slowest of "
                            f"{cfg.options.num_stages} balanced stages", "profile_s": time.perf_counter() - t0,
-            "cost_model": None}  # a temporary file
+            "cost_model": None,  # a temporary file
+            "packed_attention": load_costs(path).packed_attention}  # what the profile found (CostModel)
     return replace(cfg, cost_model=path), info

@@ -8,7 +8,10 @@ analytic model is exactly linear in them:
 * ``n_main``/``q_main``: tokens and sum of squared sequence lengths of the main stack (decoder-only
   model, T5 encoder, or the LLM of a vision-language model). Padded collation counts
   ``rows * L`` and ``rows * L**2``; packed (varlen) collation counts ``sum(s)`` and ``sum(s**2)``,
-  because attention is quadratic per sample only.
+  because a varlen attention kernel is quadratic per sample only. An attention given the packed row
+  with a mask instead (SDPA or eager: ``packed_attention="dense"``) computes all of it: the packed
+  micro-batch is then priced as one padded row of ``N = sum(s)`` tokens with a mask (``N**2``, and
+  ``q_pad``).
 * ``n_dec``/``q_dec``/``x_dec``: decoder tokens, decoder self-attention and cross-attention
   (``target * input``) of an encoder-decoder model.
 * ``n_vis``/``q_vis``: ViT tokens (tiles * patches per tile) and their attention.
@@ -64,6 +67,11 @@ def _coefficients_of(coef) -> list:
     return coef + [0.0] if len(coef) == NUM_FEATURES - 1 else coef
 
 
+#: `CostModel.packed_attention`: a varlen kernel (flash-attention, flex with a block mask) is quadratic per
+#: sample; SDPA and eager given a packed row and a mask compute the whole row (`packed_features`).
+PACKED_ATTENTION = ("varlen", "dense")
+
+
 class CostModel(StageCosts):
     """Time (seconds) and activation memory (bytes) of one micro-batch on one pipeline stage.
 
@@ -73,10 +81,16 @@ class CostModel(StageCosts):
     """
 
     stage_memory_model = None  # see __init__ (a class default, for models unpickled from older releases)
+    packed_attention = "varlen"  # likewise
 
     def __init__(self, model: ModelConfig, device: DeviceProfile, *, time_coef=None, mem_coef=None,
                  table: ProfiledTable | None = None, pad_multiple: int = 8, forgetting: float = 0.98,
-                 prior_strength: float = 1e-3):
+                 prior_strength: float = 1e-3, packed_attention: str = "varlen"):
+        if packed_attention not in PACKED_ATTENTION:
+            raise ValueError(f"packed_attention={packed_attention!r}: expected one of {PACKED_ATTENTION}")
+        #: How the model attends in a packed micro-batch (`packed_features`): ``varlen`` per sample,
+        #: ``dense`` over the whole row with a mask keeping the samples apart.
+        self.packed_attention = packed_attention
         t0, m0 = analytic_coefficients(model, device)
         self.model = model
         self.device = device
@@ -178,8 +192,12 @@ class CostModel(StageCosts):
                          np.where(padding > 0, rows * L * L, 0.0)], axis=1)
 
     def packed_features(self, main_len, dec_len, tiles, group) -> np.ndarray:
-        """Features of packed (varlen) micro-batches: per-sample lengths summed by ``group`` id
-        (0..G-1); attention is quadratic per sample only."""
+        """Features of packed micro-batches (each one row): per-sample lengths summed by ``group`` id
+        (0..G-1). ``packed_attention="varlen"``: attention is quadratic per sample only.
+        ``"dense"``: the row of ``N`` main (``Nt`` decoder) tokens is attended whole, the samples kept
+        apart by a mask, so it costs what one padded row of that length with a mask does: ``N**2``
+        (``Nt**2``, ``Nt * N``) and, for a row of several samples, ``q_pad = N**2`` (one sample alone
+        needs no mask)."""
         main_len = np.asarray(main_len, np.float64)
         dec_len = np.asarray(dec_len, np.float64)
         v = np.asarray(tiles, np.float64) * self.model.tile_patches
@@ -189,8 +207,13 @@ class CostModel(StageCosts):
         phi = np.zeros((g, NUM_FEATURES))
         for k, c in enumerate(cols):
             phi[:, k] = np.bincount(group, weights=c, minlength=g)
-        phi[:, 7] = np.bincount(group, minlength=g) > 0
+        count = np.bincount(group, minlength=g)
+        phi[:, 7] = count > 0
         phi[:, 8] = phi[:, 5] > 0
+        if self.packed_attention == "dense":
+            n, t = phi[:, 0], phi[:, 2]
+            phi[:, 1], phi[:, 3], phi[:, 4] = n * n, t * t, t * n
+            phi[:, Q_PAD] = np.where(count > 1, n * n, 0.0)
         return phi
 
     # -- costs -------------------------------------------------------------------------------
@@ -428,7 +451,7 @@ class CostModel(StageCosts):
             "model": asdict(self.model), "device": asdict(self.device),
             "time_coef": self.time_coef.tolist(), "mem_coef": self.mem_coef.tolist(),
             "pad_multiple": self.pad_multiple, "forgetting": self.forgetting,
-            "prior_strength": self.prior_strength, "table": None,
+            "prior_strength": self.prior_strength, "packed_attention": self.packed_attention, "table": None,
             **({"layout": self.layout.to_dict()} if self.layout is not None else {}),
             **({"stage_time_coef": self.stage_time_coef.tolist()} if self.stage_time_coef is not None else {}),
             **({"stage_memory_model": self.stage_memory_model.to_dict()} if self.stage_memory_model is not None
@@ -446,7 +469,8 @@ class CostModel(StageCosts):
         table = ProfiledTable(**d["table"]) if d.get("table") else None
         cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=_coefficients_of(d["time_coef"]),
                    mem_coef=_coefficients_of(d["mem_coef"]), table=table, pad_multiple=d["pad_multiple"],
-                   forgetting=d["forgetting"], prior_strength=d["prior_strength"]).set_layout(
+                   forgetting=d["forgetting"], prior_strength=d["prior_strength"],
+                   packed_attention=d.get("packed_attention", "varlen")).set_layout(
                        StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
         if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
             cm._stage_write([_coefficients_of(row) for row in d["stage_time_coef"]])

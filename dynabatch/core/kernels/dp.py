@@ -42,7 +42,8 @@ class SegmentCost(NamedTuple):
     linear ``time_coef`` (seconds) and ``mem_coef`` (bytes) per feature, at most ``mem_limit`` bytes;
     padded segments of a profiled table (``use_table``) are looked up in ``table_time``/``table_mem``
     ``[rows, len, dec]`` over ``grid_rows``/``grid_len``/``grid_dec`` (``extrapolate`` beyond them).
-    Build it with `segment_cost`."""
+    ``dense``: a packed segment is one row attended whole with a mask (`CostModel.packed_features`
+    with ``packed_attention="dense"``). Build it with `segment_cost`."""
 
     varlen: bool
     pad_multiple: int
@@ -57,6 +58,7 @@ class SegmentCost(NamedTuple):
     table_time: np.ndarray
     table_mem: np.ndarray
     extrapolate: bool
+    dense: bool
 
 
 class DPSearch(NamedTuple):
@@ -70,9 +72,10 @@ class DPSearch(NamedTuple):
 
 
 def segment_cost(varlen: bool, pad_multiple: int, tile_patches: int, time_coef, mem_coef, mem_limit: float,
-                 table=None) -> SegmentCost:
+                 table=None, dense: bool = False) -> SegmentCost:
     """A `SegmentCost` with numba's types; ``table``: a profiled table (``rows``, ``main_len``,
-    ``dec_len``, ``time_s``, ``memory_bytes``, ``extrapolate``; used for padded segments) or None."""
+    ``dec_len``, ``time_s``, ``memory_bytes``, ``extrapolate``; used for padded segments) or None;
+    ``dense``: the cost model's ``packed_attention == "dense"`` (packed segments only)."""
     f64 = lambda x: np.ascontiguousarray(x, np.float64)  # noqa: E731
     if table is None or varlen:
         z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
@@ -81,7 +84,7 @@ def segment_cost(varlen: bool, pad_multiple: int, tile_patches: int, time_coef, 
         grid = (f64(table.rows), f64(table.main_len), f64(table.dec_len), f64(table.time_s), f64(table.memory_bytes))
         extrapolate = bool(table.extrapolate)
     return SegmentCost(bool(varlen), int(pad_multiple), int(tile_patches), f64(time_coef), f64(mem_coef),
-                       float(mem_limit), table is not None and not varlen, *grid, extrapolate)
+                       float(mem_limit), table is not None and not varlen, *grid, extrapolate, bool(dense))
 
 
 @njit(cache=True, nogil=True)
@@ -106,6 +109,7 @@ def enumerate_segments(main, dec, tiles, cost):
     """
     varlen, pad_multiple, tile_patches, mem_limit = cost.varlen, cost.pad_multiple, cost.tile_patches, cost.mem_limit
     tcoef, mcoef, use_table, extrapolate = cost.time_coef, cost.mem_coef, cost.use_table, cost.extrapolate
+    dense = cost.dense
     grid_r, grid_l, grid_d, tab_t, tab_m = cost.grid_rows, cost.grid_len, cost.grid_dec, cost.table_time, cost.table_mem
     n = main.shape[0]
     phi = np.zeros(NUM_FEATURES)
@@ -153,6 +157,11 @@ def enumerate_segments(main, dec, tiles, cost):
                 phi[6] = s6
                 phi[7] = 1.0
                 phi[8] = 1.0 if s5 > 0 else 0.0
+                if dense:  # one row attended whole, with a mask for several samples (CostModel.packed_features)
+                    phi[1] = s0 * s0
+                    phi[3] = s2 * s2
+                    phi[4] = s2 * s0
+                    phi[Q_PAD] = s0 * s0 if i - j > 1 else 0.0
                 t = _dot_nz(tcoef, tnz, phi)
                 m = _dot_nz(mcoef, mnz, phi)
             else:
@@ -289,12 +298,12 @@ def dp_kernel(main, dec, tiles, cost: SegmentCost, search: DPSearch):
 
 @njit(cache=True, nogil=True)
 def _dp_entry(main, dec, tiles, varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
-              grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate, ranks, stages, max_caps,
+              grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate, dense, ranks, stages, max_caps,
               equal_counts):
     """`dp_search` with the fields of `SegmentCost` and `DPSearch` in their order."""
     return dp_search(main, dec, tiles,
                      SegmentCost(varlen, pad_multiple, tile_patches, time_coef, mem_coef, mem_limit, use_table,
-                                 grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate),
+                                 grid_rows, grid_len, grid_dec, table_time, table_mem, extrapolate, dense),
                      DPSearch(ranks, stages, max_caps, equal_counts))
 
 
@@ -418,6 +427,10 @@ def dp_reference(main, dec, tiles, cost: SegmentCost, search: DPSearch):
                     phi[k] += x
             phi[7] = 1.0
             phi[8] = 1.0 if phi[5] > 0 else 0.0
+            if cost.dense:  # the whole row, as `CostModel.packed_features` prices it
+                n, t = phi[0], phi[2]
+                phi[1], phi[3], phi[4] = n * n, t * t, t * n
+                phi[Q_PAD] = n * n if i - j > 1 else 0.0
         else:
             def up(x):
                 return -(-x // pad_multiple) * pad_multiple if pad_multiple > 1 else x

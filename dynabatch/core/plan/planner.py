@@ -295,7 +295,8 @@ def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, st
     varlen = collation == "packed"
     perm = _ordering(cost, main, dec, tiles, not varlen) if order is None else np.asarray(order, np.int64)
     seg = segment_cost(varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef if tcoef is None else tcoef,
-                       cost.mem_coef if mcoef is None else mcoef, limit, cost.table)
+                       cost.mem_coef if mcoef is None else mcoef, limit, cost.table,
+                       dense=cost.packed_attention == "dense")
     starts, status = dp_kernel(main[perm], dec[perm], tiles[perm], seg,
                                DPSearch(int(ranks), int(stages), int(max_caps), bool(equal)))
     if status == INFEASIBLE_SAMPLE:  # _check_samples_fit runs first; kept for direct kernel callers

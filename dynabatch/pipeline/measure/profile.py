@@ -20,6 +20,7 @@ hf:FOLDER`` for a Hugging Face ``save_pretrained`` folder or ``config.json``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...core.cost.model import CostModel, DeviceProfile, ProfiledTable, device_preset
-from ...core.kernels.cost import Q_PAD
+from ...core.cost.model import PACKED_ATTENTION, CostModel, DeviceProfile, ProfiledTable, device_preset
+from ...core.kernels.cost import FEATURES, Q_PAD
 
 DEFAULT_ROWS = (1, 2, 4, 8)
 DEFAULT_LENGTHS = (16, 32, 64, 128)
@@ -240,31 +241,50 @@ def _features(cost: CostModel, prof: Profile, idx) -> np.ndarray:
 def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: DeviceProfile | str | None = None,
                       pad_multiple: int = 8) -> CostModel:
     """The `CostModel` of one stage of ``model`` from the measurements ``prof``: padded micro-batches are
-    looked up in ``prof.table`` (`CostModel.profiled`), packed ones priced by coefficients fitted to the
-    measured packed micro-batches (the table's fit when none were measured). A vision-language model's
-    table cannot hold image tiles, so its coefficients are fitted to every measured micro-batch, with
-    and without tiles, and it keeps no table. A padded micro-batch with a padded row adds ``q_pad``'s
-    coefficient, fitted to the grid points measured again with one (`_with_mask_cost`). The model config is one
-    stage's share of the layers (`stage_cost_model`); the device profile (the analytic prior) defaults to the
-    preset closest to ``device``."""
-    from ...core.cost.fit import fit_relative
+    looked up in ``prof.table`` (`CostModel.profiled`); the linear coefficients (what packed
+    micro-batches and the per-stage predictions are priced by) are fitted to every measured micro-batch,
+    padded, padded with a padded row and packed, in the features of the packed attention that fits the
+    packed measurements better (`packed_attention`): a varlen kernel's cost is per sample, an attention
+    given the whole packed row and a mask (SDPA, eager) costs what one padded row of that length does.
+    A vision-language model's table cannot hold image tiles, so it keeps no table. A padded micro-batch
+    with a padded row adds ``q_pad``'s coefficient, fitted to the grid points measured again with one
+    (`_with_mask_cost`). The model config is one stage's share of the layers (`stage_cost_model`); the
+    device profile (the analytic prior) defaults to the preset closest to ``device``."""
     from .microbatches import stage_cost_model
 
     dev = device_preset(device_profile) if isinstance(device_profile, str) else (device_profile or _device_profile(device))
     cfg = stage_cost_model(model, len(prof.bounds) - 1, dev).model
-    if cfg.kind == "vision_language":
-        cm, idx = CostModel(cfg, dev, pad_multiple=pad_multiple), np.arange(len(prof.shapes))
-    else:
-        cm, idx = CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple), prof.extra
+    vision = cfg.kind == "vision_language"
+    cm = CostModel(cfg, dev, pad_multiple=pad_multiple) if vision else \
+        CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple)
     ragged = np.flatnonzero(np.asarray(prof.padding, bool)) if prof.padding else np.zeros(0, np.int64)
-    idx = np.setdiff1d(idx, ragged)
-    if len(idx):
-        phi, w = _features(cm, prof, idx), np.ones(len(idx))
-        cm.time_coef = fit_relative(phi, prof.time_s[idx], w, cm.time_coef, 1e-6)
-        cm.mem_coef = fit_relative(phi, prof.memory_bytes[idx], w, cm.mem_coef, 1e-6)
+    packed = np.array([k for k in range(len(prof.shapes)) if prof.lengths[k] is not None], np.int64)
+    if len(packed) and not vision:
+        cm.packed_attention = min(PACKED_ATTENTION, key=lambda a: _fit(cm, prof, a)[2])
+    cm.time_coef, cm.mem_coef, _ = _fit(cm, prof, cm.packed_attention)
     if len(ragged) and cm.table is not None:
         cm.time_coef = _with_mask_cost(cm, prof, ragged)
     return cm
+
+
+def _fit(cm: CostModel, prof: Profile, attention: str) -> tuple[np.ndarray, np.ndarray, float]:
+    """(time, memory coefficients, MAPE of the time fit on the packed measurements) of ``cm``'s features
+    with ``packed_attention=attention``, fitted to every measured micro-batch of ``prof``. ``q_pad``,
+    priced 0 by the analytic prior, is fitted from 0 in the units of the attention's own coefficient
+    (a mask costs the attention it makes dense)."""
+    from ...core.cost.fit import fit_relative, mape
+
+    trial = copy.copy(cm)
+    trial.packed_attention = attention
+    idx = np.arange(len(prof.shapes))
+    phi, w = _features(trial, prof, idx), np.ones(len(idx))
+    scale = np.zeros(len(cm.prior_time_coef))
+    scale[Q_PAD] = cm.prior_time_coef[FEATURES.index("q_main")]
+    time_coef = fit_relative(phi, prof.time_s, w, cm.prior_time_coef, 1e-6, scale=scale)
+    mem_coef = fit_relative(phi, prof.memory_bytes, w, cm.mem_coef, 1e-6)
+    packed = np.array([k for k in idx if prof.lengths[k] is not None], np.int64)
+    err = mape(phi[packed] @ time_coef, prof.time_s[packed]) if len(packed) else 0.0
+    return time_coef, mem_coef, err
 
 
 def _with_mask_cost(cm: CostModel, prof: Profile, ragged: np.ndarray) -> np.ndarray:
@@ -424,5 +444,13 @@ def _cmd_profile(args) -> int:
     print("rows\\len " + " ".join(f"{int(x):>8d}" for x in t.main_len))
     for i, r in enumerate(t.rows):
         print(f"{int(r):>8d} " + " ".join(f"{t.time_s[i, j, 0] * 1e3:8.2f}" for j in range(len(t.main_len))))
+    if extra and model.kind != "vision_language":
+        print(f"packed micro-batches: {PACKED_WORDS[cost.packed_attention]} (packed_attention={cost.packed_attention!r}, "
+              "the better fit to the packed measurements)")
     print(describe(cost))
     return 0
+
+
+#: How `dynabatch profile` says which packed attention it measured (`CostModel.packed_attention`).
+PACKED_WORDS = {"varlen": "attention per sample (a varlen kernel)",
+                "dense": "the whole row attended with a mask (N**2 per row, as one padded row of N tokens)"}
