@@ -108,6 +108,25 @@ def test_t5_equals_hugging_face_and_sends_no_bias():
         assert sent == sum(s.nbytes for s in specs) == 3 * (40 + 24) * (16 * 8 + 8)
 
 
+def test_t5_blocks_recomputed_carry_the_stage_bias_through_their_checkpoints():
+    """A T5 stage whose blocks run under activation recomputation (`PipelineStage(recompute=k)`: the state,
+    the stage's bias in it, is what each checkpoint keeps and replays) gives the loss and every gradient of
+    the stage without recomputation, bit for bit."""
+    from dynabatch.pipeline import PipelineStage
+
+    hf = build(t5_config())
+    model = from_hf(hf)
+    batch = model.random_batch(MicroBatchShape("padded", 3, 10, 6), torch.Generator().manual_seed(0))
+    runs = []
+    for recompute in (0, 2, 6):  # none, the encoder's blocks, every block and the encoder end
+        hf.zero_grad(set_to_none=True)
+        loss, _ = PipelineStage(model.layers, 0, len(model.layers), recompute=recompute)(None, batch)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in hf.parameters()]))
+    for loss, grads in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and all(torch.equal(a, b) for a, b in zip(grads, runs[0][1]))
+
+
 def test_bart_equals_hugging_face():
     """BART (scaled embeddings, learned positions, a non-zero final_logits_bias buffer): loss and gradients
     equal the model's own; the shared embedding is one tie over the embedding layer and the head."""
