@@ -9,6 +9,35 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.cost import NUM_FEATURES, Q_PAD
+
+
+def packed_rows(main_len, dec_len, tiles, group, tile_patches: int, dense: bool) -> np.ndarray:
+    """Features ``[G, NUM_FEATURES]`` of packed micro-batches, each one row: per-sample main and decoder
+    lengths (tokens) and image tiles summed by ``group`` id (0..G-1), ``tile_patches`` ViT tokens per tile.
+    A varlen kernel's attention is quadratic per sample (``sum(s**2)``). ``dense``: the row of ``N`` main
+    (``Nt`` decoder) tokens is attended whole, the samples kept apart by a mask, so it costs what one
+    padded row of that length with a mask does: ``N**2`` (``Nt**2``, ``Nt * N``) and, for a row of
+    several samples, ``q_pad = N**2`` (one sample alone needs no mask). The DP prices its packed
+    segments the same way (`dynabatch.core.kernels.segments`)."""
+    main_len = np.asarray(main_len, np.float64)
+    dec_len = np.asarray(dec_len, np.float64)
+    v = np.asarray(tiles, np.float64) * tile_patches
+    group = np.asarray(group, np.int64)
+    g = int(group.max()) + 1 if len(group) else 0
+    cols = [main_len, main_len**2, dec_len, dec_len**2, dec_len * main_len, v, v * tile_patches]
+    phi = np.zeros((g, NUM_FEATURES))
+    for k, c in enumerate(cols):
+        phi[:, k] = np.bincount(group, weights=c, minlength=g)
+    count = np.bincount(group, minlength=g)
+    phi[:, 7] = count > 0
+    phi[:, 8] = phi[:, 5] > 0
+    if dense:
+        n, t = phi[:, 0], phi[:, 2]
+        phi[:, 1], phi[:, 3], phi[:, 4] = n * n, t * t, t * n
+        phi[:, Q_PAD] = np.where(count > 1, n * n, 0.0)
+    return phi
+
 
 def main_padding(main_tokens, rows, main_len) -> np.ndarray:
     """Whether each padded micro-batch holds padding on its main stack (``q_pad``): fewer real

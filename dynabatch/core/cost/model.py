@@ -8,10 +8,8 @@ analytic model is exactly linear in them:
 * ``n_main``/``q_main``: tokens and sum of squared sequence lengths of the main stack (decoder-only
   model, T5 encoder, or the LLM of a vision-language model). Padded collation counts
   ``rows * L`` and ``rows * L**2``; packed (varlen) collation counts ``sum(s)`` and ``sum(s**2)``,
-  because a varlen attention kernel is quadratic per sample only. An attention given the packed row
-  with a mask instead (SDPA or eager: ``packed_attention="dense"``) computes all of it: the packed
-  micro-batch is then priced as one padded row of ``N = sum(s)`` tokens with a mask (``N**2``, and
-  ``q_pad``).
+  because a varlen attention kernel is quadratic per sample only; ``packed_attention="dense"`` (SDPA,
+  eager: the whole row attended with a mask) prices it as one padded row of ``sum(s)`` tokens with a mask.
 * ``n_dec``/``q_dec``/``x_dec``: decoder tokens, decoder self-attention and cross-attention
   (``target * input``) of an encoder-decoder model.
 * ``n_vis``/``q_vis``: ViT tokens (tiles * patches per tile) and their attention.
@@ -51,6 +49,7 @@ from .profiled import ProfiledTable
 from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESETS, TINY_MODEL_PRESETS,  # noqa: F401
                       DeviceProfile, GiB, ModelConfig, device_preset, model_preset)
 from .analytic import analytic_coefficients
+from .features import packed_rows
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from ..shapes import Shapes
 from .stage_memory import StageMemory
@@ -192,29 +191,9 @@ class CostModel(StageCosts):
                          np.where(padding > 0, rows * L * L, 0.0)], axis=1)
 
     def packed_features(self, main_len, dec_len, tiles, group) -> np.ndarray:
-        """Features of packed micro-batches (each one row): per-sample lengths summed by ``group`` id
-        (0..G-1). ``packed_attention="varlen"``: attention is quadratic per sample only.
-        ``"dense"``: the row of ``N`` main (``Nt`` decoder) tokens is attended whole, the samples kept
-        apart by a mask, so it costs what one padded row of that length with a mask does: ``N**2``
-        (``Nt**2``, ``Nt * N``) and, for a row of several samples, ``q_pad = N**2`` (one sample alone
-        needs no mask)."""
-        main_len = np.asarray(main_len, np.float64)
-        dec_len = np.asarray(dec_len, np.float64)
-        v = np.asarray(tiles, np.float64) * self.model.tile_patches
-        group = np.asarray(group, np.int64)
-        g = int(group.max()) + 1 if len(group) else 0
-        cols = [main_len, main_len**2, dec_len, dec_len**2, dec_len * main_len, v, v * self.model.tile_patches]
-        phi = np.zeros((g, NUM_FEATURES))
-        for k, c in enumerate(cols):
-            phi[:, k] = np.bincount(group, weights=c, minlength=g)
-        count = np.bincount(group, minlength=g)
-        phi[:, 7] = count > 0
-        phi[:, 8] = phi[:, 5] > 0
-        if self.packed_attention == "dense":
-            n, t = phi[:, 0], phi[:, 2]
-            phi[:, 1], phi[:, 3], phi[:, 4] = n * n, t * t, t * n
-            phi[:, Q_PAD] = np.where(count > 1, n * n, 0.0)
-        return phi
+        """Features of packed micro-batches (each one row) from per-sample lengths and ``group`` ids
+        (0..G-1), attended as ``packed_attention`` says (`dynabatch.core.cost.features.packed_rows`)."""
+        return packed_rows(main_len, dec_len, tiles, group, self.model.tile_patches, self.packed_attention == "dense")
 
     # -- costs -------------------------------------------------------------------------------
     def time(self, phi) -> np.ndarray:
