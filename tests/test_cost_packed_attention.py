@@ -111,3 +111,25 @@ def test_the_profile_finds_the_packed_attention_its_measurements_show(truth):
     assert mape(cost.time(padded_phi), grid.ravel()) < 0.02
     got = [cost.packed(np.array(x), 0 * np.array(x), 0 * np.array(x), 0 * np.array(x))[0][0] for x in lens]
     assert mape(np.array(got), np.array(t_packed)) < 0.02
+
+
+def test_a_models_analytic_cost_prices_packed_rows_as_it_attends_them():
+    """`stage_cost_model` takes the model's ``packed_attention()``: the tiny models and Hugging Face SDPA or
+    eager give the row whole with a mask (dense); flash-attention and flex are per sample (varlen)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_tiny import build, decoder_config
+
+    from dynabatch.pipeline import make_model, stage_cost_model
+    from dynabatch.pipeline.models.hf import from_hf
+
+    assert stage_cost_model(make_model("gpt-tiny", hidden=32, layers=2, heads=2), 2).packed_attention == "dense"
+    llama = from_hf(build(decoder_config("llama")))
+    assert llama.hf_config._attn_implementation == "sdpa" and stage_cost_model(llama, 2).packed_attention == "dense"
+    for impl, want in (("eager", "dense"), ("flash_attention_2", "varlen"), ("flex_attention", "varlen")):
+        llama.hf_config._attn_implementation = impl
+        assert stage_cost_model(llama, 2).packed_attention == want, impl
+    assert stage_cost_model(llama, 2, packed_attention="dense").packed_attention == "dense"  # said explicitly

@@ -64,7 +64,10 @@ def stage_cost_model(model, num_stages: int, device: str | DeviceProfile = "cpu"
     """The analytic `CostModel` of one pipeline stage of ``model`` (a `LayeredModel`, or a
     `ModelConfig`): the whole model's layers (and decoder or vision layers) divided by ``num_stages``, on a
     device preset name or `DeviceProfile`; ``kw`` go to `CostModel`. A micro-batch without image
-    tiles has no vision cost (the ``n_vis``/``q_vis``/``has_vis`` features are 0)."""
+    tiles has no vision cost (the ``n_vis``/``q_vis``/``has_vis`` features are 0). A packed row is priced
+    as the model attends it (its ``packed_attention()``) unless ``kw`` says otherwise."""
+    if hasattr(model, "packed_attention"):
+        kw = {"packed_attention": model.packed_attention(), **kw}
     cfg = getattr(model, "config", model)
     extra = {"encoder_decoder": {"decoder_layers": cfg.decoder_layers / num_stages},
              "vision_language": {"vision_layers": cfg.vision_layers / num_stages}}.get(cfg.kind, {})

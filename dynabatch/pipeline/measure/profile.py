@@ -244,7 +244,8 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
     looked up in ``prof.table`` (`CostModel.profiled`); the linear coefficients (what packed
     micro-batches and the per-stage predictions are priced by) are fitted to every measured micro-batch,
     padded, padded with a padded row and packed, in the features of the packed attention that fits the
-    packed measurements better (`packed_attention`): a varlen kernel's cost is per sample, an attention
+    packed measurements better (`packed_attention`; without packed measurements, the model's own
+    ``packed_attention()``): a varlen kernel's cost is per sample, an attention
     given the whole packed row and a mask (SDPA, eager) costs what one padded row of that length does.
     A vision-language model's table cannot hold image tiles, so it keeps no table. A padded micro-batch
     with a padded row adds ``q_pad``'s coefficient, fitted to the grid points measured again with one
@@ -253,10 +254,12 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
     from .microbatches import stage_cost_model
 
     dev = device_preset(device_profile) if isinstance(device_profile, str) else (device_profile or _device_profile(device))
-    cfg = stage_cost_model(model, len(prof.bounds) - 1, dev).model
+    prior = stage_cost_model(model, len(prof.bounds) - 1, dev)
+    cfg = prior.model
     vision = cfg.kind == "vision_language"
     cm = CostModel(cfg, dev, pad_multiple=pad_multiple) if vision else \
         CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple)
+    cm.packed_attention = prior.packed_attention  # the model's own word, unless packed rows were measured
     ragged = np.flatnonzero(np.asarray(prof.padding, bool)) if prof.padding else np.zeros(0, np.int64)
     packed = np.array([k for k in range(len(prof.shapes)) if prof.lengths[k] is not None], np.int64)
     if len(packed) and not vision:

@@ -51,6 +51,11 @@ class LayeredModel:
             layer.to(device)
         return self
 
+    def packed_attention(self) -> str:
+        """How a packed micro-batch's row is attended (`dynabatch.CostModel.packed_attention`): the tiny
+        models give SDPA the whole row and a block-diagonal mask, ``"dense"``."""
+        return "dense"
+
     def idle_layers(self, shape: MicroBatchShape) -> int:
         """How many leading layers return without computing for a micro-batch of ``shape`` (0 here;
         vlm-tiny's vision layers for a micro-batch without image tiles). A runner with

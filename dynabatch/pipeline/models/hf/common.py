@@ -63,6 +63,13 @@ class HFLayeredModel(LayeredModel):
     ties: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     buffer_keys: list[dict[str, str]] = field(default_factory=list, repr=False)
 
+    def packed_attention(self) -> str:
+        """``"varlen"`` under a flash-attention or flex implementation (per sample), ``"dense"`` under SDPA
+        or eager, which take the packed row whole with a mask (`dynabatch.CostModel.packed_attention`)."""
+        cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
+        impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
+        return "varlen" if ("flash" in impl or "flex" in impl) else "dense"
+
     def tied_parameters(self) -> dict[str, list[tuple[int, str]]]:
         """Tie name (the Hugging Face state-dict name) -> [(global layer index, parameter path inside that
         layer module)] for every parameter used by more than one layer: tied input/output embeddings,
