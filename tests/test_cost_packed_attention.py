@@ -133,3 +133,9 @@ def test_a_models_analytic_cost_prices_packed_rows_as_it_attends_them():
         llama.hf_config._attn_implementation = impl
         assert stage_cost_model(llama, 2).packed_attention == want, impl
     assert stage_cost_model(llama, 2, packed_attention="dense").packed_attention == "dense"  # said explicitly
+
+
+def test_another_device_or_model_change_keeps_the_packed_attention():
+    cost = _cost()
+    assert cost.with_device("h100").packed_attention == "dense"
+    assert cost.with_model(recompute=False).packed_attention == "dense"

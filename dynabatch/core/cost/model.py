@@ -87,9 +87,7 @@ class CostModel(StageCosts):
                  prior_strength: float = 1e-3, packed_attention: str = "varlen"):
         if packed_attention not in PACKED_ATTENTION:
             raise ValueError(f"packed_attention={packed_attention!r}: expected one of {PACKED_ATTENTION}")
-        #: How the model attends in a packed micro-batch (`packed_features`): ``varlen`` per sample,
-        #: ``dense`` over the whole row with a mask keeping the samples apart.
-        self.packed_attention = packed_attention
+        self.packed_attention = packed_attention  # how a packed row is attended (`packed_features`)
         t0, m0 = analytic_coefficients(model, device)
         self.model = model
         self.device = device
@@ -473,16 +471,17 @@ class CostModel(StageCosts):
             raise ValueError(f"{path}: not a valid dynabatch cost model file ({e})") from e
 
     def with_device(self, device: str | DeviceProfile) -> "CostModel":
-        """The same model and layer layout on another device (analytic coefficients recomputed)."""
+        """The same model, layout and packed attention on another device (analytic coefficients recomputed)."""
         dev = device_preset(device) if isinstance(device, str) else device
-        return CostModel(self.model, dev, pad_multiple=self.pad_multiple).set_layout(self.layout)
+        return CostModel(self.model, dev, pad_multiple=self.pad_multiple,
+                         packed_attention=self.packed_attention).set_layout(self.layout)
 
     def with_model(self, **changes) -> "CostModel":
         """The same device and layer layout with some `ModelConfig` fields changed (e.g.
         ``recompute=False``: the base a per-stage recompute policy is priced from); analytic
         coefficients recomputed."""
-        return CostModel(replace(self.model, **changes), self.device,
-                         pad_multiple=self.pad_multiple).set_layout(self.layout)
+        return CostModel(replace(self.model, **changes), self.device, pad_multiple=self.pad_multiple,
+                         packed_attention=self.packed_attention).set_layout(self.layout)
 
     def __repr__(self) -> str:
         src = "profiled" if self.table is not None else ("refit" if self.version else "analytic")
