@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynabatch import CostModel, Shapes, plan_microbatches
+from dynabatch import CostModel, ProfiledTable, Shapes, plan_microbatches
 from dynabatch.core.cost.model import PACKED_ATTENTION
 from dynabatch.core.kernels.cost import FEATURES
 
@@ -97,8 +97,6 @@ def test_the_profile_finds_the_packed_attention_its_measurements_show(truth):
     lens = tuple([int(s.input_len)] * s.rows for s in packed)
     t_ragged = [truth_cost.time(truth_cost.padded_features(s.rows, s.input_len, 0, 0, True))[0] for s in ragged]
     t_packed = [truth_cost.packed(np.array(x), 0 * np.array(x), 0 * np.array(x), 0 * np.array(x))[0][0] for x in lens]
-    from dynabatch import ProfiledTable
-
     table = ProfiledTable(rows, lengths, np.array([0]), grid[:, :, None], np.full((3, 3, 1), 1e6))
     n = len(table_shapes) + len(ragged) + len(packed)
     prof = Profile(table, (0, len(model.layers)), tuple(table_shapes + ragged + packed),
