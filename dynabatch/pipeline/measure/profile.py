@@ -86,6 +86,16 @@ class Profile:
         with a padded row)."""
         return np.arange(self.table.time_s.size, len(self.shapes))
 
+    @property
+    def packed(self) -> np.ndarray:
+        """Indices of the packed micro-batches measured (those with per-sample ``lengths``)."""
+        return np.array([k for k, lens in enumerate(self.lengths) if lens is not None], np.int64)
+
+    @property
+    def ragged(self) -> np.ndarray:
+        """Indices of the padded micro-batches measured with a padded row (``padding``)."""
+        return np.flatnonzero(np.asarray(self.padding, bool)) if self.padding else np.zeros(0, np.int64)
+
 
 def _extra_shapes(model, rows, lengths, tgrid, packed: bool, tiles) -> list:
     """The micro-batch shapes measured beyond the padded grid: with ``packed``, packed ones for a
@@ -259,14 +269,13 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
     vision = cfg.kind == "vision_language"
     cm = CostModel(cfg, dev, pad_multiple=pad_multiple) if vision else \
         CostModel.profiled(prof.table, cfg, dev, pad_multiple=pad_multiple)
-    cm.packed_attention = prior.packed_attention  # the model's own word, unless packed rows were measured
-    ragged = np.flatnonzero(np.asarray(prof.padding, bool)) if prof.padding else np.zeros(0, np.int64)
-    packed = np.array([k for k in range(len(prof.shapes)) if prof.lengths[k] is not None], np.int64)
-    if len(packed) and not vision:
-        cm.packed_attention = min(PACKED_ATTENTION, key=lambda a: _fit(cm, prof, a)[2])
-    cm.time_coef, cm.mem_coef, _ = _fit(cm, prof, cm.packed_attention)
-    if len(ragged) and cm.table is not None:
-        cm.time_coef = _with_mask_cost(cm, prof, ragged)
+    # the model's own word, unless packed rows were measured: then each attention's fit, the better one kept
+    candidates = PACKED_ATTENTION if len(prof.packed) and not vision else (prior.packed_attention,)
+    fits = {a: _fit(cm, prof, a) for a in candidates}
+    cm.packed_attention = min(fits, key=lambda a: fits[a][2])
+    cm.time_coef, cm.mem_coef, _ = fits[cm.packed_attention]
+    if len(prof.ragged) and cm.table is not None:
+        cm.time_coef = _with_mask_cost(cm, prof, prof.ragged)
     return cm
 
 
@@ -285,7 +294,7 @@ def _fit(cm: CostModel, prof: Profile, attention: str) -> tuple[np.ndarray, np.n
     scale[Q_PAD] = cm.prior_time_coef[FEATURES.index("q_main")]
     time_coef = fit_relative(phi, prof.time_s, w, cm.prior_time_coef, 1e-6, scale=scale)
     mem_coef = fit_relative(phi, prof.memory_bytes, w, cm.mem_coef, 1e-6)
-    packed = np.array([k for k in idx if prof.lengths[k] is not None], np.int64)
+    packed = prof.packed
     err = mape(phi[packed] @ time_coef, prof.time_s[packed]) if len(packed) else 0.0
     return time_coef, mem_coef, err
 
@@ -437,7 +446,7 @@ def _cmd_profile(args) -> int:
     cost = fitted_cost_model(prof, model, device=args.device)
     save_profile(args.out, cost, prof.layer_costs)
     t = prof.table
-    ragged = sum(prof.padding)
+    ragged = len(prof.ragged)
     extra = len(prof.extra) - ragged
     print(f"{args.model} on {args.device}: {len(prof.shapes)} shapes ({t.time_s.size} padded"
           + (f", {extra} {'with image tiles' if model.kind == 'vision_language' else 'packed'}" if extra else "")
