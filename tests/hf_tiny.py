@@ -10,14 +10,15 @@ TEXT = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_laye
 
 
 def decoder_config(family: str, **over):
-    """A tiny causal-LM config of ``family`` (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3); sliding
+    """A tiny causal-LM config of ``family`` (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3); sliding
     windows of 4 tokens where the family has them, so the per-layer masks matter (not Gemma2: its eager
     attention gives NaN on the padding rows when a query sees only padding in its window, in the Hugging
     Face model itself)."""
     import transformers as tf
 
     cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-           "gemma": tf.GemmaConfig, "gemma2": tf.Gemma2Config, "gemma3": tf.Gemma3TextConfig}[family]
+           "gemma": tf.GemmaConfig, "gemma2": tf.Gemma2Config, "gemma3": tf.Gemma3TextConfig,
+           "phi3": tf.Phi3Config}[family]
     kw = dict(TEXT)
     if family in ("mistral", "gemma3"):
         kw["sliding_window"] = 4
@@ -25,6 +26,9 @@ def decoder_config(family: str, **over):
         kw["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
     if family == "qwen2":
         kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    if family == "phi3":
+        kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512,
+                  original_max_position_embeddings=512)
     kw.update(over)
     cfg = cls(**kw)
     cfg._attn_implementation = "eager" if family == "gemma2" else over.get("attn_implementation", "sdpa")

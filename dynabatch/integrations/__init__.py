@@ -13,7 +13,8 @@ does not import ``transformers``.
 from .._lazy import lazy_names
 
 _LAZY = {
-    "step_backward": "accumulation", "model_loss": "accumulation", "step_target_tokens": "accumulation",
+    "step_backward": "accumulation", "model_loss": "loss", "step_target_tokens": "accumulation",
+    "NonFiniteStep": "accumulation", "skipped_steps": "accumulation", "loss_route": "loss",
     "DynabatchTrainer": "hf", "LOADER_STATE_NAME": "hf", "steps_in_epoch": "hf", "training_schedule": "hf",
 }
 __all__ = sorted(_LAZY)

@@ -12,8 +12,10 @@ mean (what ``model(...).loss`` returns without ``num_items_in_batch``) would wei
 small micro-batches more.
 
 Loss functions follow Hugging Face's convention: ``loss_fn(model, inputs, num_items_in_batch)``
-returns ``sum of per-token losses / num_items_in_batch``, which is what a Transformers model's
-``forward(..., num_items_in_batch=n).loss`` and ``Trainer``'s ``compute_loss_func`` return. A
+returns ``sum of per-token losses / num_items_in_batch``, which is what ``Trainer``'s
+``compute_loss_func`` returns and what the default `model_loss` gives for every Hugging Face model
+(from the model's own loss where it honours ``num_items_in_batch``, from its logits where it returns a
+per-micro-batch mean, as T5 and BART do: `dynabatch.integrations.loss`). A
 placeholder micro-batch (``is_padding``: every label -100, run so that every rank does the same
 number of forward/backward passes) then has a loss of exactly 0 and adds nothing to the gradient.
 
@@ -24,21 +26,33 @@ Only torch is needed here (``accelerate`` is optional: pass an ``Accelerator`` t
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ..loader.collate import model_inputs
+from .loss import model_loss
+
+#: How a step with a non-finite loss or gradient norm is handled (`step_backward`'s ``nonfinite``).
+NONFINITE = ("raise", "skip")
 
 
-def model_loss(model, inputs: Mapping, num_items_in_batch: int) -> torch.Tensor:
-    """The default ``loss_fn``: ``model(**inputs, num_items_in_batch=num_items_in_batch).loss``.
+class NonFiniteStep(FloatingPointError):
+    """A step whose loss or gradient norm is not finite (NaN or inf): the message names the step and
+    the micro-batch; nothing of the step reached the weights if the caller stops there."""
 
-    With a Hugging Face model (causal LM or seq2seq; its forward takes ``num_items_in_batch``
-    through ``**kwargs``) this is the micro-batch's summed cross-entropy in nats divided by
-    ``num_items_in_batch`` (a count of loss tokens): a float scalar tensor. Transformers' causal-LM
-    loss computes it in float32 even for a float64 model."""
-    return model(**inputs, num_items_in_batch=num_items_in_batch).loss
+
+#: skipped steps per model (``nonfinite="skip"``), read by `skipped_steps`
+_SKIPPED: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def skipped_steps(model) -> int:
+    """Steps `step_backward` skipped for ``model`` because of non-finite numbers (``nonfinite="skip"``)."""
+    from .loss import unwrap
+
+    return _SKIPPED.get(unwrap(model), 0)
 
 
 def step_target_tokens(step: Sequence[Mapping]) -> int:
@@ -73,13 +87,14 @@ def _to_device(inputs: Mapping, device) -> dict:
 
 def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
                   loss_fn: Callable[..., torch.Tensor] | None = None, world_size: int | None = None,
-                  prepare: Callable[[dict], dict] | None = None) -> torch.Tensor:
+                  prepare: Callable[[dict], dict] | None = None, nonfinite: str = "raise") -> torch.Tensor:
     """Forward and backward all micro-batches of one dynabatch step; call ``optimizer.step()``
     after it (it neither steps nor zeroes the gradients).
 
     Each micro-batch ``mb`` runs ``loss_fn(model, prepare(model_inputs(mb)), step.target_tokens)``
-    (default `model_loss`: ``model(**inputs, num_items_in_batch=...).loss``, the micro-batch's summed
-    per-token loss / the step's target tokens), multiplied by ``world_size``, and backward. All
+    (default `model_loss`: the micro-batch's summed per-token loss / the step's target tokens, from the
+    model's own loss where it honours ``num_items_in_batch``, else from its logits), multiplied by
+    ``world_size``, and backward. All
     micro-batches but the last run under ``accelerator.no_sync(model)`` (or ``model.no_sync()`` for
     a bare DDP model), so gradients are all-reduced once per step. After the call the accumulated
     gradient is that of the mean loss per target token over the whole global batch (all ranks).
@@ -99,12 +114,20 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
             accelerator's ``num_processes``, else ``torch.distributed``'s world size, else 1).
         prepare: maps the model inputs of a micro-batch to what ``loss_fn`` gets (default: move the
             tensors to the accelerator's device, else to the model's).
+        nonfinite: ``"raise"`` (default): a NaN/inf loss of a micro-batch or a non-finite gradient norm
+            after the step raises `NonFiniteStep` naming the step and the micro-batch; ``"skip"``: the
+            step's gradients are dropped (``grad = None``, so ``optimizer.step()`` changes nothing), a
+            warning says so and `skipped_steps` counts it (mixed-precision runs). The check costs one
+            gradient norm and one host sync per step (plus a one-element all-reduce when distributed,
+            so that every rank decides the same).
 
     Returns:
         The detached sum of the backpropagated losses: this rank's share of the step's loss per
         target token, times ``world_size`` (averaged over ranks it is the step's mean loss per
         target token, in nats; on one rank it is that mean itself).
     """
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite={nonfinite!r}: use one of {NONFINITE}")
     if accelerator is not None and int(getattr(accelerator, "gradient_accumulation_steps", 1)) != 1:
         raise ValueError(
             f"the accelerator has gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; it would "
@@ -117,7 +140,7 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
     scale = _data_parallel_size(accelerator) if world_size is None else int(world_size)
     # a step without loss tokens (e.g. only prompts) gives 0 / 1 = 0, not 0 / 0
     num_items = max(step_target_tokens(step), 1)
-    total = None
+    total, losses = None, []
     for i, mb in enumerate(step):
         last = i == len(step) - 1
         if last:
@@ -135,10 +158,52 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
                 accelerator.backward(loss)
             else:
                 loss.backward()
+        losses.append(loss.detach())
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
         return torch.zeros((), device=accelerator.device if accelerator is not None else _model_device(model))
+    _check_finite(model, step, losses, nonfinite)
     return total
 
 
-__all__ = ["model_loss", "step_backward", "step_target_tokens"]
+def _check_finite(model, step, losses: list[torch.Tensor], nonfinite: str) -> None:
+    """Raise `NonFiniteStep` (or drop the step's gradients, ``"skip"``) when a micro-batch's loss or the
+    step's gradient norm is not finite; every rank takes the same decision (the gradients are the
+    all-reduced ones, the loss flags are reduced with MIN)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads \
+        else torch.zeros((), device=losses[0].device)
+    finite = torch.isfinite(torch.stack(losses)).to(torch.int32)
+    ok = torch.cat([finite, torch.isfinite(norm).reshape(1).to(torch.int32)]).to(norm.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        flag = ok.min().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        everyone = bool(flag.item())
+    else:
+        everyone = bool(ok.min().item())
+    if everyone:
+        return
+    bad = [i for i, f in enumerate(finite.tolist()) if not f]
+    where = getattr(step, "step", None)
+    what = (f"step {where}" if where is not None else "this step") + (
+        f" (rank {step.rank})" if getattr(step, "rank", None) is not None else "")
+    if bad:
+        cause = f"micro-batch {bad[0]} of {len(losses)} has loss {float(losses[bad[0]]):g}"
+    elif not bool(torch.isfinite(norm)):
+        cause = f"the gradient norm is {float(norm):g} (every micro-batch's loss is finite)"
+    else:
+        cause = "another rank's loss or gradients are not finite"
+    if nonfinite == "raise":
+        raise NonFiniteStep(f"{what}: {cause}. The weights were not updated by this step; look for damaged "
+                            "weights or data, lower the learning rate, or pass nonfinite='skip' to skip such steps")
+    from .loss import unwrap
+
+    for p in model.parameters():
+        p.grad = None
+    inner = unwrap(model)
+    _SKIPPED[inner] = _SKIPPED.get(inner, 0) + 1
+    warnings.warn(f"{what} skipped: {cause} ({_SKIPPED[inner]} skipped so far)", RuntimeWarning, stacklevel=3)
+
+
+__all__ = ["NONFINITE", "NonFiniteStep", "model_loss", "skipped_steps", "step_backward", "step_target_tokens"]

@@ -23,8 +23,9 @@ without that file is refused.
 
 Not supported (refused at construction): ``gradient_accumulation_steps != 1``, DeepSpeed, and
 ``nn.DataParallel`` (several GPUs in one process; use DDP through ``torchrun``/``accelerate launch``).
-Requires a model whose forward takes ``num_items_in_batch`` (Transformers models do), or a
-``compute_loss_func``.
+The loss of every Hugging Face model is the summed token loss / ``step.target_tokens``
+(`dynabatch.integrations.loss.model_loss`: T5 and BART, whose own loss is a per-micro-batch mean, get it
+from their logits); a ``compute_loss_func`` or label smoother is used as Trainer uses it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..loader.collate import model_inputs
 from ..loader.state import load_loader_state, save_loader_state
 from ..loader.step import Step
 from .accumulation import step_backward
+from .loss import model_loss
 
 #: Trainer internals this subclass overrides (present in transformers 5.x); checked at construction so
 #: that another version fails with a clear message instead of silently skipping an override.
@@ -137,13 +139,16 @@ class DynabatchTrainer(Trainer):
             ``rank``/``world_size`` (the defaults, from ``torch.distributed``, do that). Indexed mode:
             ``len(loader)`` steps per epoch, ``num_train_epochs`` or ``max_steps``; streaming mode:
             ``max_steps`` is required.
+        nonfinite: ``"raise"`` (default) stops training on a step whose loss or gradient norm is NaN/inf,
+            naming the step and micro-batch; ``"skip"`` drops that step's gradients and counts it
+            (`dynabatch.integrations.skipped_steps`), see `step_backward`.
         *args, **kwargs: ``transformers.Trainer``'s (``model``, ``args``, ``eval_dataset``,
             ``compute_loss_func``, ``callbacks``, ...), without ``train_dataset``/``data_collator``
             for training. ``args.gradient_accumulation_steps`` must be 1; the Trainer works on a copy
             of ``args`` with ``ignore_data_skip=True`` and ``average_tokens_across_devices=False``.
     """
 
-    def __init__(self, *args, train_loader, **kwargs):
+    def __init__(self, *args, train_loader, nonfinite: str = "raise", **kwargs):
         missing = [h for h in _TRAINER_HOOKS if not hasattr(Trainer, h)]
         if missing:
             import transformers
@@ -159,6 +164,7 @@ class DynabatchTrainer(Trainer):
         bound["args"] = _dynabatch_args(bound.get("args"))
         super().__init__(**bound)
         self.train_loader = train_loader
+        self.nonfinite = nonfinite
         self._epoch_shift = 0.0
         self._resume_point: tuple[int, int] | None = None
         self._staging_dir: str | None = None  # set while _save_checkpoint writes
@@ -177,10 +183,6 @@ class DynabatchTrainer(Trainer):
         if int(loader.world_size) != int(a.world_size):
             raise ValueError(f"the loader was built for world_size={loader.world_size} but the Trainer runs "
                              f"{a.world_size} processes: build it in each process with rank=/world_size= of the job")
-        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None or self.label_smoother is not None):
-            raise ValueError("the model's forward does not take num_items_in_batch, so its loss is a per-micro-batch "
-                             "mean; pass compute_loss_func=(outputs, labels, num_items_in_batch) returning the summed "
-                             "per-token loss / num_items_in_batch")
         if steps_in_epoch(loader, 0) is None and a.max_steps <= 0:
             raise ValueError("a streaming-mode loader has no length: set TrainingArguments(max_steps=...)")
 
@@ -255,7 +257,19 @@ class DynabatchTrainer(Trainer):
                 return self.compute_loss(model, mb_inputs, num_items_in_batch=n)
 
         return step_backward(model, inputs, accelerator=self.accelerator, loss_fn=loss_fn,
-                             world_size=self.args.world_size, prepare=self._prepare_inputs)
+                             world_size=self.args.world_size, prepare=self._prepare_inputs,
+                             nonfinite=self.nonfinite)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """A training micro-batch's summed token loss / ``num_items_in_batch`` by `model_loss` (the
+        model's own loss where it honours ``num_items_in_batch``, its logits' where it returns a mean,
+        as T5 and BART do); Trainer's own ``compute_loss`` with ``compute_loss_func``, a label smoother,
+        ``return_outputs`` (evaluation) or without ``num_items_in_batch``."""
+        if (return_outputs or num_items_in_batch is None or self.compute_loss_func is not None
+                or self.label_smoother is not None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        return model_loss(model, inputs, int(num_items_in_batch))
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, Step):

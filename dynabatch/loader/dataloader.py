@@ -21,6 +21,7 @@ the loader's (``state_dict()[mode]``).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 
@@ -32,6 +33,7 @@ from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexe
 from ..core.options import PlanOptions
 from .options import make_formatter, open_data, resolve
 from .step import Step
+from .model_facts import check_vocabulary, model_facts, with_model_facts
 from .records import CollateConfig
 from .settings import Costing, DataSource, LoaderSettings, Runtime, Tokenization, Workers, refuse_old_keywords
 from .torch_args import refuse_torch_arguments, torch_planning
@@ -138,6 +140,9 @@ class DataLoader:
                           persistent_workers)
         settings = LoaderSettings.of(workers, tokenization=tokenization, source=source, costing=costing,
                                      runtime=runtime)
+        tok = settings.tokenization
+        self.model_facts = model_facts(tok.model if tok.model is not None else tok.tokenizer)
+        settings = dataclasses.replace(settings, tokenization=with_model_facts(tok, self.model_facts))
         planning = torch_planning(batch_size, shuffle, drop_last, settings.rank, settings.world_size)
         self._build(data, resolve(settings, options, planning), feedback)
 
@@ -160,6 +165,7 @@ class DataLoader:
                                         format_config=s.format_config, vision=vision, pretokenized=s.pretokenized,
                                         image_token_id=s.image_token_id, chat_template=s.chat_template)
         self.tokenizer = self.formatter.tokenizer
+        check_vocabulary(self.tokenizer, self.model_facts)
         self.pad_to_multiple_of = int(self.cost.pad_multiple)
         collate = CollateConfig(
             collation=o.collation, family=self.family, pad_id=int(self.tokenizer.pad_id),

@@ -42,13 +42,20 @@ class Tokenization:
         None (default) the tokenizer's own Jinja chat template, loss on the assistant turns only
         (else the plain ``User:/Assistant:`` format, with a `tokenization.ChatTemplateWarning`); a
         Jinja template's text; ``"tokenizer"``; ``"plain"`` or a ``tokenization.ChatTemplate``.
-    decoder_start_token_id: first decoder input of an encoder-decoder model (None: the pad id).
+    decoder_start_token_id: first decoder input of an encoder-decoder model (None: the model's
+        ``config.decoder_start_token_id`` when ``model`` is known, else the pad id).
     vision: a ``tokenization`` vision policy (None: ``DynamicTiling()`` for a vision-language cost
         model, else text only); micro-batches then carry ``image_tiles``.
     image_token_id: None: ``input_ids`` hold text only; an id: LLaVA-style placeholder runs of that
         id, one per vision token, counted towards ``max_len`` and never cut.
     load_pixels: also decode images into ``pixel_values`` (needs ``vision``), normalized with
         ``pixel_mean`` / ``pixel_std`` (per channel, 0..1 scale).
+    model: the Hugging Face model these samples are for: a ``save_pretrained`` folder, a ``config.json``
+        path, a config or a model object (None: ``tokenizer`` when it is a folder holding a
+        ``config.json``). Its config fills the unset ``family``, ``decoder_start_token_id``,
+        ``image_token_id``, ``vision`` and pixel statistics, a stated value that differs is warned
+        about, and a tokenizer with more ids than the model's ``vocab_size`` is refused
+        (`dynabatch.loader.model_facts`).
     """
 
     tokenizer: Any = "bytes"
@@ -64,6 +71,7 @@ class Tokenization:
     load_pixels: bool = False
     pixel_mean: tuple = IMAGENET_MEAN
     pixel_std: tuple = IMAGENET_STD
+    model: Any = None
 
 
 @dataclass(frozen=True)

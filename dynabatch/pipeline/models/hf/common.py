@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ....loader.token_loss import summed_cross_entropy
 from ..layered import LayeredModel
-from ..tiny import IGNORE_INDEX
 
 
 class UnsupportedModel(TypeError):
@@ -32,18 +31,6 @@ class HFLayer(nn.Module):
         super().__init__()
         for attr, module in sources.items():
             setattr(self, attr, module)
-
-
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token losses, target tokens) of ``logits`` [rows, L, V] against ``labels`` [rows, L]
-    (-100 ignored), in float32 or wider as Hugging Face's losses are. ``shift``: causal LM (position
-    t predicts ``labels[t + 1]``, the label row padded with -100 as ``ForCausalLMLoss`` does)."""
-    if shift:
-        labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    target = labels.reshape(-1).long().to(logits.device)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (target != IGNORE_INDEX).sum()
 
 
 @dataclass
