@@ -6,10 +6,12 @@ process training the plain Hugging Face model with the same optimizer (AdamW, 3 
   loss **bit-identical** (``torch.equal``). The one-process gradient of the tied weight is the sum of its
   two uses' gradients; the runtime all-reduces each stage's part, and a sum of two floats does not depend
   on their order; the scaling by 1 / tokens is the runner's (a multiplication by the reciprocal).
-* T5 (``shared`` in the embedding and the head), one micro-batch per step, **cut between the encoder
-  and the decoder**: every parameter after every step and every loss **bit-identical**. Each stack's
-  bias is computed once on the stage holding the stack and its blocks' gradients are summed in
-  ``[1, heads, L, L]`` bias space before one table backward, as Hugging Face does.
+* T5 (``shared`` in the encoder and decoder embeddings and the head), one micro-batch per step, **cut
+  between the encoder and the decoder**: the first step's loss and every parameter but ``shared.weight``
+  **bit-identical** (each stack's bias is computed once on the stage holding the stack and its blocks'
+  gradients are summed in ``[1, heads, L, L]`` bias space before one table backward, as Hugging Face
+  does); ``shared.weight`` sums three uses in another order than one process (not the same arithmetic by
+  construction): within 1e-6 (relative, norm), as is everything after 3 steps.
 * T5 **cut inside the decoder** (its bias table on both stages): after the first step everything is
   bit-identical **except the decoder's bias table**. Each stage computes that bias from its copy of the
   table (so nothing quadratic crosses a link, issue 24 item 3), and the two stages' table gradients are
@@ -126,11 +128,25 @@ def test_tied_llama_one_microbatch_bit_identical_to_one_process():
     _bit_identical(_of("llama", 2, 1), ["model.embed_tokens.weight"])
 
 
-def test_tied_t5_cut_between_the_stacks_bit_identical_to_one_process():
-    """T5 on 2 stages, the encoder on one and the decoder on the other: the shared embedding (embedding on
-    stage 0, head on stage 1) and both stacks' bias tables (each computed once on its stage): every
-    parameter after every step and every loss, bit for bit."""
-    _bit_identical(_of("t5", 4, 1), ["shared.weight"])
+def test_tied_t5_cut_between_the_stacks_equal_to_one_process():
+    """T5 on 2 stages, the encoder on one and the decoder on the other: the shared embedding (encoder and
+    decoder embedding on stage 0, head on stage 1) and both stacks' bias tables (each computed once on its
+    stage). The first step's loss and every parameter but ``shared.weight`` are bit-identical (the same ops
+    in the same order). ``shared.weight``'s gradient is a sum of three uses: one process accumulates them in
+    its backward order, the pipeline sums stage 0's two then all-reduces with the head's; a token in both
+    the inputs and the targets makes that a three-term sum in another order, so its bits depend on the
+    data and the CPU (they matched on one machine, not on another): within 1e-6 (relative, norm) after every
+    step, as is every other parameter once that difference has reached it, and the losses within 1e-6."""
+    cases = _of("t5", 4, 1)
+    assert sorted(c["stage"] for c in cases) == [0, 1]
+    for c in cases:
+        assert c["tied"] == ["shared.weight"], c
+        first = c["steps"][0]
+        assert first["total"] > 0 and set(first["differ"]) <= {"shared.weight"}, (c["stage"], first)
+        assert first["loss"] == first["ref_loss"], first
+        for step in c["steps"]:
+            assert step["gap"] <= 1e-6, (c["stage"], step)
+            assert abs(step["loss"] - step["ref_loss"]) <= 1e-6 * abs(step["ref_loss"]), (c["stage"], step)
 
 
 def _bit_identical(cases, tied):
