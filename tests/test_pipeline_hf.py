@@ -223,8 +223,12 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"mlp\..*shape .* the config gives"):
         from_hf(wider, weights=tmp_path)
     deeper = decoder_config("llama", num_hidden_layers=3)
-    with pytest.raises(ValueError, match=r"model\.layers\.2\..* is not in"):
+    with pytest.raises(ValueError, match=r"parameter\(s\) no stored tensor fills, e\.g\. \['model\.layers\.2\."):
         from_hf(deeper, weights=tmp_path)
+    shallower = decoder_config("llama", num_hidden_layers=1)  # the weights have a layer the config lacks
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1\): 9 stored tensor\(s\) no layer of the config takes, "
+                                         r"e\.g\. \['model\.layers\.1\."):
+        from_hf(shallower, weights=tmp_path)
     state = {k: v for k, v in hf.state_dict().items()}
     model = from_hf(hf.config, weights=state, dtype=torch.float32)
     assert torch.equal(model.layers[1].block.mlp.up_proj.weight, hf.model.layers[0].mlp.up_proj.weight)

@@ -121,7 +121,10 @@ def from_hf(source, *, layers: range | None = None, weights: str | Path | Mappin
         model = adapt(build_model(config, empty=False, dtype=dtype))
         return model if layers is None else _drop_others(model, layers)
     src = WeightSource(weights if weights is not None else source)
-    model = adapt(build_model(config, empty=True, dtype=dtype))
+    hf_model = build_model(config, empty=True, dtype=dtype)
+    src.bind(hf_model)  # stored names as transformers maps them; a checkpoint of another config is refused
+    model = adapt(hf_model)
+    model.weights = src  # load_stage reads the stage's layers from the same, checked source
     materialize(model, range(len(model.layers)) if layers is None else layers, src, device=device, dtype=dtype)
     return model
 

@@ -28,6 +28,7 @@ class WeightSource:
 
     def __init__(self, source: str | Path | Mapping[str, torch.Tensor]):
         self._handles: dict[str, object] = {}
+        self.renamed: dict[str, str] | None = None  # model name -> stored key, once bound to a model
         if isinstance(source, Mapping):
             self.state, self.files, self.where = source, {}, "the given state dict"
             return
@@ -48,10 +49,26 @@ class WeightSource:
             if not path.is_file():
                 raise FileNotFoundError(f"{INDEX_FILE} in {folder} lists shard {path.name}, which is missing")
 
+    def keys(self) -> list[str]:
+        """Every tensor name as stored."""
+        return list(self.state if self.state is not None else self.files)
+
+    def bind(self, hf_model: nn.Module) -> "WeightSource":
+        """Read the stored names as ``hf_model``'s state-dict names (`names.stored_names`: transformers' own
+        conversion mapping, e.g. LLaVA's ``language_model.model.*``) and refuse a checkpoint that is not
+        this model's (`names.check_coverage`: tensors no layer takes, parameters nothing fills). Returns self."""
+        from .names import check_coverage, stored_names
+
+        self.renamed = stored_names(hf_model, self.keys(), self.where)
+        check_coverage(hf_model, self.renamed, self.where)
+        return self
+
     def name_of(self, names: Iterable[str]) -> str | None:
-        """The first of ``names`` (a parameter's state-dict name, then its aliases) this source holds."""
-        have = self.state if self.state is not None else self.files
-        return next((n for n in names if n in have), None)
+        """The stored key of the first of ``names`` (a parameter's state-dict name, then its aliases) this
+        source holds (after `bind`, by the model's names)."""
+        have = self.renamed if self.renamed is not None else (self.state if self.state is not None else self.files)
+        found = next((n for n in names if n in have), None)
+        return have[found] if found is not None and self.renamed is not None else found
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor stored under ``name``."""
@@ -98,8 +115,9 @@ def materialize(model: HFLayeredModel, layers: range, source: WeightSource, devi
                 continue
             key = source.name_of(names)
             if key is None:
-                raise ValueError(f"{model.name}: layer {i} parameter {path} ({names[0]}) is not in {source.where}; "
-                                 "the weights are not those of this model's config")
+                raise ValueError(f"{model.name}: layer {i} parameter {path} ({names[0]}) is not in {source.where} "
+                                 "(under this name or any that transformers maps to it): the folder's weights are "
+                                 "not those of its config.json")
             t = source.get(key)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{model.name}: {key} has shape {list(t.shape)} in {source.where} but the config gives "
