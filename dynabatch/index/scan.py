@@ -365,6 +365,9 @@ def index_settings(formatter, vision, source=None) -> dict:
     return out
 
 
+LOADER_ERRORS_KEY = b"dynabatch.loader_errors"  # of scan_source: {kind: count} of skipped bad records
+
+
 def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_error: str = "raise",
                 keep_tokens: bool = False, token_budget: int | None = None, progress: bool | None = None,
                 token_sink=None) -> pa.Table:
@@ -393,11 +396,13 @@ def scan_source(source, formatter, *, vision=None, batch_size: int = 512, on_err
                   keep_ids=keep_tokens, ids_budget=token_budget, ids_sink=token_sink if text else None,
                   progress=progress,
                   progress_total=getattr(source, "num_rows", None), progress_desc="dynabatch: length index")
-    table, _ = scan_parts(source, formatter.tokenizer, kwargs, workers=1)
+    table, errors = scan_parts(source, formatter.tokenizer, kwargs, workers=1)
     import loaders
 
     settings = json.dumps(index_settings(formatter, vision, source), sort_keys=True).encode()
     meta = {SETTINGS_KEY: settings, DATA_FILES_KEY: json.dumps(loaders.file_fingerprints(source)).encode()}
+    if errors:  # bad records the loaders skipped: an empty index says how many (tables without any unchanged)
+        meta[LOADER_ERRORS_KEY] = json.dumps(errors, sort_keys=True).encode()
     if all(c in table.column_names for c in TOKEN_COLUMNS):
         meta[TOKEN_SETTINGS_KEY] = settings
     return _finish(table, meta)

@@ -18,6 +18,13 @@ under (`dynabatch.index.index_settings`, which name the tokenizer and the source
 tokenizer's content hash (`tokenization.tokenizer_fingerprint`) and ``sha256``: the hash of every byte before
 the footer. `read_token_file` refuses, naming the file, a file whose footer, hash, settings or
 tokenizer differ from what the loader expects (`TokenFileError`).
+
+Files of a process that was killed (SIGKILL, the OOM killer) cannot be deleted by it: a loader's
+private token file (``tokens-PID-START-*.bin``, `private_token_path`) and a writer's unfinished one
+(``.tokens-PID-START-*``) are named for the process that made them, its pid and start time, and the
+next start removes those whose process is gone (`reclaim_token_files`). The private folder's size is
+bounded (``$DYNABATCH_CACHE_MAX_BYTES``, default `DEFAULT_CACHE_MAX_BYTES`): a start that finds it
+full, or a write that would pass the bound, raises `TokenCacheFull` naming the folder and what to do.
 """
 
 from __future__ import annotations
@@ -25,31 +32,109 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 
 import numpy as np
+
+from ..process_identity import ended_owners, process_tag
 
 MAGIC = b"DBTOKEN1"
 FORMAT = "dynabatch.token_cache"
 VERSION = 1
 _TAIL = struct.Struct("<Q8s")
 _CHUNK = 1 << 24  # bytes hashed per read when a file is checked
+CACHE_MAX_ENV = "DYNABATCH_CACHE_MAX_BYTES"
+DEFAULT_CACHE_MAX_BYTES = 100 << 30  # the private folder's bound: ids of ~13e9 decoder tokens (8 bytes each)
+# a private file (the start time absent in names made before it was recorded) or a writer's unfinished one
+_PRIVATE = re.compile(r"tokens-(\d+)-(?:(\d*)-)?[^-]*\.bin\Z")
+_UNFINISHED = re.compile(r"\.tokens-(\d+)-(\d*)-")
 
 
 class TokenFileError(ValueError):
     """A token-cache file that cannot be used (damaged, edited, or made for other data or another tokenizer)."""
 
 
+class TokenCacheFull(RuntimeError):
+    """The private token-cache folder holds (or a token file being written would make it hold)
+    more than its bound, ``$DYNABATCH_CACHE_MAX_BYTES``."""
+
+
+def reclaim_token_files(folder: str) -> list[str]:
+    """Delete the private and unfinished token files in ``folder`` whose process (pid and start time
+    in the name) is gone; the paths deleted."""
+    gone = []
+    for path in ended_owners(folder, (_PRIVATE, _UNFINISHED)):
+        try:
+            os.unlink(path)
+        except OSError:  # removed by another process's start meanwhile
+            continue
+        gone.append(path)
+    return gone
+
+
+def cache_max_bytes() -> int:
+    """The private token-cache folder's bound in bytes (``$DYNABATCH_CACHE_MAX_BYTES``, else the default)."""
+    raw = os.environ.get(CACHE_MAX_ENV)
+    if not raw:
+        return DEFAULT_CACHE_MAX_BYTES
+    try:
+        return int(float(raw))
+    except ValueError:
+        raise ValueError(f"${CACHE_MAX_ENV}={raw!r} is not a number of bytes (e.g. 200e9)") from None
+
+
+def _folder_bytes(folder: str) -> tuple[int, int]:
+    """(bytes, number) of the files directly in ``folder``."""
+    sizes = [e.stat().st_size for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+    return sum(sizes), len(sizes)
+
+
+def _size(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b} bytes"
+
+
+def _full(folder: str, used: int, files: int, bound: int, writing: int = 0) -> TokenCacheFull:
+    """The error of a full private folder (``writing``: bytes of the token file being written)."""
+    held = f"{_size(used)} in {files} file{'s' if files != 1 else ''}"
+    now = (f"would hold {_size(used + writing)} ({held}, {_size(writing)} of the token file being written so far)"
+           if writing else f"holds {held}")
+    return TokenCacheFull(
+        f"token cache folder {folder} {now}, over its bound of {_size(bound)} (${CACHE_MAX_ENV}={bound}): "
+        f"raise ${CACHE_MAX_ENV}, point $DYNABATCH_CACHE_DIR at a folder with room, or delete the files there "
+        f"no running loader uses (tokens-PID-START-*.bin is in use while process PID runs; those of ended "
+        f"processes are deleted at each start); DataSource(cache_tokens=False) or an index_cache= (its token "
+        f"file lies beside it) keeps the loader out of this folder")
+
+
+def private_token_path(folder: str) -> tuple[str, int]:
+    """(a new path for this process's private token file in ``folder``, the bytes left under the
+    folder's bound), after `reclaim_token_files`; `TokenCacheFull` when no byte is left."""
+    reclaim_token_files(folder)
+    bound = cache_max_bytes()
+    used, files = _folder_bytes(folder)
+    if used >= bound:
+        raise _full(folder, used, files, bound)
+    fd, path = tempfile.mkstemp(prefix=f"tokens-{process_tag()}-", suffix=".bin", dir=folder)
+    os.close(fd)
+    os.unlink(path)  # written (atomically) by a TokenFileWriter
+    return path, bound - used
+
+
 class TokenFileWriter:
     """Writes a token file batch by batch (`add`), then `finish` publishes it at ``path``
-    atomically (a temporary file renamed): a killed scan leaves no half file."""
+    atomically (a temporary file renamed): a killed scan leaves no half file (the next writer in
+    that folder deletes its unfinished one). ``max_bytes``: `TokenCacheFull` once the file would
+    pass that many bytes (the room `private_token_path` leaves; None: no bound)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_bytes: int | None = None):
         self.path = str(path)
         folder = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(folder, exist_ok=True)
-        self._main = tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False)
+        reclaim_token_files(folder)
+        self._max, self._written = max_bytes, 0
+        self._main = tempfile.NamedTemporaryFile(dir=folder, prefix=f".tokens-{process_tag()}-", delete=False)
         self._second = tempfile.TemporaryFile(dir=folder)
         self._hash = hashlib.sha256()
         self._ids: list[np.ndarray] = []
@@ -59,9 +144,16 @@ class TokenFileWriter:
     def add(self, sample_ids, input_ids, input_lengths, second_ids, second_lengths) -> None:
         """One batch: flat int32 ids and int64 lengths per sample (the `tokenization.scan_shapes` sink)."""
         a = np.ascontiguousarray(input_ids, np.int32).tobytes()
+        b = np.ascontiguousarray(second_ids, np.int32).tobytes()
+        self._written += len(a) + len(b) + 24 * len(input_lengths)  # ids, then 3 int64 index values per sample
+        if self._max is not None and self._written > self._max:
+            folder = os.path.dirname(os.path.abspath(self.path))
+            self.discard()
+            used, files = _folder_bytes(folder)
+            raise _full(folder, used, files, cache_max_bytes(), self._written)
         self._hash.update(a)
         self._main.write(a)
-        self._second.write(np.ascontiguousarray(second_ids, np.int32).tobytes())
+        self._second.write(b)
         self._ids.append(np.asarray(sample_ids, np.int64))
         self._in_len.append(np.asarray(input_lengths, np.int64))
         self._sec_len.append(np.asarray(second_lengths, np.int64))

@@ -183,11 +183,12 @@ def _remove_owned(path: str, pid: int) -> None:
 
 
 def encode_to_file(source, formatter, path: str, meta: dict, *, batch_size: int = 512, on_error: str = "raise",
-                   progress: bool | None = None) -> str:
+                   progress: bool | None = None, max_bytes: int | None = None) -> str:
     """One tokenization pass over ``source`` (natural order) under ``formatter`` into the token file
-    ``path`` (footer: ``meta``), batch by batch: the cache of an index that came without one."""
+    ``path`` (footer: ``meta``), batch by batch: the cache of an index that came without one.
+    ``max_bytes``: the file's bound (`TokenFileWriter`)."""
     family = formatter.config.family
-    writer = TokenFileWriter(path)
+    writer = TokenFileWriter(path, max_bytes)
     try:
         for encs in _encoded_batches(source, formatter, batch_size, on_error, progress):
             inp, off, second, soff = _flat_columns(encs, family)

@@ -37,6 +37,8 @@ import threading
 
 import numpy as np
 
+from ..process_identity import process_alive as _alive, process_start
+
 _LOCK = threading.RLock()  # serializes forks, kernel warm-up and compiles (with numba's lock)
 _held = threading.local()  # how deep this thread is in `fork_lock` (released in a forked child)
 _warmed: set = set()
@@ -149,27 +151,6 @@ def _die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     finally:
         os._exit(1)
-
-
-def process_start(pid: int) -> str | None:
-    """An id of the process ``pid``'s life (Linux: its start time in clock ticks since boot, from
-    ``/proc``), so that a recycled pid reads as another process; None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()[19]  # field 22 (starttime); the name may hold spaces
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else: a recycled pid
-        return False
-    return start is None or process_start(pid) == start
 
 
 def watch_parent(parent_pid: int, forked_from_main: bool = False, parent_start: str | None = None) -> None:

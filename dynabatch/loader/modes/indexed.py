@@ -13,18 +13,20 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import warnings
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 import torch
-from tokenization import tokenizer_fingerprint
+from tokenization import scan_stats, tokenizer_fingerprint
 
 from .. import state as lstate
 from ..ahead import fork_available
 from ...index import LengthIndexError, TokenFileWriter, encode_to_file
+from ...index.token_file import private_token_path
+from ...index.scan import LOADER_ERRORS_KEY
 from ..indexed_steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache, WorkerSplitDataset,
                              index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
                              write_index_table)
@@ -60,19 +62,20 @@ def open_index(ctx: Context, index, index_cache):
 
     The token cache is a file read with pread (`dynabatch.index.token_file`): ``<index_cache>.tokens``
     beside an index cache (kept and checked on the next run), else a private file in the cache
-    folder (`token_cache_folder`) deleted when the loader is; the scan writes it as it goes."""
+    folder (`token_cache_folder`) deleted when the loader is (or, after a kill, at the next start;
+    the folder's size is bounded: `dynabatch.index.token_file.private_token_path`); the scan writes
+    it as it goes."""
     s = ctx.settings
     settings = index_settings(ctx.formatter, ctx.vision, ctx.source)
     text = ctx.vision is None
     want = text and s.cache_tokens is not False
-    path, owned = (f"{index_cache}.tokens", False) if index_cache is not None else (None, True)
+    path = f"{index_cache}.tokens" if index_cache is not None else None
+    owned, room = index_cache is None, None  # room: bytes the private folder's bound leaves
     meta = {"settings": settings, "tokenizer": tokenizer_fingerprint(ctx.formatter.tokenizer)} if want else None
-    if want and path is None:
-        fd, path = tempfile.mkstemp(prefix=f"tokens-{os.getpid()}-", suffix=".bin", dir=token_cache_folder())
-        os.close(fd)
-        os.unlink(path)  # written (atomically) by the scan or the encoding pass
+    if want and path is None:  # reclaims the files of killed loaders; TokenCacheFull when over the bound
+        path, room = private_token_path(token_cache_folder())
     if index is None:
-        index = _scan_index(ctx, index_cache, settings, path if want else None, meta)
+        index = _scan_index(ctx, index_cache, settings, path if want else None, meta, room)
     table = read_index_table(index)
     o = ctx.options
     idx = load_index(table, ctx.family, o.max_len, o.max_target_len, bos=int(ctx.formatter.config.add_bos))
@@ -93,7 +96,7 @@ def open_index(ctx: Context, index, index_cache):
             want = False
             logger.info("token cache off: the ids of %d samples need up to %.1f GiB on disk, %s has %.1f GiB free; "
                         "pass DataSource(cache_tokens=True) to keep them anyway", len(idx), need / 2**30, folder, free / 2**30)
-    return idx, table, (_token_cache(ctx, idx, table, path, meta, owned) if want else None)
+    return idx, table, (_token_cache(ctx, idx, table, path, meta, owned, room) if want else None)
 
 
 def token_cache_folder() -> str:
@@ -105,7 +108,8 @@ def token_cache_folder() -> str:
     return folder
 
 
-def _token_cache(ctx: Context, index, table, path: str, meta: dict, owned: bool) -> TokenCache | None:
+def _token_cache(ctx: Context, index, table, path: str, meta: dict, owned: bool,
+                 room: int | None) -> TokenCache | None:
     """From the index table's token columns when made with these settings (held in memory by the
     caller already), else the token file ``path`` (written by the scan just now, or by an earlier run
     beside the index cache), else one tokenization pass into it."""
@@ -122,7 +126,7 @@ def _token_cache(ctx: Context, index, table, path: str, meta: dict, owned: bool)
         logger.info("token cache %s lacks samples of the length index: rebuilding it", path)
     t0 = time.perf_counter()
     encode_to_file(ctx.source, ctx.formatter, path, meta, on_error=ctx.settings.on_error,
-                   progress=ctx.settings.progress)
+                   progress=ctx.settings.progress, max_bytes=room)
     tc = TokenCache.from_file(index, path, **args)
     if tc is None:
         logger.warning("token cache off: the data lacks samples of the length index (stale index?)")
@@ -132,9 +136,10 @@ def _token_cache(ctx: Context, index, table, path: str, meta: dict, owned: bool)
     return tc
 
 
-def _scan_index(ctx: Context, index_cache, settings, token_path: str | None, meta: dict | None):
+def _scan_index(ctx: Context, index_cache, settings, token_path: str | None, meta: dict | None,
+                room: int | None = None):
     """The index table: the index cache when made with ``settings``, else a scan (written to the
-    index cache; with ``token_path`` the scan also writes the token file there)."""
+    index cache; with ``token_path`` the scan also writes the token file there, of at most ``room`` bytes)."""
     if index_cache is not None and os.path.exists(index_cache):
         try:
             table = read_index_table(index_cache)
@@ -146,7 +151,7 @@ def _scan_index(ctx: Context, index_cache, settings, token_path: str | None, met
             return table
         logger.info("index cache %s was built from other data or settings: rebuilding it", index_cache)
     t0 = time.perf_counter()
-    writer = TokenFileWriter(token_path) if token_path is not None else None
+    writer = TokenFileWriter(token_path, room) if token_path is not None else None
     try:
         table = scan_source(ctx.source, ctx.formatter, vision=ctx.vision, on_error=ctx.settings.on_error,
                             progress=ctx.settings.progress, token_sink=writer.add if writer else None)
@@ -284,8 +289,8 @@ class IndexedMode(Mode):
 def build_indexed(ctx: Context, index=None, index_cache=None) -> IndexedMode:
     """The indexed mode of a loader: length index (scanned when not given), planner, token cache.
     Raises ValueError when the data gives no step; warns when samples outweigh the global batch."""
-    idx, _, tokens = open_index(ctx, index, index_cache)
-    check_not_empty(ctx, len(idx))
+    idx, table, tokens = open_index(ctx, index, index_cache)
+    check_not_empty(ctx, len(idx), table)
     planner = IndexedPlanner(idx, ctx.cost, ctx.options)
     warning = oversized_samples(idx.shapes, ctx.cost, ctx.options)
     if warning is not None:
@@ -298,11 +303,38 @@ def build_indexed(ctx: Context, index=None, index_cache=None) -> IndexedMode:
     return IndexedMode(ctx, idx, planner, tokens)
 
 
-def check_not_empty(ctx: Context, samples: int) -> None:
-    """ValueError naming the data when its length index holds no sample (every sample skipped, or none)."""
+def check_not_empty(ctx: Context, samples: int, table=None) -> None:
+    """ValueError naming the data and its files when its length index (``table``, with the scan's
+    counts of skipped records) holds no sample: every record skipped as bad (how many, by kind), or none."""
     if samples:
         return
-    errors = getattr(ctx.source, "error_counts", None) or {}
-    skipped = f"; {sum(errors.values())} bad records skipped ({dict(errors)})" if errors else ""
-    raise ValueError(f"the data {getattr(ctx.source, 'name', type(ctx.source).__name__)!r} holds no samples"
-                     f"{skipped}: nothing to train on; check the paths/split (and on_error)")
+    errors = Counter(getattr(ctx.source, "error_counts", None) or {})
+    meta = (table.schema.metadata or {}) if table is not None else {}
+    errors.update(json.loads(meta.get(LOADER_ERRORS_KEY, b"{}")))  # the scan's, counted in its copy of the source
+    stats = scan_stats(table) if table is not None else None
+    if stats is not None and stats.num_skipped:
+        errors["tokenization"] += stats.num_skipped
+    files = _file_names(ctx.source)
+    more = f" and {len(files) - _FILES_SHOWN} more" if len(files) > _FILES_SHOWN else ""
+    where = f" ({', '.join(files[:_FILES_SHOWN])}{more})" if files else ""
+    name = f"the data {getattr(ctx.source, 'name', type(ctx.source).__name__)!r}{where}"
+    if not errors:
+        raise ValueError(f"{name} holds no samples: nothing to train on; check the paths/split")
+    first = f"; the first: {stats.skipped[0][0]}: {stats.skipped[0][1]}" if stats is not None and stats.skipped else ""
+    raise ValueError(f"{name} holds no samples: all {sum(errors.values())} of its records were skipped as bad "
+                     f"(on_error='skip'; by kind: {dict(sorted(errors.items()))}{first}); nothing to train on: "
+                     "fix the records or their field mapping (source_options={'mapping': ...}), or read them "
+                     "with on_error='raise' to see the first error with its file and line")
+
+
+_FILES_SHOWN = 3  # data files an error names
+
+
+def _file_names(source) -> list[str]:
+    """The data files of a source (full paths or URLs), or of a mixture (its recorded names)."""
+    shards = getattr(source, "shards", None)
+    if shards is not None:
+        return [s.path or s.name for s in shards]
+    import loaders
+
+    return [name for name, *_ in loaders.file_fingerprints(source)]

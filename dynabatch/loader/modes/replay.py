@@ -19,8 +19,8 @@ def build_replay(ctx: Context, run, explicit: dict, index=None, index_cache=None
     """Check ``run`` (a `dynabatch.planfile.RunPlan`) against the data and the job
     (`PlanMismatchError`) and replay it."""
     run.check_origin(ctx.source, ctx.formatter.tokenizer)
-    idx, _, tokens = open_index(ctx, index, index_cache)
-    check_not_empty(ctx, len(idx))
+    idx, table, tokens = open_index(ctx, index, index_cache)
+    check_not_empty(ctx, len(idx), table)
     o = ctx.options
     run.check(dataset_fingerprint=idx.fingerprints, num_ranks=ctx.world_size, num_stages=o.num_stages,
               options=explicit, sample_ids=idx.shapes.sample_id)

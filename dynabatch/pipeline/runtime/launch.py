@@ -43,37 +43,50 @@ server without torch. Differences that remain: a forked rank's stdin is ``/dev/n
 it runs the ``atexit`` handlers and leaves with ``os._exit``, skipping the rest of the interpreter's
 teardown (module and thread finalization); the caller's main script is imported as ``__mp_main__``
 (as multiprocessing does; keep its work under ``if __name__ == "__main__"``); modules in ``preload``
-that the running server did not import are imported by each rank itself. Ranks outlive a killed
-launcher no more than spawned ones do (neither is killed with it; the fork server itself exits).
+that the running server did not import are imported by each rank itself. The machinery is in
+`dynabatch.pipeline.runtime.forked_ranks`.
+
+**A killed launcher takes its ranks with it** (`dynabatch.pipeline.runtime.orphans`): every rank, spawned
+or forked, dies within about a second of the launcher's death, however it died (SIGKILL included: the
+kernel's parent-death signal, and a watch of the launcher's pid and start time; measured in
+``tests/test_launch_orphans.py``), and the next launch removes the folder a killed launch left under
+the temp dir (``dynabatch-launch-PID-START-*``). Under ``torchrun`` (`run_ranks` with ``RANK`` and
+``WORLD_SIZE`` set) none of this applies: torchrun starts and stops the ranks by its own rules (each
+rank in its own session, stopped when torchrun gets SIGTERM, SIGINT, SIGHUP or SIGQUIT; a SIGKILLed
+torchrun does not stop them), and dynabatch adds no watch.
+
+**Which rank failed.** A rank whose worker raised records when (`ProcResult.failed_s`); `run_ranks`
+names the rank that failed first by that time (else by its exit), not the lowest failing rank: when
+one rank fails, the others usually fail after it, because of it.
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
-import io
 import json
-import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
-import types
 from dataclasses import dataclass
 from pathlib import Path
+
+from .forked_ranks import IMPORT_TIME_ENV, _forked_rank, _ForkedRank, _fork_server, _servers  # noqa: F401
+from .orphans import LAUNCHER_ENV, PDEATHSIG_CODE, launcher_identity, make_launch_folder
 
 RESULT_PREFIX = "DYNABATCH_RESULT "
 HEARTBEAT_ENV = "DYNABATCH_HEARTBEAT"
 DEFAULT_IDLE_TIMEOUT_S = 120.0
-# a rank's first sign of life is its start (before the slow imports), the next ones its imports done
-_CHILD = ("import os; p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close(); "
-          "import sys; from dynabatch.pipeline.runtime.launch import _main; sys.exit(_main(sys.argv[1:]))")
+# a rank's first sign of life is its start (before the slow imports), the next ones its imports done;
+# it dies with its launcher from before those imports on (`orphans`)
+_CHILD = (PDEATHSIG_CODE + "p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close()\n"
+          "from dynabatch.pipeline.runtime.orphans import watch_launcher; watch_launcher()\n"
+          "from dynabatch.pipeline.runtime.launch import _main; sys.exit(_main(sys.argv[1:]))")
+FAILED_SUFFIX = ".failed"  # beside a rank's heartbeat file: when its worker raised (time.monotonic)
 _last_beat = [0.0]
 # where CPU time is progress (see the module doc), this share of one core over the idle timeout is a
 # sign of life: a process importing or tearing down torch uses 3%+ of a core even on a 2-core machine
@@ -82,16 +95,6 @@ CPU_PROGRESS_SHARE = 0.01
 START_ENV = "DYNABATCH_LAUNCH_START"  # launch_local's start method when the caller names none
 START_METHODS = ("spawn", "forkserver")
 PRELOAD_ENV = "DYNABATCH_LAUNCH_PRELOAD"  # launch_local's preload when the caller names none: "a,b"
-# prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
-# libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
-# change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the module doc)
-IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
-                   "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
-_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", HEARTBEAT_ENV)
-# this module's fork servers by import-time environment (`_server_for`): "server", "popen", once
-# started "pid"
-_servers: dict = {}
-_server_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class ProcResult:
     """One launched rank: exit code (None if killed at the timeout), output, wall seconds (to its
     exit, or to the kill), and the worker's return value (None when it raised or returned nothing).
     ``timeout_reason`` says why a ``timed_out`` rank was killed: ``"idle"`` (no rank made progress
-    for ``idle_timeout_s``) or ``"max_wall"``."""
+    for ``idle_timeout_s``) or ``"max_wall"``. ``failed_s``: seconds from the launch's start to when
+    the worker raised (None when it did not: it returned, or its process died of a signal)."""
 
     rank: int
     returncode: int | None
@@ -109,6 +113,7 @@ class ProcResult:
     timed_out: bool
     result: object = None
     timeout_reason: str | None = None
+    failed_s: float | None = None
 
 
 _handed_out: dict[int, float] = {}  # port -> when free_port returned it (monotonic seconds)
@@ -202,94 +207,6 @@ def _resolve_start(start_method: str | None) -> str:
     return method
 
 
-def _import_env(env) -> tuple:
-    """The variables of ``env`` a forked rank cannot change (`IMPORT_TIME_ENV`, less the honoured ones)."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in _HONOURED_ENV))
-
-
-def _server_for(key: tuple) -> dict:
-    """This module's fork server for the import-time environment ``key`` (made on first use): a
-    `multiprocessing.forkserver.ForkServer` of its own and the `Popen` class that asks it."""
-    if key not in _servers:
-        from multiprocessing import forkserver, popen_forkserver
-
-        server = forkserver.ForkServer()
-        # popen_forkserver.Popen._launch as it is, run with a `forkserver` that names our server: the
-        # stdlib one asks the module's process-wide server (its code reads no other name of ours)
-        launch_code = popen_forkserver.Popen._launch.__code__
-        assert not launch_code.co_freevars, "popen_forkserver.Popen._launch changed: re-check this rebinding"
-        names = {**vars(popen_forkserver), "forkserver": _ServerModule(server, forkserver.read_signed)}
-        popen = type("Popen", (popen_forkserver.Popen,), {"_launch": types.FunctionType(launch_code, names)})
-        _servers[key] = {"server": server, "popen": popen}
-    return _servers[key]
-
-
-@dataclass(frozen=True)
-class _ServerModule:
-    """What `popen_forkserver.Popen._launch` uses of the `multiprocessing.forkserver` module, on one server."""
-
-    server: object
-    read_signed: object
-
-    def connect_to_new_process(self, fds):
-        return self.server.connect_to_new_process(fds)
-
-
-class _ServerProcess(getattr(multiprocessing.context, "ForkServerProcess", multiprocessing.Process)):
-    """A process forked by one of this module's fork servers (``server_key``, see `_server_for`); a
-    module-level class, since the server unpickles it. (Windows has no fork servers: the base is only
-    there to import.)"""
-
-    server_key: tuple = ()
-
-    @staticmethod
-    def _Popen(process_obj):  # noqa: N802 - multiprocessing's name
-        return _servers[process_obj.server_key]["popen"](process_obj)
-
-
-def _fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
-    """The key (`_server_for`) of the fork server started with today's import-time environment
-    (importing ``preload``; again if it died), to fork ranks with ``rank_env`` from; None where
-    ``rank_env`` changes a variable read at import time or the platform has no fork servers."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
-    key = _import_env(os.environ)
-    if _import_env(rank_env) != key:
-        return None
-    with _server_lock:
-        entry = _server_for(key)
-        server = entry["server"]
-        if server._forkserver_pid is None:  # noqa: SLF001 - a server already running keeps its imports
-            server.set_forkserver_preload(["dynabatch.pipeline.runtime.preload", *preload])
-        server.ensure_running()  # (re)starts it now, with today's os.environ, if it is not running
-        entry["pid"] = server._forkserver_pid  # noqa: SLF001
-    return key
-
-
-class _ForkedRank:
-    """A rank forked from the fork server, with the parts of `subprocess.Popen` `launch_local` uses."""
-
-    def __init__(self, server_key: tuple, argv: list[str], env: dict, out: str, err: str, threads: int):
-        self._p = _ServerProcess(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
-        self._p.server_key = server_key
-        self._p.start()
-        self.pid = self._p.pid
-
-    def poll(self) -> int | None:
-        return self._p.exitcode
-
-    @property
-    def returncode(self) -> int | None:
-        return self._p.exitcode
-
-    def kill(self) -> None:
-        self._p.kill()
-
-    def wait(self) -> int | None:
-        self._p.join()
-        return self._p.exitcode
-
-
 def _start_rank(forked: tuple | None, argv: list[str], env: dict, out, err, threads: int):
     """Rank ``argv[1]``: a fresh interpreter (``forked`` None) or a child of the fork server whose key
     is ``forked`` (`_fork_server`), output to the files ``out`` and ``err`` (open for reading here)."""
@@ -323,8 +240,9 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
     if preload is None:
         preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
+    base_env[LAUNCHER_ENV] = launcher_identity()  # the ranks die with this process (`orphans`)
     forked = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
-    beat_dir = tempfile.mkdtemp(prefix="dynabatch-launch-")
+    beat_dir = make_launch_folder()
     beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
     procs = []
     t0 = time.monotonic()
@@ -375,6 +293,7 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
             else:
                 p.kill()
                 p.wait()
+        failed = [_failed_at(b, t0) for b in beats]
         shutil.rmtree(beat_dir, ignore_errors=True)
         if sys.exc_info()[0] is not None:  # interrupted: the ranks are gone, let the exception through
             for _, out, err in procs:
@@ -393,8 +312,31 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
             if line.startswith(RESULT_PREFIX):
                 value = json.loads(line[len(RESULT_PREFIX):])
         results.append(ProcResult(r, None if timed_out else p.returncode, text_out, text_err,
-                                  ended.get(r, killed_at), timed_out, value, reason if timed_out else None))
+                                  ended.get(r, killed_at), timed_out, value, reason if timed_out else None,
+                                  failed[r]))
     return results
+
+
+def _failed_at(beat: str, t0: float) -> float | None:
+    """Seconds from ``t0`` to when the rank with heartbeat file ``beat`` recorded its worker's raise."""
+    try:
+        with open(beat + FAILED_SUFFIX) as f:
+            return float(f.read()) - t0
+    except (OSError, ValueError):
+        return None
+
+
+def first_failure(results: list[ProcResult]) -> ProcResult | None:
+    """The rank that failed first by time: the earliest raise (`ProcResult.failed_s`), else exit, of
+    the ranks that exited with a non-zero status, before any rank killed at a timeout; None if none
+    failed. (The other ranks of a pipeline fail after it, because of it.)"""
+    bad = [r for r in results if r.timed_out or r.returncode != 0]
+    return min(bad, key=lambda r: (r.timed_out, r.wall_s if r.failed_s is None else r.failed_s, r.rank),
+               default=None)
+
+
+def _what(r: ProcResult) -> str:
+    return f"was killed ({r.timeout_reason} timeout)" if r.timed_out else f"exited with {r.returncode}"
 
 
 def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None):
@@ -405,7 +347,8 @@ def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: flo
     here with the environment's rank, world size and ``MASTER_PORT``, and its value is returned.
     Otherwise `launch_local` starts ``nprocs`` local processes (``idle_timeout_s``: its liveness
     timeout); rank 0's output is written to stdout and its value returned, and a rank that failed or
-    hung raises `RuntimeError` naming it, with the end of its stderr."""
+    hung raises `RuntimeError` naming the rank that failed first by time (`first_failure`), with the
+    end of its stderr (its traceback), and the other failed ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _resolve(target)(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                                 int(os.environ.get("MASTER_PORT", 29500)), *args)
@@ -413,10 +356,14 @@ def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: flo
     sys.stdout.write("".join(line for line in results[0].stdout.splitlines(keepends=True)
                              if not line.startswith(RESULT_PREFIX)))
     sys.stdout.flush()
-    for r in results:
-        if r.timed_out or r.returncode != 0:
-            what = f"was killed ({r.timeout_reason} timeout)" if r.timed_out else f"exited with {r.returncode}"
-            raise RuntimeError(f"{target}: rank {r.rank} of {nprocs} {what}:\n{r.stderr[-4000:]}")
+    first = first_failure(results)
+    if first is not None:
+        others = [f"rank {r.rank} {_what(r)} at {r.wall_s if r.failed_s is None else r.failed_s:.1f} s"
+                  for r in results if r is not first and (r.timed_out or r.returncode)]
+        when = first.wall_s if first.failed_s is None else first.failed_s
+        note = f" the first to fail, {when:.1f} s after the launch (then {'; '.join(others)});" if others else ""
+        raise RuntimeError(f"{target}: rank {first.rank} of {nprocs} {_what(first)}:{note} the end of its "
+                           f"stderr:\n{first.stderr[-4000:]}")
     return results[0].result
 
 
@@ -428,8 +375,13 @@ def _main(argv: list[str]) -> int:
     _mark_phase(os.environ.get(HEARTBEAT_ENV))  # in the worker function: CPU time is no progress
     try:
         value = fn(int(rank), int(world), int(port), *json.loads(payload))
-    except BaseException:
-        _mark_phase(os.environ.get(HEARTBEAT_ENV))
+    except BaseException as e:
+        failed_at = time.monotonic()  # system-wide on Linux, macOS and Windows: the launcher compares them
+        beat = os.environ.get(HEARTBEAT_ENV)
+        _mark_phase(beat)
+        if beat and not (isinstance(e, SystemExit) and e.code in (0, None)):
+            with open(beat + FAILED_SUFFIX, "w") as f:
+                f.write(repr(failed_at))
         waits = sys.modules.get("dynabatch.pipeline.runtime.waits")
         if waits is not None and waits.abandoned():  # see waits.exit_if_abandoned
             import traceback
@@ -442,57 +394,6 @@ def _main(argv: list[str]) -> int:
         sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
         sys.stdout.flush()
     return 0
-
-
-def _exit_code(code: object) -> int:
-    """The exit status ``sys.exit(code)`` gives an interpreter (a message is printed to stderr)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -> None:
-    """A rank in a child of the fork server: what ``python -c _CHILD`` does in a fresh interpreter, on
-    the server's imports (see the module doc for what is honoured)."""
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_APPEND)
-        os.dup2(f, fd)
-        os.close(f)
-    # written through at once (PYTHONUNBUFFERED): a print is progress as soon as it is made
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                   errors="backslashreplace")
-    os.environ.clear()
-    os.environ.update(env)
-    heartbeat(0.0)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = ["", *paths, *(p for p in sys.path if p and p not in paths)]
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        code = _exit_code(_main(argv))
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except KeyboardInterrupt:  # as an interpreter does: die of the signal
-        traceback.print_exc()
-        code = -2
-    except BaseException:  # noqa: BLE001 - an uncaught error: traceback, status 1
-        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()  # as the interpreter sets them
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()  # noqa: SLF001 - the part of an interpreter's teardown a worker may rely on
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code < 0:
-        import signal
-
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code)
 
 
 if __name__ == "__main__":
