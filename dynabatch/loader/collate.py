@@ -65,6 +65,9 @@ def model_inputs(batch: Mapping, keys: Sequence[str] = MODEL_INPUT_KEYS) -> dict
     attend across the row): use them with dynabatch's own models or padded collation.
     """
     out = {k: batch[k] for k in keys if k in batch}
+    pixels = out.get("pixel_values")
+    if pixels is not None and pixels.shape[0] == 0:  # a text-only micro-batch: HF vision towers refuse 0 images
+        del out["pixel_values"]
     if "cu_seq_lens_q" in out and "attention_mask" not in out:
         out["use_cache"] = False
     return out

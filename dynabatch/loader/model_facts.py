@@ -133,8 +133,9 @@ def with_model_facts(tok, facts: ModelFacts | None):
         elif stated != value:
             _say(facts.where, name, stated, value)
     if facts.vision is not None:
-        if tok.vision is None:
+        if tok.vision is None:  # the model's vision settings, and its pixels (it needs them to train)
             fill["vision"] = facts.vision
+            fill["load_pixels"] = True
         elif tok.vision.tokens(facts.image_size, facts.image_size).item() != facts.vision.image_tokens:
             _say(facts.where, "vision", tok.vision, facts.vision)
         if facts.pixel_mean is not None and tok.pixel_mean == type(tok).pixel_mean:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+import warnings
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..core.options import PlanOptions
 from ..core.plan.planner import PlanningError, plan_microbatches
+from ..core.plan.steps import oversized_samples
 from ..core.shapes import Shapes
 from .records import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
                             encode_samples, label_counts)
@@ -300,6 +302,21 @@ class StreamingPlanner:
         except PlanningError as e:
             raise PlanningError(f"rank {c.rank}, step {step}: {e}") from e
 
+    def _warn_oversized(self, toks: list[TokSample]) -> None:
+        """The indexed mode's one-line warning (`oversized_samples`) for the first samples read that outweigh
+        the global batch in tokens (each is then a step of its own, over the budget); once per loader."""
+        if getattr(self, "_warned", False) or not toks:
+            return
+        n = len(toks)
+        shapes = Shapes.from_lengths(np.fromiter((t.input_tokens for t in toks), np.int64, count=n),
+                                     np.fromiter((t.target_tokens for t in toks), np.int64, count=n),
+                                     np.fromiter((t.vision_tokens for t in toks), np.int64, count=n))
+        warning = oversized_samples(shapes, self.cfg.cost, self.cfg.options)
+        if warning is not None:
+            self._warned = True
+            warnings.warn(f"rank {self.cfg.rank}: {warning.replace(f' of {n} samples', ' samples read so far')}",
+                          UserWarning, stacklevel=2)
+
     def _units(self, buf: StreamBuffer) -> np.ndarray:
         return np.ones(len(buf), np.int64) if self.cfg.options.global_batch_size is not None else buf.tok
 
@@ -314,6 +331,7 @@ class StreamingPlanner:
                     if chunk is None:
                         break
                     buf.extend(chunk.samples)
+                    self._warn_oversized(chunk.samples)
             # Taken after the fill, so every sample this step can consume is in the buffer: a resume
             # re-reads the buffer, finds it full, and re-plans this very step.
             snapshot = {"slots": dict(feed.slot_states), "rr": feed.rr, "exhausted": list(feed.exhausted),
