@@ -1,8 +1,11 @@
 """Hugging Face models through the gloo pipeline: on 2 and 3 stages, under gpipe, 1f1b and adaptive,
 padded and packed (decoders, and T5 and BART with their targets in a second packed row), the loss and
 every gradient (tied ones summed over their stages with the runner's `Ties`) equal the Hugging Face
-model's own forward/backward in one process (float64; a packed encoder-decoder micro-batch against the
-same samples padded), and every stage sends exactly the bytes the plan's boundary specs predict.
+model's own forward/backward in one process with the loss written in the test (`_reference`: the plain
+model's logits, `conformance_ref.summed_ce`, over the step's target tokens; float64; a packed micro-batch
+against its samples one by one, or padded for an encoder-decoder), and every stage sends exactly the bytes
+the plan's boundary specs predict. This is the pipeline half of the conformance matrix
+(tests/test_conformance.py holds the in-process routes).
 
 The rank-side worker (`hf_worker`) is in this file; `launch_local` runs it by path. Every case of one
 stage count runs in one launch (`Prelaunch` parts), the two launches side by side.
@@ -95,12 +98,37 @@ def _sent_and_predicted(model, shapes, events, bounds, stage, world) -> tuple[di
     return sent, predicted
 
 
+def _reference(hf, batches) -> tuple[float, int]:
+    """The plain model's forward on each micro-batch (as the model takes it: padded rows, a packed
+    encoder-decoder's samples padded), the loss written here (`conformance_ref.summed_ce`: summed token
+    cross-entropy, shifted for causal LMs) over the step's target tokens; the gradients left in ``hf``."""
+    from conformance_ref import summed_ce
+
+    seq2seq = bool(hf.config.is_encoder_decoder)
+    hf.zero_grad(set_to_none=True)
+    parts = []
+    for b in batches:
+        if "cu_seqlens" in b:  # a packed decoder micro-batch: every sample alone
+            cu = b["cu_seqlens"].tolist()
+            parts += [summed_ce(hf(input_ids=b["input_ids"][:, i:j], use_cache=False).logits, b["labels"][:, i:j],
+                                shift=True) for i, j in zip(cu[:-1], cu[1:])]
+            continue
+        inputs = {k: b[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+                  if k in b}
+        if "pixel_values" in b and int(b["image_tiles"].sum()):
+            inputs["pixel_values"] = b["pixel_values"]
+        parts.append(summed_ce(hf(**inputs, use_cache=False).logits, b["labels"], shift=not seq2seq))
+    n = sum(k for _, k in parts)
+    (sum(s for s, _ in parts) / n).backward()
+    return float(sum(float(s.detach()) for s, _ in parts) / n), n
+
+
 def hf_worker(rank, world, port, cases, schedules):
     """Rank side: every ``[family, bounds, collation, bypass]`` case under every schedule; per case this stage's
     largest gradient gap against the Hugging Face reference, the losses, the bytes sent and predicted per
     message, and (``bypass``: RunnerConfig(bypass_idle_stages=True)) each micro-batch's entry stage and this
     stage's seconds."""
-    from dynabatch.pipeline.models.hf import from_hf, hf_reference_step
+    from dynabatch.pipeline.models.hf import from_hf
 
     torch.set_default_dtype(torch.float64)
     ctx = init_pipeline(world, rank=rank, world_size=world, master_port=port, timeout_s=600, abort_after_s=60)
@@ -116,7 +144,7 @@ def hf_worker(rank, world, port, cases, schedules):
                 runner = PipelineRunner.from_model(model, ctx, list(bounds), config, recorder=events.append)
                 shapes, batches, ref_batches = _microbatches(family, collation, model)
                 res = runner.step(shapes, batches if ctx.stage in (0, world - 1) or bypass else None)
-                ref_loss, ref_n = hf_reference_step(ref, ref_batches)
+                ref_loss, ref_n = _reference(ref, ref_batches)
                 diff, scale = grad_gap(model, ref, range(bounds[ctx.stage], bounds[ctx.stage + 1]))
                 sent, predicted = _sent_and_predicted(model, shapes, events, bounds, ctx.stage, world)
                 out.append({"case": [family, collation, schedule], "loss": res.loss, "ref_loss": ref_loss,
@@ -130,7 +158,7 @@ def hf_worker(rank, world, port, cases, schedules):
 
 def _launch(cases):
     """One launch of ``cases`` (all of one stage count): per case, every rank's results (one per schedule),
-    checked: loss and tokens equal the reference, every gradient within 1e-8 of the largest."""
+    checked: loss and tokens equal the reference, every gradient within 1e-6 of the largest."""
     stages = len(cases[0][1]) - 1
     res = launch_local(f"{__file__}:hf_worker", stages, args=(list(cases), SCHEDULES), idle_timeout_s=600)
     for r in res:
@@ -141,7 +169,9 @@ def _launch(cases):
         for c in r.result:
             assert c["tokens"] == c["ref_tokens"] > 0, c
             assert c["loss"] == pytest.approx(c["ref_loss"], rel=1e-12), c
-            assert c["scale"] > 0 and c["diff"] <= 1e-8 * c["scale"], c
+            # the reference scales the loss before backward, the runner its gradients after; RMSNorms compute in
+            # float32 even in a float64 model, so the two orders round differently there (measured <= 1e-7)
+            assert c["scale"] > 0 and c["diff"] <= 1e-6 * c["scale"], c
     n = len(SCHEDULES)
     return [[r.result[k * n:(k + 1) * n] for r in res] for k in range(len(cases))]
 
@@ -152,8 +182,9 @@ def case(family: str, bounds, collation: str = "padded", bypass: bool = False):
 
 
 TWO = [case("llama", [0, 2, 5]), case("llama", [0, 3, 5], "packed"), case("qwen3", [0, 1, 5], "packed"),
-       case("t5", [0, 5, 8]), case("bart", [0, 2, 6])]
-THREE = [case("mistral", [0, 2, 3, 5], "packed"), case("llama", [0, 1, 4, 5]), case("t5", [0, 2, 5, 8])]
+       case("t5", [0, 5, 8]), case("bart", [0, 2, 6]), case("gemma2", [0, 3, 5]), case("qwen2", [0, 2, 5], "packed")]
+THREE = [case("mistral", [0, 2, 3, 5], "packed"), case("llama", [0, 1, 4, 5]), case("t5", [0, 2, 5, 8]),
+         case("phi3", [0, 2, 4, 5], "packed"), case("gemma", [0, 1, 3, 5])]
 PACKED_SEQ2SEQ = [case("t5", [0, 3, 8], "packed"), case("bart", [0, 3, 6], "packed"),
                   case("t5", [0, 2, 5, 8], "packed"), case("bart", [0, 2, 4, 6], "packed")]
 LLAVA = case("llava", [0, 4, 8], bypass=True)
@@ -172,8 +203,8 @@ def _check_bytes(results) -> None:
 
 @LAUNCHES.plan(lambda: TWO)
 def test_two_stages_equal_hugging_face_all_schedules():
-    """Tied Llama padded and packed, Qwen3 packed, T5 (shared embedding and bias tables on both stages), BART
-    on 2 gloo stages: loss and every gradient equal the Hugging Face model's own, for each schedule; each
+    """Tied Llama padded and packed, Qwen3 packed, T5 (shared embedding and bias tables on both stages), BART,
+    tied Gemma2 (eager), Qwen2 packed (sliding window) on 2 gloo stages: loss and every gradient equal the Hugging Face model's own, for each schedule; each
     stage sends the bytes its boundary specs predict."""
     results = _results(TWO)
     _check_bytes(results)
@@ -185,7 +216,8 @@ def test_two_stages_equal_hugging_face_all_schedules():
 
 @LAUNCHES.plan(lambda: THREE)
 def test_three_stages_equal_hugging_face_all_schedules():
-    """Mistral (sliding window) packed, tied Llama padded and T5 on 3 gloo stages, each schedule."""
+    """Mistral (sliding window) packed, tied Llama padded, T5, Phi-3 packed and Gemma on 3 gloo stages, each
+    schedule."""
     _check_bytes(_results(THREE))
 
 
