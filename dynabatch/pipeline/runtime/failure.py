@@ -5,8 +5,10 @@ exit or the process-group timeout wakes it), and a rank whose neighbour died may
 So failures and liveness travel on a side channel, the `torch.distributed` Store every rank already
 shares:
 
-* **errors**: the failing rank writes ``rank R (stage s, replica d) failed: ExcType: message`` under
-  one key (first writer wins) before it re-raises, so the root cause is never lost;
+* **errors**: the failing rank writes ``rank R (stage s, replica d) failed: ExcType: message at
+  file:line`` and the tail of its traceback (`failure_text.root_cause`) under one key (first writer
+  wins) before it re-raises, so the root cause is never lost, also where only another rank's output
+  is shown; set-up (weights, runner, tied groups) follows the same protocol (`setup_guard`);
 * **liveness**: the main thread records what it is doing (``set_state``: busy in a forward, waiting
   for a message from rank P, outside the runner, ...) and a progress counter that moves with every
   change; a watchdog thread publishes them with a heartbeat counter under ``dynabatch/live/R`` every
@@ -18,8 +20,8 @@ shares:
   no progress for ``timeout_s`` (``stalled for N s in forward of micro-batch j of step k``), when its
   heartbeat stopped for ``dead_after_s`` (``died (no heartbeat for N s)``; sooner when its
   connection closed), or when it already closed its context; if everyone on the chain only waits,
-  the ranks are deadlocked (idle time: `progress_clock`, which counts a busy rank's CPU seconds
-  while it computes, however slowly). The verdict is published like an error, so every rank raises it;
+  the ranks are deadlocked (idle time: `progress_clock`, which counts the CPU seconds of a rank busy
+  or outside the runner while it computes, however slowly). The verdict is published like an error, so every rank raises it;
 * the watchdog polls the error key (``poll_s``) with its own store client and acknowledges it; the
   runner checks the flag between ops and raises `PipelineAborted` naming the root cause;
 * a rank still stuck in a blocking call (or the blamed rank itself) ``abort_after_s`` seconds after
@@ -36,9 +38,10 @@ import os
 import sys
 import threading
 import time
-import traceback
 
+from .failure_text import root_cause, short as _short
 from .progress_clock import ProgressClock
+from .verdict import LIVE_PREFIX, Peers, StoreGone
 from .waits import Waiter, abandon_wait, note_daemon_calls
 
 MSG_KEY = "dynabatch/failure/message"
@@ -46,7 +49,6 @@ ACK_KEY = "dynabatch/failure/acks"
 CLAIM_KEY = "dynabatch/failure/claim"
 CULPRIT_KEY = "dynabatch/failure/culprit"
 CLOSE_KEY = "dynabatch/closed"
-LIVE_PREFIX = "dynabatch/live/"
 
 #: ``set_state`` kinds: ``busy`` (computing, posting), ``wait`` (blocked on peers), ``idle`` (outside
 #: the runner), ``closed`` (the context was closed: this rank will post nothing more).
@@ -55,18 +57,6 @@ KINDS = ("busy", "wait", "idle", "closed")
 
 class PipelineAborted(RuntimeError):
     """Another rank failed, stalled or died (this exception's message names it and what it was doing)."""
-
-
-class _Seen:
-    """What this rank observed of another rank's heartbeat key (main thread only)."""
-
-    __slots__ = ("raw", "changed_at", "first_at", "info")
-
-    def __init__(self, now: float):
-        self.raw: bytes | None = None
-        self.changed_at = now
-        self.first_at = now
-        self.info: dict | None = None
 
 
 class FailureMonitor:
@@ -86,7 +76,9 @@ class FailureMonitor:
                  poll_s: float = 0.05, abort_after_s: float | None = 5.0, timeout_s: float = 60.0,
                  num_stages: int = 1, heartbeat_s: float | None = None, dead_after_s: float | None = None,
                  threaded_waits: bool = True):
-        self.store = store
+        # the main thread's own client: gloo's rendezvous (new_group in set-up) blocks in the process group's
+        # client, holding its lock, while the main thread must still read the other ranks' heartbeats
+        self.store = _own_client(store)
         self.watch_store = watch_store
         self.rank = rank
         self.world_size = world_size
@@ -117,7 +109,7 @@ class FailureMonitor:
         self._beat = 0
         self._published = -1
         self._next_beat = 0.0
-        self._seen: dict[int, _Seen] = {}
+        self._peers = Peers(self.store, rank, world_size, self.name, self.timeout_s)  # what it saw of the others
         self._waiter: Waiter | None = None
 
     def name(self, rank: int) -> str:
@@ -157,7 +149,7 @@ class FailureMonitor:
         self._beat += 1
         store.set(f"{LIVE_PREFIX}{self.rank}", json.dumps(
             {"n": self._beat, "p": self._progress, "k": kind, "t": text, "w": list(peers),
-             "i": round(self._clock.idle(kind == "busy", now), 3)}))
+             "i": round(self._clock.idle(kind in ("busy", "idle"), now), 3)}))
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -183,7 +175,7 @@ class FailureMonitor:
     def _store_lost(self, e: BaseException) -> str:
         if self.is_host:
             return f"rank {self.rank} ({self.where}) lost its own coordination store ({type(e).__name__}: {e})"
-        seen = self._seen.get(0)
+        seen = self._peers.seen.get(0)
         last = f"; last seen {seen.info['t']}" if seen is not None and seen.info else ""
         return (f"{self.name(0)} died: the coordination store it hosts stopped answering "
                 f"{self.name(self.rank)} ({type(e).__name__}: {_short(str(e))}){last}")
@@ -223,6 +215,16 @@ class FailureMonitor:
     def failure(self) -> str | None:
         """The root-cause message once any rank has failed, else None."""
         return self._failure
+
+    @property
+    def state(self) -> tuple[str, str, tuple[int, ...]]:
+        """What the main thread does now: (kind, text, peers) as `set_state` took them."""
+        return self._state
+
+    @property
+    def active(self) -> bool:
+        """Whether the main thread is inside runner or set-up code (between `enter` and `leave`)."""
+        return self._active > 0
 
     def set_state(self, kind: str, text: str, peers=()) -> None:
         """Record what the main thread does now (one of `KINDS`; ``text`` reads after "stalled for N s",
@@ -304,71 +306,15 @@ class FailureMonitor:
                 return exc
             time.sleep(min(self.heartbeat_s / 2, 0.25))
 
-    def _observe(self, r: int, now: float) -> _Seen:
-        seen = self._seen.get(r)
-        if seen is None:
-            seen = self._seen[r] = _Seen(now)
-        try:
-            raw = self.store.get(f"{LIVE_PREFIX}{r}") if self.store.check([f"{LIVE_PREFIX}{r}"]) else None
-        except Exception as e:
-            raise _StoreGone(e) from e
-        if raw != seen.raw:
-            seen.raw, seen.changed_at = raw, now
-            try:
-                seen.info = json.loads(raw) if raw is not None else None
-            except ValueError:
-                seen.info = None
-        return seen
-
     def _verdict(self, peers, now: float, *, dead_after_s: float | None = None, cause: str = ""):
-        """Follow the wait-for chain from ``peers``; return (culprit, message, dead) or None."""
-        dead_after_s = self.dead_after_s if dead_after_s is None else dead_after_s
-        todo, visited, order = list(peers), set(), []
+        """Follow the wait-for chain from ``peers`` (`Peers.verdict`); return (culprit, message, dead) or None."""
         try:
-            while todo:
-                r = int(todo.pop(0))
-                if r in visited or r == self.rank or not 0 <= r < self.world_size:
-                    continue
-                visited.add(r)
-                seen = self._observe(r, now)
-                order.append((r, seen))
-                if seen.info is not None and seen.info.get("k") == "wait":
-                    todo.extend(seen.info.get("w", ()))
-        except _StoreGone as gone:
+            return self._peers.verdict(peers, now, self.dead_after_s if dead_after_s is None else dead_after_s,
+                                       cause, self._clock.at, self._state[1])
+        except StoreGone as gone:
             if self._failure is None:
                 self._record(self._store_lost(gone.error))
             return None
-        # a silent heartbeat first (a dead rank cannot report), then closed, then stalled ranks
-        dead = [(now - s.changed_at, r, s) for r, s in order if now - s.changed_at >= dead_after_s]
-        if dead:
-            silent, r, s = max(dead, key=lambda x: x[0])
-            last = f"; last seen {s.info['t']}" if s.info else "; it never reported what it was doing"
-            why = f"; {self.name(self.rank)} saw: {_short(cause)}" if cause else ""
-            return r, f"{self.name(r)} died (no heartbeat for {silent:.0f} s){last}{why}", True
-        for r, s in order:
-            if s.info is not None and s.info.get("k") == "closed":
-                return r, (f"{self.name(r)} already closed its pipeline context ({s.info['t']}) while "
-                           f"{self.name(self.rank)} waits for it: the ranks ran different numbers of steps"), False
-        stalled = []
-        for r, s in order:
-            if s.info is None or s.info.get("k") == "wait":
-                continue
-            idle = float(s.info.get("i", 0.0)) + (now - s.changed_at)
-            if idle >= self.timeout_s:
-                stalled.append((idle, r, s))
-        if stalled:
-            idle, r, s = max(stalled, key=lambda x: x[0])
-            return r, f"{self.name(r)} stalled for {idle:.0f} s {s.info['t']} (no progress within timeout_s=" \
-                      f"{self.timeout_s:g})", False
-        # everyone on the chain waits and nobody moves: a deadlock (e.g. programs that do not pair)
-        mine = now - self._clock.at
-        if order and mine >= self.timeout_s and all(
-                s.info is not None and s.info.get("k") == "wait"
-                and float(s.info.get("i", 0.0)) + (now - s.changed_at) >= self.timeout_s for _, s in order):
-            chain = "; ".join([f"{self.name(self.rank)} {self._state[1]}"]
-                              + [f"{self.name(r)} {s.info['t']}" for r, s in order])
-            return order[0][0], f"no progress for {mine:.0f} s, every rank waiting for another (deadlock): {chain}", False
-        return None
 
     def _declare(self, culprit: int, message: str, dead: bool) -> str:
         """Publish a liveness verdict as the root cause (unless someone published one first)."""
@@ -430,9 +376,7 @@ class FailureMonitor:
             self._handling = False
 
     def _publish(self, exc: BaseException) -> str:
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        msg = f"rank {self.rank} ({self.where}) failed: {type(exc).__name__}: {exc}{where}"
+        msg = root_cause(f"rank {self.rank} ({self.where})", exc)
         try:
             first = self.store.add(CLAIM_KEY, 1) == 1
             if first:
@@ -484,16 +428,8 @@ class FailureMonitor:
             pass
 
 
-def _short(text: str, limit: int = 160) -> str:
-    """The gist of a transport error: without gloo's source location and advice, at most ``limit``."""
-    text = text.split(". This is typically")[0]
-    if "] " in text and text.find("[") < text.find("] "):
-        head, _, rest = text.partition("[")
-        text = head + rest.partition("] ")[2]
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-class _StoreGone(Exception):
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
+def _own_client(store):
+    try:
+        return store.clone()
+    except Exception:  # stores without clone(): share the client
+        return store

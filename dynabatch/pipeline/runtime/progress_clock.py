@@ -3,8 +3,8 @@
 A busy rank's idle time counts its main thread's CPU seconds instead of wall seconds while that thread
 keeps using at least `BUSY_CPU_SHARE` of a core: it is computing, only slowly (starved on a shared
 machine), and a hang that spins is still caught after ``timeout_s`` of CPU; a stall in a sleep, a
-lock or I/O uses no CPU and is caught after ``timeout_s`` of wall time. Waiting and idle ranks count
-wall time."""
+lock or I/O uses no CPU and is caught after ``timeout_s`` of wall time. `FailureMonitor` counts a rank
+outside the runner (set-up, the data loader) this way too; waiting ranks count wall time."""
 
 from __future__ import annotations
 

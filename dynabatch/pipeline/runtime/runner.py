@@ -40,6 +40,7 @@ from .guard import StepGuard
 from .hooks import OneModel
 from .interpreter import check_links, run_program
 from .schedule import build_programs, quantize_times, runner_orders
+from .setup_guard import setup_phase
 from .stream import run_stream
 from .tied import Ties
 from .update import gather_timings, reduce_losses, update_stage
@@ -89,16 +90,19 @@ class PipelineRunner:
                    bypass: Bypass | None = None) -> "PipelineRunner":
         """Keep this rank's stage of ``model`` (a `dynabatch.pipeline.models.LayeredModel`) cut at
         ``bounds``, move it to ``ctx.device`` and build the runner. Collective when the model ties
-        parameters across stages (`Ties.of`): every rank builds the same models in the same order."""
-        stages = split_model(model.layers, bounds)
-        if len(stages) != ctx.num_stages:
-            raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages}")
-        cut = [st.first_layer for st in stages] + [len(model.layers)]
-        if config.bypass_idle_stages and bypass is None:
-            bypass = Bypass.of(model, cut)
-        stage = stages[ctx.stage].to(ctx.device)
-        return cls(stage, model.boundary, ctx, config, recorder=recorder, bypass=bypass,
-                   ties=Ties.of(model, stage, cut, ctx))
+        parameters across stages (`Ties.of`): every rank builds the same models in the same order. Under the
+        failure monitor (`setup_guard`): an error here, or a rank failing or dying in its own set-up, stops
+        every rank with an error naming the rank that failed first."""
+        with setup_phase(ctx, f"building the runner of {getattr(model, 'name', 'the model')} (stage {ctx.stage})"):
+            stages = split_model(model.layers, bounds)
+            if len(stages) != ctx.num_stages:
+                raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages}")
+            cut = [st.first_layer for st in stages] + [len(model.layers)]
+            if config.bypass_idle_stages and bypass is None:
+                bypass = Bypass.of(model, cut)
+            stage = stages[ctx.stage].to(ctx.device)
+            return cls(stage, model.boundary, ctx, config, recorder=recorder, bypass=bypass,
+                       ties=Ties.of(model, stage, cut, ctx))
 
     def parameters(self):
         """Parameters of this rank's stage (give these to the optimizer)."""

@@ -7,7 +7,7 @@ A model declares its ties with ``tied_parameters() -> {name: [(global layer inde
 inside that layer), ...]}`` (`dynabatch.pipeline.models.LayeredModel.tied_parameters`). `tie_stages`
 works out, from the model's cut alone (the same on every rank), which stages hold each tie; `Ties.of`
 creates one process group per set of stages and replica, collectively on every rank in the same
-order, and checks that the copies start equal; `Ties.reduce` all-reduces the gradients (called by
+order, and checks that the copies start equal (both under the failure monitor: `setup_guard`); `Ties.reduce` all-reduces the gradients (called by
 `dynabatch.pipeline.runtime.update.update_stage`). A tie held by one stage needs no communication.
 """
 
@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors
+
+from .setup_guard import setup_all_reduce, setup_call
 
 
 def tie_stages(ties: dict, bounds: Sequence[int], model_name: str = "the model") -> dict[tuple[int, ...], list[str]]:
@@ -72,8 +74,13 @@ class Ties:
         S, s = ctx.num_stages, ctx.stage
         groups = {}
         for d in range(ctx.num_replicas):  # every rank creates every group, in the same order
-            for stages in sets:
-                g = dist.new_group([d * S + t for t in stages])
+            for stages, names in sets.items():
+                ranks = [d * S + t for t in stages]
+                # gloo's rendezvous blocks until every member arrives: watched, so a member that failed or
+                # died in its set-up stops this rank with its error (non-members pass at once)
+                g = setup_call(ctx, lambda r=ranks: dist.new_group(r), f"in the creation of the process group of "
+                               f"tied parameters {names} of stages {list(stages)} (replica {d})",
+                               ranks if ctx.rank in ranks else ())
                 if d == ctx.replica and s in stages:
                     groups[stages] = g
         ties = []
@@ -97,8 +104,10 @@ class Ties:
             if t.group is None:
                 continue
             hi, lo = flat.clone(), flat.clone()
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=t.group)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=t.group)
+            peers = [ctx.global_rank(x) for x in t.stages]
+            for x, op in ((hi, dist.ReduceOp.MAX), (lo, dist.ReduceOp.MIN)):
+                setup_all_reduce(ctx, x, f"in the check that the copies of tied parameter {t.name!r} agree", peers,
+                                 op=op, group=t.group)
             if not (torch.equal(hi, flat) and torch.equal(lo, flat)):
                 raise ValueError(f"tie {t.name!r}: the copies on stages {list(t.stages)} differ (stage {ctx.stage}, "
                                  f"rank {ctx.rank}); build or load every stage's copy from the same weights")

@@ -1,9 +1,11 @@
 """Pipeline checkpoints of Hugging Face models: each stage saves its part, one call merges the parts.
 
 `save_stage` writes ``stage-SSSSS-of-NNNNN.safetensors`` (the stage's parameters under their
-Hugging Face state-dict names; a tied parameter is saved by every stage holding it) and, from stage
-0, ``config.json``. `merge_stages` checks that every part is there and that the copies of each tied
-parameter agree, and writes a ``save_pretrained`` folder that ``from_pretrained`` loads.
+Hugging Face state-dict names; a tied parameter is saved by every stage holding it; never a NaN or an
+infinity) with its checksum manifest and, from stage 0, ``config.json``. `merge_stages` verifies the
+parts (`dynabatch.pipeline.models.hf.verify`), checks that every part is there and that the copies of
+each tied parameter agree, and writes a ``save_pretrained`` folder that ``from_pretrained`` loads, with
+a checksum manifest (``dynabatch-checksums.json``) that later loads verify.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 
 from .common import HFLayeredModel
+from .verify import MANIFEST, FolderCheck, all_finite, write_manifest
+from .weights import INDEX_FILE
 
 PART = "stage-{:05d}-of-{:05d}.safetensors"
 _PART_RE = re.compile(r"stage-(\d{5})-of-(\d{5})\.safetensors$")
@@ -39,10 +43,17 @@ def save_stage(model: HFLayeredModel, layers: range, folder: str | Path, stage: 
             tensors.setdefault(key, p.detach().to("cpu").contiguous())
         for path, key in model.buffer_keys[i].items():
             tensors.setdefault(key, model.layers[i].get_buffer(path).to("cpu").contiguous())
+    bad = [k for k, t in tensors.items() if not all_finite(t)]
+    if bad:
+        raise ValueError(f"{model.name}: stage {stage} of {num_stages} holds NaN or infinite values in {len(bad)} "
+                         f"tensor(s) ({bad[:4]}); nothing was saved to {folder}: training diverged, keep the last "
+                         f"good checkpoint (RunnerConfig(nonfinite=...) stops or skips a non-finite step)")
     part = folder / PART.format(stage, num_stages)
     tmp = part.with_name(part.name + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": "pt", "layers": f"{layers.start}:{layers.stop}"})
     os.replace(tmp, part)
+    # one manifest per part: the stages of one folder are saved by different ranks at once
+    write_manifest(folder, [part], MANIFEST.replace(".json", f".{part.name.removesuffix('.safetensors')}.json"))
     if stage == 0:
         tmp = folder / f"config.json.tmp{os.getpid()}"
         model.hf_config.to_json_file(str(tmp))
@@ -72,8 +83,11 @@ def _gather(parts: list[Path]) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     first: dict[str, int] = {}
+    check = FolderCheck(parts[0].parent)  # the parts' headers and manifests, their tensors finite
     for s, part in enumerate(parts):
+        check.opened(part)
         for key, t in load_file(str(part)).items():
+            check.tensor(t, key, part)
             if key in state:
                 if not torch.equal(state[key], t):
                     raise ValueError(f"tied parameter {key} differs between stage {first[key]} and stage {s}: sum "
@@ -113,4 +127,5 @@ def merge_stages(folder: str | Path, out: str | Path) -> Path:
         raise ValueError(f"merging {folder}: {still[:5]} were not loaded")
     out = Path(out)
     model.save_pretrained(out)
+    write_manifest(out, [f for f in out.iterdir() if f.name.endswith(".safetensors") or f.name == INDEX_FILE])
     return out

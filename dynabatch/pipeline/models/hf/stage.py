@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ...runtime.setup_guard import setup_call, setup_phase
 from ..partition import LayerCosts, _check_bounds, uniform_partition
 from .build import from_hf
 from .checkpoint import merge_stages, save_stage
@@ -48,21 +49,28 @@ class HFStage:
         parts into ``out`` (checking every part is there and the tied copies agree) and copies the source's
         tokenizer there; the parts stay (``from_hf(out, layers=...)`` reads the merged folder as well).
         Returns ``out``."""
-        import torch.distributed as dist
-
         out = Path(out)
         parts = out / "stages"
-        if self.ctx.replica == 0:
-            save_stage(self.model, self.layers, parts, self.stage, len(self.bounds) - 1)
-        dist.barrier()
-        if self.ctx.rank == 0:
-            merge_stages(parts, out)
-            if any((self.source / f).is_file() for f in TOKENIZER_FILES):
-                from transformers import AutoTokenizer
+        with setup_phase(self.ctx, f"saving stage {self.stage} to {parts}"):
+            if self.ctx.replica == 0:
+                save_stage(self.model, self.layers, parts, self.stage, len(self.bounds) - 1)
+            _barrier(self.ctx, f"for every stage's part in {parts}")
+            if self.ctx.rank == 0:
+                merge_stages(parts, out)
+                if any((self.source / f).is_file() for f in TOKENIZER_FILES):
+                    from transformers import AutoTokenizer
 
-                AutoTokenizer.from_pretrained(str(self.source)).save_pretrained(str(out))
-        dist.barrier()
+                    AutoTokenizer.from_pretrained(str(self.source)).save_pretrained(str(out))
+            _barrier(self.ctx, f"for rank 0's merge into {out}")
         return out
+
+
+def _barrier(ctx, text: str) -> None:
+    """A barrier of every rank, under the failure monitor: a rank whose save failed (a full disk, a
+    refused non-finite tensor) stops the others with its error instead of leaving them in the barrier."""
+    import torch.distributed as dist
+
+    setup_call(ctx, lambda: dist.barrier(), f"in the barrier {text}", range(ctx.world_size))
 
 
 def load_stage(folder: str | Path, ctx, *, bounds: Sequence[int] | None = None,
@@ -70,17 +78,20 @@ def load_stage(folder: str | Path, ctx, *, bounds: Sequence[int] | None = None,
     """This rank's stage of the ``save_pretrained`` folder ``folder``: the model built on the meta device,
     only the layers of stage ``ctx.stage`` read from its safetensors onto ``ctx.device`` (in ``dtype``;
     default the stored one's conversion to torch's default dtype). ``bounds``: the cut (layer offsets,
-    ``ctx.num_stages + 1`` of them; default equal layer counts, the first stages one more)."""
+    ``ctx.num_stages + 1`` of them; default equal layer counts, the first stages one more). Under the
+    failure monitor (`dynabatch.pipeline.runtime.setup_guard`): an error here (a damaged shard) stops every
+    rank with it."""
     folder = Path(folder)
-    model = from_hf(folder, layers=range(0), dtype=dtype)  # the skeleton: nothing read yet
-    n = len(model.layers)
-    if bounds is None:
-        unit = np.ones((n, 1))
-        bounds = uniform_partition(LayerCosts(unit, unit), ctx.num_stages).bounds
-    bounds = _check_bounds(bounds, n)
-    if len(bounds) != ctx.num_stages + 1:
-        raise ValueError(f"{model.name} from {folder}: bounds {list(bounds)} give {len(bounds) - 1} stages, the "
-                         f"pipeline has {ctx.num_stages}")
-    mine = range(bounds[ctx.stage], bounds[ctx.stage + 1])
-    materialize(model, mine, WeightSource(folder), device=ctx.device, dtype=dtype)
+    with setup_phase(ctx, f"loading stage {ctx.stage}'s weights from {folder}"):  # an error here stops every rank
+        model = from_hf(folder, layers=range(0), dtype=dtype)  # the skeleton: nothing read yet
+        n = len(model.layers)
+        if bounds is None:
+            unit = np.ones((n, 1))
+            bounds = uniform_partition(LayerCosts(unit, unit), ctx.num_stages).bounds
+        bounds = _check_bounds(bounds, n)
+        if len(bounds) != ctx.num_stages + 1:
+            raise ValueError(f"{model.name} from {folder}: bounds {list(bounds)} give {len(bounds) - 1} stages, the "
+                             f"pipeline has {ctx.num_stages}")
+        mine = range(bounds[ctx.stage], bounds[ctx.stage + 1])
+        materialize(model, mine, model.weights, device=ctx.device, dtype=dtype)
     return HFStage(model, bounds, ctx.stage, folder, ctx)

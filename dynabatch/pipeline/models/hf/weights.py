@@ -9,7 +9,6 @@ keeping one Parameter object for a tensor several of those layers share (tied we
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from .common import HFLayeredModel
+from .verify import FolderCheck, check_finite, open_checked, read_index, read_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,20 +26,22 @@ class WeightSource:
     """Tensors by Hugging Face state-dict name: a ``save_pretrained`` folder (safetensors, sharded or
     not) or a state dict (``Mapping[str, Tensor]``). ``where`` names it in error messages."""
 
-    def __init__(self, source: str | Path | Mapping[str, torch.Tensor]):
+    def __init__(self, source: str | Path | Mapping[str, torch.Tensor], *, verify: str | None = None):
         self._handles: dict[str, object] = {}
         self.renamed: dict[str, str] | None = None  # model name -> stored key, once bound to a model
         if isinstance(source, Mapping):
             self.state, self.files, self.where = source, {}, "the given state dict"
+            self.check = None
             return
         folder = Path(source)
         self.state, self.where = None, str(folder)
+        self.check = FolderCheck(folder, verify)  # `verify`'s policy: header, manifest, finite tensors
         if (folder / INDEX_FILE).is_file():
-            index = json.loads((folder / INDEX_FILE).read_text())
-            self.files = {k: folder / f for k, f in index["weight_map"].items()}
+            self.files = {k: folder / f for k, f in read_index(folder / INDEX_FILE).items()}
         elif (folder / SINGLE_FILE).is_file():
             from safetensors import safe_open
 
+            self.check.opened(folder / SINGLE_FILE)
             with safe_open(str(folder / SINGLE_FILE), framework="pt") as f:
                 self.files = {k: folder / SINGLE_FILE for k in f.keys()}
         else:
@@ -71,15 +73,15 @@ class WeightSource:
         return have[found] if found is not None and self.renamed is not None else found
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor stored under ``name``."""
+        """The tensor stored under ``name``, verified (`dynabatch.pipeline.models.hf.verify`: its file once,
+        as it is first opened; the tensor finite): `DamagedWeights` names the file and what is wrong."""
         if self.state is not None:
-            return self.state[name]
-        from safetensors import safe_open
-
-        path = str(self.files[name])
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(name)
+            return check_finite(self.state[name], name, self.where)
+        path = self.files[name]
+        if str(path) not in self._handles:
+            self.check.opened(path)
+            self._handles[str(path)] = open_checked(path)
+        return self.check.tensor(read_tensor(self._handles[str(path)], name, path), name, path)
 
 
 def _holders(layers: Iterable[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
