@@ -7,43 +7,35 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 """
 
 from ._lazy import lazy_names
-from .core.batchplan import BatchPlan, MicroBatch
-from .core.plan.bounds import iteration_lower_bound, objective_lower_bound
-from .core.cost.model import (
-    DEVICE_PRESETS,
-    FEATURES,
-    MODEL_PRESETS,
-    CostModel,
-    DeviceProfile,
-    ModelConfig,
-    ProfiledTable,
-    device_preset,
-    model_preset,
-)
-from .core.plan.feedback import FeedbackLoop, FeedbackRow, StepError
-from .core.options import COLLATIONS, METHODS, RECOMPUTE, SCHEDULES, PlanOptions
-from .core.plan.planner import PlanningError, plan_microbatches, split_global_batches
-from .shape_sources import ShapeSourceError, read_shapes, synthetic_shapes
-from .core.cost.stage_memory import StageMemory
-from .core.plan.recompute import apply_recompute, recompute_costs
-from .core.shapes import SHAPES_SCHEMA, Shapes
-from .core.simulate.pipeline import PipelineDeadlock, SimResult, pipeline_schedule, simulate_pipeline
-from .core.plan.steps import global_batches, plan_step
-from .planfile import PLAN_SCHEMA_VERSION, PlanMismatchError, RunPlan, load_run_plan, plans_to_arrow
 
-__all__ = sorted([
-    "BatchPlan", "COLLATIONS", "CostModel", "DEVICE_PRESETS", "DeviceProfile", "FEATURES", "FeedbackLoop",
-    "FeedbackRow", "METHODS", "MODEL_PRESETS", "MicroBatch", "ModelConfig", "PLAN_SCHEMA_VERSION",
-    "PipelineDeadlock", "PlanMismatchError", "PlanOptions", "PlanningError", "ProfiledTable", "RECOMPUTE",
-    "RunPlan", "SCHEDULES", "StageMemory", "apply_recompute", "recompute_costs", "SHAPES_SCHEMA", "ShapeSourceError", "Shapes", "SimResult", "StepError", "device_preset",
-    "global_batches", "iteration_lower_bound", "load_run_plan", "model_preset", "objective_lower_bound",
-    "pipeline_schedule",
-    "plan_microbatches", "plan_step", "plans_to_arrow", "read_shapes", "simulate_pipeline",
-    "split_global_batches", "synthetic_shapes",
-])
+# Every public name loads on first use (name -> submodule): `import dynabatch`, and so the `dynabatch`
+# command printing its --help, imports neither numba (these torch-free names) nor torch (_LAZY below).
+_CORE = {
+    "BatchPlan": "core.batchplan", "MicroBatch": "core.batchplan",
+    "iteration_lower_bound": "core.plan.bounds", "objective_lower_bound": "core.plan.bounds",
+    "DEVICE_PRESETS": "core.cost.model", "FEATURES": "core.cost.model", "MODEL_PRESETS": "core.cost.model",
+    "CostModel": "core.cost.model", "DeviceProfile": "core.cost.model", "ModelConfig": "core.cost.model",
+    "ProfiledTable": "core.cost.model", "device_preset": "core.cost.model", "model_preset": "core.cost.model",
+    "FeedbackLoop": "core.plan.feedback", "FeedbackRow": "core.plan.feedback", "StepError": "core.plan.feedback",
+    "COLLATIONS": "core.options", "METHODS": "core.options", "RECOMPUTE": "core.options",
+    "SCHEDULES": "core.options", "PlanOptions": "core.options",
+    "PlanningError": "core.plan.planner", "plan_microbatches": "core.plan.planner",
+    "split_global_batches": "core.plan.planner",
+    "ShapeSourceError": "shape_sources", "read_shapes": "shape_sources", "synthetic_shapes": "shape_sources",
+    "StageMemory": "core.cost.stage_memory",
+    "apply_recompute": "core.plan.recompute", "recompute_costs": "core.plan.recompute",
+    "SHAPES_SCHEMA": "core.shapes", "Shapes": "core.shapes",
+    "PipelineDeadlock": "core.simulate.pipeline", "SimResult": "core.simulate.pipeline",
+    "pipeline_schedule": "core.simulate.pipeline", "simulate_pipeline": "core.simulate.pipeline",
+    "global_batches": "core.plan.steps", "plan_step": "core.plan.steps",
+    "PLAN_SCHEMA_VERSION": "planfile", "PlanMismatchError": "planfile", "RunPlan": "planfile",
+    "load_run_plan": "planfile", "plans_to_arrow": "planfile",
+}
+
+__all__ = sorted(_CORE)
 __version__ = "0.1.0"
 
-# The DataLoader and collation need torch: imported on first use so `import dynabatch` stays light.
+# The DataLoader and collation need torch.
 _LAZY = {
     "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "Tokenization": "loader.settings",
     "DataSource": "loader.settings", "Costing": "loader.settings", "Runtime": "loader.settings",
@@ -59,4 +51,4 @@ _LAZY = {
 __all__ += sorted(_LAZY)
 
 
-__getattr__ = lazy_names(__name__, _LAZY)
+__getattr__ = lazy_names(__name__, {**_CORE, **_LAZY})

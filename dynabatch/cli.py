@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-from .option_flags import PLAN_OPTIONS_HELP, add_plan_options, plan_options_from_args
+from .bench.gpu import add_bench_gpu_command
+from .commands import add_subcommand
+from .commands.bench_load import add_bench_load_command, add_bench_loader_command
+from .commands.bench_plan import add_bench_plan_command
+from .commands.bench_train import add_bench_multimodel_command, add_bench_train_command
+from .commands.datagen import add_datagen_command
+from .commands.profile import add_profile_command
+from .offline.commands import add_commands as add_offline_commands
 
 DESCRIPTION = """\
 dynabatch plans micro-batches of variable-length samples so that every micro-batch costs about
@@ -27,184 +32,89 @@ shared/data/ folder beside the clone (not in the repository), e.g.
   dynabatch bench plan --model t5 --data ../shared/data/text/niv2_sample.jsonl.gz
 """
 
-BENCH_PLAN_EPILOG = """\
-columns:
-  iter ms        simulated 1F1B iteration time of the slowest rank (mean over global batches)
-  iter/LB        iter ms over a lower bound of the iteration time for any plan of the same batches
-                 (dynabatch.core.plan.bounds.iteration_lower_bound)
-  pad eff        real tokens / computed tokens (1.0 = no padding)
-  vs pack        pack's iteration time / this method's
-  obj/LB         the plan's objective (sum of micro-batch times + (stages-1) x largest, slowest
-                 rank) over a lower bound of that objective (objective_lower_bound; it bounds the
-                 objective, not the iteration time): the padded bound for padded methods, the
-                 varlen bound (valid for any plan) otherwise; the bound column says which
-  max/mean rank  slowest rank's simulated time over the mean rank's
-  plan ms        median wall time of planning one global batch (after numba compilation)
-  tuned knob     baselines are swept over their knob; the best setting that fits in memory is shown
+EPILOG = """\
+examples of the other commands (every command's --help ends with its own examples):
+  dynabatch scan data/text --tokenizer bytes --family encoder_decoder --out index.parquet    a length index
+  dynabatch plan index.parquet --model t5 --max-len 2048 --max-target-len 512 --out plan.parquet
+  dynabatch profile --model gpt-tiny --device cpu --out costs.json  a cost model measured here
+  dynabatch bench loader --limit 20000 --workers 0                  DataLoader vs torch's + collators
+  dynabatch bench train --model t5-tiny --stages 2 --steps 20       real pipelined training (~10 min)
+  dynabatch bench multimodel --k 2 --steps 12                       K models on one data pass
+  dynabatch bench gpu --quick                                       on a GPU machine (~3 min)
 
-data (--data, files or directories):
-  text JSONL/Parquet with inputs/targets (or input/output, instruction/response, source/target):
-      token counts are estimated as ceil(UTF-8 bytes / 4), +1 EOS on targets;
-  shape records with input_tokens/target_tokens/vision_tokens columns (e.g. `dynabatch scan` output);
-  vision-language length records {vit_num, token_num} (OmniBal's files: 448-px tiles, LLM tokens
-      including 256 per tile).
-
-examples:
-  dynabatch datagen --out data --text 20000 && dynabatch bench plan --model gpt --data data/text
-  dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
-  dynabatch bench plan --synthetic --global-batch-size 256 --memory-limit 8GiB --schedule gpipe
-  optional, on the project's machines (real data in shared/data/ beside the clone):
-  dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png
+progress: a long command shows a bar on a terminal, else a line every 10 s and one per stage with
+the percent done and the time left; --no-progress shows none, --json prints only the JSON document.
 """
 
+DEMO_EPILOG = """\
+what it prints, per part: the plan of one step (step 0) by dynabatch and by its baseline (packing
+into fixed-length rows), rank 0's micro-batches, what the DataLoader delivered for them, and a last
+line "result: ..." with dynabatch's step time against the baseline's on the same samples.
 
+examples:
+  dynabatch demo
+  dynabatch demo --out demo-data --seed 1     # keep the generated shards in demo-data/
+  dynabatch demo --verbose                    # also the planner's objective against its lower bound
+"""
 
-
-def _add_bench_plan(sub) -> None:
-    from .bench.progress import add_progress_option
-    from .core.cost.model import DEVICE_PRESETS, MODEL_PRESETS
-    from .core.plan.planner import METHODS
-
-    p = sub.add_parser("plan", help="compare planning methods on the same global batches",
-                       description="Plan the same random global batches with dynabatch's DP and every baseline, "
-                                   "simulate the pipeline, and print one row per method.",
-                       epilog=BENCH_PLAN_EPILOG + "\n" + PLAN_OPTIONS_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", nargs="+", metavar="PATH", help="files or directories of samples (see below)")
-    src.add_argument("--synthetic", action="store_true", help="use the project's generator (default)")
-    p.add_argument("--samples", type=int, default=40000, help="synthetic samples to generate (default 40000)")
-    p.add_argument("--model", choices=MODEL_PRESETS, default="gpt", help="model preset (default gpt)")
-    p.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="a100-80gb",
-                   help="device preset planned for (default a100-80gb, whatever this machine has: offline "
-                        "planning plans for the cluster; the DataLoader's default is this machine's)")
-    p.add_argument("--batches", type=int, default=64, help="global batches to plan, 0 = all (default 64)")
-    p.add_argument("--layout", choices=("uniform", "contiguous"), default="uniform",
-                   help="where the layers sit: uniform (every stage a slice of every layer kind, the default) "
-                        "or contiguous (vision first; stage-aware planning, plus the dp methods planned "
-                        "stage-blind and priced under the contiguous costs)")
-    p.add_argument("--mix-text", nargs="+", metavar="PATH",
-                   help="add text-only samples drawn from these files (e.g. text_mix_small.jsonl)")
-    p.add_argument("--mix-fraction", type=float, default=0.5,
-                   help="share of the samples --mix-text makes up (default 0.5)")
-    add_plan_options(p, methods=False)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="methods to compare (default: all); each baseline's knob is swept, so there is no "
-                        "--method/--method-option here")
-    p.add_argument("--reference", action="store_true",
-                   help="also time the pure-Python DP reference on the first batch (slow)")
-    p.add_argument("--flush-free", nargs="*", type=int, metavar="S", default=None,
-                   help="also simulate the dp plans flush-free (asynchronous 1F1B across steps, PipeOptim) at these "
-                        "pipeline depths (default 4 8): flushed vs flush-free step time, the fill/drain share removed")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--plot", metavar="FILE.png", help="write bars per method and a per-rank timeline")
-    add_progress_option(p, "a bar of the configurations planned (methods x knob values)")
-    p.set_defaults(func=_cmd_bench_plan)
-
-
-def _cmd_bench_plan(args) -> int:
-    from .bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
-    from .bench.progress import show_progress
-    from .core.cost.model import CostModel
-    from .shape_sources import read_shapes, synthetic_shapes
-
-    try:
-        options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048, max_target_len=512)
-    except ValueError as e:
-        print(f"dynabatch: error: {e}", file=sys.stderr)
-        return 1
-    if args.data:
-        shapes, _ = read_shapes(args.data)
-        data = " ".join(Path(d).name for d in args.data)
-    else:
-        shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
-        data = f"synthetic ({args.samples} samples)"
-    if args.mix_text:
-        from .bench.plan import mix_text
-
-        shapes = mix_text(shapes, read_shapes(args.mix_text)[0], args.mix_fraction, seed=args.seed)
-        data += f" + {args.mix_fraction:.0%} text from " + " ".join(Path(d).name for d in args.mix_text)
-    cfg = PlanBenchConfig(options, model=args.model, device=args.device, num_batches=args.batches, data=data,
-                          layout=args.layout)
-    cost = CostModel.preset(args.model, args.device, num_stages=options.num_stages, layout=args.layout)
-    result, plans = run_plan_bench(shapes, cost, cfg, args.methods, progress=show_progress(args),
-                                   reference=args.reference)
-    if args.plot:
-        plot(result, plans, args.plot)
-    if args.flush_free is not None:
-        from .bench.flushfree import format_flushfree, run_flushfree_bench
-
-        result["flush_free"] = run_flushfree_bench(
-            shapes, label=data, model=args.model, device=args.device, stages=tuple(args.flush_free or (4, 8)),
-            num_ranks=options.num_ranks, global_batch_tokens=options.global_batch_tokens or 65536,
-            max_len=options.max_len, max_target_len=options.max_target_len or 512, num_batches=args.batches or None)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(format_table(result))
-        if "reference" in result:
-            r = result["reference"]
-            print(f"DP on one batch of {r['samples']} samples: numba {r['dp_kernel_ms']:.2f} ms, "
-                  f"pure-Python reference {r['dp_reference_ms']:.0f} ms, same partition: {r['same_partition']}")
-        if args.plot:
-            print(f"plot written to {args.plot}")
-        if "flush_free" in result:
-            print("\n" + format_flushfree(result["flush_free"]))
-    return 0
+BENCH_EPILOG = """\
+examples:
+  dynabatch bench plan --synthetic                                  # seconds: planning methods, simulated
+  dynabatch bench load --sources jsonl --repeat 1                   # a minute: loaders vs datasets
+  dynabatch bench loader --limit 20000 --workers 0                  # a minute: DataLoader vs torch's
+  dynabatch bench train --model t5-tiny --stages 2 --steps 20       # ~10 minutes: real training
+  dynabatch bench multimodel --k 2 --steps 12                       # minutes: K models on one data pass
+  dynabatch bench gpu --quick                                       # on a GPU: ~3 minutes
+"""
 
 
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(out_dir=args.out, seed=args.seed)
+    return run_demo(out_dir=args.out, seed=args.seed, verbose=args.verbose)
+
+
+def _add_demo(sub) -> None:
+    p = add_subcommand(sub, "demo", "stream generated FLAN-like and image+text shards through the DataLoader",
+                       "Generate FLAN-like text shards (JSONL) and image+text shards (webdataset tars), plan one "
+                       "step for GPT and T5 (8 ranks x 4 stages) with dynabatch and with packing, stream it through "
+                       "dynabatch.DataLoader and check the delivered micro-batches equal the plan; then do the same "
+                       "for a vision-language model on the image+text shards.", DEMO_EPILOG)
+    p.add_argument("--out", default=None, help="keep the generated shards in this folder (default: a temp folder)")
+    p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the planner's objective against its lower bound (how close the search came "
+                        "to the best plan by its own measure)")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _add_bench(sub) -> None:
+    bench = add_subcommand(sub, "bench", "benchmarks that print a table and ratios against baselines",
+                           "Benchmarks. Each runs dynabatch and its baselines in the same process and reports "
+                           "ratios, not just seconds.", BENCH_EPILOG)
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    add_bench_plan_command(bench_sub)
+    add_bench_load_command(bench_sub)
+    add_bench_loader_command(bench_sub)
+    add_bench_train_command(bench_sub)
+    add_bench_multimodel_command(bench_sub)
+    add_bench_gpu_command(bench_sub)
+    bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``dynabatch`` command."""
-    parser = argparse.ArgumentParser(prog="dynabatch", description=DESCRIPTION,
+    """The argparse parser of the ``dynabatch`` command (builds without numpy, numba or torch:
+    `dynabatch.commands`)."""
+    parser = argparse.ArgumentParser(prog="dynabatch", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"dynabatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="stream generated FLAN-like and image+text shards through the DataLoader",
-                          description="Generate FLAN-like text shards (JSONL) and image+text shards (webdataset "
-                                      "tars), plan one step for GPT and T5 (8 ranks x 4 stages) with dynabatch and "
-                                      "with packing, stream it through dynabatch.DataLoader and check the delivered "
-                                      "micro-batches equal the plan; then stream the image+text shards for a "
-                                      "vision-language model.")
-    demo.add_argument("--out", default=None, help="keep the generated shards in this folder (default: a temp folder)")
-    demo.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    demo.set_defaults(func=_cmd_demo)
-    from .datagen import add_datagen_command  # `dynabatch datagen`
-
+    _add_demo(sub)
     add_datagen_command(sub)
-    bench = sub.add_parser("bench", help="benchmarks that print a table and ratios against baselines",
-                           description="Benchmarks. Each runs dynabatch and its baselines in the same process "
-                                       "and reports ratios, not just seconds.")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    _add_bench_plan(bench_sub)
-    from .bench.load import add_bench_load_command  # `dynabatch bench load`
-
-    add_bench_load_command(bench_sub)
-    from .bench.loader import add_bench_loader_command  # `dynabatch bench loader`
-
-    add_bench_loader_command(bench_sub)
-    from .bench.train import add_bench_train_command  # `dynabatch bench train`
-
-    add_bench_train_command(bench_sub)
-    from .bench.multimodel import add_bench_multimodel_command  # `dynabatch bench multimodel`
-
-    add_bench_multimodel_command(bench_sub)
-    from .bench.gpu import add_bench_gpu_command  # `dynabatch bench gpu`
-
-    add_bench_gpu_command(bench_sub)
-    bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
-    from .offline.commands import add_commands as _add_offline_commands  # `dynabatch scan/plan/inspect`
-
-    _add_offline_commands(sub)
-    from .pipeline.measure.profile import add_profile_command  # `dynabatch profile` (issue: pipeline runner + feedback)
-
+    _add_bench(sub)
+    add_offline_commands(sub)  # scan, plan, inspect
     add_profile_command(sub)
     return parser
 

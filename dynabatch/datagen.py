@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .progress import progress_bar
 from .shape_sources import _TEXT_TASKS, _VL_TASKS, synthetic_shapes
 
 TEXT_FORMATS = ("jsonl", "jsonl.gz", "parquet")
@@ -174,12 +175,12 @@ def text_records(num_samples: int, seed: int = 0, progress: bool = False) -> lis
     shapes, names = synthetic_shapes("text", num_samples, seed=seed)
     rng = np.random.default_rng([seed, 1])
     rows = []
-    from tqdm.auto import tqdm
-
-    for i in tqdm(range(num_samples), desc="text rows", unit="sample", disable=not progress):
-        family = names[int(shapes.task_id[i])]
-        inputs, targets = _text_row(rng, family, int(shapes.input_tokens[i]), int(shapes.target_tokens[i]) - 1)
-        rows.append({"id": f"gen{seed}-{i:08d}", "task": family, "inputs": inputs, "targets": targets})
+    with progress_bar(num_samples, "datagen text rows", "sample", progress) as bar:
+        for i in range(num_samples):
+            family = names[int(shapes.task_id[i])]
+            inputs, targets = _text_row(rng, family, int(shapes.input_tokens[i]), int(shapes.target_tokens[i]) - 1)
+            rows.append({"id": f"gen{seed}-{i:08d}", "task": family, "inputs": inputs, "targets": targets})
+            bar.update(1)
     return rows
 
 
@@ -363,13 +364,8 @@ def write_image_text_shards(out_dir, num_samples: int, num_shards: int = 1, seed
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     samples = image_text_samples(num_samples, seed)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=num_samples, unit="sample", desc="image+text shards")
     paths = []
-    try:
+    with progress_bar(num_samples, "datagen image+text shards", "sample", progress) as bar:
         for k, part in enumerate(_shard_slices(num_samples, num_shards)):
             path = out / f"shard-{k:06d}.tar"
             with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
@@ -377,12 +373,8 @@ def write_image_text_shards(out_dir, num_samples: int, num_shards: int = 1, seed
                     key, ext, data, record = next(samples)
                     _add_member(tf, f"{key}.{ext}", data)
                     _add_member(tf, f"{key}.json", json.dumps(record, ensure_ascii=False).encode("utf-8"))
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
             paths.append(path)
-    finally:
-        if bar is not None:
-            bar.close()
     return paths
 
 
@@ -392,50 +384,13 @@ VISION_TASKS = tuple(t[0] for t in _VL_TASKS)
 
 
 # ----------------------------------------------------------------------------------------
-# Command line: `dynabatch datagen`
+# Command line: `dynabatch datagen` (its parser: `dynabatch.commands.datagen`)
 
-DATAGEN_EPILOG = """\
-what is written:
-  DIR/text/shard-000000.jsonl ...        FLAN-like rows {"id", "task", "inputs", "targets"}: 7 task
-                                         families (qa_short, classification, fewshot_niv2,
-                                         summarization, translation, cot, long_context) with the
-                                         heavy-tailed lengths of synthetic_shapes("text"), in
-                                         pseudo-words (~4 UTF-8 bytes per token)
-  DIR/image_text/shard-000000.tar ...    webdataset shards: <key>.jpg (or .png) + <key>.json
-                                         {"id", "task", "image", "conversations": [{"from": "human",
-                                         "value": "<image>\\n..."}, {"from": "gpt", ...}]}; image
-                                         sizes 200..2000 px chosen so that InternVL dynamic tiling
-                                         (448-px tiles, max 12 + thumbnail) gives 1..13 tiles
-
-The same arguments always write byte-identical files. Images take ~10 ms each.
-
-examples:
-  dynabatch datagen --out data --text 20000 --image-text 500
-  dynabatch datagen --out data --text 100000 --text-format parquet --shards 8 --seed 1
-  python -c "import loaders; print(sum(1 for _ in loaders.open_source('data/text')))"
-"""
-
-
-def add_datagen_command(sub) -> None:
-    """Register ``dynabatch datagen`` on the top-level subparsers."""
-    import argparse
-
-    p = sub.add_parser("datagen", help="write realistic FLAN-like text and image+text sample shards",
-                       description="Write the project's generated sample data: FLAN-like text shards "
-                                   "(JSONL, JSONL.gz or Parquet) and LLaVA-like image+text webdataset shards.",
-                       epilog=DATAGEN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (text/ and image_text/ inside)")
-    p.add_argument("--text", type=int, default=0, metavar="N", help="text samples to write (default 0)")
-    p.add_argument("--image-text", type=int, default=0, metavar="N", help="image+text samples to write (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    p.add_argument("--shards", type=int, default=4, help="shards per kind (default 4)")
-    p.add_argument("--text-format", choices=TEXT_FORMATS, default="jsonl", help="text file format (default jsonl)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=_cmd_datagen)
-
-
-def _cmd_datagen(args) -> int:
+def datagen_command(args) -> int:
+    """Run ``dynabatch datagen`` with its parsed arguments; 1 with a one-line error on bad counts."""
     import sys
+
+    from .progress import show_progress
 
     if args.text < 0 or args.image_text < 0 or args.shards < 1:
         print("dynabatch: error: --text and --image-text must be >= 0 and --shards >= 1", file=sys.stderr)
@@ -443,12 +398,11 @@ def _cmd_datagen(args) -> int:
     if not args.text and not args.image_text:
         print("dynabatch: error: nothing to write: give --text N and/or --image-text N", file=sys.stderr)
         return 1
-    out = Path(args.out)
+    out, progress = Path(args.out), show_progress(args)
     for kind, n, write in (("text", args.text, lambda d: write_text_shards(
-            d, args.text, min(args.shards, args.text), args.seed, format=args.text_format,
-                progress=not args.no_progress)),
+            d, args.text, min(args.shards, args.text), args.seed, format=args.text_format, progress=progress)),
             ("image_text", args.image_text, lambda d: write_image_text_shards(
-                d, args.image_text, min(args.shards, args.image_text), args.seed, progress=not args.no_progress))):
+                d, args.image_text, min(args.shards, args.image_text), args.seed, progress=progress))):
         if n:
             paths = write(out / kind)
             size = sum(p.stat().st_size for p in paths)

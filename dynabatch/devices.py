@@ -29,7 +29,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from .core.cost.model import DEVICE_PRESETS, GPU_PRESETS, MODEL_PRESETS, CostModel, GiB, device_preset
+from .core.cost.presets import DEVICE_PRESETS, GPU_PRESETS, MODEL_PRESETS, GiB, device_preset
 
 #: The model preset of the DataLoader's default cost model on the ``cpu``, by family.
 CPU_DEFAULT_MODEL = {"decoder": "gpt-tiny", "encoder_decoder": "t5-tiny"}
@@ -137,6 +137,8 @@ def loader_cost_model(cost_model=None, device: str = "auto", num_stages: int = 1
                       *, hardware: Hardware | None = None) -> CostModel:
     """The `DataLoader`'s cost model (see the module docstring): a `CostModel` as given (its own
     device; ``device`` plays no part), else a model preset on the resolved ``device``."""
+    from .core.cost.model import CostModel  # numba: imported by what plans, not by the command line's defaults
+
     if isinstance(cost_model, CostModel):
         return cost_model
     if cost_model is not None and not isinstance(cost_model, str):

@@ -18,7 +18,8 @@ Engines:
   Ray instance, else ``ray.init(address=$RAY_ADDRESS)`` when that variable is set, else starts a
   local instance with ``num_cpus=workers``. Install with ``pip install dynabatch[ray]``.
 
-A tqdm bar (``progress=True``) counts the items' ``weights`` (samples, steps...) as parts finish.
+With ``progress=True`` a bar counts the items' ``weights`` (samples, steps...) as parts finish, by the
+one progress rule of `dynabatch.progress` (a tqdm bar on a terminal, lines with percent and ETA off one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
-from tqdm.auto import tqdm
+from .progress import progress_bar
 
 ENGINES = ("local", "ray")
 
@@ -99,7 +100,7 @@ def map_parts(
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     weights = [1] * len(items) if weights is None else [int(w) for w in weights]
-    bar = tqdm(total=sum(weights), desc=desc, unit=unit, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(sum(weights), desc, unit, progress)
     try:
         if engine == "ray":
             return _map_ray(fn, items, context, workers, bar, weights)

@@ -9,7 +9,7 @@ import re
 import sys
 import warnings
 
-from .core.plan.baselines import BASELINE_KNOBS
+from .core.methods import BASELINE_KNOBS
 from .core.options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions
 
 PLAN_OPTIONS_HELP = """\

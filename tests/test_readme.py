@@ -22,6 +22,7 @@ def test_ci_runs_the_readme_test_command():
     ci = (root / ".ci" / "run").read_text()
     command = [line for line in ci.splitlines() if "pytest" in line][0].strip()
     assert command in readme
+    assert "--durations=25" in command.split()  # the run ends with its 25 slowest tests
 
 
 def _readme_commands() -> list[str]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -67,7 +66,8 @@ def run_gpu_bench(*, quick: bool = False, out_dir: str | None = None, device: st
     # cuBLAS's deterministic workspace must be set before its first use (the bit-identity check)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
-    from tqdm.auto import tqdm
+
+    from ..progress import progress_bar
 
     from .gpu_env import environment_section
     from .gpu_setup import bench_config
@@ -79,7 +79,7 @@ def run_gpu_bench(*, quick: bool = False, out_dir: str | None = None, device: st
     result = {"form": ("quick" if quick else "full") + ("" if cfg.cuda else " (cpu: code path only)"),
               "sections": sections}
     ticks = 2 + cfg.steps * 5 + cfg.recompute_steps * 2 + cfg.multimodel_steps
-    bar = tqdm(total=ticks, desc="bench gpu", unit="step", disable=not progress, file=sys.stderr)
+    bar = progress_bar(ticks, "bench gpu", "step", progress)
     threads = torch.get_num_threads()
     if not cfg.cuda:  # the CPU form checks the code path: one thread spares a shared machine oversubscription
         torch.set_num_threads(1)
@@ -231,24 +231,39 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BENCH_GPU_EPILOG = """\
+examples:
+  dynabatch bench gpu --quick --out gpu-result          # about 3 minutes on one H100/H200
+  dynabatch bench gpu --json > gpu.json                 # the full form, the JSON document only
+  dynabatch bench gpu --device cpu --quick              # no GPU: every section's code path, tiny model
+  dynabatch bench gpu --attn eager --data ../shared/data/text/niv2_sample.jsonl.gz
+"""
+
+
 def add_bench_gpu_command(sub) -> None:
     """Register ``dynabatch bench gpu`` on the ``bench`` subparsers."""
+    from ..progress import add_progress_option
+
     p = sub.add_parser("gpu", help="what only a GPU can show: kernels, cost model, training, recompute, spilling",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=BENCH_GPU_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the short form (about 3 minutes on one H100)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (no table, no progress bar)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (no table, no progress)")
     p.add_argument("--out", metavar="DIR", help="write result.json and the profiled cost_model.json here")
     p.add_argument("--device", help="torch device (default: cuda:0 when CUDA is available, else cpu)")
     p.add_argument("--data", nargs="+", default=(), metavar="FILE",
                    help="JSONL text files (default: the shared FLAN sample on a GPU, else generated records)")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"),
                    help="the model's Hugging Face attention implementation (default sdpa)")
+    add_progress_option(p, "the steps of every section")
     p.set_defaults(func=_cmd_bench_gpu)
 
 
 def _cmd_bench_gpu(args) -> int:
+    from ..progress import show_progress
+
     result = run_gpu_bench(quick=args.quick, out_dir=args.out, device=args.device, data=tuple(args.data),
-                           attn_implementation=args.attn, progress=not args.json and sys.stderr.isatty())
+                           attn_implementation=args.attn, progress=show_progress(args))
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     failed = [n for n, sec in result["sections"].items() if str(sec.get("status", "")).startswith("failed")]
     return 1 if failed else 0

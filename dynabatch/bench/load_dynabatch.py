@@ -32,11 +32,17 @@ def _table_counts(table) -> tuple[int, int]:
     return table.num_rows, tokens
 
 
+#: How both paths render conversations: the baseline writes dynabatch's plain format by hand
+#: (`load_baseline`), so this path asks for it rather than taking a tokenizer's own template (or,
+#: for one without, the same plain format with a warning that it fell back).
+CHAT_TEMPLATE = "plain"
+
+
 def _scan_slot(source, tokenizer, vision, batch_size):
     """One worker's share: scan one slot of the source (module level: picklable)."""
     from tokenization import scan_shapes
 
-    return scan_shapes(source, tokenizer, vision=vision, batch_size=batch_size)
+    return scan_shapes(source, tokenizer, vision=vision, batch_size=batch_size, chat_template=CHAT_TEMPLATE)
 
 
 def _pool(workers: int):
@@ -55,7 +61,8 @@ def run_dynabatch(kind: str, prep: Prepared, tok, tokenizer_spec: str, batch_siz
     vision = DynamicTiling() if kind == "webdataset" else None
     source = _open_source(kind, prep)
     if workers <= 1:
-        return _table_counts(scan_shapes(source, tok, vision=vision, batch_size=batch_size))
+        return _table_counts(scan_shapes(source, tok, vision=vision, batch_size=batch_size,
+                                         chat_template=CHAT_TEMPLATE))
     parts = [source.with_layout(rank=0, world_size=1, worker_id=k, num_workers=workers) for k in range(workers)]
     with _pool(workers) as pool:
         # The spec, not the object, goes to the workers: each loads its own tokenizer.

@@ -73,9 +73,9 @@ def run_load_bench(cfg: LoadBenchConfig, progress: bool = True) -> dict:
     (samples over summed median seconds), or all sources when no text source ran.
     Raises `LoadBenchError` (or a ``loaders.LoaderError`` naming file and line) on bad input.
     """
-    from tqdm.auto import tqdm
-
     from tokenization import load_tokenizer
+
+    from ..progress import progress_bar
 
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.workers > 1:
@@ -87,7 +87,7 @@ def run_load_bench(cfg: LoadBenchConfig, progress: bool = True) -> dict:
         runs = {s: {m: [] for m in METHODS} for s in cfg.sources}
         cpu = {s: {m: [] for m in METHODS} for s in cfg.sources}
         counts = {s: {} for s in cfg.sources}
-        bar = tqdm(total=len(cfg.sources) * cfg.repeat * 2, desc="bench load", unit="run", disable=not progress)
+        bar = progress_bar(len(cfg.sources) * cfg.repeat * 2, "bench load", "run", progress)
         try:
             for kind in cfg.sources:
                 for r in range(cfg.repeat):

@@ -48,16 +48,14 @@ import torch
 from ..core.cost.model import CostModel
 from ..core.options import PlanOptions, default_method
 from ._format import fmt_rate
-from .load_common import (add_data_option, add_output_options, add_subcommand, failure_summary, per_s,
-                          run_command)
-from .load_config import DEFAULT_TEXT_DATA
+from .load_common import failure_summary, per_s, run_command
 from .load_data import resolve_text
 from .loader_baselines import IGNORE_INDEX, PackCollate, PretokenizedDataset, jsonl_source, pad_collate, setup_baseline
 
 __all__ = [
-    "BENCH_LOADER_EPILOG", "IGNORE_INDEX", "METHODS", "METHOD_PATHS", "REFERENCE", "LoaderBenchConfig",
-    "LoaderBenchError", "PackCollate", "PretokenizedDataset", "add_bench_loader_command", "format_table",
-    "pad_collate", "run_loader_bench", "setup_baseline",
+    "IGNORE_INDEX", "METHODS", "METHOD_PATHS", "REFERENCE", "LoaderBenchConfig", "LoaderBenchError",
+    "PackCollate", "PretokenizedDataset", "bench_loader_command", "format_table", "pad_collate", "run_loader_bench",
+    "setup_baseline",
 ]
 
 METHODS = ("torch_pad", "torch_pack", "dynabatch_padded", "dynabatch_packed")
@@ -171,7 +169,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
     ``ratios[f"{method}@{workers}"]`` is that run's samples/s over ``torch_pad``'s at the same
     worker count. Raises `LoaderBenchError` (or ``loaders.LoaderError`` naming file and line).
     """
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
     import dynabatch
 
@@ -231,8 +229,7 @@ def run_loader_bench(cfg: LoaderBenchConfig, progress: bool = True) -> dict:
         ref_ids = None
         total_samples = len(ds)
         todo = [(m, w) for w in cfg.workers for m in cfg.methods]
-        bar = tqdm(total=len(todo) * total_samples, desc="bench loader", unit="sample", disable=not progress,
-                   unit_scale=True)
+        bar = progress_bar(len(todo) * total_samples, "bench loader", "sample", progress, unit_scale=True)
         try:
             for method, workers in todo:
                 bar.set_postfix_str(f"{method} w={workers}")
@@ -302,61 +299,7 @@ def format_table(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line: `dynabatch bench loader`
-
-BENCH_LOADER_HELP = "micro-batches/s and tokens/s: dynabatch.DataLoader vs torch DataLoader + pad/pack collate"
-BENCH_LOADER_DESCRIPTION = ("Time one epoch of micro-batches delivered to the training loop: dynabatch.DataLoader "
-                            "(padded and packed, planning included) against torch.utils.data.DataLoader with a "
-                            "padding and a packing collator, on the same files in the same run.")
-BENCH_LOADER_EPILOG = """\
-what is timed: one epoch of micro-batches (`loader.microbatches()`; torch: `loader`), touching input_ids / attention_mask / sample
-ids, per method and per --workers value, on one rank (world_size 1, no torch.distributed):
-  torch_pad         pre-tokenized samples -> torch DataLoader(batch_size=B, shuffle=True,
-                    num_workers=W) + a collate padding to the batch max (DataCollatorWithPadding)
-  torch_pack        same, with a packing collate: rows of --max-len, position_ids per sample
-  dynabatch_padded  dynabatch.DataLoader(costing=Costing(collate="padded")), method dp, planning in the loop
-  dynabatch_packed  dynabatch.DataLoader(costing=Costing(collate="packed")), method dp_varlen
-B = round(--global-batch-tokens / mean sample length), so both sides put about as many tokens in a step.
-Setup is not timed for either side (reported as setup_s): the baselines tokenize every sample up
-front, dynabatch builds its length index and token cache up front (the loader's scan into an
-index cache and its token file, one tokenization pass); dynabatch plans every step inside the timed loop (in a planning thread, in
-each worker with --workers > 0) and collates from the cached token ids.
-
-columns:
-  mbatches / mbatch/s  batches (micro-batches for dynabatch) delivered, and per second
-  samples/s            samples delivered per second (each sample exactly once per epoch)
-  real tok/s           real (non-padding) tokens per second
-  pad eff              real tokens / tokens in the yielded input_ids tensors
-  x torch_pad          samples/s over torch_pad's at the same worker count
-
-examples:
-  dynabatch bench loader
-  dynabatch bench loader --limit 20000 --workers 0 --json
-  dynabatch bench loader --data ../shared/data/text/niv2_sample.jsonl.gz --global-batch-tokens 32768 --max-len 2048
-"""
-
-
-def add_bench_loader_command(bench_sub) -> None:
-    """Register ``dynabatch bench loader`` on the ``bench`` subparsers."""
-    p = add_subcommand(bench_sub, "loader", BENCH_LOADER_HELP, BENCH_LOADER_DESCRIPTION, BENCH_LOADER_EPILOG)
-    add_data_option(p, "text files (.jsonl / .jsonl.gz)", " + ".join(DEFAULT_TEXT_DATA))
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N samples")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], metavar="W",
-                   help="num_workers values to run every method with (default: 0 2)")
-    p.add_argument("--global-batch-tokens", type=int, default=65536,
-                   help="dynabatch's global batch in tokens; sets the baselines' batch size (default 65536, as everywhere in dynabatch)")
-    p.add_argument("--max-len", type=int, default=1024,
-                   help="truncation for every method and the packing row length (default 1024)")
-    p.add_argument("--tokenizer", default="bytes", help="tokenization.load_tokenizer spec (default: bytes)")
-    p.add_argument("--cost-model", default="gpt", help="dynabatch cost model preset (default gpt)")
-    p.add_argument("--device", default="a100-80gb", help="cost model device preset (default a100-80gb)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages dynabatch plans for (default 1)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
-                   help=f"among {' '.join(METHODS)} (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle / global-batch seed (default 0)")
-    add_output_options(p, "a bar of the samples loaded (every method and worker count)")
-    p.set_defaults(func=_cmd_bench_loader)
-
+# Command line: `dynabatch bench loader` (its parser: `dynabatch.commands.bench_load`)
 
 def _options(args) -> PlanOptions:
     """The bench's `PlanOptions` from its flags; a bad value is a `LoaderBenchError` (one line)."""
@@ -367,7 +310,8 @@ def _options(args) -> PlanOptions:
         raise LoaderBenchError(str(e)) from None
 
 
-def _cmd_bench_loader(args) -> int:
+def bench_loader_command(args) -> int:
+    """Run ``dynabatch bench loader`` with its parsed arguments (parser: `dynabatch.commands.bench_load`)."""
     return run_command(
         args, lambda: LoaderBenchConfig(
             data=tuple(args.data or ()), limit=args.limit, workers=tuple(args.workers), options=_options(args),

@@ -46,7 +46,8 @@ import numpy as np
 
 from ..core.options import PlanOptions
 from .payload import config_from_payload, config_payload
-from .progress import add_progress_option, rank_tick, show_progress, watch_ticks
+from ..progress import show_progress
+from .progress import rank_tick, watch_ticks
 
 #: learning-rate multipliers of the K models (a sweep around ``lr``); K <= len(LR_FACTORS)
 LR_FACTORS = (1.0, 0.3, 3.0, 0.1, 0.5, 2.0, 0.2, 5.0)
@@ -314,57 +315,8 @@ def format_multimodel(result: dict) -> str:
     return "\n".join(lines)
 
 
-BENCH_MULTIMODEL_EPILOG = """\
-examples:
-  dynabatch bench multimodel                                  # gpt-tiny, K = 2 and 4, 2 gloo stages
-  dynabatch bench multimodel --k 2 4 --steps 20 --warmup 3 --json > multimodel.json
-  dynabatch bench multimodel --k 3 --budget-shards 1.5       # spill: at most 1.5 shards resident per device
-  dynabatch bench multimodel --model t5-tiny --data ../shared/data/text/niv2_sample.jsonl.gz
-
-The data default to the shared FLAN sample when present, else generated FLAN-like records.
-"""
-
-
-def add_bench_multimodel_command(bench_sub) -> None:
-    """Register ``dynabatch bench multimodel`` on the ``bench`` subparsers."""
-    import argparse
-
-    from .train import MODEL_SIZES, VLM_MODEL
-    from .train_report import add_size_arguments
-
-    p = bench_sub.add_parser(
-        "multimodel", help="K models trained together on one data pass vs K single-model runs (Hydra)",
-        description="Train K configurations of a tiny model (a learning-rate sweep) together with MultiModelRunner "
-                    "and one after another with PipelineRunner, on the same local gloo stages and the same "
-                    "global batches; report wall times, the simulated figures and the data-pass time saved.",
-        epilog=BENCH_MULTIMODEL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=tuple(m for m in MODEL_SIZES if m != VLM_MODEL), default="gpt-tiny")
-    p.add_argument("--k", nargs="+", type=int, default=[2, 4], metavar="K",
-                   help=f"numbers of models to compare (each 1..{len(LR_FACTORS)}; default 2 4)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="JSONL files with inputs/targets (default: the shared "
-                   "FLAN sample when present, else generated)")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing (default 2)")
-    p.add_argument("--global-batch-tokens", type=int, default=8192)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-target-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3, help=f"base learning rate; model k uses lr x {LR_FACTORS[:4]}...")
-    p.add_argument("--budget-shards", type=float, default=None, metavar="X",
-                   help="per-device shard budget: X times the stage's largest shard (parameters + gradients + "
-                        "AdamW state); shards beyond it are spilled to host memory (default: no budget)")
-    p.add_argument("--no-interleave", action="store_true",
-                   help="model after model on each stage instead of 1F1B over every model's micro-batches")
-    add_size_arguments(p, "model width (default the bench train size)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="liveness timeout: stop when no rank made progress for this many seconds")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    add_progress_option(p, "a bar of the steps trained")
-    p.set_defaults(func=_cmd_bench_multimodel)
-
-
-def _cmd_bench_multimodel(args) -> int:
+def bench_multimodel_command(args) -> int:
+    """Run ``dynabatch bench multimodel`` with its parsed arguments (parser: `dynabatch.commands.bench_train`)."""
     import json
 
     from .train_report import sizes_from_args
@@ -385,5 +337,5 @@ def _cmd_bench_multimodel(args) -> int:
     return 0
 
 
-__all__ = ["LR_FACTORS", "MultiBenchConfig", "add_bench_multimodel_command", "default_multimodel_options",
+__all__ = ["LR_FACTORS", "MultiBenchConfig", "bench_multimodel_command", "default_multimodel_options",
            "format_multimodel", "run_k", "run_multimodel_bench", "summarize_k", "worker"]

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from ..core.plan import baselines as _bl
 from ..core.kernels.dp import DPSearch, dp_kernel, dp_reference, segment_cost
@@ -23,6 +22,7 @@ from ..core.plan.planner import _ordering
 from ..core.shapes import Shapes
 from ..core.plan.stage_plan import evaluate_plan
 from ..core.plan.steps import global_batches, plan_step
+from ..progress import progress_bar
 
 #: The planning options `dynabatch bench plan` uses unless told otherwise (8 ranks x 4 stages,
 #: 64k-token global batches, FLAN's 2048/512 truncation).
@@ -140,11 +140,12 @@ def run_plan_bench(shapes: Shapes, cost: CostModel, cfg: PlanBenchConfig, method
         else:
             jobs.append((m, {}))
     results: dict[str, list] = {}
-    bar = tqdm(jobs, desc=f"bench plan ({cfg.model})", disable=not progress, unit="config")
-    for m, opts in bar:
-        bar.set_postfix_str(f"{m} {opts}" if opts else m)
-        plans, ms = _run_method(shapes, batches_idx, cost, _method_options(options, m, opts))
-        results.setdefault(m, []).append((opts, plans, ms))
+    with progress_bar(len(jobs), f"bench plan ({cfg.model})", "config", progress) as bar:
+        for m, opts in jobs:
+            bar.set_postfix_str(f"{m} {opts}" if opts else m)
+            plans, ms = _run_method(shapes, batches_idx, cost, _method_options(options, m, opts))
+            results.setdefault(m, []).append((opts, plans, ms))
+            bar.update(1)
     out_methods, chosen = {}, {}
     for m, runs in results.items():
         feasible = [r for r in runs if not any(p.options.get("over_memory_limit") for p in r[1])] or runs

@@ -1,47 +1,25 @@
-"""Progress bars of the long benches (``dynabatch bench plan / load / loader / train / multimodel``).
+"""Progress of the benches whose work runs on rank processes (``dynabatch bench train / multimodel``).
 
-A bar shows on stderr when it is a terminal, or when forced with ``--progress``; never with
-``--json`` (the JSON document is all a run prints) or ``--no-progress`` (`show_progress`). Benches
-that work in their own process count their units (methods, configurations, runs, samples) with
-`progress_bar`. ``bench train`` and ``bench multimodel`` train on rank processes
-(`dynabatch.pipeline.launch_local`): there rank 0 calls `rank_tick` once per unit (a step of a
-method), which appends an empty line to the file named by ``$DYNABATCH_PROGRESS``, and `watch_ticks`
-in the launching process moves the bar by the empty lines that appeared. Between units rank 0 says
-what it is doing with `rank_note` (a line of text: "set up dp (2/4)"), shown beside the bar, so that a
-set-up of minutes (a profile, a partition search per method) is not a bar standing still at 0.
+The rule every long command follows (a bar on a terminal, lines with percent and ETA off one, nothing
+under ``--json``; ``--progress`` / ``--no-progress``) is `dynabatch.progress`; its `add_progress_option`,
+`show_progress` and `progress_bar` are importable from here too. ``bench train`` and ``bench
+multimodel`` train on rank processes (`dynabatch.pipeline.launch_local`): there rank 0 calls
+`rank_tick` once per unit (a step of a method), which appends an empty line to the file named by
+``$DYNABATCH_PROGRESS``, and `watch_ticks` in the launching process moves the bar by the empty lines
+that appeared. Between units rank 0 says what it is doing with `rank_note` (a line of text: "set up dp
+(2/4)"), shown beside the bar, so that a set-up of minutes (a profile, a partition search per method)
+is not a bar standing still at 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import threading
 from contextlib import contextmanager
 
-from tqdm.auto import tqdm
+from ..progress import add_progress_option, progress_bar, show_progress  # noqa: F401  (the one rule, also from here)
 
 PROGRESS_ENV = "DYNABATCH_PROGRESS"
-
-
-def add_progress_option(p, what: str = "a progress bar") -> None:
-    """``--progress`` / ``--no-progress`` on a bench's parser (default: auto, see `show_progress`)."""
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"show {what} on stderr (default: when stderr is a terminal; never with --json)")
-
-
-def show_progress(args) -> bool:
-    """Whether a bench run with these parsed arguments shows its bar: never under ``--json``, else
-    ``--progress`` / ``--no-progress``, else when stderr is a terminal."""
-    if getattr(args, "json", False):
-        return False
-    flag = getattr(args, "progress", None)
-    return sys.stderr.isatty() if flag is None else bool(flag)
-
-
-def progress_bar(total: int | None, desc: str, unit: str, show: bool):
-    """A tqdm bar on stderr of ``total`` ``unit`` (disabled, printing nothing, when not ``show``)."""
-    return tqdm(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr, dynamic_ncols=True)
 
 
 def _append(line: str) -> None:
@@ -89,6 +67,8 @@ def watch_ticks(path: str, total: int, desc: str, unit: str, show: bool, poll_s:
             if n > done:
                 bar.update(n - done)
                 done = n
+            else:
+                bar.refresh()  # off a terminal: the periodic line, also while a unit runs for minutes
             if stopping:
                 return
 

@@ -49,7 +49,7 @@ from ..core.options import PlanOptions
 from .payload import config_from_payload, config_payload
 from .progress import rank_note, rank_tick, watch_ticks
 from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
-                           _write_json, add_bench_train_command, assemble_result, format_table, timer_noise)
+                           _write_json, assemble_result, format_table, timer_noise)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_data import SHARED_FLAN, build_data, default_data  # noqa: F401

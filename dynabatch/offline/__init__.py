@@ -6,34 +6,19 @@ Command line: ``dynabatch scan``, ``dynabatch plan``, ``dynabatch inspect`` (see
 docs/offline_plans.md).
 """
 
-from ..engines import ENGINES, EngineError, map_parts
-from .inputs import Index, OfflineError, is_index, read_index, tokenizer_spec
-from ..planfile.format import RUN_PLAN_VERSION
-from ..planfile.reader import PlanMismatchError, RunPlan, load_run_plan
-from ..core.plan.steps import global_batches, plan_step, sample_tokens
-from .runplan import RunPlanConfig, plan_run
-from .scan import ScanConfig, ScanResult, scan_dataset, write_index
+from .._lazy import lazy_names
 
-__all__ = [
-    "ENGINES",
-    "EngineError",
-    "Index",
-    "OfflineError",
-    "PlanMismatchError",
-    "RUN_PLAN_VERSION",
-    "RunPlan",
-    "RunPlanConfig",
-    "ScanConfig",
-    "ScanResult",
-    "global_batches",
-    "is_index",
-    "load_run_plan",
-    "map_parts",
-    "plan_run",
-    "plan_step",
-    "read_index",
-    "sample_tokens",
-    "scan_dataset",
-    "tokenizer_spec",
-    "write_index",
-]
+# Names load on first use (name -> module; a leading dot: a sibling of this package): the `dynabatch`
+# command's parser imports `offline.commands`, which must not pull in numba and the scan with it.
+_NAMES = {
+    "ENGINES": ".engines", "EngineError": ".engines", "map_parts": ".engines",
+    "Index": "inputs", "OfflineError": "inputs", "is_index": "inputs", "read_index": "inputs",
+    "tokenizer_spec": "inputs", "RUN_PLAN_VERSION": ".planfile.format", "PlanMismatchError": ".planfile.reader",
+    "RunPlan": ".planfile.reader", "load_run_plan": ".planfile.reader", "global_batches": ".core.plan.steps",
+    "plan_step": ".core.plan.steps", "sample_tokens": ".core.plan.steps", "RunPlanConfig": "runplan",
+    "plan_run": "runplan", "ScanConfig": "scan", "ScanResult": "scan", "scan_dataset": "scan",
+    "write_index": "scan",
+}
+__all__ = sorted(_NAMES)
+
+__getattr__ = lazy_names(__name__, _NAMES)

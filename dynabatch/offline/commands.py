@@ -1,18 +1,19 @@
-"""The ``dynabatch scan``, ``dynabatch plan`` and ``dynabatch inspect`` subcommands.
+"""The ``dynabatch scan`` and ``dynabatch plan`` subcommands (``dynabatch inspect``: `inspect_command`).
 
-`add_commands(subparsers)` registers them on the ``dynabatch`` parser (`dynabatch.cli`). Each
-handler prints a one-line ``dynabatch: error: ...`` and returns 1 on bad input.
+`add_commands(subparsers)` registers the three on the ``dynabatch`` parser (`dynabatch.cli`); building
+their parsers imports nothing heavy, each handler imports its work. Each handler prints a one-line
+``dynabatch: error: ...`` and returns 1 on bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 from ..devices import OFFLINE_DEFAULT_DEVICE
+from ..progress import add_progress_option, show_progress
 
 TOKENIZER_HELP = ("tokenizer that counts tokens: 'bytes' (default: built-in, one token per UTF-8 byte, an "
                   "OVER-estimate of subword counts, ~4x for English), a local tokenizer.json, a sentencepiece "
@@ -94,29 +95,6 @@ examples:
   dynabatch plan index.parquet --model costs.json --engine ray --out plan.parquet
   dynabatch inspect plan.parquet --plot plan.png
 """
-
-INSPECT_EPILOG = """\
-table (times predicted by the plan's cost model; ms unless noted):
-  predicted iteration time  per step: the slowest rank's simulated pipeline time (mean/p50/p95/max)
-  predicted run time        sum of the steps' iteration times
-  predicted throughput      real (unpadded) tokens / predicted run time
-  padding efficiency        real tokens / computed tokens over the run (1.0 = no padding)
-  rank balance              per step, slowest rank / mean rank (1.0 = balanced); mean and worst step
-  rank totals               each rank's time summed over the run: max/min over ranks
-  micro-batches per step    over all ranks (and per rank)
-  micro-batch time          predicted fwd+bwd time of one micro-batch on one stage; cv = std/mean
-  peak micro-batch memory   largest predicted activation memory of a micro-batch vs the memory limit
-  micro-batch shapes        how many micro-batches have R rows (1, 2-3, 4-7, ...) and a padded
-                            length (input_len + target_len) in each power-of-two bucket
-  token share by task       sample tokens of each task / all tokens (needs the plan's task_id column)
-  step K                    per rank: micro-batches, samples, rows and padded length ranges, summed
-                            compute time and simulated pipeline time (default K: the slowest step)
-
-plot (--plot, PNG): micro-batch shapes (rows vs padded length, colour = predicted time); predicted
-iteration time per step; per-rank simulated time (run mean and step K); step K's pipeline timeline
-on its slowest rank (plain = forward, hatched = backward).
-"""
-
 
 #: ``dynabatch plan``'s own defaults where the DataLoader's differ (`loader_default_differences`);
 #: its device is the one `dynabatch.devices` plans GPU-scale presets for when there is no GPU.
@@ -218,19 +196,18 @@ def _add_engine_options(p) -> None:
                         "most one process per 16384 samples, so a smaller job runs in this process)")
     g.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data (pip install 'dynabatch[ray]')")
-    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_progress_option(g, "the samples scanned and the steps planned")
 
 
 def add_commands(sub) -> None:
     """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
+    from ..commands import add_subcommand
+    from ..core.cost.presets import DEVICE_PRESETS, MODEL_PRESETS
     from ..option_flags import PLAN_OPTIONS_HELP, add_plan_options
-    from ..core.cost.model import DEVICE_PRESETS, MODEL_PRESETS
 
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("scan", help="tokenize a dataset into a length index (token counts per sample)",
-                       description="Count the tokens of every sample of a dataset, in parallel, and write the "
-                                   "length index that `dynabatch plan` reads.",
-                       epilog=SCAN_EPILOG, formatter_class=fmt)
+    p = add_subcommand(sub, "scan", "tokenize a dataset into a length index (token counts per sample)",
+                       "Count the tokens of every sample of a dataset, in parallel, and write the length index that "
+                       "`dynabatch plan` reads.", SCAN_EPILOG)
     _add_data(p, "DATA", "dataset files, globs or folders")
     p.add_argument("--out", required=True, metavar="INDEX.parquet", help="where to write the index")
     _add_scan_options(p, for_plan=False)
@@ -238,19 +215,18 @@ def add_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     p.set_defaults(func=_guarded(_cmd_scan))
 
-    p = sub.add_parser("plan", help="plan a whole run offline: every step, rank and micro-batch, to Parquet",
-                       description="Plan every step of a training run (global batches -> micro-batches -> ranks, "
-                                   "with predicted time and memory) and write it as one Parquet file that a "
-                                   "DataLoader replays.",
-                       epilog=PLAN_EPILOG + "\n" + PLAN_OPTIONS_HELP, formatter_class=fmt)
+    p = add_subcommand(sub, "plan", "plan a whole run offline: every step, rank and micro-batch, to Parquet",
+                       "Plan every step of a training run (global batches -> micro-batches -> ranks, with predicted "
+                       "time and memory) and write it as one Parquet file that a DataLoader replays.",
+                       PLAN_EPILOG + "\n" + PLAN_OPTIONS_HELP)
     _add_data(p, "DATA|INDEX", "a raw dataset (scanned first) or a length index")
     p.add_argument("--out", required=True, metavar="PLAN.parquet", help="where to write the plan")
     g = p.add_argument_group("cost model")
-    g.add_argument("--model", default=PLAN_MODEL, metavar="PRESET|COSTS.json",
-                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default {PLAN_MODEL}; gpt-tiny / t5-tiny "
-                        "for a CPU) or a saved cost model "
-                        "JSON (CostModel.save, e.g. from profiling)")
-    g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default=PLAN_DEVICE,
+    g.add_argument("--model", default=None, metavar="PRESET|COSTS.json",
+                   help=f"cost model: a preset ({', '.join(MODEL_PRESETS)}; default {PLAN_MODEL}, said in the summary "
+                        "when taken; gpt-tiny / t5-tiny for a CPU) or a saved cost model JSON (CostModel.save, e.g. "
+                        "from profiling)")
+    g.add_argument("--device", choices=sorted(DEVICE_PRESETS), default=None,
                    help="device preset for a --model preset (default a100-80gb, whatever this machine has: an "
                         "offline plan is for the cluster that trains; the DataLoader's device='auto' is not used "
                         "here)")
@@ -269,22 +245,9 @@ def add_commands(sub) -> None:
     _add_engine_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     p.set_defaults(func=_guarded(_cmd_plan))
+    from .inspect_command import add_inspect_command
 
-    p = sub.add_parser("inspect", help="summarize a plan file: predicted times, balance, shapes, tasks; PNG plot",
-                       description="Print what a run plan predicts (iteration time, padding, rank balance, "
-                                   "micro-batch shapes, token share per task) and optionally plot it.",
-                       epilog=INSPECT_EPILOG, formatter_class=fmt)
-    p.add_argument("plan", metavar="PLAN.parquet", help="a file written by dynabatch plan")
-    p.add_argument("--plot", metavar="OUT.png",
-                   help="write the PNG here (micro-batch shapes, step times beside pack and the lower bound, "
-                        "rank balance, padding efficiency, per-stage busy time, the step's timeline)")
-    p.add_argument("--index", nargs="+", metavar="INDEX", default=None,
-                   help="the length index the plan was made from, for the plot's pack baseline and lower bound "
-                        "(default: the plan's own index files when they still exist)")
-    p.add_argument("--step", type=int, default=None, help="step to detail and draw (default: the slowest)")
-    p.add_argument("--top-tasks", type=int, default=10, help="tasks listed in the token share (default 10)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(func=_guarded(_cmd_inspect))
+    add_inspect_command(sub)
 
 
 # -- handlers --------------------------------------------------------------------------------
@@ -297,8 +260,7 @@ def _cmd_scan(args) -> int:
                      max_target_len=args.max_target_len, vision=args.vision, on_error=args.on_error,
                      image_token_id=args.image_token_id, chat_template=_chat_template(args.chat_template))
     paths = _data_args(args)
-    result = scan_dataset(paths, cfg, engine=args.engine, workers=args.workers,
-                          progress=not args.no_progress and not args.json)
+    result = scan_dataset(paths, cfg, engine=args.engine, workers=args.workers, progress=show_progress(args))
     if not result.table.num_rows:
         skipped = result.summary()["skipped"]
         raise ValueError(f"{' '.join(paths)} holds no samples" + (f" ({skipped} bad records skipped)" if skipped else "")
@@ -368,7 +330,11 @@ def _cmd_plan(args) -> int:
     from ..engines import workers_for
     from .scan import ScanConfig, scan_dataset
 
-    quiet = args.no_progress or args.json
+    quiet = not show_progress(args)
+    # the flags left at this command's defaults, said in the summary: a plan's times are its model's
+    taken = {flag: value for flag, value, given in (("--model", PLAN_MODEL, args.model),
+                                                     ("--device", PLAN_DEVICE, args.device)) if given is None}
+    args.model, args.device = args.model or PLAN_MODEL, args.device or PLAN_DEVICE
     cost = _cost_model(args)
     paths = _data_args(args)
     t0 = time.perf_counter()
@@ -428,6 +394,8 @@ def _cmd_plan(args) -> int:
     }
     if differ:
         summary["loader_default_differences"] = differ
+    if taken:
+        summary["defaults_taken"] = {flag.lstrip("-"): value for flag, value in taken.items()}
     recompute = run.recompute_summary()
     if recompute:
         summary["recompute"] = recompute
@@ -437,6 +405,10 @@ def _cmd_plan(args) -> int:
     print(f"planned {summary['steps']} steps ({' + '.join(map(str, run.steps_per_epoch))} over {cfg.epochs} "
           f"epoch{'s' if cfg.epochs != 1 else ''}) of {summary['samples']} samples: {run.method} ({run.collation}) "
           f"for {cost.model.name} on {cost.device.name}, {run.num_ranks} ranks x {run.num_stages} stages")
+    if taken:
+        print(f"cost model: this command's default {' '.join(f'{k} {v}' for k, v in taken.items())} (not given): "
+              f"the times below are {cost.model.name}'s on {cost.device.name}; give "
+              f"{' and '.join(taken)} to plan for your model and cluster")
     print(f"predicted iteration time mean {it.mean() * 1e3:.1f} ms, max {it.max() * 1e3:.1f} ms; padding efficiency "
           f"{summary['padding_efficiency']:.3f}; max/mean rank {summary['rank_imbalance_mean']:.3f}")
     if differ:
@@ -451,7 +423,7 @@ def _cmd_plan(args) -> int:
     print(f"{'scan' if scanned else 'read index'} {scan_s:.1f} s, plan {plan_s:.1f} s "
           f"({summary['workers']} worker{'s' * (summary['workers'] != 1)}, {args.engine}); wrote "
           f"{args.out} ({run.table.num_rows} placements, fingerprint {run.dataset_fingerprint})")
-    print(f"next: dynabatch inspect {args.out} --plot plan.png")
+    print(f"next: dynabatch inspect {args.out} --plot {Path(args.out).with_suffix('.png')}")  # beside it: no clash
     return 0
 
 
@@ -475,24 +447,3 @@ def loader_default_differences(args) -> dict[str, str]:
     if args.global_batch_tokens is None and args.global_batch_size is None:
         out["global_batch_tokens"] = f"{PLAN_GLOBAL_BATCH_TOKENS} (DataLoader: none, it must be given)"
     return out
-
-
-def _cmd_inspect(args) -> int:
-    from ..planfile.inspect import format_summary, summarize_plan
-    from ..planfile.plot import index_shapes, plot_plan
-    from ..planfile.reader import load_run_plan
-
-    run = load_run_plan(args.plan)
-    if args.step is not None and args.step not in set(run.steps.tolist()):
-        raise ValueError(f"--step {args.step} is not in {args.plan} (steps 0..{run.num_steps - 1})")
-    s = summarize_plan(run, step=args.step, top_tasks=args.top_tasks)
-    if args.plot:
-        plot_plan(run, args.plot, step=s["step_detail"]["step"] if s["step_detail"] else None,
-                  shapes=index_shapes(run, args.index))
-    if args.json:
-        print(json.dumps(s, indent=1, default=float))
-        return 0
-    print(format_summary(s))
-    if args.plot:
-        print(f"\nplot written to {args.plot}")
-    return 0

@@ -1,6 +1,8 @@
 """`dynabatch inspect --plot`: the PNG of a run plan.
 
-Six panels, every figure read from the plan file through `dynabatch.planfile.inspect` (times in ms):
+Titled with the plan's method, cost model, device and world, and its step time against pack's on the
+same global batches (`plot_title`). Six panels, every figure read from the plan file through
+`dynabatch.planfile.inspect` (times in ms):
 micro-batch shapes; the predicted iteration time of every step, beside the ``pack`` baseline and
 the iteration lower bound of the same global batches (`step_baselines`: they need the samples'
 shapes, from the length index the plan was made from); each rank's time as % off the mean rank
@@ -81,6 +83,26 @@ def step_baselines(run: RunPlan, shapes: Shapes, max_steps: int = MAX_BASELINE_S
                                         num_ranks=min(o.num_ranks, len(pos)), max_len=o.max_len,
                                         max_target_len=o.max_target_len, memory_limit=limit))
     return StepBaselines(steps, np.array(pack_s), np.array(pack_pad), np.array(lb))
+
+
+def pack_speedup(run: RunPlan, base: StepBaselines) -> float:
+    """Pack's predicted time over this plan's, summed over the steps ``base`` re-planned (> 1: this plan
+    steps faster than pack on the same global batches)."""
+    it = run.iteration_times_s()[np.searchsorted(run.steps, base.steps)]
+    return float(base.pack_s.sum() / it.sum()) if it.sum() > 0 else float("nan")
+
+
+def plot_title(run: RunPlan, base: StepBaselines | None) -> str:
+    """The figure's title: the file, method, cost model, device, world and steps, and the plan's step
+    time against pack's on the same global batches (or how to get it: the length index)."""
+    cost = run.cost_model()
+    head = (f"{os.path.basename(run.path) if run.path else 'run plan'}: {run.method} ({run.collation}) for "
+            f"{cost.model.name} on {cost.device.name}, {run.num_ranks} ranks x {run.num_stages} stages, "
+            f"{run.num_steps} steps")
+    if base is None:
+        return head + "\nvs pack: pass the length index the plan was made from (--index) to compare"
+    return (head + f"\n{run.method} vs pack (planner defaults) on the same global batches: "
+            f"{pack_speedup(run, base):.2f}x (pack's predicted step time / this plan's, over {len(base.steps)} steps)")
 
 
 def step_padding(run: RunPlan, mb: dict) -> np.ndarray:
@@ -217,8 +239,7 @@ def plot_plan(run: RunPlan, path: str | None, step: int | None = None, max_point
     _padding_panel(fig.add_subplot(grid[1, 2:4], gid="padding"), run, mb, base)
     _stage_panel(fig.add_subplot(grid[1, 4:], gid="stage_busy"), tl, stage_busy(run, step, mb), step)
     _timeline_panel(fig.add_subplot(grid[2, :], gid="timeline"), tl, step)
-    fig.suptitle(f"{os.path.basename(run.path) if run.path else 'run plan'}: {run.method} ({run.collation}), "
-                 f"{run.num_ranks} ranks x {run.num_stages} stages, {run.num_steps} steps", fontsize=12)
+    fig.suptitle(plot_title(run, base), fontsize=12)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)

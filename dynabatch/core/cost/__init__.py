@@ -7,15 +7,18 @@ spreads it over pipeline stages (`StageLayout`), `profiled` holds measured table
 plan's micro-batches into feature rows. Nothing here plans, orders or simulates.
 """
 
-from .features import microbatch_features, plan_features
-from .model import CostModel
-from .presets import (DEVICE_PRESETS, GPU_PRESETS, MODEL_PRESETS, TINY_MODEL_PRESETS, DeviceProfile, ModelConfig,
-                      device_preset, model_preset)
-from .profiled import ProfiledTable
-from .stage_memory import StageMemory, stage_memory_of
-from .stages import LAYOUTS, StageLayout
-from ..kernels.cost import FEATURES, NUM_FEATURES
+from ..lazy import lazy_names
 
-__all__ = ["DEVICE_PRESETS", "FEATURES", "GPU_PRESETS", "LAYOUTS", "MODEL_PRESETS", "NUM_FEATURES", "TINY_MODEL_PRESETS",
-           "CostModel", "DeviceProfile", "ModelConfig", "ProfiledTable", "StageLayout", "StageMemory", "device_preset",
-           "microbatch_features", "model_preset", "plan_features", "stage_memory_of"]
+# Names load on first use (name -> submodule): `presets` alone, which the command line's choices read,
+# then costs no numba import (`model`, `features` and the kernels do).
+_NAMES = {
+    "microbatch_features": "features", "plan_features": "features", "CostModel": "model",
+    "DEVICE_PRESETS": "presets", "GPU_PRESETS": "presets", "MODEL_PRESETS": "presets",
+    "TINY_MODEL_PRESETS": "presets", "DeviceProfile": "presets", "ModelConfig": "presets",
+    "device_preset": "presets", "model_preset": "presets", "ProfiledTable": "profiled",
+    "StageMemory": "stage_memory", "stage_memory_of": "stage_memory", "LAYOUTS": "stages",
+    "StageLayout": "stages", "FEATURES": ".kernels.cost", "NUM_FEATURES": ".kernels.cost",
+}
+__all__ = sorted(_NAMES)
+
+__getattr__ = lazy_names(__name__, _NAMES)

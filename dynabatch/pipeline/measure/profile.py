@@ -14,16 +14,14 @@ the planner) with the per-layer costs beside it (what `load_layer_costs` reads: 
 search); `profile_table` is the padded grid alone.
 
 Command line: ``dynabatch profile --model gpt-tiny --device cpu --out costs.json`` (``--model
-hf:FOLDER`` for a Hugging Face ``save_pretrained`` folder or ``config.json``).
+hf:FOLDER`` for a Hugging Face ``save_pretrained`` folder or ``config.json``; its parser
+`dynabatch.commands.profile`, what it prints `dynabatch.pipeline.measure.profile_report`).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +65,8 @@ class Profile:
     ``time_s``/``memory_bytes`` [len(shapes)]: slowest stage's seconds, largest stage's bytes;
     ``layer_costs``: every layer on every measured micro-batch (what `balanced_partition` takes);
     ``padding``: for each shape, whether it was measured with a padded row (a decoder-only model's
-    padded shapes repeated with row 0 one token short: the mask cost, ``q_pad``).
+    padded shapes repeated with row 0 one token short: the mask cost, ``q_pad``); ``round_s``: each
+    timed round's seconds of each shape over all layers (how far repeats disagree: `timing_warnings`).
     """
 
     table: ProfiledTable
@@ -79,6 +78,7 @@ class Profile:
     memory_bytes: np.ndarray
     layer_costs: object  # dynabatch.pipeline.LayerCosts (torch-side, imported lazily)
     padding: tuple = ()  # per shape: a padded one measured with a padded row (``q_pad``); () for none
+    round_s: np.ndarray | None = None  # [repeats, shapes]: every layer's fwd+bwd seconds summed, per timed round
 
     @property
     def extra(self) -> np.ndarray:
@@ -143,25 +143,30 @@ def _with_padding(batch: dict) -> dict:
 
 
 def _measure(model, batches, repeats: int, warmup: int, device, seed: int, progress):
-    """`LayerCosts` of every layer on each of ``batches``: rounds over all of them in a shuffled order (not
-    repeats of one shape back to back), so slow drift or a noisy moment spreads over all shapes instead of
-    biasing one; the first rounds warm up; per layer the fastest round (noise on a shared machine only adds)."""
+    """`LayerCosts` of every layer on each of ``batches`` and each timed round's seconds of each batch
+    over all layers [repeats, batches]: rounds over all of them in a shuffled order (not repeats of one
+    shape back to back), so slow drift or a noisy moment spreads over all shapes instead of biasing one;
+    the first rounds warm up; per layer the fastest round (noise on a shared machine only adds).
+    ``progress(done, total)`` after every batch's timing, warm-up rounds included."""
     from ..models.partition import LayerCosts
     from .layers import profile_layers
 
-    n, m = len(model.layers), len(batches)
+    n, m, warm = len(model.layers), len(batches), max(warmup, 1)
     samples_f, samples_b = np.zeros((repeats, n, m)), np.zeros((repeats, n, m))
     mem, boundary = np.zeros((n, m)), np.zeros(m)
     order_rng = np.random.default_rng(seed)
-    for rnd in range(-max(warmup, 1), repeats):
+    done = 0
+    for rnd in range(-warm, repeats):
         for k in order_rng.permutation(m):  # no shape always follows the same one
             c = profile_layers(model.layers, [batches[k]], repeats=1, warmup=0, device=device)
             if rnd >= 0:
                 samples_f[rnd, :, k], samples_b[rnd, :, k] = c.forward_s[:, 0], c.backward_s[:, 0]
                 mem[:, k], boundary[k] = c.memory_bytes[:, 0], c.boundary_bytes[0]
-        if progress is not None and rnd >= 0:
-            progress(rnd + 1, repeats)
-    return LayerCosts(samples_f.min(axis=0), samples_b.min(axis=0), mem, boundary)
+            done += 1
+            if progress is not None:
+                progress(done, (warm + repeats) * m)
+    rounds = samples_f.sum(axis=1) + samples_b.sum(axis=1)
+    return LayerCosts(samples_f.min(axis=0), samples_b.min(axis=0), mem, boundary), rounds
 
 
 def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, packed: bool = True,
@@ -176,7 +181,8 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     image tiles (none: ``tiles=()``). With ``ragged`` a decoder-only model is also measured on padded
     micro-batches that hold padding (`_ragged_shapes`): the cost of its padding mask (``q_pad``).
     With ``num_stages > 1`` the layers are split by `balanced_partition` over everything measured.
-    ``progress(done, total)`` is called per round.
+    ``progress(done, total)`` is called after every shape's timing (``total``: shapes x rounds, the
+    warm-up round included).
     """
     import torch
 
@@ -208,7 +214,7 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
         for key, out in (("cu_seqlens", sample_lengths), ("decoder_cu_seqlens", decoder_lengths)):
             cu = batch.get(key)
             out.append(None if cu is None else tuple(int(x) for x in np.diff(cu.numpy())))
-    costs = _measure(model, batches, repeats, warmup, device, seed, progress)
+    costs, rounds = _measure(model, batches, repeats, warmup, device, seed, progress)
     bounds = balanced_partition(costs, num_stages).bounds if num_stages > 1 else (0, len(model.layers))
     b = np.asarray(bounds)
     stage_t = np.add.reduceat(costs.forward_s + costs.backward_s, b[:-1], axis=0)  # [S, micro-batches]
@@ -219,7 +225,7 @@ def profile_model(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_l
     table = ProfiledTable(np.asarray(rows), np.asarray(lengths), np.asarray(tgrid), t[:g].reshape(grid),
                           m[:g].reshape(grid))
     return Profile(table, tuple(int(x) for x in bounds), tuple(shapes), tuple(sample_lengths), tuple(decoder_lengths),
-                   t, m, costs, padding)
+                   t, m, costs, padding, rounds)
 
 
 def profile_table(model, *, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None, num_stages: int = 1,
@@ -352,50 +358,6 @@ def load_layer_costs(path):
 # command line
 
 
-def add_profile_command(sub) -> None:
-    """Register ``dynabatch profile`` on an argparse subparsers object."""
-    from ..models import MODELS
-
-    p = sub.add_parser("profile", help="time micro-batch shapes of a model and save a cost model",
-                       description="Time forward+backward of every layer of a tiny or Hugging Face model on this "
-                                   "machine over a grid of padded micro-batch shapes (rows x length [x target "
-                                   "length]), packed ones (text models: decoder-only and encoder-decoder), ones with image tiles "
-                                   "(vision-language models) and, for a decoder-only model, the longer half of the grid "
-                                   "again with a padded row (what its padding mask costs, q_pad); save the profiled cost model (load it with "
-                                   "CostModel.load, for the DataLoader and the planner) with the per-layer costs "
-                                   "(load_layer_costs, for the partition search) as JSON.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="example:\n  dynabatch profile --model gpt-tiny --device cpu --out costs.json\n"
-                              "  dynabatch profile --model t5-tiny --rows 1 4 --lengths 32 64 --target-lengths 8 16 "
-                              "--out t5.json\n  dynabatch profile --model hf:path/to/llama --lengths 64 128 --out llama.json")
-    p.add_argument("--model", type=_model_spec, default="gpt-tiny",
-                   help=f"model to profile: one of {', '.join(MODELS)}, or hf:PATH for a Hugging Face save_pretrained "
-                        "folder or config.json (random weights from a config; default gpt-tiny)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default cpu)")
-    p.add_argument("--out", required=True, help="where to write the cost model (JSON)")
-    p.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="rows per micro-batch")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="main-stack lengths (tokens)")
-    p.add_argument("--target-lengths", type=int, nargs="+", default=None,
-                   help="decoder lengths (tokens) for t5-tiny (default 8 16 32)")
-    p.add_argument("--tiles", type=int, nargs="+", default=list(DEFAULT_TILES),
-                   help="image tiles per micro-batch for vision-language models (default 1 2 4)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages: record the slowest stage (default 1)")
-    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size")
-    p.add_argument("--layers", type=int, default=None, help="override the number of (encoder) layers")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds over the grid, fastest kept (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.set_defaults(func=_cmd_profile)
-
-
-def _model_spec(text: str) -> str:
-    """``--model``: a tiny model's name or ``hf:PATH`` (argparse type; a clear error otherwise)."""
-    from ..models import MODELS
-
-    if text in MODELS or (text.startswith("hf:") and len(text) > 3):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(MODELS)} nor hf:PATH")
-
-
 def load_model(spec: str, *, seed: int = 0, **overrides):
     """The `LayeredModel` a ``--model`` names: a tiny model (sizes overridden by ``overrides``) or, for
     ``hf:PATH``, the Hugging Face model of a ``save_pretrained`` folder (its weights) or a
@@ -409,60 +371,3 @@ def load_model(spec: str, *, seed: int = 0, **overrides):
     from ..models.hf import from_hf
 
     return from_hf(spec[3:], seed=seed)
-
-
-def _cmd_profile(args) -> int:
-    from ...core.cost.model import describe
-
-    over = {}
-    if args.hidden:
-        over["hidden"] = args.hidden
-    if args.layers:
-        over["layers" if args.model == "gpt-tiny" else "encoder_layers"] = args.layers
-    for name, grid in (("rows", args.rows), ("lengths", args.lengths), ("target-lengths", args.target_lengths),
-                       ("tiles", args.tiles)):
-        if grid is not None and (len(grid) == 0 or any(b <= a for a, b in zip(grid[:-1], grid[1:])) or min(grid) < 1):
-            print(f"dynabatch profile: error: --{name} must be positive and strictly increasing", file=sys.stderr)
-            return 2
-    try:
-        model = load_model(args.model, seed=args.seed, **over)
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"dynabatch profile: error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-
-    def progress(done, total):
-        print(f"\rprofiling {args.model} on {args.device}: round {done}/{total} over the grid", end="",
-              file=sys.stderr, flush=True)
-
-    try:
-        prof = profile_model(model, num_stages=args.stages, device=args.device, rows=args.rows, lengths=args.lengths,
-                             target_lengths=args.target_lengths, tiles=args.tiles, repeats=args.repeats, seed=args.seed,
-                             progress=progress)
-    except ValueError as e:  # e.g. no length holds an image tile
-        print(f"\ndynabatch profile: error: {e}", file=sys.stderr)
-        return 2
-    print(file=sys.stderr)
-    cost = fitted_cost_model(prof, model, device=args.device)
-    save_profile(args.out, cost, prof.layer_costs)
-    t = prof.table
-    ragged = len(prof.ragged)
-    extra = len(prof.extra) - ragged
-    print(f"{args.model} on {args.device}: {len(prof.shapes)} shapes ({t.time_s.size} padded"
-          + (f", {extra} {'with image tiles' if model.kind == 'vision_language' else 'packed'}" if extra else "")
-          + (f", {ragged} padded with a padded row" if ragged else "")
-          + f") in {time.perf_counter() - t0:.1f} s, written to {args.out}")
-    print("ms per micro-batch (fwd+bwd), rows x length" + (" (first target length)" if len(t.dec_len) > 1 else "") + ":")
-    print("rows\\len " + " ".join(f"{int(x):>8d}" for x in t.main_len))
-    for i, r in enumerate(t.rows):
-        print(f"{int(r):>8d} " + " ".join(f"{t.time_s[i, j, 0] * 1e3:8.2f}" for j in range(len(t.main_len))))
-    if extra and model.kind != "vision_language":
-        print(f"packed micro-batches: {PACKED_WORDS[cost.packed_attention]} (packed_attention={cost.packed_attention!r}, "
-              "the better fit to the packed measurements)")
-    print(describe(cost))
-    return 0
-
-
-#: How `dynabatch profile` says which packed attention it measured (`CostModel.packed_attention`).
-PACKED_WORDS = {"varlen": "attention per sample (a varlen kernel)",
-                "dense": "the whole row attended with a mask (N**2 per row, as one padded row of N tokens)"}
