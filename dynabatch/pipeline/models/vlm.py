@@ -47,7 +47,8 @@ from torch import nn
 
 from ...core.cost.model import ModelConfig
 from .layered import LayeredModel
-from .tiny import IGNORE_INDEX, MLP, GPTBlock, GPTHead, _SelfAttentionBlock
+from .blocks import GPTBlock, GPTHead, SelfAttentionBlock
+from .contract import IGNORE_INDEX
 from .spec import MicroBatchShape, TensorSpec
 
 
@@ -198,7 +199,7 @@ class PatchEmbedding(nn.Module):
         return x + self.pos, ids, seg, slots
 
 
-class ViTBlock(_SelfAttentionBlock):
+class ViTBlock(SelfAttentionBlock):
     """Pre-LayerNorm bidirectional block over the patches of each tile; skipped (not counted) on 0 tiles."""
 
     def __init__(self, hidden: int, heads: int, ffn: int):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tiny import t5_random_batch
+from ..contract import seq2seq_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
 from .seq2seq import decoder_masks, packed_state, seq2seq_boundary, state_masks
@@ -132,5 +132,5 @@ def bart_model(hf_model: nn.Module) -> HFLayeredModel:
     dtype = model_dtype(hf_model)
     cost = cost_config(name, "encoder_decoder", config, dtype, layers=len(enc.layers), decoder_layers=len(dec.layers))
     return HFLayeredModel(name, "encoder_decoder", layers, seq2seq_boundary(int(config.d_model), dtype), cost,
-                          t5_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
+                          seq2seq_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
                           **names)

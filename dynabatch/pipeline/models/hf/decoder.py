@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ....core.cost import ModelConfig
-from ..tiny import _gpt_boundary as decoder_boundary, gpt_random_batch
+from ..contract import decoder_boundary, decoder_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 
 WHAT = "decoder-only causal LM on the common layout (model.embed_tokens, model.layers, model.norm, " \
@@ -175,5 +175,5 @@ def decoder_model(hf_model: nn.Module) -> HFLayeredModel:
     dtype = model_dtype(hf_model)
     hidden = int(config.hidden_size)
     return HFLayeredModel(name, "decoder", layers, decoder_boundary(hidden, dtype),
-                          cost_config(name, "decoder", config, dtype), gpt_random_batch(int(config.vocab_size)),
+                          cost_config(name, "decoder", config, dtype), decoder_random_batch(int(config.vocab_size)),
                           hf_config=config, family="decoder", **names)

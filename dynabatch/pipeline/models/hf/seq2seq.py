@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..spec import MicroBatchShape, TensorSpec, packed_pair_seqlens
-from ..tiny import _t5_boundary, t5_random_batch
+from ..contract import seq2seq_boundary as padded_seq2seq_boundary, seq2seq_random_batch
 from .common import HFLayer, HFLayeredModel, UnsupportedModel, model_dtype, name_parameters, need, summed_cross_entropy
 from .decoder import cost_config
 
@@ -110,7 +110,7 @@ def seq2seq_boundary(hidden: int, dtype: torch.dtype):
     """The stage-boundary specs of the T5 and BART adapters: the padded state's (t5-tiny's), or the packed
     state ``(enc [1, tokens, H], dec [1, target_tokens, H], cu_seqlens [rows + 1] int32, decoder_cu_seqlens
     [rows + 1] int32)`` (the plan states both rows' token totals)."""
-    padded = _t5_boundary(hidden, dtype)
+    padded = padded_seq2seq_boundary(hidden, dtype)
 
     def boundary(shape: MicroBatchShape, layer: int):
         if not shape.packed:
@@ -260,5 +260,5 @@ def seq2seq_model(hf_model: nn.Module) -> HFLayeredModel:
     config, dtype = hf_model.config, model_dtype(hf_model)
     cost = cost_config(name, "encoder_decoder", config, dtype, layers=len(enc.block), decoder_layers=len(dec.block))
     return HFLayeredModel(name, "encoder_decoder", layers, seq2seq_boundary(int(config.d_model), dtype), cost,
-                          t5_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
+                          seq2seq_random_batch(int(config.vocab_size)), hf_config=config, family="encoder_decoder",
                           **names)
