@@ -16,7 +16,8 @@ from ._adapters import (
 )
 from ._chat import ChatRenderer, ChatTemplate, ChatTemplateWarning, resolve_chat
 from ._fingerprint import tokenizer_fingerprint
-from ._format import EncodedSample, FormatConfig, Formatter
+from ._config import FormatConfig
+from ._format import EncodedSample, Formatter
 from ._protocol import IGNORE_INDEX, ByteTokenizer, SampleError, Tokenizer
 from ._scan import (
     ID_COLUMNS,

@@ -16,7 +16,8 @@ import pyarrow as pa
 
 from ._adapters import load_tokenizer
 from ._chat import ChatOption, ChatRenderer, resolve_chat
-from ._format import Family, FormatConfig, OnError, plan_batch
+from ._config import Family, FormatConfig, OnError
+from ._format import plan_batch
 from ._protocol import IGNORE_INDEX, Tokenizer
 from ._segments import PART_TARGET, sample_key
 from ._vision import VisionPolicy

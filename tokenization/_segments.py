@@ -25,7 +25,7 @@ from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
 
 if TYPE_CHECKING:
     from ._chat import ChatTemplate
-    from ._format import FormatConfig
+    from ._config import FormatConfig
 
 #: Marker of an image's position in a prompt (equal to ``loaders.IMAGE_PLACEHOLDER``; this package
 #: does not import ``loaders``). Only read with ``FormatConfig.image_token_id`` set.
