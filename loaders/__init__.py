@@ -16,7 +16,7 @@ from ._errors import (
     StateError,
     TruncatedFileError,
 )
-from ._access import open_access, split_sample_ids
+from ._access import open_access
 from ._fingerprints import changed_files, file_fingerprints
 from ._fs import Storage, is_url
 from ._iterator import SlotIterator, normalized_sample
@@ -33,7 +33,7 @@ from ._open import (
     open_source,
 )
 from ._schema import Mapped, Schema
-from ._sharding import Layout, WorkUnit
+from ._sharding import Layout, WorkUnit, split_sample_ids
 from ._source import Source
 from ._state import merge_states, requeue_samples
 

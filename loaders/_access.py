@@ -37,17 +37,10 @@ from ._fs import LOCAL
 from ._hf import HFDatasetReader
 from ._iterator import _clusters, normalized_sample
 from ._jsonl import JsonlReader, parse_json_object
+from ._sharding import POSITION_BITS, split_sample_ids
 from ._types import RawRecord
 
-POSITION_BITS = 32
-POSITION_MASK = (1 << POSITION_BITS) - 1
 _CHUNK = 1 << 20
-
-
-def split_sample_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
-    """(shard, position) arrays of sample ids (``(shard << 32) | position``)."""
-    ids = np.asarray(sample_ids, np.int64)
-    return ids >> POSITION_BITS, ids & POSITION_MASK
 
 
 class SampleAccess(ABC):
@@ -335,9 +328,7 @@ class MixtureAccess:
 def open_access(source, name: str | None = None, shard_offset: int = 0, generic: bool = False):
     """The best random-access reader for a `loaders.Source` (or `Mixture`). ``generic`` uses the
     source's own range reads, which need no index of their own (for the few re-reads of a resume)."""
-    from ._mixture import Mixture
-
-    if isinstance(source, Mixture):
+    if getattr(source, "shard_ranges", None) is not None:  # a `Mixture`: each source read by its own access
         return MixtureAccess(source, generic)
     reader = source._reader
     if generic:

@@ -5,15 +5,10 @@ from __future__ import annotations
 import copy
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
-
 from ._errors import ErrorPolicy, LoaderError, StateError
 from ._sharding import Layout, WorkUnit
 from ._shuffle import ShuffleBuffer, rng_from_state
 from ._types import RawRecord
-
-if TYPE_CHECKING:
-    from ._source import Source
 
 logger = logging.getLogger("loaders")
 
@@ -29,7 +24,7 @@ class SlotIterator:
     sources without cheap random access), so it stays small.
     """
 
-    def __init__(self, source: Source, layout: Layout, state: dict, name: str, shard_offset: int = 0):
+    def __init__(self, source, layout: Layout, state: dict, name: str, shard_offset: int = 0):
         self._src = source
         self._reader = source._reader
         self.layout = layout

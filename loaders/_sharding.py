@@ -20,6 +20,16 @@ import numpy as np
 
 from ._types import ShardInfo
 
+#: A sample id is ``(global shard << POSITION_BITS) | position in the shard``.
+POSITION_BITS = 32
+POSITION_MASK = (1 << POSITION_BITS) - 1
+
+
+def split_sample_ids(sample_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, position) arrays of sample ids (``(shard << 32) | position``)."""
+    ids = np.asarray(sample_ids, np.int64)
+    return ids >> POSITION_BITS, ids & POSITION_MASK
+
 # Stop position of a unit whose shard length is unknown (streaming sources).
 UNBOUNDED = 1 << 62
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 from ._errors import StateError
 from ._fingerprints import changed_files
-from ._sharding import WorkUnit, merge_ranges
+from ._sharding import WorkUnit, merge_ranges, split_sample_ids
 
 STATE_VERSION = 1
 # Settings that must match for a state to mean the same stream.
@@ -131,8 +131,6 @@ def requeue_samples(global_state: dict, sample_ids, shard_ranges: dict | None = 
     back, exactly once. ``shard_ranges`` (`Mixture.shard_ranges`) routes the ids of a mixture's
     global state to its sources."""
     import copy
-
-    from ._access import split_sample_ids
 
     g = copy.deepcopy(global_state)
     if not len(sample_ids):
