@@ -10,6 +10,7 @@ from .commands import add_subcommand
 from .commands.bench_load import add_bench_load_command, add_bench_loader_command
 from .commands.bench_plan import add_bench_plan_command
 from .commands.bench_train import add_bench_multimodel_command, add_bench_train_command
+from .commands.check import add_check_command
 from .commands.datagen import add_datagen_command
 from .commands.profile import add_profile_command
 from .offline.commands import add_commands as add_offline_commands
@@ -37,6 +38,7 @@ examples of the other commands (every command's --help ends with its own example
   dynabatch scan data/text --tokenizer bytes --family encoder_decoder --out index.parquet    a length index
   dynabatch plan index.parquet --model t5 --max-len 2048 --max-target-len 512 --out plan.parquet
   dynabatch profile --model gpt-tiny --device cpu --out costs.json  a cost model measured here
+  dynabatch check my-model/ data/train.jsonl --stages 2             your model folder and data, before a run
   dynabatch bench loader --limit 20000 --workers 0                  DataLoader vs torch's + collators
   dynabatch bench train --model t5-tiny --stages 2 --steps 20       real pipelined training (~10 min)
   dynabatch bench multimodel --k 2 --steps 12                       K models on one data pass
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     add_offline_commands(sub)  # scan, plan, inspect
     add_profile_command(sub)
+    add_check_command(sub)
     return parser
 
 

@@ -12,7 +12,8 @@ from liveness import run_live
 from dynabatch import CostModel
 from dynabatch.bench.train import TRAIN_METHODS
 from dynabatch.bench.train_hf import hf_llama, load_costs, profile_costs, profile_lengths, setup
-from dynabatch.bench.train_report import format_table, model_size_overrides
+from dynabatch.bench.train_command import model_size_overrides
+from dynabatch.bench.train_report import format_table
 from dynabatch.datagen import write_text_shards
 
 SIZES = dict(hidden=32, ffn=64, layers=2)  # 4 pipeline layers: embedding, 2 decoder layers, head

@@ -116,7 +116,7 @@ def test_the_table_prints_the_split_per_stage():
 def test_size_overrides_name_the_models_keywords():
     """``bench train --size NAME=INT``: the model's constructor sizes only (vlm-tiny's tiling is the
     loader's vision policy), integers >= 1; a bad one is an error naming what the model takes."""
-    from dynabatch.bench.train_report import model_size_overrides
+    from dynabatch.bench.train_command import model_size_overrides
     from dynabatch.cli import main
 
     assert model_size_overrides("vlm-tiny", ["vision_hidden=128", "vision_layers=8"]) == \

@@ -319,7 +319,7 @@ def bench_multimodel_command(args) -> int:
     """Run ``dynabatch bench multimodel`` with its parsed arguments (parser: `dynabatch.commands.bench_train`)."""
     import json
 
-    from .train_report import sizes_from_args
+    from .train_command import sizes_from_args
 
     try:  # bad sizes, options or settings: one line naming the command, exit 2
         options = default_multimodel_options().replace(

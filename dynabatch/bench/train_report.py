@@ -1,4 +1,5 @@
-"""``dynabatch bench train``: its command (parser: `dynabatch.commands.bench_train`), the result document, its table, and how a run stops.
+"""``dynabatch bench train``: the result document, its table, and how a run stops (the command:
+`dynabatch.bench.train_command`).
 
 Stopping: ``timeout_s`` (``--timeout``) is a liveness timeout, not a wall clock: the ranks are
 killed only when none of them made progress (a step, a print) for that long
@@ -19,7 +20,6 @@ import signal
 
 import numpy as np
 
-from ..progress import show_progress
 
 
 def timer_noise(phi: np.ndarray, y: np.ndarray) -> float:
@@ -243,113 +243,3 @@ def format_table(result: dict) -> str:
     else:  # recompute / flush-free variants of dp all plan with the same cost model
         lines.append("no method refits its cost model (their MAPE is the analytic prior's)")
     return "\n".join(lines)
-
-
-def sizes_from_args(args) -> dict:
-    """The model size overrides of ``--hidden`` and ``--size`` (`dynabatch.commands.bench_train.add_size_arguments`;
-    ValueError on a bad one)."""
-    return {**({"hidden": args.hidden} if args.hidden else {}), **model_size_overrides(args.model, args.size)}
-
-
-def model_size_overrides(model: str, items) -> dict:
-    """``NAME=INT`` strings as size keywords of ``model``'s constructor (ValueError naming a bad one and
-    the names it takes)."""
-    import inspect
-
-    from ..pipeline import models
-
-    ctor = models.gpt_tiny if model == "gpt-tiny" else models.t5_tiny if model == "t5-tiny" else None
-    if model == "hf-llama":
-        from .train_hf import hf_llama as ctor
-    elif ctor is None:
-        from ..pipeline.models.vlm import vlm_tiny as ctor
-    fixed = ("seed", "tile_size", "patch_size", "tile_tokens")  # vlm-tiny's tiling is the loader's vision policy
-    names = sorted(k for k, p in inspect.signature(ctor).parameters.items()
-                   if k not in fixed and (isinstance(p.default, int) and not isinstance(p.default, bool)
-                                          or (p.default is None and k in ("ffn", "vision_ffn"))))
-    out = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or name not in names:
-            raise ValueError(f"--size {item!r}: expected NAME=INT with NAME one of {model}'s sizes: {', '.join(names)}")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise ValueError(f"--size {item!r}: {value!r} is not an integer") from None
-        if out[name] < 1:
-            raise ValueError(f"--size {item!r}: a size is at least 1")
-    return out
-
-
-def bench_train_command(args) -> int:
-    """Run ``dynabatch bench train`` with its parsed arguments (parser: `dynabatch.commands.bench_train`)."""
-    import sys
-
-    from .train import (TRAIN_METHODS, VLM_METHODS, VLM_MODEL, TrainBenchConfig, default_train_options,
-                        run_train_bench)
-
-    vlm = args.model == VLM_MODEL
-    try:
-        sizes = sizes_from_args(args)
-    except ValueError as e:
-        print(f"dynabatch: error: {e}", file=sys.stderr)
-        return 1
-    if args.bypass_idle_stages and args.flush_free:
-        print("dynabatch: error: --bypass-idle-stages runs flushed steps; the --flush-free variants stream", file=sys.stderr)
-        return 1
-    bypass = (vlm and not args.flush_free) if args.bypass_idle_stages is None else args.bypass_idle_stages
-    if args.flush_free:
-        from .train_flushfree import FLUSH_VARIANTS
-
-        args.methods = list(FLUSH_VARIANTS)
-    options = default_train_options().replace(
-        num_stages=args.stages, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
-        max_target_len=args.max_target_len, schedule=args.schedule, seed=args.seed, memory_limit=args.memory_limit)
-    cfg = TrainBenchConfig(model=args.model, data=tuple(args.data or ()), options=options, steps=args.steps,
-                           warmup=args.warmup, methods=tuple(args.methods or (VLM_METHODS if vlm else TRAIN_METHODS)), device_preset=args.device_preset,
-                           backend=args.backend, refit_every=args.refit_every,
-                           partition=args.partition or ("modality" if vlm else "searched"), text_fraction=args.text_fraction,
-                           timeout_s=args.timeout, max_wall_s=args.max_wall, model_sizes=sizes,
-                           bypass_idle_stages=bypass,
-                           flush_window=args.flush_window,
-                           save_cost_model=os.path.abspath(args.save_cost_model) if args.save_cost_model else None,
-                           cost_model=os.path.abspath(args.cost_model) if args.cost_model else None)
-    if args.device_memory_limit:
-        from .train_recompute import format_recompute_table, run_recompute_bench
-
-        if vlm or args.model == "hf-llama":
-            print("dynabatch bench train: --device-memory-limit compares recomputation on gpt-tiny or t5-tiny",
-                  file=sys.stderr)
-            return 2
-        try:
-            doc = run_recompute_bench(cfg, args.device_memory_limit, verbose=args.verbose,
-                                      generated_samples=args.generated_samples, out=args.out,
-                                      progress=show_progress(args))
-        except TrainBenchStopped as e:
-            print(f"dynabatch {e}", file=sys.stderr)
-            return e.exit_code
-        except (ValueError, RuntimeError) as e:
-            print(f"dynabatch bench train: {e}", file=sys.stderr)
-            return 1
-        print(json.dumps(doc, default=float) if args.json else format_recompute_table(doc))
-        return 0
-    try:
-        result = run_train_bench(cfg, verbose=args.verbose, generated_samples=args.generated_samples, out=args.out,
-                                 progress=show_progress(args))
-    except TrainBenchStopped as e:
-        if e.result is not None:
-            print(json.dumps(e.result, default=float) if args.json else format_table(e.result), flush=True)
-        print(f"dynabatch {e}", file=sys.stderr)  # "dynabatch bench train stopped by SIGTERM; steps done: ..."
-        return e.exit_code
-    except (ValueError, RuntimeError) as e:
-        print(f"dynabatch bench train: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result, default=float))
-    else:
-        print(format_table(result))
-        if args.flush_free:
-            from .train_flushfree import format_flush_table
-
-            print("\n" + format_flush_table(result))
-    return 0

@@ -1,5 +1,5 @@
 """``dynabatch bench train`` and ``dynabatch bench multimodel``: their parsers (the work:
-`dynabatch.bench.train_report.bench_train_command`, `dynabatch.bench.multimodel.bench_multimodel_command`)."""
+`dynabatch.bench.train_command.bench_train_command`, `dynabatch.bench.multimodel.bench_multimodel_command`)."""
 
 from __future__ import annotations
 
@@ -123,12 +123,12 @@ def add_bench_train_command(bench_sub) -> None:
                         "timeout) leaves its partial result here and on stdout")
     p.add_argument("--verbose", action="store_true", help="per-step lines on stderr")
     add_progress_option(p, "the steps trained (each: every method's)")
-    p.set_defaults(func=lazy_handler("dynabatch.bench.train_report", "bench_train_command"))
+    p.set_defaults(func=lazy_handler("dynabatch.bench.train_command", "bench_train_command"))
 
 
 def add_size_arguments(p, hidden_help: str) -> None:
     """``--hidden`` and ``--size NAME=INT`` (the model's sizes) of a bench command (read back by
-    `dynabatch.bench.train_report.sizes_from_args`)."""
+    `dynabatch.bench.train_command.sizes_from_args`)."""
     p.add_argument("--hidden", type=int, default=None, help=hidden_help)
     p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
                    help="override one of the model's sizes (its constructor's keyword; repeatable), e.g. "
