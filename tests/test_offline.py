@@ -256,13 +256,13 @@ def test_missing_file_and_no_global_batch(tmp_path, capsys):
 
 def test_packed_collation_and_help(work, tmp_path, capsys):
     out = tmp_path / "packed.parquet"
-    costs = tmp_path / "t5_costs.json"
-    CostModel.preset("t5", "h100", num_stages=STAGES).save(costs)  # --model also takes a saved cost model
+    costs = tmp_path / "gpt_costs.json"  # the index is a decoder's: a t5 cost model is refused (test_loud_starts)
+    CostModel.preset("gpt", "h100", num_stages=STAGES).save(costs)  # --model also takes a saved cost model
     assert main(["plan", str(work["index"]), "--collate", "packed", "--model", str(costs), "--workers", "2",
                  "--no-progress", "--out", str(out)]) == 0
     run = load_run_plan(out)
     assert (run.method, run.collation, run.options.collation) == ("dp_varlen", "packed", "packed")
-    assert (run.cost_model().model.name, run.cost_model().device.name) == ("t5", "h100")
+    assert (run.cost_model().model.name, run.cost_model().device.name) == ("gpt", "h100")
     assert main(["plan", str(work["index"]), "--model", "nope.json", "--out", str(out)]) == 1
     assert "neither a preset" in capsys.readouterr().err
     capsys.readouterr()

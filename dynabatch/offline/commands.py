@@ -311,6 +311,17 @@ def _method(args) -> str:
     raise ValueError(f"--method {args.method} collates {own}, not {args.collate}; drop --collate")
 
 
+def _check_family(scanned: str | None, stated: str | None, cost, model: str) -> None:
+    """Refuse to plan a model on an index scanned for the other family (an encoder-decoder's targets are a
+    second sequence; a decoder's are inside its one row), naming both and the fix."""
+    want = "encoder_decoder" if cost.kind == "encoder_decoder" else "decoder"
+    for what, family in (("--family", stated), ("the index", scanned)):
+        if family is not None and family != want:
+            raise ValueError(f"{what} says family {family!r} but --model {model} is {want!r}: its samples would be "
+                             f"planned with the wrong lengths. Re-scan with --family {want} (dynabatch scan ... "
+                             f"--family {want}), or plan with a model of family {family!r}")
+
+
 def _check_chat_template(value: str, scan_options: dict, tokenizer, family) -> None:
     """Refuse ``--chat-template`` on an index scanned with another conversation rendering."""
     from tokenization import load_tokenizer, resolve_chat
@@ -348,6 +359,7 @@ def _cmd_plan(args) -> int:
                              "re-scan or drop --tokenizer")
         tokenizer = recorded or (tokenizer_spec(args.tokenizer) if args.tokenizer else None)
         family = index.scan_options.get("family")
+        _check_family(family, args.family, cost, args.model)
         scanned_tid = index.scan_options.get("image_token_id")
         if args.image_token_id is not None and args.image_token_id != scanned_tid:
             raise ValueError(f"the index was scanned with image_token_id {scanned_tid}, not {args.image_token_id}; "

@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass
 
 from .orphans import watch_launcher
+from .rank_main import heartbeat, rank_main
 
 # prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
 # libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
@@ -134,8 +135,6 @@ def _exit_code(code: object) -> int:
 def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -> None:
     """A rank in a child of the fork server: what ``python -c _CHILD`` does in a fresh interpreter, on
     the server's imports (see the launch module doc for what is honoured)."""
-    from .launch import _main, heartbeat  # (launch imports this module)
-
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(f, fd)
@@ -154,7 +153,7 @@ def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -
 
     torch.set_num_threads(threads)
     try:
-        code = _exit_code(_main(argv))
+        code = _exit_code(rank_main(argv))
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt:  # as an interpreter does: die of the signal

@@ -62,8 +62,6 @@ one rank fails, the others usually fail after it, because of it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -73,21 +71,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .forked_ranks import IMPORT_TIME_ENV, _forked_rank, _ForkedRank, _fork_server, _servers  # noqa: F401
+from .rank_main import FAILED_SUFFIX, HEARTBEAT_ENV, RESULT_PREFIX, heartbeat, resolve_target  # noqa: F401 (heartbeat: public here)
 from .orphans import LAUNCHER_ENV, PDEATHSIG_CODE, launcher_identity, make_launch_folder
 
-RESULT_PREFIX = "DYNABATCH_RESULT "
-HEARTBEAT_ENV = "DYNABATCH_HEARTBEAT"
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 # a rank's first sign of life is its start (before the slow imports), the next ones its imports done;
 # it dies with its launcher from before those imports on (`orphans`)
 _CHILD = (PDEATHSIG_CODE + "p = os.environ.get('DYNABATCH_HEARTBEAT'); p and open(p, 'a').close()\n"
           "from dynabatch.pipeline.runtime.orphans import watch_launcher; watch_launcher()\n"
-          "from dynabatch.pipeline.runtime.launch import _main; sys.exit(_main(sys.argv[1:]))")
-FAILED_SUFFIX = ".failed"  # beside a rank's heartbeat file: when its worker raised (time.monotonic)
-_last_beat = [0.0]
+          "from dynabatch.pipeline.runtime.rank_main import rank_main; sys.exit(rank_main(sys.argv[1:]))")
 # where CPU time is progress (see the module doc), this share of one core over the idle timeout is a
 # sign of life: a process importing or tearing down torch uses 3%+ of a core even on a 2-core machine
 # shared by 8 sessions (autogroup scheduling), a loop polling hung ranks 0.7% (launch_local, measured)
@@ -140,23 +134,6 @@ def free_port() -> int:
         return port
 
 
-def heartbeat(min_interval_s: float = 0.2) -> None:
-    """Report progress to whoever launched this process (`launch_local`, ``tests/liveness.py``):
-    touch the file named by ``$DYNABATCH_HEARTBEAT``; a no-op when it is not set. Cheap (at most one
-    touch per ``min_interval_s``): call it once per step of a loop that prints nothing."""
-    path = os.environ.get(HEARTBEAT_ENV)
-    now = time.monotonic()
-    if not path or now - _last_beat[0] < min_interval_s:
-        return
-    _last_beat[0] = now
-    try:
-        with open(path, "a"):
-            pass
-        os.utime(path)
-    except OSError:
-        pass
-
-
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc/PID/stat``; None
     where there is no such file (not Linux, or the process is gone)."""
@@ -166,28 +143,6 @@ def process_cpu_s(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
-
-
-def _mark_phase(path: str | None) -> None:
-    """Append one byte to the heartbeat file: its size is the rank's phase for the launcher (0: starting,
-    1: in the worker function, 2: done with it), its mtime the last heartbeat."""
-    if path:
-        with open(path, "ab") as f:
-            f.write(b".")
-
-
-def _resolve(target: str):
-    where, _, name = target.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"target must be 'module:function' or 'path/file.py:function', got {target!r}")
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(where)
-    return getattr(mod, name)
 
 
 def _beat_state(path: str) -> tuple[int, int]:
@@ -350,8 +305,8 @@ def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: flo
     hung raises `RuntimeError` naming the rank that failed first by time (`first_failure`), with the
     end of its stderr (its traceback), and the other failed ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _resolve(target)(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                                int(os.environ.get("MASTER_PORT", 29500)), *args)
+        return resolve_target(target)(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                      int(os.environ.get("MASTER_PORT", 29500)), *args)
     results = launch_local(target, nprocs, args=args, idle_timeout_s=idle_timeout_s)
     sys.stdout.write("".join(line for line in results[0].stdout.splitlines(keepends=True)
                              if not line.startswith(RESULT_PREFIX)))
@@ -367,34 +322,3 @@ def run_ranks(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: flo
     return results[0].result
 
 
-def _main(argv: list[str]) -> int:
-    target, rank, world, port, payload = argv
-    heartbeat(0.0)  # dynabatch (torch) imported
-    fn = _resolve(target)
-    heartbeat(0.0)  # the target's module imported
-    _mark_phase(os.environ.get(HEARTBEAT_ENV))  # in the worker function: CPU time is no progress
-    try:
-        value = fn(int(rank), int(world), int(port), *json.loads(payload))
-    except BaseException as e:
-        failed_at = time.monotonic()  # system-wide on Linux, macOS and Windows: the launcher compares them
-        beat = os.environ.get(HEARTBEAT_ENV)
-        _mark_phase(beat)
-        if beat and not (isinstance(e, SystemExit) and e.code in (0, None)):
-            with open(beat + FAILED_SUFFIX, "w") as f:
-                f.write(repr(failed_at))
-        waits = sys.modules.get("dynabatch.pipeline.runtime.waits")
-        if waits is not None and waits.abandoned():  # see waits.exit_if_abandoned
-            import traceback
-
-            traceback.print_exc()
-            waits.exit_if_abandoned(1)
-        raise
-    _mark_phase(os.environ.get(HEARTBEAT_ENV))  # done: the teardown's CPU time is progress again
-    if value is not None:
-        sys.stdout.write(RESULT_PREFIX + json.dumps(value) + "\n")
-        sys.stdout.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
