@@ -14,6 +14,7 @@ from .commands.check import add_check_command
 from .commands.datagen import add_datagen_command
 from .commands.profile import add_profile_command
 from .offline.commands import add_commands as add_offline_commands
+from .offline.inspect_command import add_inspect_command
 
 DESCRIPTION = """\
 dynabatch plans micro-batches of variable-length samples so that every micro-batch costs about
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     add_datagen_command(sub)
     _add_bench(sub)
-    add_offline_commands(sub)  # scan, plan, inspect
+    add_offline_commands(sub)  # scan, plan
+    add_inspect_command(sub)
     add_profile_command(sub)
     add_check_command(sub)
     return parser

@@ -421,7 +421,7 @@ def test_commands_print_their_own_warnings_not_other_packages_deprecations(tmp_p
     printed three under pytest, breaking `scan --engine ray`'s one-line error) is not shown as ours."""
     import warnings
 
-    import dynabatch.offline.commands as commands
+    from dynabatch.offline.guard import guarded
 
     def scan(args):
         warnings.warn_explicit("setting x is deprecated", DeprecationWarning, "ray/data/context.py", 1,
@@ -430,6 +430,6 @@ def test_commands_print_their_own_warnings_not_other_packages_deprecations(tmp_p
         warnings.warn("a sample was truncated", UserWarning)
         return 0
 
-    assert commands._guarded(scan)(None) == 0
+    assert guarded(scan)(None) == 0
     err = capsys.readouterr().err.splitlines()
     assert err == ["dynabatch: warning: old flag", "dynabatch: warning: a sample was truncated"], err

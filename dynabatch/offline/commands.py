@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..devices import OFFLINE_DEFAULT_DEVICE
 from ..progress import add_progress_option, show_progress
+from .guard import guarded
 
 TOKENIZER_HELP = ("tokenizer that counts tokens: 'bytes' (default: built-in, one token per UTF-8 byte, an "
                   "OVER-estimate of subword counts, ~4x for English), a local tokenizer.json, a sentencepiece "
@@ -102,39 +103,6 @@ PLAN_MODEL, PLAN_RANKS, PLAN_STAGES, PLAN_GLOBAL_BATCH_TOKENS = "gpt", 8, 4, 655
 PLAN_DEVICE = OFFLINE_DEFAULT_DEVICE
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
-
-
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"dynabatch: warning: {_one_line(message if isinstance(message, Warning) else category(message))}",
-          file=sys.stderr)
-
-
-def _guarded(fn):
-    def run(args) -> int:
-        import warnings
-
-        from ..core.plan.planner import PlanningError
-        from ..shape_sources import ShapeSourceError
-        from ..engines import EngineError
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("default", UserWarning)
-                # another package's deprecations (Ray's settings...) are for its own users, not ours: a
-                # command's stderr stays its own messages (Python hides them outside __main__ too)
-                for category in (DeprecationWarning, PendingDeprecationWarning):
-                    warnings.filterwarnings("ignore", category=category, module=r"(?!dynabatch|loaders|tokenization)")
-                warnings.showwarning = _one_line_warning  # restored on exit by catch_warnings
-                return int(fn(args) or 0)
-        except (PlanningError, ShapeSourceError, EngineError, ValueError, OSError, ImportError) as e:
-            print(f"dynabatch: error: {_one_line(e)}", file=sys.stderr)
-            return 1
-    return run
-
-
 def _data_args(args) -> list[str]:
     paths = list(args.data or []) + list(getattr(args, "data_opt", None) or [])
     if not paths:
@@ -200,7 +168,7 @@ def _add_engine_options(p) -> None:
 
 
 def add_commands(sub) -> None:
-    """Register ``scan``, ``plan`` and ``inspect`` on the ``dynabatch`` subparsers."""
+    """Register ``scan`` and ``plan`` on the ``dynabatch`` subparsers (``inspect``: `inspect_command`)."""
     from ..commands import add_subcommand
     from ..core.cost.presets import DEVICE_PRESETS, MODEL_PRESETS
     from ..option_flags import PLAN_OPTIONS_HELP, add_plan_options
@@ -213,7 +181,7 @@ def add_commands(sub) -> None:
     _add_scan_options(p, for_plan=False)
     _add_engine_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
-    p.set_defaults(func=_guarded(_cmd_scan))
+    p.set_defaults(func=guarded(_cmd_scan))
 
     p = add_subcommand(sub, "plan", "plan a whole run offline: every step, rank and micro-batch, to Parquet",
                        "Plan every step of a training run (global batches -> micro-batches -> ranks, with predicted "
@@ -244,10 +212,7 @@ def add_commands(sub) -> None:
     p.add_argument("--save-index", metavar="INDEX.parquet", help="also write the scanned index here")
     _add_engine_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
-    p.set_defaults(func=_guarded(_cmd_plan))
-    from .inspect_command import add_inspect_command
-
-    add_inspect_command(sub)
+    p.set_defaults(func=guarded(_cmd_plan))
 
 
 # -- handlers --------------------------------------------------------------------------------

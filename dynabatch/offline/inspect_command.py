@@ -1,12 +1,12 @@
 """``dynabatch inspect``: what a run plan predicts, as a table and a PNG (`dynabatch.planfile.inspect`,
-`dynabatch.planfile.plot`); registered by `dynabatch.offline.commands.add_commands`."""
+`dynabatch.planfile.plot`); registered by `dynabatch.cli`."""
 
 from __future__ import annotations
 
 import json
 
 from ..commands import add_subcommand
-from .commands import _guarded
+from .guard import guarded
 
 INSPECT_EPILOG = """\
 table (times predicted by the plan's cost model; ms unless noted):
@@ -55,7 +55,7 @@ def add_inspect_command(sub) -> None:
     p.add_argument("--step", type=int, default=None, help="step to detail and draw (default: the slowest)")
     p.add_argument("--top-tasks", type=int, default=10, help="tasks listed in the token share (default 10)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(func=_guarded(_cmd_inspect))
+    p.set_defaults(func=guarded(_cmd_inspect))
 
 
 def _cmd_inspect(args) -> int:
