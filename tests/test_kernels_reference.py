@@ -398,7 +398,7 @@ def test_split_matches_reference(times, stages, fwd_fraction):
 @given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 300)), max_size=40), st.integers(0, 2**32 - 1))
 def test_pread_ragged_matches_reference(ranges, seed):
     """Byte ranges of a 4 KiB file, some of them past its end (the first such range is reported)."""
-    from dynabatch.core.kernels.reads import pread_ragged, pread_ragged_reference
+    from dynabatch.index.reads import pread_ragged, pread_ragged_reference
 
     data = np.random.default_rng(seed).integers(0, 256, 4096, dtype=np.uint8)
     r, w = os.pipe()  # a pipe cannot pread: every range of it fails

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from tokenization import count_labels, ragged_take
 
-from ..core.kernels.reads import pread_ragged
+from .reads import pread_ragged
 from .scan import natural_order
 from .table import TOKEN_COLUMNS, LengthIndex
 from .token_file import TokenFileError, TokenFileWriter, read_token_file

@@ -53,11 +53,11 @@ module                kernel                          reference
 `.flushfree`          `flushfree_ops`                 `flushfree_ops_reference`
                       `flushfree_kernel`              `flushfree_reference`
                       `stage_loads`                   `stage_loads_reference`
-`.reads`              `pread_ragged`                  `pread_ragged_reference` (the token cache's
-                                                      file reads)
 ====================  ==============================  ==========================================
 
-``dynabatch.core.plan.planner._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner.
+``dynabatch.core.plan.planner._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner. The
+token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the
+planner's: `dynabatch.index.reads`.
 Callers pass arrays through `.arrays.kernel_array` and scalars as ``np.int64``, not literals, where
 types would otherwise vary: numba compiles a kernel (and what it calls) once per argument type.
 """
