@@ -26,7 +26,7 @@ Start here (in a fresh clone: datagen writes the data the later commands read):
   dynabatch datagen --out data --text 20000 --image-text 500   write generated sample shards to data/
   dynabatch bench plan --model t5 --data data/text             all planning methods on the same global batches
   dynabatch bench load                 samples/s and tokens/s: loaders + scan_shapes vs datasets
-  dynabatch plan data/text --tokenizer bytes --ranks 8 --stages 4 --max-len 2048 --out plan.parquet   plan a whole run
+  dynabatch plan data/text --tokenizer bytes --num-ranks 8 --num-stages 4 --max-len 2048 --out plan.parquet  plan a whole run
   dynabatch inspect plan.parquet --plot plan.png                                       what it predicts
 
 Optional: the project's own machines also hold real FLANv2/NIv2, LLaVA and OmniBal samples in a
@@ -39,9 +39,9 @@ examples of the other commands (every command's --help ends with its own example
   dynabatch scan data/text --tokenizer bytes --family encoder_decoder --out index.parquet    a length index
   dynabatch plan index.parquet --model t5 --max-len 2048 --max-target-len 512 --out plan.parquet
   dynabatch profile --model gpt-tiny --device cpu --out costs.json  a cost model measured here
-  dynabatch check my-model/ data/train.jsonl --stages 2             your model folder and data, before a run
+  dynabatch check my-model/ data/train.jsonl --num-stages 2             your model folder and data, before a run
   dynabatch bench loader --limit 20000 --workers 0                  DataLoader vs torch's + collators
-  dynabatch bench train --model t5-tiny --stages 2 --steps 20       real pipelined training (~10 min)
+  dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       real pipelined training (~10 min)
   dynabatch bench multimodel --k 2 --steps 12                       K models on one data pass
   dynabatch bench gpu --quick                                       on a GPU machine (~3 min)
 
@@ -65,7 +65,7 @@ examples:
   dynabatch bench plan --synthetic                                  # seconds: planning methods, simulated
   dynabatch bench load --sources jsonl --repeat 1                   # a minute: loaders vs datasets
   dynabatch bench loader --limit 20000 --workers 0                  # a minute: DataLoader vs torch's
-  dynabatch bench train --model t5-tiny --stages 2 --steps 20       # ~10 minutes: real training
+  dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       # ~10 minutes: real training
   dynabatch bench multimodel --k 2 --steps 12                       # minutes: K models on one data pass
   dynabatch bench gpu --quick                                       # on a GPU: ~3 minutes
 """

@@ -107,8 +107,9 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
                        help="a knob of --method, repeatable: rows=4 (pad, group_by_length, pack, pack_varlen), "
                             "max_tokens=4096 (token_budget, kk), microbatches_per_rank=2 (rebalance); "
                             "default: the method's own")
-    g.add_argument("--stages", type=int, default=stages, metavar="S", help=f"pipeline stages (default {stages})")
-    g.add_argument("--ranks", type=int, default=ranks, metavar="D",
+    g.add_argument("--num-stages", "--stages", dest="stages", type=int, default=stages, metavar="S",
+                   help=f"pipeline stages, PlanOptions.num_stages (default {stages}; --stages: the old name)")
+    g.add_argument("--num-ranks", "--ranks", dest="ranks", type=int, default=ranks, metavar="D",
                    help=f"data-parallel ranks, the training run's world size (default {ranks})")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule the micro-batches are ordered and simulated for (default 1f1b; "
@@ -116,7 +117,7 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
                         "recorded in the plan)")
     g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="activation bytes one micro-batch may use on one stage: 17e9, 16GiB, 800MB "
-                        "(default: the cost model's limit for --stages x --ranks)")
+                        "(default: the cost model's limit for --num-stages x --num-ranks)")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="per-stage activation recomputation (default none; full: every layer; adaptive: per stage "
                         "the fewest layers that keep the stage within --device-memory-limit)")

@@ -93,7 +93,7 @@ def test_check_refuses_what_would_train_wrong(tmp_path, data, capsys):
     assert "stored tensor(s) no layer of the config takes, e.g. ['model.layers.2." in err, err
     full = _folder(tmp_path / "ok", "llama")
     assert main(["check", str(full), text, "--stages", "6"]) == 1
-    assert "--stages 6: LlamaForCausalLM has 5 layers" in capsys.readouterr().err
+    assert "--num-stages 6: LlamaForCausalLM has 5 layers" in capsys.readouterr().err
     small = tmp_path / "small"
     build(decoder_config("llama", vocab_size=64), seed=1, dtype=torch.float32).save_pretrained(small)
     assert main(["check", str(small), text]) == 1
@@ -104,4 +104,4 @@ def test_docs_start_with_check():
     page = (ROOT / "docs" / "pipeline_hf.md").read_text()
     first = page.split("\n## ", 2)[1]
     assert first.startswith("First: `dynabatch check` your folder and data")
-    assert "dynabatch check MODEL_DIR DATA --stages 2" in first
+    assert "dynabatch check MODEL_DIR DATA --num-stages 2" in first

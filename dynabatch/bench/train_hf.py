@@ -109,7 +109,7 @@ def check_cost_model(path: str | None) -> None:
     """A ``--cost-model`` file that does not exist is a clear error before any stage starts."""
     if path is not None and not os.path.isfile(path):
         raise ValueError(f"--cost-model {path}: no such file (write one with `dynabatch profile --model "
-                         "hf:CONFIG.json --stages 2 --out PATH`)")
+                         "hf:CONFIG.json --num-stages 2 --out PATH`)")
 
 
 __all__ = ["HF_MODEL", "HF_SIZES", "llama_config", "hf_llama", "profile_costs", "profile_lengths", "load_costs", "setup", "prepare_costs",

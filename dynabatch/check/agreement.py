@@ -8,7 +8,7 @@ are; packed ones one sample per forward; an encoder-decoder's decoder inputs mad
 tokens, divided by their count. Routes:
 
 * ``step_backward``: `dynabatch.integrations.step_backward` (what ``DynabatchTrainer`` and accelerate loops run);
-* ``pipeline``: the pipeline adapters' stages (`from_hf`, the split of ``--stages``), run one after the other
+* ``pipeline``: the pipeline adapters' stages (`from_hf`, the split of ``--num-stages``), run one after the other
   in this process as the ranks run them (each stage's output is what it would send).
 
 The whole model is loaded in this process (three copies): for a model larger than memory check a smaller

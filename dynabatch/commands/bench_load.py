@@ -144,7 +144,7 @@ def add_bench_loader_command(bench_sub) -> None:
     p.add_argument("--tokenizer", default="bytes", help="tokenization.load_tokenizer spec (default: bytes)")
     p.add_argument("--cost-model", default="gpt", help="dynabatch cost model preset (default gpt)")
     p.add_argument("--device", default="a100-80gb", help="cost model device preset (default a100-80gb)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages dynabatch plans for (default 1)")
+    p.add_argument("--num-stages", "--stages", dest="stages", type=int, default=1, help="pipeline stages dynabatch plans for (default 1)")
     p.add_argument("--methods", nargs="+", choices=LOADER_METHODS, default=list(LOADER_METHODS), metavar="METHOD",
                    help=f"among {' '.join(LOADER_METHODS)} (default: all)")
     p.add_argument("--seed", type=int, default=0, help="shuffle / global-batch seed (default 0)")

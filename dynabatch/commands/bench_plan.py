@@ -36,7 +36,7 @@ data (--data, files or directories):
 
 examples:
   dynabatch datagen --out data --text 20000 && dynabatch bench plan --model gpt --data data/text
-  dynabatch bench plan --synthetic --ranks 4 --stages 2 --json > result.json
+  dynabatch bench plan --synthetic --num-ranks 4 --num-stages 2 --json > result.json
   dynabatch bench plan --synthetic --global-batch-size 256 --memory-limit 8GiB --schedule gpipe
   optional, on the project's machines (real data in shared/data/ beside the clone):
   dynabatch bench plan --model vlm --data ../shared/data/vlm_shapes --plot vlm.png

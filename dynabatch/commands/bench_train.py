@@ -37,9 +37,9 @@ columns:
                batches, interleaved): the timer and load noise of the comparison
 
 examples:
-  dynabatch bench train --model t5-tiny --stages 2 --steps 20
+  dynabatch bench train --model t5-tiny --num-stages 2 --steps 20
   dynabatch bench train --model gpt-tiny --steps 20 --data ../shared/data/text/niv2_sample.jsonl.gz --json
-  dynabatch bench train --model vlm-tiny --stages 2 --steps 40 --global-batch-tokens 16384
+  dynabatch bench train --model vlm-tiny --num-stages 2 --steps 40 --global-batch-tokens 16384
   dynabatch bench train --model hf-llama --steps 30 --global-batch-tokens 16384 --max-len 1024
 """
 
@@ -56,14 +56,14 @@ def add_bench_train_command(bench_sub) -> None:
                         "weights) through from_hf, costed by a profile on this machine, dp refit per stage")
     p.add_argument("--cost-model", metavar="PATH",
                    help="hf-llama: start every method from this cost model (`dynabatch profile --model "
-                        "hf:CONFIG.json --stages N --out PATH`) instead of profiling the model first")
+                        "hf:CONFIG.json --num-stages N --out PATH`) instead of profiling the model first")
     p.add_argument("--data", nargs="+", metavar="PATH",
                    help="JSONL files with inputs/targets; default the shared FLAN sample when present, else "
                         "generated FLAN-like data (vlm-tiny: image+text records; default the shared COCO/LLaVA "
                         "captions and instructions mixed with FLAN text, else generated ones)")
     p.add_argument("--text-fraction", type=float, default=0.5,
                    help="vlm-tiny: share of text-only (FLAN) records in the default data (default 0.5)")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--num-stages", "--stages", dest="stages", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (default 3)")
     p.add_argument("--methods", nargs="+", default=None,
@@ -161,7 +161,7 @@ def add_bench_multimodel_command(bench_sub) -> None:
                    help=f"numbers of models to compare (each 1..{len(LR_FACTORS)}; default 2 4)")
     p.add_argument("--data", nargs="+", metavar="PATH", help="JSONL files with inputs/targets (default: the shared "
                    "FLAN sample when present, else generated)")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--num-stages", "--stages", dest="stages", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing (default 2)")
     p.add_argument("--global-batch-tokens", type=int, default=8192)

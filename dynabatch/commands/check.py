@@ -6,16 +6,16 @@ from . import add_subcommand, lazy_handler
 
 CHECK_EPILOG = """\
 what it reports:
-  the family and class, the layers and their split over --stages, each stage's parameter bytes, the
+  the family and class, the layers and their split over --num-stages, each stage's parameter bytes, the
   tokenizer against the model's vocabulary, the decoder start id, the vision settings; then one step of
   DATA on each route (step_backward as DynabatchTrainer / accelerate run it, the pipeline's stages)
   against the plain Hugging Face model's own logits: loss and every gradient, with the tolerance.
   Exit 0: everything agrees; exit 1: a problem or a disagreement, each with what to do.
 
 examples:
-  dynabatch check my-model/ data/train.jsonl --stages 2
-  dynabatch check my-model/ data/train.jsonl --stages 4 --collate packed --dtype float64
-  dynabatch check my-llava/ data/llava.jsonl --stages 2 --batch-tokens 8192 --json
+  dynabatch check my-model/ data/train.jsonl --num-stages 2
+  dynabatch check my-model/ data/train.jsonl --num-stages 4 --collate packed --dtype float64
+  dynabatch check my-llava/ data/llava.jsonl --num-stages 2 --batch-tokens 8192 --json
 """
 
 
@@ -27,7 +27,8 @@ def add_check_command(sub) -> None:
                        "Face model's loss and gradients on every route.", CHECK_EPILOG)
     p.add_argument("model_dir", help="a save_pretrained folder (config.json, safetensors, tokenizer files)")
     p.add_argument("data", help="JSONL/Parquet file, folder or glob of records")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages to split the model into (default 1)")
+    p.add_argument("--num-stages", "--stages", dest="stages", type=int, default=1,
+                   help="pipeline stages to split the model into (default 1)")
     p.add_argument("--collate", choices=("padded", "packed"), default="padded",
                    help="micro-batch layout to check (default padded)")
     p.add_argument("--tokenizer", default=None,

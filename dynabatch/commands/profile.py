@@ -51,7 +51,7 @@ def add_profile_command(sub) -> None:
                    help="decoder lengths (tokens) for t5-tiny (default 8 16 32)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(PROFILE_TILES),
                    help="image tiles per micro-batch for vision-language models (default 1 2 4)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages: record the slowest stage (default 1)")
+    p.add_argument("--num-stages", "--stages", dest="stages", type=int, default=1, help="pipeline stages: record the slowest stage (default 1)")
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size")
     p.add_argument("--layers", type=int, default=None, help="override the number of (encoder) layers")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds over the grid, fastest kept (default 3)")

@@ -89,7 +89,7 @@ Read it with dynabatch.offline.load_run_plan(path): .step(k) -> BatchPlan, .chec
 
 examples:
   dynabatch plan ../shared/data/text/niv2_sample.jsonl.gz ../shared/data/text/flan_cot_sample.jsonl.gz \\
-      --tokenizer bytes --model gpt --ranks 8 --stages 4 --global-batch-tokens 65536 --epochs 2 --out plan.parquet
+      --tokenizer bytes --model gpt --num-ranks 8 --num-stages 4 --global-batch-tokens 65536 --epochs 2 --out plan.parquet
   dynabatch plan index.parquet --model t5 --max-len 2048 --max-target-len 512 --collate packed --out plan.parquet
   dynabatch plan index.parquet --method pack --method-option rows=4 --global-batch-size 512 \\
       --memory-limit 16GiB --drop-last --out plan.parquet

@@ -123,7 +123,7 @@ def plan_run(index: Index | Shapes, cost: CostModel, config: RunPlanConfig, *, e
     if most < config.num_ranks:  # plan_step plans a batch of fewer samples than ranks on fewer ranks
         raise OfflineError(f"every global batch holds at most {most} samples, fewer than the {config.num_ranks} ranks "
                            f"asked for: the plan would be for {most} ranks; raise --global-batch-tokens/"
-                           "--global-batch-size or lower --ranks")
+                           "--global-batch-size or lower --num-ranks")
     workers = workers_for(sum(len(b) for _, _, b in steps), workers, engine)
     size = max(1, min(16, math.ceil(len(steps) / (8 * workers))))
     chunks = [steps[i:i + size] for i in range(0, len(steps), size)]
