@@ -33,7 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..loader.collate import model_inputs
+from .fsdp import is_sharded, local_shard, no_sync
 from .loss import model_loss
+from .timing import MicroBatchTimer
 
 #: How a step with a non-finite loss or gradient norm is handled (`step_backward`'s ``nonfinite``).
 NONFINITE = ("raise", "skip")
@@ -87,7 +89,8 @@ def _to_device(inputs: Mapping, device) -> dict:
 
 def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
                   loss_fn: Callable[..., torch.Tensor] | None = None, world_size: int | None = None,
-                  prepare: Callable[[dict], dict] | None = None, nonfinite: str = "raise") -> torch.Tensor:
+                  prepare: Callable[[dict], dict] | None = None, nonfinite: str = "raise",
+                  feedback=None) -> torch.Tensor:
     """Forward and backward all micro-batches of one dynabatch step; call ``optimizer.step()``
     after it (it neither steps nor zeroes the gradients).
 
@@ -95,18 +98,20 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
     (default `model_loss`: the micro-batch's summed per-token loss / the step's target tokens, from the
     model's own loss where it honours ``num_items_in_batch``, else from its logits), multiplied by
     ``world_size``, and backward. All
-    micro-batches but the last run under ``accelerator.no_sync(model)`` (or ``model.no_sync()`` for
-    a bare DDP model), so gradients are all-reduced once per step. After the call the accumulated
-    gradient is that of the mean loss per target token over the whole global batch (all ranks).
+    micro-batches but the last run under ``accelerator.no_sync(model)`` (or, for a bare DDP, FSDP1 or
+    FSDP2 model, its own: `dynabatch.integrations.fsdp.no_sync`), so gradients are reduced once per
+    step. After the call the accumulated gradient is that of the mean loss per target token over the
+    whole global batch (all ranks).
 
     Args:
-        model: the model, prepared by ``accelerator.prepare`` / wrapped in DDP when distributed.
+        model: the model, prepared by ``accelerator.prepare`` / wrapped in DDP or FSDP (``fully_shard``)
+            when distributed.
         step: a `dynabatch.Step` (this rank's micro-batch dicts with ``target_tokens``); a plain
             list of micro-batch dicts works too (``step_target_tokens`` is read from them).
         accelerator: an ``accelerate.Accelerator`` (backward, no_sync, device, world size); its
             ``gradient_accumulation_steps`` must be 1 (the accumulation happens here, inside the
             step: do not also wrap the call in ``accelerator.accumulate``). None: plain
-            ``loss.backward()`` and ``model.no_sync()`` when the model has it.
+            ``loss.backward()`` and the model's own gradient-sync switch when it has one.
         loss_fn: ``(model, inputs, num_items_in_batch) -> loss`` returning the micro-batch's summed
             per-token loss divided by ``num_items_in_batch`` (Hugging Face's convention); it must
             give exactly 0 for a placeholder micro-batch (all labels -100), which a summed loss does.
@@ -120,6 +125,10 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
             warning says so and `skipped_steps` counts it (mixed-precision runs). The check costs one
             gradient norm and one host sync per step (plus a one-element all-reduce when distributed,
             so that every rank decides the same).
+        feedback: a `dynabatch.integrations.feedback.StepFeedback` over the loader the step came from:
+            each micro-batch's forward and backward are timed (`dynabatch.integrations.timing`), the
+            times of every rank gathered (one small collective per step) and fed to the loader's
+            `FeedbackLoop`, and the step's `StepMetrics` kept in ``feedback.last``. None: nothing timed.
 
     Returns:
         The detached sum of the backpropagated losses: this rank's share of the step's loss per
@@ -140,29 +149,36 @@ def step_backward(model, step: Sequence[Mapping], *, accelerator=None,
     scale = _data_parallel_size(accelerator) if world_size is None else int(world_size)
     # a step without loss tokens (e.g. only prompts) gives 0 / 1 = 0, not 0 / 0
     num_items = max(step_target_tokens(step), 1)
+    device = accelerator.device if accelerator is not None else _model_device(model)
+    # the last micro-batch's backward reduces the gradients: with several ranks it also waits for them
+    timer = None if feedback is None else MicroBatchTimer(len(step), device, len(step) - 1 if scale > 1 else None,
+                                                          lockstep=scale > 1 and is_sharded(model))
     total, losses = None, []
     for i, mb in enumerate(step):
-        last = i == len(step) - 1
-        if last:
-            sync = contextlib.nullcontext()
-        elif accelerator is not None:
-            sync = accelerator.no_sync(model)
-        else:
-            sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+        sync = contextlib.nullcontext() if i == len(step) - 1 else no_sync(model, accelerator)
         with sync:
+            mark = timer.start() if timer is not None else None
             loss = loss_fn(model, prepare(model_inputs(mb)), num_items) * scale
+            if timer is not None:
+                timer.forward_done(i, mark)
             if mb.get("is_padding") and loss.detach().abs().item() != 0:
                 raise ValueError("loss_fn gave a nonzero loss on a placeholder micro-batch (all labels -100): it must "
                                  "return the summed per-token loss / num_items_in_batch, not a per-micro-batch mean")
+            mark = timer.start() if timer is not None else None
             if accelerator is not None:
                 accelerator.backward(loss)
             else:
                 loss.backward()
+            if timer is not None:
+                timer.backward_done(i, mark)
         losses.append(loss.detach())
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
-        return torch.zeros((), device=accelerator.device if accelerator is not None else _model_device(model))
-    _check_finite(model, step, losses, nonfinite)
+        total = torch.zeros((), device=device)
+    else:
+        _check_finite(model, step, losses, nonfinite)
+    if feedback is not None:
+        feedback.record(step, timer, total)
     return total
 
 
@@ -170,7 +186,7 @@ def _check_finite(model, step, losses: list[torch.Tensor], nonfinite: str) -> No
     """Raise `NonFiniteStep` (or drop the step's gradients, ``"skip"``) when a micro-batch's loss or the
     step's gradient norm is not finite; every rank takes the same decision (the gradients are the
     all-reduced ones, the loss flags are reduced with MIN)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]  # FSDP2: this rank's shard
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads \
         else torch.zeros((), device=losses[0].device)
     finite = torch.isfinite(torch.stack(losses)).to(torch.int32)
@@ -191,7 +207,7 @@ def _check_finite(model, step, losses: list[torch.Tensor], nonfinite: str) -> No
     if bad:
         cause = f"micro-batch {bad[0]} of {len(losses)} has loss {float(losses[bad[0]]):g}"
     elif not bool(torch.isfinite(norm)):
-        cause = f"the gradient norm is {float(norm):g} (every micro-batch's loss is finite)"
+        cause = f"the gradient norm is {float(norm):g} (every micro-batch's loss is finite)"  # FSDP2: of the shard
     else:
         cause = "another rank's loss or gradients are not finite"
     if nonfinite == "raise":

@@ -46,6 +46,9 @@ from ..loader.collate import model_inputs
 from ..loader.state import load_loader_state, save_loader_state
 from ..loader.step import Step
 from .accumulation import step_backward
+from .feedback import FEEDBACK_STATE_NAME, StepFeedback, read_feedback_state, save_feedback_state
+from .fsdp import check_trainer_fsdp
+from .hf_metrics import StepMetricsCallback
 from .loss import model_loss
 
 #: Trainer internals this subclass overrides (present in transformers 5.x); checked at construction so
@@ -142,13 +145,18 @@ class DynabatchTrainer(Trainer):
         nonfinite: ``"raise"`` (default) stops training on a step whose loss or gradient norm is NaN/inf,
             naming the step and micro-batch; ``"skip"`` drops that step's gradients and counts it
             (`dynabatch.integrations.skipped_steps`), see `step_backward`.
+        feedback: True (default): time every step's micro-batches, gather them over the ranks (one
+            small collective per step), refit the loader's `FeedbackLoop` when it has one
+            (`dynabatch.integrations.feedback.StepFeedback`, kept in ``step_feedback``; its refit state
+            is saved in every checkpoint, ``FEEDBACK_STATE_NAME``, and loaded on resume) and log the
+            steps' `StepMetrics` (``dynabatch/*`` entries, `StepMetricsCallback`). False: none of it.
         *args, **kwargs: ``transformers.Trainer``'s (``model``, ``args``, ``eval_dataset``,
             ``compute_loss_func``, ``callbacks``, ...), without ``train_dataset``/``data_collator``
             for training. ``args.gradient_accumulation_steps`` must be 1; the Trainer works on a copy
             of ``args`` with ``ignore_data_skip=True`` and ``average_tokens_across_devices=False``.
     """
 
-    def __init__(self, *args, train_loader, nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, train_loader, nonfinite: str = "raise", feedback: bool = True, **kwargs):
         missing = [h for h in _TRAINER_HOOKS if not hasattr(Trainer, h)]
         if missing:
             import transformers
@@ -170,6 +178,9 @@ class DynabatchTrainer(Trainer):
         self._staging_dir: str | None = None  # set while _save_checkpoint writes
         self.callback_handler.callbacks.insert(0, _ResumedEpochCallback(self))
         self._check_setup()
+        self.step_feedback = StepFeedback(train_loader) if feedback else None
+        if self.step_feedback is not None:  # first: the reporters after it see its entries
+            self.callback_handler.callbacks.insert(0, StepMetricsCallback(self.step_feedback))
 
     def _check_setup(self) -> None:
         a, loader = self.args, self.train_loader
@@ -177,6 +188,7 @@ class DynabatchTrainer(Trainer):
             raise ValueError("DynabatchTrainer needs gradient_accumulation_steps=1 (also in accelerator_config)")
         if self.is_deepspeed_enabled:
             raise NotImplementedError("DynabatchTrainer does not support DeepSpeed (its engine accumulates by itself)")
+        check_trainer_fsdp(a, self.accelerator, self.model)
         if a.n_gpu > 1:
             raise NotImplementedError("DynabatchTrainer does not support nn.DataParallel (several GPUs in one process): "
                                       "launch one process per GPU (torchrun / accelerate launch)")
@@ -258,7 +270,7 @@ class DynabatchTrainer(Trainer):
 
         return step_backward(model, inputs, accelerator=self.accelerator, loss_fn=loss_fn,
                              world_size=self.args.world_size, prepare=self._prepare_inputs,
-                             nonfinite=self.nonfinite)
+                             nonfinite=self.nonfinite, feedback=self.step_feedback)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """A training micro-batch's summed token loss / ``num_items_in_batch`` by `model_loss` (the
@@ -312,6 +324,9 @@ class DynabatchTrainer(Trainer):
         # atomic, with its integrity record
         save_loader_state(self.train_loader.state_dict(), os.path.join(staged, LOADER_STATE_NAME.format(
             rank=self.train_loader.rank)))
+        fb = self.step_feedback
+        if fb is not None and fb.loop is not None and self.args.should_save:  # the same on every rank
+            save_feedback_state(fb.state_dict(), os.path.join(staged, FEEDBACK_STATE_NAME))
         if self.state.best_model_checkpoint == staged:  # Trainer recorded the folder it wrote
             self.state.best_model_checkpoint = final
             if self.args.should_save:
@@ -337,6 +352,25 @@ class DynabatchTrainer(Trainer):
         mine = [s for p, s in zip(paths, states) if p == own]
         same_world = mine and mine[0][mine[0]["mode"]]["layout"]["world_size"] == loader.world_size
         loader.load_state_dict(mine[0] if same_world else states)
+        self._load_feedback_state(checkpoint)
+
+    def _load_feedback_state(self, checkpoint: str) -> None:
+        """The refit state the checkpoint holds into the loader's FeedbackLoop (warned when one of the
+        two is missing: the plans then continue from another cost model than the saved run's)."""
+        import warnings
+
+        path = os.path.join(checkpoint, FEEDBACK_STATE_NAME)
+        fb = self.step_feedback
+        has_loop = fb is not None and fb.loop is not None
+        if os.path.exists(path) and has_loop:
+            fb.load_state_dict(read_feedback_state(path))
+        elif os.path.exists(path):
+            warnings.warn(f"{path} holds the refit cost model of the saved run, but this Trainer has no FeedbackLoop "
+                          "(DataLoader(feedback=...)) to load it into: the steps are planned with the loader's own cost "
+                          "model, not the refit one", UserWarning, stacklevel=3)
+        elif has_loop:
+            warnings.warn(f"{checkpoint} holds no feedback state ({FEEDBACK_STATE_NAME}): the FeedbackLoop starts from its "
+                          "prior, so the steps may be planned otherwise than in the saved run", UserWarning, stacklevel=3)
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
                              trial):

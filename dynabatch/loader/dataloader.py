@@ -206,6 +206,7 @@ class DataLoader:
     # -- what the loader is ----------------------------------------------------------------------
     mode = property(lambda self: self._mode.name, doc="``indexed``, ``replay`` or ``streaming``.")
     mode_object = property(lambda self: self._mode, doc="The mode's stateful iterator (`dynabatch.loader.modes`).")
+    feedback_loop = property(lambda self: self._feedback, doc="The `FeedbackLoop` given as ``feedback=``, or None.")
     method = property(lambda self: self.options.method)
     collation = property(lambda self: self.options.collation)
     num_stages = property(lambda self: self.options.num_stages)

@@ -68,6 +68,7 @@ from ..cost.features import plan_features
 from ..cost.fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
 from ..shapes import Shapes
 from .planner import plan_microbatches
+from .feedback_state import feedback_state_dict, load_feedback_state
 from ..cost.stage_memory import stage_memory_of
 
 
@@ -225,6 +226,16 @@ class FeedbackLoop:
     def steps_recorded(self) -> int:
         """Steps recorded so far."""
         return self._steps_recorded
+
+    def state_dict(self) -> dict:
+        """The refit state (buffers, counters, prior, history, the cost model's coefficients), JSON-able:
+        `load_state_dict` of it makes a loop that refits and plans exactly as this one
+        (`dynabatch.core.plan.feedback_state`)."""
+        return feedback_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict` (into this loop and its cost model, in place)."""
+        load_feedback_state(self, state, FeedbackRow)
 
     def plan(self, shapes: Shapes, *args, **kw) -> BatchPlan:
         """`dynabatch.core.plan.planner.plan_microbatches` with the current cost model."""
