@@ -13,14 +13,15 @@ from dynabatch.core.simulate.flushfree import (
     simulate_flushfree,
     update_lag,
 )
+from dynabatch.core.kernels import op_codes as oc
 from dynabatch.core.kernels.flushfree import (
     flushfree_kernel,
-    flushfree_ops,
-    flushfree_ops_reference,
     flushfree_reference,
     stage_loads,
     stage_loads_reference,
 )
+from dynabatch.core.kernels.op_tables import stream_row_reference
+from dynabatch.core.schedule.build import stream_ops
 from dynabatch.core.options import PlanOptions
 from dynabatch.core.schedule.orders import plan_stage_times
 from dynabatch.shape_sources import synthetic_shapes
@@ -44,6 +45,15 @@ def layout(counts):
     return roff, np.ascontiguousarray(np.cumsum(counts, axis=1), np.int64)
 
 
+def flushfree_ops(S, s, ends):
+    """Stage ``s``'s stream ops (`stream_ops`) as codes: ``j + 1`` forward, ``-(j + 1)`` backward, ``n + 1 + k``
+    step ``k``'s update."""
+    ops = stream_ops(S, ends)
+    n = ops.num_microbatches
+    return np.array([op.microbatch + 1 if op.kind == oc.FORWARD else -(op.microbatch + 1) if op.kind == oc.BACKWARD
+                     else n + 1 + op.microbatch for op in ops.rank(s)], np.int64)
+
+
 # --------------------------------------------------------------------------- kernels vs references
 
 
@@ -52,9 +62,10 @@ def test_ops_kernel_matches_reference():
     for _ in range(300):
         S, K = int(rng.integers(1, 7)), int(rng.integers(1, 5))
         ends = np.cumsum(rng.integers(0, 5, K)).astype(np.int64)
+        table = stream_ops(S, ends).table
         for s in range(S):
             ops = flushfree_ops(S, s, ends)
-            assert ops.tolist() == flushfree_ops_reference(S, s, ends.tolist())
+            assert [tuple(r) for r in table[s].tolist()] == stream_row_reference(s, S, ends.tolist())
             n = int(ends[-1])
             assert sorted(ops.tolist()) == sorted(list(range(-n, 0)) + list(range(1, n + 1 + K)))
 

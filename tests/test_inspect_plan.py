@@ -9,7 +9,7 @@ import pytest
 
 from dynabatch import CostModel, PlanOptions
 from dynabatch.cli import main
-from dynabatch.core.schedule.schedules import adaptive_order
+from dynabatch.core.schedule.build import adaptive_order
 from dynabatch.core.simulate.pipeline import simulate_pipeline
 from dynabatch.core.cost.features import microbatch_features
 from dynabatch.planfile.inspect import (format_summary, microbatch_columns, shape_histogram, stage_busy,

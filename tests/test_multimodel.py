@@ -26,9 +26,9 @@ from dynabatch.core.simulate.multimodel import (  # noqa: E402
     active_peak_reference,
     lrtf_order,
     multimodel_orders,
-    multimodel_orders_reference,
     simulate_multimodel,
 )
+from dynabatch.core.kernels.op_tables import multimodel_table, multimodel_table_reference  # noqa: E402
 from dynabatch.core.simulate.pipeline import simulate_pipeline  # noqa: E402
 from dynabatch.pipeline import launch_local  # noqa: E402
 from dynabatch.pipeline.runtime.schedule import build_programs, check_programs  # noqa: E402
@@ -54,7 +54,9 @@ def test_orders_match_reference_and_keep_each_models_order():
     in ascending micro-batch order on every stage (what makes the gradients bit-identical)."""
     for S, K, M, inter in _grid():
         ops = multimodel_orders(S, K, M, interleave=inter)
-        assert ops.tolist() == multimodel_orders_reference(S, K, M, inter), (S, K, M, inter)
+        table = multimodel_table(S, K, M, inter)
+        assert [[tuple(r) for r in row] for row in table.tolist()] == multimodel_table_reference(S, K, M, inter)
+        assert all(table[s, i, 3] == (table[s, i, 1] // M) for s in range(S) for i in range(2 * K * M))  # the model
         for s in range(S):
             row = ops[s].tolist()
             assert sorted(row) == sorted(list(range(1, K * M + 1)) + [-v for v in range(1, K * M + 1)])

@@ -10,7 +10,6 @@ from dynabatch.pipeline import (
     Message,
     Post,
     ProgramError,
-    adaptive_orders,
     build_programs,
     check_peer_sequences,
     check_programs,
@@ -30,6 +29,7 @@ def test_programs_pair_and_never_deadlock(S, M, kind, seed):
     mem = rng.uniform(1.0, 4.0, M)
     orders = stage_orders(kind, S, M, time_s=t, memory_bytes=mem, memory_limit=float(rng.uniform(1.0, 12.0)))
     progs = build_programs(orders, quantize_times(t))
+    codes = orders.codes()
     check_programs(progs)  # strict: one FIFO per rank, blocking computes
     # both ends of every link post the same message sequence, opposite sides
     for s in range(S - 1):
@@ -39,7 +39,8 @@ def test_programs_pair_and_never_deadlock(S, M, kind, seed):
         assert all(x != y for (x, _), (y, _) in zip(a, b))
     # computes appear in exactly the stage's op order
     for s in range(S):
-        assert [i.op for i in progs[s] if not isinstance(i, Post)] == orders[s].tolist()
+        assert [i.op for i in progs[s] if not isinstance(i, Post)] == list(orders.rank(s))
+        assert len(orders.rank(s)) == len(codes[s])
 
 
 @given(S=st.integers(2, 6), M=st.integers(1, 8), kind=st.sampled_from(["gpipe", "1f1b", "adaptive"]),
@@ -55,7 +56,7 @@ def test_programs_with_bypassed_stages_pair_and_never_deadlock(S, M, kind, seed)
     check_programs(progs, entry)
     for s in range(S):
         ran = [i.op for i in progs[s] if not isinstance(i, Post)]
-        assert ran == [op for op in orders[s].tolist() if s >= entry[abs(op) - 1]]  # the order, less the bypassed
+        assert ran == [op for op in orders.rank(s) if s >= entry[op.microbatch]]  # the order, less the bypassed
         for p in (i for i in progs[s] if isinstance(i, Post)):
             j, link = p.message.microbatch, min(p.message.src, p.message.dst)
             assert link >= entry[j]  # nothing crosses a link into (or before) the entry stage
@@ -97,8 +98,9 @@ def test_adaptive_respects_memory_limit_and_is_deterministic():
         mem = rng.uniform(1, 10, M)
         limit = float(rng.uniform(mem.max(), 4 * mem.max()))
         units = quantize_times(rng.uniform(0.1, 1, M))
-        a = adaptive_orders(S, units, mem, limit)
-        assert np.array_equal(a, adaptive_orders(S, units, mem, limit))
+        a = stage_orders("adaptive", S, M, time_s=units, memory_bytes=mem, memory_limit=limit).codes()
+        assert np.array_equal(a, stage_orders("adaptive", S, M, time_s=units, memory_bytes=mem,
+                                              memory_limit=limit).codes())
         sim = simulate_pipeline(units.astype(float), 2 * units.astype(float), schedule=a, mem_bytes=mem)
         assert np.all(sim.peak_inflight_bytes <= limit + 1e-9)
 
@@ -107,14 +109,15 @@ def test_adaptive_depth_follows_micro_batch_size():
     """Small micro-batches: more in flight than 1F1B; one oversize micro-batch still runs (alone)."""
     S, M = 3, 8
     units = np.ones(M, np.int64)
-    small = adaptive_orders(S, units, np.full(M, 1.0), memory_limit=6.0)
+    small = stage_orders("adaptive", S, M, time_s=units, memory_bytes=np.full(M, 1.0), memory_limit=6.0).codes()
     peak = simulate_pipeline(np.ones(M), 2 * np.ones(M), schedule=small, mem_bytes=np.ones(M)).peak_inflight
     assert peak[0] > S
-    big = adaptive_orders(S, units, np.array([1, 1, 10, 1, 1, 1, 1, 1.0]), memory_limit=3.0)
+    big = stage_orders("adaptive", S, M, time_s=units, memory_bytes=np.array([1, 1, 10, 1, 1, 1, 1, 1.0]),
+                       memory_limit=3.0).codes()
     sim = simulate_pipeline(np.ones(M), 2 * np.ones(M), schedule=big, mem_bytes=np.array([1, 1, 10, 1, 1, 1, 1, 1.0]))
     assert sim.peak_inflight_bytes[0] == 10.0  # the big one ran with nothing else in flight
     # without memory figures it holds at most S micro-batches (1F1B's depth)
-    plain = adaptive_orders(S, units)
+    plain = stage_orders("adaptive", S, M, time_s=units).codes()
     assert simulate_pipeline(np.ones(M), np.ones(M), schedule=plain).peak_inflight.max() <= S
 
 

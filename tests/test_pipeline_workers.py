@@ -131,7 +131,7 @@ def _correctness(ctx, cases, schedules, steps, use_planner):
                 out["cases"].append({"model": model_name, "collation": collation, "schedule": schedule,
                                      "step": step, "loss": res.loss, "ref_loss": ref_loss,
                                      "tokens": res.num_tokens, "ref_tokens": ref_n, "max_grad_diff": diff,
-                                     "grad_scale": scale, "orders": runner.orders(plan).tolist(),
+                                     "grad_scale": scale, "orders": runner.orders(plan).codes().tolist(),
                                      "microbatches": len(plan_shapes(plan, ctx.replica))})
             out["comm"][f"{model_name}/{collation}/{schedule}"] = {str(k): v for k, v in rec.per_peer().items()}
     return out

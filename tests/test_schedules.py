@@ -1,5 +1,5 @@
 """Schedules in the simulator, the planner, the plan file and the runner: the memory-aware adaptive
-order (one definition, `dynabatch.core.schedule.schedules`), and ``schedule="auto"`` choosing per step."""
+order (one definition, `dynabatch.core.schedule.build`), and ``schedule="auto"`` choosing per step."""
 
 import dataclasses
 import io
@@ -25,7 +25,7 @@ from dynabatch.core.kernels.schedules import (
     stage_candidates_reference,
 )
 from dynabatch.core.options import SCHEDULES
-from dynabatch.core.schedule.schedules import adaptive_order
+from dynabatch.core.schedule.build import adaptive_order
 from dynabatch.core.simulate.pipeline import pipeline_schedule, simulate_pipeline
 from dynabatch.planfile import format as fmt
 from dynabatch.planfile.arrow import plan_from_arrow, plan_to_arrow, plans_to_arrow
@@ -62,7 +62,7 @@ def test_adaptive_order_is_valid_within_memory_and_equals_its_reference(S, M, se
     assert ops.tolist() == ref
     # the list schedule's own times are what the simulator gives for the order
     sim = simulate_pipeline(fwd, bwd, schedule="adaptive", p2p_s=p2p, mem_bytes=mem, memory_limit=limit)
-    assert sim.schedule == "adaptive" and np.array_equal(sim.ops, ops)
+    assert sim.schedule == "adaptive" and np.array_equal(sim.ops.codes(), ops)
 
 
 def test_a_micro_batch_over_the_limit_is_a_clear_error_or_runs_alone():
@@ -268,7 +268,7 @@ def runner_follows_plan(rank, world, port, seed):
             lo = runner.stage.first_layer
             diff = max(float((p.grad - q.grad).abs().max()) for i, layer in enumerate(runner.stage.layers)
                        for p, q in zip(layer.parameters(), ref.layers[lo + i].parameters()))
-            out.append({"schedule": schedule, "orders": runner.orders(plan).tolist(), "loss": res.loss,
+            out.append({"schedule": schedule, "orders": runner.orders(plan).codes().tolist(), "loss": res.loss,
                         "ref_loss": ref_loss, "diff": diff, "time_s": plan.mb_time_s.tolist(),
                         "mem": plan.mb_memory_bytes.tolist()})
     return out
@@ -285,7 +285,7 @@ def test_runner_follows_the_schedule_the_plan_records():
         gp, ad = out
         assert gp["orders"] == pipeline_schedule(2, 4, "gpipe").tolist() != pipeline_schedule(2, 4, "1f1b").tolist()
         t, mem = np.array(ad["time_s"]), np.array(ad["mem"])
-        assert ad["orders"] == stage_orders("adaptive", 2, 4, time_s=t, memory_bytes=mem).tolist()
+        assert ad["orders"] == stage_orders("adaptive", 2, 4, time_s=t, memory_bytes=mem).codes().tolist()
         assert ad["orders"] != pipeline_schedule(2, 4, "1f1b").tolist()  # more in flight than 1F1B
         for case in out:
             assert abs(case["loss"] - case["ref_loss"]) <= 1e-6 * abs(case["ref_loss"]) and case["diff"] < 1e-5

@@ -43,6 +43,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from .methods import BASELINE_COLLATION, BASELINES
+from .schedule.registry import SCHEDULE_CODES, SCHEDULE_NAMES
 
 #: Per-stage activation recomputation policies (`dynabatch.core.plan.recompute`, which prices them).
 RECOMPUTE: tuple[str, ...] = ("none", "full", "adaptive")
@@ -54,16 +55,9 @@ METHODS: tuple[str, ...] = ("dp", "dp_varlen") + BASELINES
 #: fixed-length rows holding several samples (packed_rows).
 COLLATIONS: tuple[str, ...] = ("padded", "packed", "packed_rows")
 
-#: Every pipeline schedule name: the static orders ``gpipe`` and ``1f1b``; ``adaptive``, the memory-aware
-#: order built from the micro-batches' per-stage times and activation bytes (`dynabatch.core.schedule.schedules`);
-#: ``auto``, which per step simulates the three and records in the plan the lowest makespan that fits
-#: the memory limit. The simulator, the planner and the runner all model all of them.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "adaptive", "auto")
-
-#: Schedule name -> code: 0 and 1 are the static orders of the simulator's `schedule_kernel`; 2
-#: (adaptive) and 3 (auto) depend on the micro-batches (`dynabatch.core.schedule.schedules`), and code-only
-#: callers of `schedule_kernel` (the stage-partition search) get 1F1B for them.
-SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({"gpipe": 0, "1f1b": 1, "adaptive": 2, "auto": 3})
+#: Every pipeline schedule name (and, in `SCHEDULE_CODES`, its code), registered once in
+#: `dynabatch.core.schedule.registry`: the simulator, the planner and the runner all model all of them.
+SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
 
 #: Old option name -> its one name now (accepted for one release with a DeprecationWarning).
 DEPRECATED_NAMES: Mapping[str, str] = MappingProxyType({

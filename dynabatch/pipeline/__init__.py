@@ -33,7 +33,7 @@ from .models import (MODELS, LayerCosts, LayeredModel, MicroBatchShape, Pipeline
                      with_placeholders)
 from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistContext, Hooks, Message,
                       MultiModelRunner, MultiStepResult, P2P, PipelineAborted, PipelineRunner, Post, ProcResult,
-                      ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor, adaptive_orders,
+                      ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor,
                       build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
                       run_program, run_ranks, sequential_step, stage_orders, tie_stages)
 from .models.hf import (HFLayeredModel, HFStage, UnsupportedModel, from_hf, hf_reference_step, load_stage, merge_stages,
@@ -43,7 +43,7 @@ __all__ = [
     "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
     "Message", "MicroBatchShape", "P2P", "PipelineAborted", "PipelineRunner", "PipelineStage", "PlanMismatch",
     "Post", "ProcResult", "ProgramError", "RunnerConfig", "ShapeMismatch", "StagePartition", "StepResult",
-    "StepTiming", "TensorSpec", "adaptive_orders", "balanced_partition", "build_programs", "check_batch",
+    "StepTiming", "TensorSpec", "balanced_partition", "build_programs", "check_batch",
     "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
     "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
     "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",

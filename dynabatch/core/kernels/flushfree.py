@@ -8,12 +8,10 @@ rank by rank into one flat axis of ``N`` micro-batches: rank ``r`` owns ``[roff[
 stream*) of each step: step ``k`` of rank ``r`` is local micro-batches ``[ends[r, k-1], ends[r, k])``
 (``ends[r, -1] = 0``); it is non-decreasing and ``ends[r, K-1] = roff[r+1] - roff[r]``.
 
-Op lists (int64, one per stage of a rank, ``2 n + K`` ops for a rank of ``n`` micro-batches):
-``j + 1`` is the forward of local micro-batch ``j``, ``-(j + 1)`` its backward and ``n + 1 + k`` the
-optimizer update of step ``k``. A stage's list is Megatron's 1F1B order over the rank's whole
-stream (the ``min(S - s - 1, n)`` warm-up forwards happen once, at the start) with ``U_k`` right
-after the backward of step ``k``'s last micro-batch (at the very start, before the warm-up
-forwards, when the rank has no micro-batch up to step ``k``).
+Op lists: one op-table row per stage of a rank (`dynabatch.core.kernels.op_tables.stream_row`, ``2 n + K``
+ops for a rank of ``n`` micro-batches): Megatron's 1F1B order over the rank's whole stream (one warm-up,
+at the start) with step ``k``'s `UPDATE` right after the backward of its last micro-batch (at the very
+start, before the warm-up forwards, when the rank has no micro-batch up to step ``k``).
 
 Dependencies: as in `dynabatch.core.kernels.simulate` (``F(s, j)`` after ``F(s-1, j)`` + ``p2p[j]``;
 ``B(S-1, j)`` after ``F(S-1, j)``; ``B(s, j)`` after ``B(s+1, j)`` + ``p2p[j]``), plus the update
@@ -21,9 +19,9 @@ barrier: ``U_k`` on stage ``s`` starts on every rank at once, when the last rank
 reached it (the data-parallel gradient all-reduce of that stage), and lasts ``upd[s]`` seconds.
 Times are seconds.
 
-Each kernel has its plain-Python reference, named with ``_reference`` (`flushfree_ops_reference`,
-`flushfree_reference`, `stage_loads_reference`); the event loop is built from the pieces of
-`dynabatch.core.kernels.simulate`'s (`op_ready`, `worklist`, `requeue`, `place`).
+Each kernel has its plain-Python reference, named with ``_reference`` (`flushfree_reference`,
+`stage_loads_reference`); the event loop is built from the pieces of `dynabatch.core.kernels.simulate`'s
+(`op_ready`, `worklist`, `requeue`, `place`).
 """
 
 from __future__ import annotations
@@ -31,63 +29,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .op_codes import COLUMNS, FORWARD, UPDATE
+from .op_tables import stream_row, stream_row_reference
 from .simulate import op_ready, place, requeue, worklist
 
 #: Return codes of :func:`flushfree_kernel`.
 OK, DEADLOCK = 0, 1
-
-
-# --------------------------------------------------------------------------- op lists
-
-
-@njit(cache=True)
-def flushfree_ops(S, s, ends):
-    """int64 op list of stage ``s`` (of ``S``) of one rank whose step ends are ``ends`` (int64 ``[K]``,
-    exclusive, non-decreasing; ``n = ends[-1]`` micro-batches): 1F1B over the whole stream with the
-    updates inserted (encoding in the module doc)."""
-    K = ends.shape[0]
-    n = ends[K - 1] if K > 0 else 0
-    w = min(S - s - 1, n)
-    ops = np.empty(2 * n + K, dtype=np.int64)
-    p = 0
-    k = 0
-    while k < K and ends[k] == 0:
-        ops[p] = n + 1 + k
-        p += 1
-        k += 1
-    for j in range(w):
-        ops[p] = j + 1
-        p += 1
-    for i in range(n):
-        if i + w < n:
-            ops[p] = i + w + 1
-            p += 1
-        ops[p] = -(i + 1)
-        p += 1
-        while k < K and ends[k] == i + 1:
-            ops[p] = n + 1 + k
-            p += 1
-            k += 1
-    return ops
-
-
-def flushfree_ops_reference(S, s, ends):
-    """Plain-Python `flushfree_ops`: the 1F1B list of the whole stream, then each update placed
-    after the backward that ends its step (a list of ints)."""
-    ends = [int(e) for e in ends]
-    n = ends[-1] if ends else 0
-    warm = min(S - s - 1, n)
-    order = [j + 1 for j in range(warm)]
-    for i in range(n):
-        if i + warm < n:
-            order.append(i + warm + 1)
-        order.append(-(i + 1))
-    out = [n + 1 + k for k, e in enumerate(ends) if e == 0]
-    for op in order:
-        out.append(op)
-        if op < 0:
-            out += [n + 1 + k for k, e in enumerate(ends) if e == -op]
-    return out
 
 
 # --------------------------------------------------------------------------- simulation
@@ -108,23 +55,24 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
     start[:] = -np.inf
     end[:] = -np.inf
     upd_end[:] = -np.inf
-    # op lists of every (rank, stage), concatenated
-    loff = np.zeros(R * S + 1, dtype=np.int64)
-    for r in range(R):
-        n = roff[r + 1] - roff[r]
-        for s in range(S):
-            loff[r * S + s + 1] = loff[r * S + s] + 2 * n + K
-    ops = np.empty(loff[R * S], dtype=np.int64)
+    # the op list of every (rank, stage): one table row each
+    lens = np.zeros(R * S, dtype=np.int64)
     for r in range(R):
         for s in range(S):
-            ops[loff[r * S + s]:loff[r * S + s + 1]] = flushfree_ops(S, s, ends[r])
-    ptr = loff[:R * S].copy()
+            lens[r * S + s] = 2 * (roff[r + 1] - roff[r]) + K
+    ops = np.zeros((R * S, lens.max() if R * S else 0, COLUMNS), np.int32)
+    for r in range(R):
+        rows = np.zeros((S, lens[r * S], COLUMNS), np.int32)
+        for s in range(S):
+            stream_row(rows, s, S, ends[r])
+            ops[r * S + s, :lens[r * S]] = rows[s]
+    ptr = np.zeros(R * S, dtype=np.int64)
     free = np.zeros(R * S)
     waiting = np.zeros(R * S, dtype=np.bool_)  # registered at the barrier of its current update
     arrived = np.zeros((S, K), dtype=np.int64)
     latest = np.zeros((S, K))
     stack, queued, top = worklist(R * S)  # the (rank, stage) op lists that may be able to advance
-    remaining = loff[R * S]
+    remaining = lens.sum()
     while top > 0:
         top -= 1
         q = stack[top]
@@ -132,13 +80,12 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
         r = q // S
         s = q - r * S
         base = roff[r]
-        n = roff[r + 1] - base
         advanced = False
         released = -1
-        while ptr[q] < loff[q + 1]:
-            op = ops[ptr[q]]
-            if op > n:  # update of step k: a barrier over the ranks' stage s
-                k = op - n - 1
+        while ptr[q] < lens[q]:
+            kind, j = ops[q, ptr[q], 0], ops[q, ptr[q], 1]
+            if kind == UPDATE:  # update of step k: a barrier over the ranks' stage s
+                k = j
                 if upd_end[s, k] == -np.inf:
                     if not waiting[q]:
                         waiting[q] = True
@@ -154,23 +101,23 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
                 remaining -= 1
                 advanced = True
                 continue
-            # a local micro-batch code, shifted to the flat axis, has simulate's dependency rule
-            g, kk, dur, ready = op_ready(fwd, bwd, p2p, end, s, base + op if op > 0 else op - base)
+            # a local micro-batch, shifted to the flat axis, has simulate's dependency rule
+            slot, dur, ready = op_ready(fwd, bwd, 0.0, p2p, end, S, s, kind, base + j, 0)
             if ready == -np.inf:
                 break
-            free[q] = place(start, end, s, g, kk, max(free[q], ready), dur)
+            free[q] = place(start, end, s, base + j, slot, max(free[q], ready), dur)
             ptr[q] += 1
             remaining -= 1
             advanced = True
         if advanced:  # the op's result may unblock this rank's neighbouring stages
-            if s > 0 and ptr[q - 1] < loff[q]:
+            if s > 0 and ptr[q - 1] < lens[q - 1]:
                 top = requeue(stack, top, queued, q - 1)
-            if s < S - 1 and ptr[q + 1] < loff[q + 2]:
+            if s < S - 1 and ptr[q + 1] < lens[q + 1]:
                 top = requeue(stack, top, queued, q + 1)
         if released >= 0:  # every rank's stage s may pass the barrier now
             for r2 in range(R):
                 nb = r2 * S + s
-                if nb != q and ptr[nb] < loff[nb + 1]:
+                if nb != q and ptr[nb] < lens[nb]:
                     top = requeue(stack, top, queued, nb)
     return DEADLOCK if remaining > 0 else OK
 
@@ -181,7 +128,7 @@ def flushfree_reference(fwd, bwd, p2p, roff, ends, upd):
     Returns ``(start, end, upd_end, deadlocked)`` (arrays as the kernel fills them)."""
     S, N = np.shape(fwd)
     R, K = np.shape(ends)
-    lists = {(r, s): flushfree_ops_reference(S, s, ends[r]) for r in range(R) for s in range(S)}
+    lists = {(r, s): stream_row_reference(s, S, ends[r]) for r in range(R) for s in range(S)}
     start = np.full((S, N, 2), -np.inf)
     end = np.full((S, N, 2), -np.inf)
     upd_end = np.full((S, K), -np.inf)
@@ -191,16 +138,14 @@ def flushfree_reference(fwd, bwd, p2p, roff, ends, upd):
     while moved:
         moved = False
         for (r, s), ops in lists.items():
-            n = int(roff[r + 1] - roff[r])
             while pos[(r, s)] < len(ops):
-                op = ops[pos[(r, s)]]
-                if op > n:
-                    k = op - n - 1
+                kind, j, _, _ = ops[pos[(r, s)]]
+                if kind == UPDATE:
+                    k = j
                     # the barrier: every rank's stage s has this update as its next op (or passed it)
                     at = []
                     for r2 in range(R):
-                        o2 = lists[(r2, s)]
-                        i2 = o2.index(int(roff[r2 + 1] - roff[r2]) + 1 + k)
+                        i2 = lists[(r2, s)].index((UPDATE, k, 0, 0))
                         if pos[(r2, s)] < i2:
                             break
                         at.append(free[(r2, s)] if pos[(r2, s)] == i2 else None)
@@ -212,8 +157,8 @@ def flushfree_reference(fwd, bwd, p2p, roff, ends, upd):
                         moved = True
                         continue
                     break
-                g = int(roff[r]) + abs(op) - 1
-                if op > 0:
+                g = int(roff[r]) + j
+                if kind == FORWARD:
                     ready = 0.0 if s == 0 else end[s - 1, g, 0] + p2p[g]
                     kk = 0
                 else:

@@ -1,14 +1,17 @@
 """Numba kernels of the memory-aware adaptive order and of per-rank ordering for any schedule, each
 beside its plain-Python reference.
 
-Op encoding as in `dynabatch.core.kernels.simulate` (``j + 1`` forward of micro-batch ``j``,
-``-(j + 1)`` its backward; int32 ``[S, 2M]``). Times are seconds, memory bytes.
+`adaptive_kernel` writes plain op codes (``j + 1`` forward of micro-batch ``j``, ``-(j + 1)`` its
+backward; int32 ``[S, 2M]``); `rank_ops_kernel` gives any schedule's op table of one rank
+(`dynabatch.core.kernels.op_codes`: the static ones from `dynabatch.core.kernels.op_tables.static_table`),
+which the ordering search prices. Times are seconds, memory bytes.
 
 =========================  ==============================
 kernel                     reference
 =========================  ==============================
 `adaptive_kernel`          `adaptive_reference`
 `order_ranks_schedule`     `order_ranks_schedule_reference`
+`chunks_of`                (a constant per code)
 `order_ranks_stages`       `order_ranks_stages_reference`
 `stage_candidates`         `stage_candidates_reference`
 `rank_ops_kernel`          `rank_ops_reference`
@@ -22,13 +25,13 @@ import numpy as np
 from numba import njit
 
 from .assign import _candidate_orders, candidate_orders_reference
-from .simulate import (inflight_kernel, inflight_reference, makespan_kernel, makespan_reference, schedule_kernel,
-                       schedule_reference, split_kernel, split_reference)
+from .op_codes import ADAPTIVE, INTERLEAVED, INTERLEAVED_CHUNKS, WEIGHT_SHARE
+from .op_tables import codes_table, codes_table_reference, static_table, static_table_reference
+from .simulate import (chunk_times, chunk_times_reference, inflight_table_kernel, inflight_table_reference,
+                       makespan_table_kernel, makespan_table_reference, split_kernel, split_reference)
 
 #: Return codes of :func:`adaptive_kernel`.
 OK, STALL, OVERSIZE = 0, 1, 2
-#: Schedule codes of :func:`order_ranks_schedule` (those of `dynabatch.core.options.SCHEDULE_CODES`).
-GPIPE, ONE_F_ONE_B, ADAPTIVE = 0, 1, 2
 
 
 @njit(cache=True)
@@ -175,8 +178,8 @@ def adaptive_reference(fwd, bwd, p2p, mem, limit, alone):
 
 @njit(cache=True, nogil=True)
 def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
-    """Execution order within each rank for schedule ``code`` (0 GPipe, 1 1F1B, 2 adaptive with
-    ``limit`` bytes in flight per stage; an oversize micro-batch runs alone).
+    """Execution order within each rank for schedule ``code`` (`dynabatch.core.kernels.op_codes`; adaptive
+    with ``limit`` bytes in flight per stage, an oversize micro-batch alone).
 
     Returns (perm, rank_time, peak): ``perm`` lists micro-batch indices rank by rank in execution
     order; ``rank_time`` each rank's simulated makespan (seconds; the best of `_candidate_orders`
@@ -260,36 +263,51 @@ def stage_candidates_reference(st):
 
 
 @njit(cache=True)
+def chunks_of(code):
+    """Model chunks per rank of schedule ``code``."""
+    return INTERLEAVED_CHUNKS if code == INTERLEAVED else 1
+
+
+@njit(cache=True)
 def rank_ops_kernel(code, st, p2p, mem, fwd_fraction, limit):
-    """(ops, fwd, bwd, status) of one rank running the micro-batches of ``st`` ``[S, k]`` (seconds per
+    """(table, fwd, bwd, status) of one rank running the micro-batches of ``st`` ``[S, k]`` (seconds per
     stage, columns in execution order) under schedule ``code``: the one derivation of a rank's op
-    order (0 GPipe, 1 1F1B: fixed by ``S`` and ``k``; 2 adaptive: `adaptive_kernel` on the split stage
-    times, ``p2p`` ``[k]`` seconds, ``mem`` ``[k]`` bytes and ``limit`` bytes in flight per stage, an
-    oversize micro-batch alone). ``status`` as `adaptive_kernel` returns it (0 OK)."""
+    table (adaptive: `adaptive_kernel` on the split stage times, ``p2p`` ``[k]`` seconds, ``mem`` ``[k]``
+    bytes and ``limit`` bytes in flight per stage, an oversize micro-batch alone; every other code: its
+    static table, fixed by ``S`` and ``k``). ``fwd``/``bwd``: the split times per virtual stage (each of a
+    stage's chunks a ``1 / v`` share). ``status`` as `adaptive_kernel` returns it (0 OK)."""
     S, k = st.shape
     fwd, bwd = split_kernel(st, fwd_fraction)
     if code == ADAPTIVE:
         ops = np.zeros((S, 2 * k), np.int32)
         status = adaptive_kernel(fwd, bwd, p2p, mem, limit, True, ops)
-        return ops, fwd, bwd, status
-    return schedule_kernel(S, k, code), fwd, bwd, OK
+        return codes_table(ops, k), fwd, bwd, status
+    v = chunks_of(code)
+    if v > 1:
+        fwd, bwd = chunk_times(fwd, v), chunk_times(bwd, v)
+    return static_table(code, S, k), fwd, bwd, OK
 
 
 def rank_ops_reference(code, st, p2p, mem, fwd_fraction, limit):
-    """Plain `rank_ops_kernel`: (ops lists per stage, fwd, bwd); raises RuntimeError on a stall."""
+    """Plain `rank_ops_kernel`: (table as lists per stage, fwd, bwd); raises RuntimeError on a stall."""
     S, k = len(st), len(st[0])
     fwd, bwd = split_reference(st, fwd_fraction)
     if code == ADAPTIVE:
-        return adaptive_reference(fwd, bwd, [float(x) for x in p2p], [float(x) for x in mem], limit, True), fwd, bwd
-    return schedule_reference(S, k, code), fwd, bwd
+        ops = adaptive_reference(fwd, bwd, [float(x) for x in p2p], [float(x) for x in mem], limit, True)
+        return codes_table_reference(ops, k), fwd, bwd
+    v = INTERLEAVED_CHUNKS if code == INTERLEAVED else 1
+    if v > 1:
+        fwd, bwd = chunk_times_reference(fwd, v), chunk_times_reference(bwd, v)
+    return static_table_reference(code, S, k), fwd, bwd
 
 
 @njit(cache=True)
 def record_slots_kernel(code, st, p2p, mem, rank_order, counts, fwd_fraction, limit, slots):
     """Fill ``slots`` int32 ``[S, M, 2]`` with the position of each micro-batch's forward (``[..., 0]``) and
-    backward (``[..., 1]``) in its rank's op list of `rank_ops_kernel`. ``rank_order`` int64 ``[M]``:
-    micro-batch indices rank by rank in execution order, ``counts`` int64 ``[R]`` per rank; ``st``
-    ``[S, M]`` seconds, ``p2p``/``mem`` ``[M]``. Returns 0 (OK) or the first rank's stall status."""
+    backward (``[..., 1]``) in its rank's op table of `rank_ops_kernel` (schedules of one chunk without a
+    split backward). ``rank_order`` int64 ``[M]``: micro-batch indices rank by rank in execution order,
+    ``counts`` int64 ``[R]`` per rank; ``st`` ``[S, M]`` seconds, ``p2p``/``mem`` ``[M]``. Returns 0 (OK) or
+    the first rank's stall status."""
     S = st.shape[0]
     pos = 0
     for r in range(counts.shape[0]):
@@ -301,13 +319,12 @@ def record_slots_kernel(code, st, p2p, mem, rank_order, counts, fwd_fraction, li
         for s in range(S):
             for q in range(k):
                 sub[s, q] = st[s, idx[q]]
-        ops, _, _, status = rank_ops_kernel(code, sub, p2p[idx], mem[idx], fwd_fraction, limit)
+        table, _, _, status = rank_ops_kernel(code, sub, p2p[idx], mem[idx], fwd_fraction, limit)
         if status != OK:
             return status
         for s in range(S):
             for i in range(2 * k):
-                op = ops[s, i]
-                slots[s, idx[abs(op) - 1], 0 if op > 0 else 1] = i
+                slots[s, idx[table[s, i, 1]], table[s, i, 0]] = i  # kinds: 0 forward, 1 backward
         pos += k
     return OK
 
@@ -322,11 +339,11 @@ def record_slots_reference(code, st, p2p, mem, rank_order, counts, fwd_fraction,
         pos += k
         if not idx:
             continue
-        ops, _, _ = rank_ops_reference(code, [[float(st[s][j]) for j in idx] for s in range(S)],
-                                       [p2p[j] for j in idx], [mem[j] for j in idx], fwd_fraction, limit)
+        table, _, _ = rank_ops_reference(code, [[float(st[s][j]) for j in idx] for s in range(S)],
+                                         [p2p[j] for j in idx], [mem[j] for j in idx], fwd_fraction, limit)
         for s in range(S):
-            for i, op in enumerate(ops[s]):
-                slots[s][idx[abs(int(op)) - 1]][0 if op > 0 else 1] = i
+            for i, (kind, j, _, _) in enumerate(table[s]):
+                slots[s][idx[j]][kind] = i
     return slots
 
 
@@ -358,13 +375,13 @@ def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimi
         for c in range(cands.shape[0]):
             sel = idx[cands[c]]
             o_p, o_m = p2p[sel], mem[sel]
-            ops, fwd, bwd, status = rank_ops_kernel(code, np.ascontiguousarray(st[:, sel]), o_p, o_m, fwd_fraction,
-                                                    limit)
-            v = makespan_kernel(fwd, bwd, o_p, ops) if status == OK else np.inf  # stall: non-finite times
+            table, fwd, bwd, status = rank_ops_kernel(code, np.ascontiguousarray(st[:, sel]), o_p, o_m,
+                                                      fwd_fraction, limit)
+            v = makespan_table_kernel(fwd, bwd, WEIGHT_SHARE, o_p, table) if status == OK else np.inf  # stall
             if c == 0 or v < best:  # the first of equals
                 best = v
                 best_c = c
-                inflight_kernel(ops, o_m, pn, pb)
+                inflight_table_kernel(table, o_m, chunks_of(code), pn, pb)
                 peak[r] = pb.max()
         rank_time[r] = best
         chosen = cands[best_c]
@@ -378,8 +395,8 @@ def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimi
 def order_ranks_stages(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
     """`order_ranks_schedule` on stage times ``st`` float64 ``[S, M]`` (seconds per stage and
     micro-batch): each rank's best of `stage_candidates` (with ``optimize``, else the given order) by
-    simulated makespan under schedule ``code`` (0 GPipe, 1 1F1B, 2 adaptive with ``limit`` bytes in
-    flight per stage, an oversize micro-batch alone); ties: the first candidate.
+    simulated makespan under schedule ``code`` (`dynabatch.core.kernels.op_codes`; adaptive with ``limit``
+    bytes in flight per stage, an oversize micro-batch alone); ties: the first candidate.
 
     Returns (perm, rank_time, peak): micro-batch indices rank by rank in execution order, each rank's
     makespan (seconds) and its largest in-flight activation bytes (``mem`` ``[M]``) on any stage."""
@@ -408,11 +425,13 @@ def _order_ranks_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, lim
             cols = [mine[q] for q in order]
             pp, mo = [float(p2p[j]) for j in cols], [float(mem[j]) for j in cols]
             try:
-                ops, fwd, bwd = rank_ops_reference(code, [[float(st[s][j]) for j in cols] for s in range(S)], pp,
-                                                   mo, fwd_fraction, limit)
+                table, fwd, bwd = rank_ops_reference(code, [[float(st[s][j]) for j in cols] for s in range(S)], pp,
+                                                     mo, fwd_fraction, limit)
             except RuntimeError:  # a stall: never the best
                 return float("inf"), 0.0
-            return makespan_reference(fwd, bwd, pp, np.array(ops)), max(inflight_reference(ops, mo)[1])
+            v = INTERLEAVED_CHUNKS if code == INTERLEAVED else 1
+            return (makespan_table_reference(fwd, bwd, WEIGHT_SHARE, pp, table),
+                    max(inflight_table_reference(table, mo, v)[1]))
 
         sub = [[float(st[s][j]) for j in mine] for s in range(S)]
         cands = candidates(sub) if optimize and k > 1 else [list(range(k))]

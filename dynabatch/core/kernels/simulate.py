@@ -1,31 +1,43 @@
 """Numba kernels of the pipeline simulator, each beside its plain-Python reference.
 
-Op encoding (int32): ``j + 1`` is the forward of micro-batch ``j``, ``-(j + 1)`` its backward; a
-schedule is an ``[S, 2M]`` array holding one op list per stage. Times are seconds, memory bytes.
+The simulator prices op tables (`dynabatch.core.kernels.op_codes`: int32 ``[S, L, 4]``, per rank its ops
+with kind, micro-batch, chunk and model). Times are per *virtual stage*: ``fwd``/``bwd`` float64
+``[Q, M]`` seconds with ``Q = v S`` (chunk ``c`` of rank ``s`` is virtual stage ``c S + s``; ``Q = S``
+without chunks); a split backward's weight part takes ``wshare`` of ``bwd``, its input part the rest.
 The dependency rules are documented in `dynabatch.core.simulate.pipeline`, which wraps these kernels with
-validation. The kernels take contiguous float64 / int32 arrays so other numba code can call them.
+validation. The plain op codes of one chunk (``j + 1`` forward, ``-(j + 1)`` backward; int ``[S, 2M]``)
+are a table too (`dynabatch.core.kernels.op_tables.codes_table`): `simulate_kernel`, `makespan_kernel`,
+`inflight_kernel` and `run_ops` take them for their callers (the planner's balancing and reordering, the
+spill timing). Times are seconds, memory bytes; contiguous float64 / int32 arrays.
 
-=====================  ==========================
-kernel                 reference
-=====================  ==========================
-`schedule_kernel`      `schedule_reference`
-`simulate_kernel`      `simulate_reference`
-`makespan_kernel`      `makespan_reference`
-`inflight_kernel`      `inflight_reference`
-`split_kernel`         `split_reference`
-=====================  ==========================
+=========================  ===============================
+kernel                     reference
+=========================  ===============================
+`simulate_table_kernel`    `simulate_table_reference`
+`makespan_table_kernel`    `makespan_table_reference`
+`inflight_table_kernel`    `inflight_table_reference`
+`simulate_kernel`          `simulate_reference`
+`makespan_kernel`          `makespan_reference`
+`inflight_kernel`          `inflight_reference`
+`schedule_kernel`          `schedule_reference`
+=========================  ===============================
 
-`run_ops` is the event loop of `simulate_kernel` and of `dynabatch.core.kernels.spill`'s kernel,
-whose ops also wait for shard loads (`gated_start`; `op_ready` is the dependency rule); the
-reference's `_sweep` takes a ``start_at`` hook for the same purpose. `op_ready`, `worklist`,
-`requeue` and `place` are also the pieces of the flush-free event loop
-(`dynabatch.core.kernels.flushfree`).
+`split_kernel` and `chunk_times` (the seconds of each op) live in `dynabatch.core.kernels.times`.
+
+`run_table` is the event loop of all of them and of `dynabatch.core.kernels.spill`'s kernel, whose ops
+also wait for shard loads (`gated_start`); the references' `_sweep_table` takes a ``start_at`` hook for the
+same purpose. `worklist`, `requeue` and `place` are also pieces of the flush-free event loop
+(`dynabatch.core.kernels.flushfree`), `op_ready` its dependency rule.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from .op_codes import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, NOP, UPDATE
+from .op_tables import codes_table, codes_table_reference, static_table, static_table_reference, table_codes
+from .times import chunk_times, chunk_times_reference, split_kernel, split_reference  # noqa: F401 (their home)
 
 #: Return codes of :func:`simulate_kernel`.
 OK, DEADLOCK, BAD_INPUT = 0, 1, 2
@@ -34,95 +46,48 @@ OK, DEADLOCK, BAD_INPUT = 0, 1, 2
 DEMAND_SPILL, DEMAND_LOAD, PREFETCH_SPILL, PREFETCH_LOAD = 0, 1, 2, 3
 
 
-# --------------------------------------------------------------------------- forward / backward split
-
-
-@njit(cache=True)
-def split_kernel(st, fwd_fraction):
-    """(fwd, bwd) float64 ``[S, k]``: each stage runs a micro-batch's forward for ``fwd_fraction`` of its
-    stage time ``st`` (seconds) and its backward for the rest. The one split every simulation of a
-    plan uses (planner, recompute, inspect, flush-free); `split_reference` is its plain form."""
-    S, k = st.shape
-    fwd = np.empty((S, k))
-    bwd = np.empty((S, k))
-    for s in range(S):
-        for j in range(k):
-            fwd[s, j] = st[s, j] * fwd_fraction
-            bwd[s, j] = st[s, j] - fwd[s, j]
-    return fwd, bwd
-
-
-def split_reference(st, fwd_fraction):
-    """Plain `split_kernel` (numpy arrays, the same two operations per element)."""
-    st = np.asarray(st, np.float64)
-    fwd = st * fwd_fraction
-    return fwd, st - fwd
-
-
-# --------------------------------------------------------------------------- schedules
+# --------------------------------------------------------------------------- the static plain orders
 
 
 @njit(cache=True)
 def schedule_kernel(S, M, kind_code):
-    """int32 ``[S, 2M]`` op lists for ``kind_code`` 0 (GPipe) or 1 (Megatron 1F1B).
-
-    GPipe: every stage runs ``F_0 .. F_{M-1}`` then ``B_0 .. B_{M-1}`` (FIFO backwards).
-    1F1B: stage ``s`` runs ``min(S-s-1, M)`` warm-up forwards, then alternates one forward
-    and one backward, then drains the remaining backwards.
-    """
-    ops = np.empty((S, 2 * M), dtype=np.int32)
-    for s in range(S):
-        warmup = M if kind_code == 0 else min(S - s - 1, M)
-        k = 0
-        for j in range(warmup):
-            ops[s, k] = j + 1
-            k += 1
-        for i in range(M - warmup):
-            ops[s, k] = warmup + i + 1
-            ops[s, k + 1] = -(i + 1)
-            k += 2
-        for i in range(M - warmup, M):
-            ops[s, k] = -(i + 1)
-            k += 1
-    return ops
+    """int32 ``[S, 2M]`` plain op codes of static schedule ``kind_code`` 0 (GPipe) or 1 (1F1B), from its op
+    table (`dynabatch.core.kernels.op_tables.static_table`); zeros for a code whose ops are not plain."""
+    codes, _ = table_codes(static_table(kind_code, S, M))
+    return codes
 
 
 def schedule_reference(S, M, kind_code):
-    """Plain-Python `schedule_kernel`: a list of ``S`` op lists (codes as in the module doc)."""
-    schedule = []
-    for s in range(S):
-        forwards = [j + 1 for j in range(M)]
-        backwards = [-(j + 1) for j in range(M)]
-        if kind_code == 0:  # GPipe: all forwards, then all backwards
-            schedule.append(forwards + backwards)
-            continue
-        # 1F1B: the last stage starts its first backward right after its first forward; each
-        # earlier stage runs one more forward first, so stage s warms up with S-s-1 forwards.
-        warmup = min(S - s - 1, M)
-        ops = forwards[:warmup]
-        for f, b in zip(forwards[warmup:], backwards):
-            ops += [f, b]
-        ops += backwards[M - warmup:]
-        schedule.append(ops)
-    return schedule
+    """Plain-Python `schedule_kernel`: a list of ``S`` op-code lists."""
+    return [[j + 1 if kind == FORWARD else -(j + 1) for kind, j, _, _ in row]
+            for row in static_table_reference(kind_code, S, M)]
 
 
 # --------------------------------------------------------------------------- event simulation
 
 
 @njit(cache=True)
-def op_ready(fwd, bwd, p2p, end, s, op):
-    """``(j, k, dur, ready)`` of op code ``op`` on stage ``s``: micro-batch ``j``, ``k`` 0 forward / 1
-    backward, its duration (s) and when its dependency's result arrives on ``s`` (s; ``-inf`` while
-    that dependency has not finished in ``end``). ``k = -1`` for a code outside ``±1..±M``."""
-    S, M = fwd.shape
-    if op > 0 and op <= M:
-        j = op - 1
-        return j, 0, fwd[s, j], 0.0 if s == 0 else end[s - 1, j, 0] + p2p[j]  # -inf stays -inf
-    if op < 0 and op >= -M:
-        j = -op - 1
-        return j, 1, bwd[s, j], end[s, j, 0] if s == S - 1 else end[s + 1, j, 1] + p2p[j]
-    return 0, -1, 0.0, -np.inf
+def op_ready(fwd, bwd, wshare, p2p, end, S, s, kind, j, c):
+    """``(slot, dur, ready)`` of op ``kind`` of micro-batch ``j`` on chunk ``c`` of stage ``s``: the slot of
+    ``end``'s last axis it fills (0 forward, 1 backward or its input part, 2 the weight part in its own
+    array, 3 an update), its seconds and when its dependency's result is there (``-inf`` while that
+    dependency has not finished in ``end``). Forwards follow the previous virtual stage's forward plus
+    ``p2p[j]``; a backward (or its input part) the next virtual stage's backward plus ``p2p[j]`` (on the
+    last virtual stage its own forward); the weight part its input part; an update nothing. Transfers
+    between chunks of one stage (``S = 1``) take no time. ``slot = -1``: not an op (bad input)."""
+    Q, M = fwd.shape
+    if kind == UPDATE:
+        return 3, 0.0, 0.0
+    if kind < FORWARD or kind > BACKWARD_WEIGHT or j < 0 or j >= M or c < 0 or c * S + s >= Q:
+        return -1, 0.0, -np.inf
+    q = c * S + s
+    hop = p2p[j] if S > 1 else 0.0
+    if kind == FORWARD:
+        return 0, fwd[q, j], 0.0 if q == 0 else end[q - 1, j, 0] + hop  # -inf stays -inf
+    if kind == BACKWARD_WEIGHT:
+        return 2, bwd[q, j] * wshare, end[q, j, 1]
+    dur = bwd[q, j] if kind == BACKWARD else bwd[q, j] - bwd[q, j] * wshare
+    return 1, dur, end[q, j, 0] if q == Q - 1 else end[q + 1, j, 1] + hop
 
 
 @njit(cache=True)
@@ -180,75 +145,229 @@ def requeue(stack, top, queued, q):
 
 
 @njit(cache=True, inline="always")
-def place(start, end, s, j, k, t0, dur):
-    """Record op ``k`` (0 forward / 1 backward) of micro-batch ``j`` on stage ``s`` as running from
-    ``t0`` for ``dur`` seconds; returns its end (when the stage is free again)."""
-    start[s, j, k] = t0
-    end[s, j, k] = t0 + dur
+def place(start, end, q, j, k, t0, dur):
+    """Record op slot ``k`` (0 forward / 1 backward) of micro-batch ``j`` on virtual stage ``q`` as running
+    from ``t0`` for ``dur`` seconds; returns its end (when the stage is free again)."""
+    start[q, j, k] = t0
+    end[q, j, k] = t0 + dur
     return t0 + dur
 
 
-@njit(cache=True, inline="always")
-def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
-    """The event loop of `simulate_kernel` and `dynabatch.core.kernels.spill.spill_timing_kernel` over op
-    lists ``ops`` (int32 ``[S, 2N]``, shape checked by the caller); fills ``start``/``end`` (float64
-    ``[S, N, 2]``, s; the caller sets them to ``-inf``). An op starts when its stage is free and its
-    dependency has arrived; when ``copies`` (``ncopy, cuse, ckind, cshard, cdur``) has a row per stage,
-    also not before its shard's load (`gated_start`; shard ``j // M`` of micro-batch ``j``), with
-    ``state`` = ``(cptr, engine, avail, cstart, cend, stall)`` carried along. Returns `OK`, `DEADLOCK`
-    or `BAD_INPUT` (an op code outside ``±1..±N``). Each op is examined O(1) times: O(S*N)."""
-    S, N = fwd.shape
-    n_ops = 2 * N
+@njit(cache=True)
+def table_lengths(table):
+    """int64 ``[S]``: each rank's ops in ``table``, up to its first `NOP`."""
+    S, L = table.shape[0], table.shape[1]
+    n = np.full(S, L, np.int64)
+    for s in range(S):
+        for i in range(L):
+            if table[s, i, 0] == NOP:
+                n[s] = i
+                break
+    return n
+
+
+@njit(cache=True)
+def run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, shard_m, copies, state):
+    """The event loop over op table ``table`` (int32 ``[S, L, 4]``): fills ``start``/``end`` (float64
+    ``[Q, M, 2]``, s; the caller sets them to ``-inf``) and, for split backwards, ``wstart``/``wend``
+    (``[Q, M]``). An op starts when its stage is free and its dependency has arrived (`op_ready`); when
+    ``copies`` (``ncopy, cuse, ckind, cshard, cdur``) has a row per stage, also not before its shard's
+    load (`gated_start`; shard ``j // shard_m`` of micro-batch ``j``, use = the op's position), with
+    ``state`` = ``(cptr, engine, avail, cstart, cend, stall)`` carried along. Returns `OK`, `DEADLOCK` or
+    `BAD_INPUT` (a row that is not an op, reached). Each op is examined O(1) times."""
+    S = table.shape[0]
     gated = copies[0].shape[0] == S
+    n = table_lengths(table)
     ptr = np.zeros(S, dtype=np.int64)
     free = np.zeros(S)
     stack, queued, top = worklist(S)  # the stages that may be able to advance
-    remaining = S * n_ops
+    remaining = n.sum()
     while top > 0:
         top -= 1
         s = stack[top]
         queued[s] = False
         advanced = False
-        while ptr[s] < n_ops:
-            j, k, dur, ready = op_ready(fwd, bwd, p2p, end, s, ops[s, ptr[s]])
-            if k < 0:
+        while ptr[s] < n[s]:
+            i = ptr[s]
+            j, c = table[s, i, 1], table[s, i, 2]
+            slot, dur, ready = op_ready(fwd, bwd, wshare, p2p, end, S, s, table[s, i, 0], j, c)
+            if slot < 0:
                 return BAD_INPUT
             if ready == -np.inf:
                 break
-            t0 = gated_start(s, ptr[s], j // M, free[s], ready, copies, state) if gated else max(free[s], ready)
-            free[s] = place(start, end, s, j, k, t0, dur)
+            t0 = gated_start(s, i, j // shard_m, free[s], ready, copies, state) if gated else max(free[s], ready)
+            q = c * S + s
+            if slot == 2:
+                wstart[q, j] = t0
+                wend[q, j] = t0 + dur
+                free[s] = t0 + dur
+            elif slot == 3:
+                free[s] = t0
+            else:
+                free[s] = place(start, end, q, j, slot, t0, dur)
             ptr[s] += 1
             remaining -= 1
             advanced = True
-        if advanced:  # the op's result may unblock a neighbour
-            for nb in (s - 1, s + 1):
-                if nb >= 0 and nb < S and ptr[nb] < n_ops:
+        if advanced and S > 1:  # the op's result may unblock a neighbour (round the ring with chunks)
+            for nb in ((s + S - 1) % S, (s + 1) % S):
+                if ptr[nb] < n[nb]:
                     top = requeue(stack, top, queued, nb)
     return DEADLOCK if remaining > 0 else OK
 
 
 @njit(cache=True)
+def _no_copies(start):
+    ints, flat, sheet = np.empty(0, np.int64), np.empty(0), start[:0, :0, 0]
+    table = np.empty((0, 0), np.int64)
+    return (ints, table, table, table, sheet), (ints, flat, sheet, sheet, sheet, flat)
+
+
+@njit(cache=True)
+def simulate_table_kernel(fwd, bwd, wshare, p2p, table, start, end, wstart, wend):
+    """Simulate op table ``table`` (int32 ``[S, L, 4]``); fill ``start``/``end`` (float64 ``[Q, M, 2]``) and
+    ``wstart``/``wend`` (``[Q, M]``, the weight parts of split backwards), seconds. ``fwd``/``bwd`` float64
+    ``[Q, M]`` per virtual stage, ``p2p`` ``[M]``. Returns 0 when every op ran, 1 on deadlock (unfinished
+    ops keep ``-inf``), 2 for a row that is not an op of these shapes (reached)."""
+    Q, M = fwd.shape
+    S = table.shape[0]
+    if S < 1 or Q % S != 0 or start.shape[0] != Q or wend.shape[0] != Q:
+        return BAD_INPUT
+    start[:] = -np.inf
+    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
+    wstart[:] = -np.inf
+    wend[:] = -np.inf
+    copies, state = _no_copies(start)
+    return run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, 1, copies, state)
+
+
+@njit(cache=True)
+def makespan_table_kernel(fwd, bwd, wshare, p2p, table):
+    """Makespan in seconds of op table ``table``; ``+inf`` on deadlock, NaN on malformed input."""
+    Q, M = fwd.shape
+    start = np.empty((Q, M, 2))
+    end = np.empty((Q, M, 2))
+    wstart = np.empty((Q, M))
+    wend = np.empty((Q, M))
+    code = simulate_table_kernel(fwd, bwd, wshare, p2p, table, start, end, wstart, wend)
+    if code == DEADLOCK:
+        return np.inf
+    if code != OK:
+        return np.nan
+    span = 0.0
+    for x in end.ravel():
+        span = max(span, x)
+    for x in wend.ravel():
+        span = max(span, x)
+    return span
+
+
+def _sweep_table(fwd, bwd, wshare, p2p, table, start_at=None):
+    """Plain-Python event loop over an op table (lists of ``(kind, micro-batch, chunk, model)`` rows per
+    rank, up to each rank's first `NOP`): sweep every rank until nothing moves. Returns ``(start, end,
+    wstart, wend, pos)``: arrays as `simulate_table_kernel` fills them and where each rank stopped (its op
+    count when it ran them all); a rank also stops at a row that is not an op. ``start_at(s, i, j, free,
+    ready)``, when given, returns when rank ``s``'s ``i``-th op (of micro-batch ``j``) starts, given when the
+    rank is free and when its dependency's result is there (default: the later of the two)."""
+    Q, M = np.shape(fwd)
+    S = len(table)
+    rows = [[tuple(int(x) for x in r) for r in row] for row in table]
+    rows = [row[:[r[0] for r in row].index(NOP)] if NOP in [r[0] for r in row] else row for row in rows]
+    start, end = np.full((Q, M, 2), -np.inf), np.full((Q, M, 2), -np.inf)
+    wstart, wend = np.full((Q, M), -np.inf), np.full((Q, M), -np.inf)
+    done = {}  # (virtual stage, micro-batch, "F" / "B" / "W") -> end time
+    pos, free = [0] * S, [0.0] * S
+    moved = True
+    while moved:
+        moved = False
+        for s in range(S):
+            while pos[s] < len(rows[s]):
+                kind, j, c, _ = rows[s][pos[s]]
+                if kind == UPDATE:  # no dependency, no time
+                    pos[s] += 1
+                    moved = True
+                    continue
+                q = c * S + s
+                if kind not in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) or not 0 <= j < M or not 0 <= q < Q:
+                    break
+                hop = float(p2p[j]) if S > 1 else 0.0
+                b = float(bwd[q][j])
+                if kind == FORWARD:  # after the previous virtual stage's forward, sent on
+                    dep, delay, dur = ((q - 1, j, "F") if q > 0 else None), hop, float(fwd[q][j])
+                elif kind == BACKWARD_WEIGHT:  # after its own input part
+                    dep, delay, dur = (q, j, "B"), 0.0, b * wshare
+                elif q == Q - 1:  # the last virtual stage turns its own forward around
+                    dep, delay, dur = (q, j, "F"), 0.0, b if kind == BACKWARD else b - b * wshare
+                else:  # after the next virtual stage's backward, sent back
+                    dep, delay, dur = (q + 1, j, "B"), hop, b if kind == BACKWARD else b - b * wshare
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + delay
+                t0 = max(free[s], ready) if start_at is None else start_at(s, pos[s], j, free[s], ready)
+                if kind == BACKWARD_WEIGHT:
+                    wstart[q, j], wend[q, j] = t0, t0 + dur
+                    done[(q, j, "W")] = t0 + dur
+                else:
+                    k = 0 if kind == FORWARD else 1
+                    start[q, j, k], end[q, j, k] = t0, t0 + dur
+                    done[(q, j, "F" if k == 0 else "B")] = t0 + dur
+                free[s] = t0 + dur
+                pos[s] += 1
+                moved = True
+    return start, end, wstart, wend, pos, [len(r) for r in rows]
+
+
+def simulate_table_reference(fwd, bwd, wshare, p2p, table):
+    """Plain-Python `simulate_table_kernel`: ``(start, end, wstart, wend, deadlocked)``."""
+    start, end, wstart, wend, pos, n = _sweep_table(fwd, bwd, wshare, p2p, table)
+    return start, end, wstart, wend, any(p < k for p, k in zip(pos, n))
+
+
+def makespan_table_reference(fwd, bwd, wshare, p2p, table):
+    """Plain-Python `makespan_table_kernel`: the last op's end, ``inf`` on deadlock, NaN when a stuck rank's
+    next row is not an op."""
+    _, end, _, wend, pos, n = _sweep_table(fwd, bwd, wshare, p2p, table)
+    Q, M = np.shape(fwd)
+    S = len(table)
+    for s in range(S):
+        if pos[s] < n[s]:
+            kind, j, c, _ = (int(x) for x in table[s][pos[s]])
+            if kind not in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, UPDATE) or (
+                    kind != UPDATE and not (0 <= j < M and 0 <= c * S + s < Q)):
+                return float("nan")
+    if any(p < k for p, k in zip(pos, n)):
+        return float("inf")
+    return max([0.0] + [float(t) for t in end.ravel() if t > -np.inf] + [float(t) for t in wend.ravel() if t > -np.inf])
+
+
+# --------------------------------------------------------------------------- plain op codes
+
+
+@njit(cache=True)
+def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
+    """`run_table` over plain op codes ``ops`` (int32 ``[S, 2N]``, shape checked by the caller; ``start``/``end``
+    ``[S, N, 2]``, set to ``-inf`` by the caller); shard ``j // M`` of micro-batch ``j``. Returns `OK`,
+    `DEADLOCK` or `BAD_INPUT` (an op code outside ``±1..±N``, reached)."""
+    w = start[:0, :, 0]
+    return run_table(fwd, bwd, 0.0, p2p, codes_table(ops, fwd.shape[1]), start, end, w, w, M, copies, state)
+
+
+@njit(cache=True)
 def simulate_kernel(fwd, bwd, p2p, ops, start, end):
-    """Simulate op lists ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
+    """Simulate plain op codes ``ops`` (int32 ``[S, 2M]``); fill ``start``/``end`` (float64 ``[S, M, 2]``, s).
 
     ``fwd``/``bwd`` are float64 ``[S, M]`` seconds, ``p2p`` float64 ``[M]`` seconds.
     Returns 0 when every op ran, 1 on deadlock (unfinished ops keep ``-inf`` in both
-    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M``.
-    Each op is examined O(1) times, so the cost is O(S*M).
+    arrays), 2 when ``ops`` has the wrong shape or an op code outside ``±1..±M`` (reached).
     """
     S, M = fwd.shape
     if ops.shape[0] != S or ops.shape[1] != 2 * M:
         return BAD_INPUT
-    start[:] = -np.inf
-    end[:] = -np.inf  # -inf marks "not finished yet"; real times are finite
-    ints, flat, table, sheet = np.empty(0, np.int64), np.empty(0), ops[:0, :0], start[:0, :0, 0]  # no copies
-    return run_ops(fwd, bwd, p2p, ops, start, end, 1, (ints, table, table, table, sheet),
-                   (ints, flat, sheet, sheet, sheet, flat))
+    w = np.empty((S, M))
+    return simulate_table_kernel(fwd, bwd, 0.0, p2p, codes_table(ops, M), start, end, w, w.copy())
 
 
 def simulate_reference(fwd, bwd, p2p, ops):
-    """Plain-Python `simulate_kernel` for op lists in which every stage lists each op once:
-    sweep all stages until nothing moves.
+    """Plain-Python `simulate_kernel` for op codes in which every stage lists each op once.
 
     Returns ``(start, end, deadlocked)``: float64 ``[S, M, 2]`` arrays (seconds, ``-inf`` for ops
     that never ran) and whether some op never ran.
@@ -258,62 +377,23 @@ def simulate_reference(fwd, bwd, p2p, ops):
 
 
 def _sweep(fwd, bwd, p2p, ops, start_at=None):
-    """`simulate_reference` plus where each stage stopped (``2M`` when it ran every op); a stage
-    also stops at an op code outside ``±1..±M``, as the kernel does. ``start_at(s, i, j, free, ready)``,
-    when given, returns when stage ``s``'s ``i``-th op (of micro-batch ``j``) starts, given when the
-    stage is free and when its dependency's result is there (default: the later of the two)."""
-    S, M = np.shape(fwd)
-    start = np.full((S, M, 2), -np.inf)
-    end = np.full((S, M, 2), -np.inf)
-    finished = {}  # (stage, micro-batch, 0 fwd / 1 bwd) -> end time
-    pos = [0] * S
-    free = [0.0] * S
-    moved = True
-    while moved:
-        moved = False
-        for s in range(S):
-            while pos[s] < 2 * M:
-                op = int(ops[s][pos[s]])
-                if not 1 <= abs(op) <= M:
-                    break
-                j, k = abs(op) - 1, int(op < 0)
-                if k == 0:
-                    dep, delay = ((s - 1, j, 0), float(p2p[j])) if s > 0 else (None, 0.0)
-                elif s == S - 1:
-                    dep, delay = (s, j, 0), 0.0
-                else:
-                    dep, delay = (s + 1, j, 1), float(p2p[j])
-                if dep is not None and dep not in finished:
-                    break
-                ready = 0.0 if dep is None else finished[dep] + delay
-                t0 = max(free[s], ready) if start_at is None else start_at(s, pos[s], j, free[s], ready)
-                t1 = t0 + float(fwd[s][j] if k == 0 else bwd[s][j])
-                start[s, j, k], end[s, j, k] = t0, t1
-                finished[(s, j, k)] = t1
-                free[s] = t1
-                pos[s] += 1
-                moved = True
+    """`_sweep_table` over plain op codes ``ops``: ``(start, end, pos)``; a stage also stops at an op code
+    outside ``±1..±M``. ``start_at`` as `_sweep_table` takes it."""
+    table = codes_table_reference(ops, np.shape(fwd)[1])
+    start, end, _, _, pos, _ = _sweep_table(fwd, bwd, 0.0, p2p, table, start_at)
     return start, end, pos
-
-
-# --------------------------------------------------------------------------- makespan
 
 
 @njit(cache=True)
 def makespan_kernel(fwd, bwd, p2p, ops):
-    """Makespan in seconds of op lists ``ops``; ``+inf`` on deadlock, NaN on malformed ``ops``.
+    """Makespan in seconds of plain op codes ``ops``; ``+inf`` on deadlock, NaN on malformed ``ops``.
 
     Same argument types as :func:`simulate_kernel`.
     """
     S, M = fwd.shape
-    start = np.empty((S, M, 2))
-    end = np.empty((S, M, 2))
-    code = simulate_kernel(fwd, bwd, p2p, ops, start, end)
-    if code == DEADLOCK:
-        return np.inf
-    if code != OK:
+    if ops.shape[0] != S or ops.shape[1] != 2 * M:
         return np.nan
-    return end.max() if end.size else 0.0
+    return makespan_table_kernel(fwd, bwd, 0.0, p2p, codes_table(ops, M))
 
 
 def makespan_reference(fwd, bwd, p2p, ops):
@@ -322,63 +402,72 @@ def makespan_reference(fwd, bwd, p2p, ops):
     S, M = np.shape(fwd)
     if np.shape(ops) != (S, 2 * M):
         return float("nan")
-    _, end, pos = _sweep(fwd, bwd, p2p, ops)
-    stuck = [(s, p) for s, p in enumerate(pos) if p < 2 * M]
-    if any(not 1 <= abs(int(ops[s][p])) <= M for s, p in stuck):
-        return float("nan")  # the kernel stops at a malformed op as soon as a stage reaches it
-    if stuck:
-        return float("inf")
-    return max((float(t) for t in end.ravel()), default=0.0)
+    return makespan_table_reference(fwd, bwd, 0.0, p2p, codes_table_reference(ops, M))
 
 
 # --------------------------------------------------------------------------- memory in flight
 
 
 @njit(cache=True)
-def inflight_kernel(ops, mem, peak_n, peak_bytes):
-    """Fill ``peak_n`` (int64 ``[S]``) and ``peak_bytes`` (float64 ``[S]``, bytes) from ``ops``.
+def inflight_table_kernel(table, mem, v, peak_n, peak_bytes):
+    """Fill ``peak_n`` (int64 ``[S]``) and ``peak_bytes`` (float64 ``[S]``, bytes) from op table ``table``.
 
-    ``mem`` is float64 ``[M]`` activation bytes per micro-batch. In flight on a stage: a
-    micro-batch counts from the start of its forward to the end of its backward there, so the
-    peak depends only on the order, not on the times.
-    """
-    for s in range(ops.shape[0]):
+    ``mem`` is float64 ``[M]`` activation bytes per micro-batch on a stage; each of a stage's ``v`` chunks
+    holds ``mem / v`` of it. In flight on a stage: a micro-batch's chunk counts from the start of its
+    forward to the end of its backward there, or of the backward's weight part when it is split (the
+    graph is kept for it), so the peak depends only on the order, not on the times."""
+    for s in range(table.shape[0]):
         n = 0
         held = 0.0
         best_n = 0
         best_b = 0.0
-        for k in range(ops.shape[1]):
-            op = ops[s, k]
-            if op > 0:
+        for k in range(table.shape[1]):
+            kind = table[s, k, 0]
+            if kind == NOP:
+                break
+            if kind == FORWARD:
                 n += 1
-                held += mem[op - 1]
+                held += mem[table[s, k, 1]] / v
                 best_n = max(best_n, n)
                 best_b = max(best_b, held)
-            else:
+            elif kind == BACKWARD or kind == BACKWARD_WEIGHT:
                 n -= 1
-                held -= mem[-op - 1]
+                held -= mem[table[s, k, 1]] / v
         peak_n[s] = best_n
         peak_bytes[s] = best_b
+
+
+def inflight_table_reference(table, mem, v):
+    """Plain-Python `inflight_table_kernel`: per stage, the most chunk activations held at once and the
+    most bytes, as two lists."""
+    peak_n, peak_bytes = [], []
+    for row in table:
+        held = []  # (micro-batch, chunk) whose forward started and whose last backward part has not ended
+        held_bytes = 0.0
+        most, most_bytes = 0, 0.0
+        for kind, j, c, _ in (tuple(int(x) for x in r) for r in row):
+            if kind == NOP:
+                break
+            if kind == FORWARD:
+                held.append((j, c))
+                held_bytes += float(mem[j]) / v
+                most = max(most, len(held))
+                most_bytes = max(most_bytes, held_bytes)
+            elif kind in (BACKWARD, BACKWARD_WEIGHT):
+                held.remove((j, c))
+                held_bytes -= float(mem[j]) / v
+        peak_n.append(most)
+        peak_bytes.append(most_bytes)
+    return peak_n, peak_bytes
+
+
+@njit(cache=True)
+def inflight_kernel(ops, mem, peak_n, peak_bytes):
+    """`inflight_table_kernel` of plain op codes ``ops`` (int32 ``[S, 2M]``; ``mem`` float64 ``[M]``)."""
+    inflight_table_kernel(codes_table(ops, mem.shape[0]), mem, 1, peak_n, peak_bytes)
 
 
 def inflight_reference(ops, mem):
     """Plain-Python `inflight_kernel`: per stage, the most micro-batches held at once and the most
     bytes held at once, as two lists (the kernel fills arrays instead)."""
-    peak_n, peak_bytes = [], []
-    for row in ops:
-        held = []  # micro-batches whose forward started and whose backward has not ended
-        held_bytes = 0.0
-        most, most_bytes = 0, 0.0
-        for op in row:
-            j = abs(int(op)) - 1
-            if op > 0:
-                held.append(j)
-                held_bytes += float(mem[j])
-                most = max(most, len(held))
-                most_bytes = max(most_bytes, held_bytes)
-            else:
-                held.remove(j)
-                held_bytes -= float(mem[j])
-        peak_n.append(most)
-        peak_bytes.append(most_bytes)
-    return peak_n, peak_bytes
+    return inflight_table_reference(codes_table_reference(ops, len(mem)), mem, 1)

@@ -26,9 +26,10 @@ from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPS
 from ..batchplan import BatchPlan
 from ..cost.features import main_padding
 from ..cost.model import CostModel
-from ..options import METHODS, SCHEDULE_CODES, PlanOptions, renamed
+from ..options import METHODS, PlanOptions, renamed
 from ..schedule.orders import record_orders
-from ..schedule.schedules import AUTO_PREFERENCE, order_step, schedule_ops_by_count
+from ..schedule.registry import AUTO_PREFERENCE
+from ..schedule.search import ops_by_count, order_step
 from .recompute import apply_recompute, dp_candidates
 from .stage_plan import assign_and_order_stages, assign_ranks_stages, refine_orders
 from ..shapes import Shapes
@@ -339,13 +340,13 @@ def _baseline_grouping(method, cost, main, dec, tiles, ranks, max_len, max_targe
 
 def _balance_simulated(schedule, time_s, p2p, rank_of, ranks, stages, fwd_fraction) -> np.ndarray:
     """`assign_ranks` balances ``sum + (S-1) * max`` per rank, which leaves the simulated makespans
-    2-3% apart; finish with swaps judged by simulating the static order (GPipe for ``gpipe``, 1F1B
-    otherwise: ``adaptive`` and ``auto`` orders are close to it), keeping every rank's count."""
+    2-3% apart; finish with swaps judged by simulating the plain order the schedule registers as its
+    ``balance`` (`dynabatch.core.schedule.registry.ScheduleInfo`: GPipe's own for ``gpipe``, 1F1B's for the
+    others, whose orders the swap kernel cannot price; the final order and rank times are the schedule's
+    own), keeping every rank's count. An unknown schedule raises."""
+    ops = ops_by_count(stages, np.bincount(rank_of, minlength=ranks), schedule)
     if ranks < 2 or stages < 2 or not len(time_s) or not np.all(np.isfinite(time_s)):
         return rank_of
-    counts = np.bincount(rank_of, minlength=ranks)
-    code = SCHEDULE_CODES["gpipe" if schedule == "gpipe" else "1f1b"]
-    ops = schedule_ops_by_count(stages, counts, code)
     return balance_simulated(np.ascontiguousarray(time_s, np.float64), np.ascontiguousarray(p2p, np.float64),
                              np.ascontiguousarray(rank_of, np.int32), ranks, fwd_fraction, stages, ops)
 

@@ -7,7 +7,7 @@
   estimated time ``max_s load[r, s] + (S - 1) * max_j mean_s t[s, j]`` grows least (with the uniform
   layout this is `assign_ranks`' ``sum + (S-1) * max``), then pairwise swaps (and moves, without equal
   counts) out of the slowest rank while they lower the largest estimate.
-* `assign_and_order_stages`: each candidate assignment ordered by `dynabatch.core.schedule.schedules.order_step`
+* `assign_and_order_stages`: each candidate assignment ordered by `dynabatch.core.schedule.search.order_step`
   (each rank's candidate orders: `assign`'s four on the bottleneck and on the mean stage time,
   Johnson's two-machine rule on the front and back halves of the stages and an alternation of
   front-heavy and back-heavy micro-batches, simulated with their ``[S, k]`` stage times).
@@ -30,7 +30,7 @@ from ..kernels.stage_order import insertion_search
 from ..options import SCHEDULE_CODES
 from ..cost.features import microbatch_features
 from ..schedule.orders import record_orders
-from ..schedule.schedules import order_step
+from ..schedule.search import order_step
 
 
 def assign_ranks_stages(st: np.ndarray, ranks: int, equal_counts: bool, max_rounds: int = 200) -> np.ndarray:

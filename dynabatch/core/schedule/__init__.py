@@ -1,15 +1,37 @@
-"""Pipeline op orders: which forward or backward each stage of a rank runs next.
+"""Pipeline op orders: which op each stage (rank) of a pipeline runs next, in one representation.
 
-`schedules` builds the orders (static ``gpipe``/``1f1b``, the memory-aware ``adaptive``, the ``auto``
-pick) and searches each rank's micro-batch order by simulation (`order_step`); `orders` is the one
-derivation of a rank's op order, recorded with the plan (`record_orders`) and read back by the
-runner, inspect and recompute (`plan_orders`). Times are seconds, memory bytes.
+* `registry`: every schedule registered once (`ScheduleInfo`: name, code, chunks, split backward);
+  an unknown name raises.
+* `ops`: the typed representation of a step's ops (`Op`, `StepOps`: per rank, its forwards,
+  backwards, input/weight backward parts and updates, each naming micro-batch, chunk and model).
+* `build`: `step_ops`, the one derivation of a rank's op order for any schedule (and `adaptive_order`).
+* `search`: the planner's ordering search (`order_step`) and ``auto``'s pick (`pick_auto`).
+* `orders`: the order recorded with a plan (`record_orders`) and read back (`plan_orders`) by the
+  runner, inspect and recompute.
+
+Times are seconds, memory bytes. The submodules load on first use (``dynabatch.core.options`` reads the
+registry without the numba kernels).
 """
 
-from .orders import (DEFAULT_FORWARD_FRACTION, ops_of, plan_orders, plan_p2p_s, plan_stage_times, rank_ops,
-                     record_orders, slots_of, split_times, stage_limit)
-from .schedules import AUTO_PREFERENCE, adaptive_order, order_step, pick_auto, schedule_ops_by_count
+from __future__ import annotations
 
-__all__ = ["AUTO_PREFERENCE", "DEFAULT_FORWARD_FRACTION", "adaptive_order", "ops_of", "order_step", "pick_auto",
-           "plan_orders", "plan_p2p_s", "plan_stage_times", "rank_ops", "record_orders", "schedule_ops_by_count",
-           "slots_of", "split_times", "stage_limit"]
+import importlib
+
+_HOME = {
+    "REGISTRY": "registry", "SCHEDULE_NAMES": "registry", "SCHEDULE_CODES": "registry", "AUTO_PREFERENCE": "registry",
+    "ScheduleInfo": "registry", "schedule_info": "registry", "concrete": "registry",
+    "Op": "ops", "StepOps": "ops",
+    "step_ops": "build", "adaptive_order": "build",
+    "order_step": "search", "pick_auto": "search", "ops_by_count": "search",
+    "DEFAULT_FORWARD_FRACTION": "orders", "ops_of": "orders", "plan_orders": "orders", "plan_p2p_s": "orders",
+    "plan_stage_times": "orders", "rank_ops": "orders", "record_orders": "orders", "slots_of": "orders",
+    "split_times": "orders", "stage_limit": "orders",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

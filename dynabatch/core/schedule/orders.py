@@ -1,18 +1,19 @@
-"""The one op order of a step: which forward or backward each pipeline stage of a rank runs next.
+"""The op order a plan records: which op each pipeline stage of a rank runs next, as the planner priced it.
 
-It is derived in one place, `rank_ops` (the numba kernel `rank_ops_kernel`, which the planner's
-ordering search also calls for every candidate it simulates), recorded with the plan by
-`record_orders` (`BatchPlan.op_slots`, written to plan files), and read back by `plan_orders` for
-the runner, inspect and recompute. So the order a pipeline executes is the order the planner
-simulated and priced: for ``gpipe``/``1f1b`` it is fixed by the stage and micro-batch counts, for
-``adaptive`` it depends on the predicted per-stage seconds, transfer seconds and activation bytes,
-which a runner does not have.
+The order is derived in one place, `dynabatch.core.schedule.build.step_ops` (the numba kernel
+`rank_ops_kernel`, which the planner's ordering search also calls for every candidate it simulates),
+recorded with the plan by `record_orders` (`BatchPlan.op_slots`, written to plan files), and read back by
+`plan_orders` for the runner, inspect and recompute. So the order a pipeline executes is the order the
+planner simulated and priced: for the static schedules it is fixed by the stage and micro-batch counts
+(a plan of a schedule with chunks or split backwards records only its name: the order follows from it
+exactly), for ``adaptive`` it depends on the predicted per-stage seconds, transfer seconds and activation
+bytes, which a runner does not have.
 
-Op encoding as in `dynabatch.core.simulate.pipeline`: ``j + 1`` is the forward of a rank's ``j``-th micro-batch
-(execution order), ``-(j + 1)`` its backward; a rank's order is int32 ``[S, 2k]``. The plan's other
-inputs of a simulation are here too, each defined once: its stage times (`plan_stage_times`), its
-transfer times (`plan_p2p_s`) and the in-flight budget of its adaptive order (`stage_limit`).
-Times are seconds, memory bytes.
+``op_slots`` ``[S, M, 2]`` holds the position of each micro-batch's forward and backward in its rank's
+list (plain op codes: ``j + 1`` forward of a rank's ``j``-th micro-batch in execution order, ``-(j + 1)``
+its backward). The plan's other inputs of a simulation are here too, each defined once: its stage times
+(`plan_stage_times`), its transfer times (`plan_p2p_s`) and the in-flight budget of its adaptive order
+(`stage_limit`). Times are seconds, memory bytes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import dataclasses
 
 import numpy as np
 
-from ..kernels.schedules import OK, rank_ops_kernel, record_slots_kernel
+from ..kernels.schedules import OK, record_slots_kernel
 from ..kernels.simulate import split_kernel
-from ..options import SCHEDULE_CODES
+from .build import DEFAULT_FORWARD_FRACTION, step_ops
+from .ops import StepOps
+from .registry import concrete
 
-#: Forward share of a stage time for plans that record no order and are read without a cost model.
-DEFAULT_FORWARD_FRACTION = 1.0 / 3.0
+__all__ = ["DEFAULT_FORWARD_FRACTION", "ops_of", "plan_orders", "plan_p2p_s", "plan_stage_times", "rank_ops",
+           "record_orders", "slots_of", "split_times", "stage_limit"]
 
 
 def split_times(st, forward_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -59,21 +62,18 @@ def stage_limit(plan) -> float:
 
 
 def rank_ops(schedule: str, st, p2p, mem, forward_fraction: float, limit: float) -> np.ndarray:
-    """int32 ``[S, 2k]``: the op order of one rank running the ``k`` micro-batches of stage times
-    ``st`` ``[S, k]`` (execution order) under ``schedule`` (``gpipe``, ``1f1b`` or ``adaptive``, whose
-    list scheduling uses ``p2p`` ``[k]`` seconds, ``mem`` ``[k]`` bytes and ``limit`` bytes in flight per
-    stage; an oversize micro-batch runs alone)."""
-    if schedule not in ("gpipe", "1f1b", "adaptive"):
-        raise ValueError(f"a rank's op order needs a concrete schedule (gpipe, 1f1b, adaptive), got {schedule!r}")
-    st = np.ascontiguousarray(np.atleast_2d(st), np.float64)
-    k = st.shape[1]
-    p2p = np.ascontiguousarray(np.broadcast_to(np.asarray(p2p, np.float64), (k,)))
-    mem = np.ascontiguousarray(np.broadcast_to(np.asarray(mem, np.float64), (k,)))
-    ops, _, _, status = rank_ops_kernel(SCHEDULE_CODES[schedule], st, p2p, mem, float(forward_fraction),
-                                        float(limit))
-    if status != OK:
-        raise RuntimeError("adaptive order construction stalled (internal error)")
-    return ops
+    """int32 ``[S, 2k]``: the plain op codes of one rank running the ``k`` micro-batches of stage times
+    ``st`` ``[S, k]`` (execution order) under ``schedule`` (`step_ops`; adaptive's list scheduling uses
+    ``p2p`` ``[k]`` seconds, ``mem`` ``[k]`` bytes and ``limit`` bytes in flight per stage; an oversize
+    micro-batch runs alone). ValueError for a schedule whose ops are not plain (chunks, split backwards)."""
+    st = np.atleast_2d(np.asarray(st, np.float64))
+    return step_ops(schedule, st.shape[0], st.shape[1], stage_times=st, p2p_s=p2p, mem_bytes=mem,
+                    forward_fraction=forward_fraction, memory_limit=limit).codes()
+
+
+def _plain(schedule: str) -> bool:
+    info = concrete(schedule)
+    return info.chunks == 1 and not info.split
 
 
 def slots_of(ops) -> np.ndarray:
@@ -108,16 +108,18 @@ def ops_of(slots, where: str = "the plan") -> np.ndarray:
 
 
 def record_orders(plan, p2p, forward_fraction: float):
-    """``plan`` with the op order of every rank (`rank_ops` on its micro-batches in execution order, its
-    stage times, ``p2p`` ``[M]`` seconds in plan order, its ``mb_memory_bytes`` and `stage_limit`)
-    recorded in ``op_slots``: the order the planner simulated for ``rank_time_s`` (one numba call,
-    `record_slots_kernel`)."""
-    if plan.schedule not in ("gpipe", "1f1b", "adaptive"):
-        raise ValueError(f"a plan records the op order of a concrete schedule, not {plan.schedule!r}")
+    """``plan`` with the op order of every rank (`step_ops` on its micro-batches in execution order, its
+    stage times, ``p2p`` ``[M]`` seconds in plan order, its ``mem_bytes`` and `stage_limit`) recorded in
+    ``op_slots``: the order the planner simulated for ``rank_time_s`` (one numba call,
+    `record_slots_kernel`). A schedule with chunks or split backwards is static: its plan records the name,
+    from which `plan_orders` rebuilds the order exactly (``op_slots`` None)."""
+    info = concrete(plan.schedule)
+    if not _plain(plan.schedule):
+        return dataclasses.replace(plan, op_slots=None)
     slots = np.zeros((plan.num_stages, plan.num_microbatches, 2), np.int32)
     rank_order = np.lexsort((plan.mb_order, plan.mb_rank)).astype(np.int64)  # rank by rank, execution order
     counts = np.bincount(plan.mb_rank, minlength=plan.num_ranks).astype(np.int64)
-    status = record_slots_kernel(SCHEDULE_CODES[plan.schedule], np.ascontiguousarray(plan_stage_times(plan)),
+    status = record_slots_kernel(np.int64(info.code), np.ascontiguousarray(plan_stage_times(plan)),
                                  np.ascontiguousarray(p2p, np.float64),
                                  np.ascontiguousarray(plan.mb_memory_bytes, np.float64), rank_order, counts,
                                  float(forward_fraction), stage_limit(plan), slots)
@@ -126,17 +128,19 @@ def record_orders(plan, p2p, forward_fraction: float):
     return dataclasses.replace(plan, op_slots=slots)
 
 
-def plan_orders(plan, rank: int, cost=None) -> np.ndarray:
-    """int32 ``[S, 2k]``: the op order of ``rank``'s micro-batches of ``plan`` (local indices in the rank's
-    execution order, `BatchPlan.rank_indices`), as the planner recorded it. A plan without a record (an
-    older plan file) gets `rank_ops` of its recorded figures, the transfer times and forward share of
-    ``cost`` (without one: no transfer time and `DEFAULT_FORWARD_FRACTION`; exact for ``gpipe`` and
-    ``1f1b``, whose order only depends on the counts)."""
+def plan_orders(plan, rank: int, cost=None) -> StepOps:
+    """The ops of ``rank``'s micro-batches of ``plan`` (local indices in the rank's execution order,
+    `BatchPlan.rank_indices`), as the planner recorded them. A plan without a record (a static schedule with
+    chunks or split backwards, or an older plan file) gets `step_ops` of its recorded figures, the transfer
+    times and forward share of ``cost`` (without one: no transfer time and `DEFAULT_FORWARD_FRACTION`; exact
+    for every static schedule, whose order only depends on the counts)."""
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} is not in the plan of step {plan.step} ({plan.num_ranks} ranks)")
     idx = plan.rank_indices(rank)
     if plan.op_slots is not None:
-        return ops_of(plan.op_slots[:, idx], where=f"the plan of step {plan.step}, rank {rank}")
+        codes = ops_of(plan.op_slots[:, idx], where=f"the plan of step {plan.step}, rank {rank}")
+        return StepOps(plan.schedule, plan.num_stages, len(idx), 1, StepOps.from_codes(codes).table)
     ff = DEFAULT_FORWARD_FRACTION if cost is None else cost.forward_fraction
-    return rank_ops(plan.schedule, plan_stage_times(plan)[:, idx], plan_p2p_s(plan, cost)[idx],
-                    np.asarray(plan.mb_memory_bytes, np.float64)[idx], ff, stage_limit(plan))
+    return step_ops(plan.schedule, plan.num_stages, len(idx), stage_times=plan_stage_times(plan)[:, idx],
+                    p2p_s=plan_p2p_s(plan, cost)[idx], mem_bytes=np.asarray(plan.mb_memory_bytes, np.float64)[idx],
+                    forward_fraction=ff, memory_limit=stage_limit(plan))

@@ -4,8 +4,9 @@ planner objective that goes with it. Times are seconds.
 **The schedule.** Today every step ends with a flush: each rank's pipeline drains, the gradients
 are all-reduced and every stage takes its optimizer step before step ``k+1``'s first forward
 (`BatchPlan.iteration_time_s` is that flushed makespan). Flush-free, every stage of a rank runs
-Megatron's 1F1B order over the rank's *whole stream* of micro-batches, steps back to back: the
-``S - s - 1`` warm-up forwards of stage ``s`` happen once, at the start of training, and afterwards
+Megatron's 1F1B order over the rank's *whole stream* of micro-batches, steps back to back
+(`dynabatch.core.schedule.build.stream_ops`, the order the runner executes): the warm-up forwards of
+stage ``s`` happen once, at the start of training, and afterwards
 the stage alternates one forward and one backward across step boundaries, so stage ``s`` starts
 step ``k+1``'s forwards while later stages still finish step ``k``. Each stage applies step
 ``k``'s update right after its own backward of step ``k``'s last micro-batch (op ``U_k``): on every
@@ -50,7 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels import op_codes as oc
 from ..kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
+from ..schedule.build import stream_ops
 from ..schedule.orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, split_times
 
 __all__ = [
@@ -94,22 +97,19 @@ def update_lag(ends, num_stages: int) -> np.ndarray:
     stream on each stage: int64 ``[S, n]``.
 
     ``ends`` (int ``[K]``): the exclusive end of each step in the stream (cumulative micro-batch
-    counts; ``n = ends[-1]``). Stage ``s`` runs ``w = min(S-s-1, n)`` warm-up forwards, then the
-    forward of ``i`` right before the backward of ``i - w``; ``U_k`` follows the backward of micro-batch
-    ``ends[k] - 1``. So updates before the forward of ``i``: ``#{k: ends[k] <= max(i - w, 0)}``; before
-    its backward: ``#{k: ends[k] <= i}``; the lag is their difference. This is the ``s`` to pass to
+    counts; ``n = ends[-1]``). Counted on the stream's op order (`dynabatch.core.schedule.build.stream_ops`:
+    1F1B over the stream, ``U_k`` after the backward of micro-batch ``ends[k] - 1``): the updates listed
+    between a micro-batch's forward and its backward on the stage. This is the ``s`` to pass to
     `WeightPredictor.predicted` for that forward.
     """
-    ends = np.asarray(ends, np.int64)
-    S = int(num_stages)
-    n = int(ends[-1]) if len(ends) else 0
-    i = np.arange(n)
-    out = np.empty((S, n), np.int64)
-    for s in range(S):
-        w = min(S - s - 1, n)
-        before_b = np.searchsorted(ends, i, side="right")
-        before_f = np.searchsorted(ends, np.maximum(i - w, 0), side="right")
-        out[s] = before_b - before_f
+    ops = stream_ops(int(num_stages), ends)
+    out = np.zeros((ops.num_stages, ops.num_microbatches), np.int64)
+    for s in range(ops.num_stages):
+        row = ops.table[s, :ops.length(s)]
+        seen = np.cumsum(row[:, oc.KIND] == oc.UPDATE)  # updates up to each position
+        fwd, bwd = row[:, oc.KIND] == oc.FORWARD, row[:, oc.KIND] == oc.BACKWARD
+        out[s, row[bwd, oc.MICROBATCH]] += seen[bwd]
+        out[s, row[fwd, oc.MICROBATCH]] -= seen[fwd]
     return out
 
 

@@ -7,7 +7,8 @@ executes and what `simulate_multimodel` predicts) is:
 * **LRTF model order** (`lrtf_order`): models sorted by their predicted remaining time of the step
   (sum over micro-batches of the plan's seconds x the model's time scale), longest first, ties by
   model index. Computed from the plan alone, so it is identical on every rank.
-* **One pipeline over virtual micro-batches** (`multimodel_orders`): position ``p`` of that order,
+* **One pipeline over virtual micro-batches** (`multimodel_orders`, the plain op codes of
+  `dynabatch.core.schedule.build.multimodel_ops`): position ``p`` of that order,
   micro-batch ``j`` is virtual micro-batch ``v = p * M + j``. ``interleave=True`` runs Megatron
   1F1B over the ``K * M`` virtual micro-batches, so stage 0 starts the next model's forwards while
   the later stages still drain the previous model's backwards: the pipeline fills and drains once
@@ -38,13 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from ..kernels.simulate import schedule_kernel
+from ..schedule.build import multimodel_ops
 from .spill import spill_timing
 from .pipeline import simulate_pipeline
 
 __all__ = ["MultiModelSim", "active_peak", "active_peak_kernel", "active_peak_reference", "lrtf_order",
-           "multimodel_orders", "multimodel_orders_kernel", "multimodel_orders_reference", "simulate_multimodel",
-           "virtual_times"]
+           "multimodel_orders", "simulate_multimodel", "virtual_times"]
 
 
 def lrtf_order(remaining_s) -> np.ndarray:
@@ -59,50 +59,10 @@ def lrtf_order(remaining_s) -> np.ndarray:
 # --------------------------------------------------------------------------- orders
 
 
-@njit(cache=True)
-def multimodel_orders_kernel(S, K, M, interleave):
-    """int32 ``[S, 2KM]`` op lists over ``K * M`` virtual micro-batches (module doc): 1F1B over all of
-    them when ``interleave``, else each position's own 1F1B block after the previous one's."""
-    if interleave:
-        return schedule_kernel(S, K * M, 1)
-    one = schedule_kernel(S, M, 1)
-    ops = np.empty((S, 2 * K * M), dtype=np.int32)
-    for s in range(S):
-        for p in range(K):
-            off = p * M
-            for i in range(2 * M):
-                op = one[s, i]
-                ops[s, p * 2 * M + i] = op + off if op > 0 else op - off
-    return ops
-
-
-def multimodel_orders_reference(S, K, M, interleave):
-    """Plain-Python `multimodel_orders_kernel` (a list of ``S`` op lists)."""
-    def one_f1b(n, s):
-        warm = min(S - s - 1, n)
-        ops = [j + 1 for j in range(warm)]
-        for i in range(n - warm):
-            ops += [warm + i + 1, -(i + 1)]
-        return ops + [-(i + 1) for i in range(n - warm, n)]
-
-    out = []
-    for s in range(S):
-        if interleave:
-            out.append(one_f1b(K * M, s))
-        else:
-            row = []
-            for p in range(K):
-                row += [op + p * M if op > 0 else op - p * M for op in one_f1b(M, s)]
-            out.append(row)
-    return out
-
-
 def multimodel_orders(num_stages: int, num_models: int, num_microbatches: int, *, interleave: bool = True) -> np.ndarray:
-    """Op orders int32 ``[S, 2KM]`` of K models on one data pass (see the module doc)."""
-    S, K, M = int(num_stages), int(num_models), int(num_microbatches)
-    if S < 1 or K < 1 or M < 1:
-        raise ValueError(f"need num_stages, num_models and num_microbatches >= 1, got {S}, {K}, {M}")
-    return multimodel_orders_kernel(S, K, M, bool(interleave))
+    """Op orders int32 ``[S, 2KM]`` (plain op codes over the virtual micro-batches) of K models on one data
+    pass: `dynabatch.core.schedule.build.multimodel_ops` (see the module doc)."""
+    return multimodel_ops(num_stages, num_models, num_microbatches, interleave=interleave).codes()
 
 
 # --------------------------------------------------------------------------- residency

@@ -19,9 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...core.kernels.simulate import makespan_kernel, schedule_kernel
-from ...core.options import SCHEDULE_CODES
+from ...core.kernels.op_codes import WEIGHT_SHARE
 from ...core.kernels.recompute import stage_peaks
+from ...core.kernels.simulate import makespan_table_kernel
+from ...core.schedule.build import step_ops
+from ...core.schedule.ops import StepOps
+from ...core.schedule.registry import schedule_info
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,22 @@ def _check_bounds(bounds: Sequence[int], n_layers: int) -> tuple[int, ...]:
     return b
 
 
-def _ops(num_stages: int, m: int, schedule: str) -> np.ndarray:
-    code = SCHEDULE_CODES.get(schedule)  # adaptive is searched as 1f1b, the order it falls back to
-    if code is None:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(SCHEDULE_CODES)}")
-    return schedule_kernel(num_stages, m, code)
+def _ops(pieces: int, m: int, schedule: str) -> StepOps:
+    """The order a split into ``pieces`` is searched under: ``schedule``'s own for a static one (``pieces`` =
+    stages x its chunks, the chunks of a stage assigned round-robin), else its registered ``balance`` order
+    (adaptive and auto depend on the micro-batches' times: they are searched as 1F1B). Unknown names raise."""
+    info = schedule_info(schedule)
+    order = schedule_info(info.name if info.static else info.balance)
+    if pieces % order.chunks:
+        raise ValueError(f"{schedule} runs {order.chunks} chunks per stage: the split needs a multiple of "
+                         f"{order.chunks} pieces, got {pieces}")
+    return step_ops(order.name, pieces // order.chunks, m)
+
+
+def _span(ops: StepOps, f, bw, p2p) -> float:
+    """Makespan of ``ops`` with ``f``/``bw`` seconds per piece (virtual stage)."""
+    return float(makespan_table_kernel(np.ascontiguousarray(f), np.ascontiguousarray(bw), WEIGHT_SHARE, p2p,
+                                       ops.table))
 
 
 def _p2p(p2p_s, m: int) -> np.ndarray:
@@ -109,7 +123,7 @@ def partition_makespan(costs: LayerCosts, bounds: Sequence[int], *, schedule: st
     b = _check_bounds(bounds, costs.num_layers)
     f, bw = costs.stage_times(b)
     ops = _ops(len(b) - 1, costs.num_microbatches, schedule)
-    return float(makespan_kernel(np.ascontiguousarray(f), np.ascontiguousarray(bw), _p2p(p2p_s, costs.num_microbatches), ops))
+    return _span(ops, f, bw, _p2p(p2p_s, costs.num_microbatches))
 
 
 def _result(costs, bounds, schedule, p2p_s) -> StagePartition:
@@ -179,6 +193,10 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
     if memory_limit is not None and costs.memory_bytes is None:
         raise ValueError("memory_limit needs LayerCosts with memory_bytes (profile_layers measures them)")
     ops = _ops(num_stages, m, schedule)
+    if memory_limit is not None and (ops.num_chunks > 1 or ops.split):
+        raise ValueError(f"memory_limit prices the activations of plain orders; {schedule} has chunks or split "
+                         "backwards")
+    plain = ops.codes() if memory_limit is not None else None
     p2p = _p2p(p2p_s, m)
     pf = np.vstack([np.zeros((1, m)), np.cumsum(costs.forward_s, axis=0)])
     pb = np.vstack([np.zeros((1, m)), np.cumsum(costs.backward_s, axis=0)])
@@ -189,13 +207,13 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
     def score(bounds) -> tuple[float, float]:
         b = np.asarray(bounds, np.int64)
         if pm is not None:
-            stage_peaks(ops, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
+            stage_peaks(plain, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
             if peaks.max() > memory_limit:
                 return math.inf, math.inf
         f = np.ascontiguousarray(pf[b[1:]] - pf[b[:-1]])
         bw = np.ascontiguousarray(pb[b[1:]] - pb[b[:-1]])
         # ties in makespan go to the partition with the smaller bottleneck stage
-        return float(makespan_kernel(f, bw, p2p, ops)), float((f + bw).sum(axis=1).max())
+        return _span(ops, f, bw, p2p), float((f + bw).sum(axis=1).max())
 
     def fits(best):
         if best is None or score(best)[0] == math.inf:

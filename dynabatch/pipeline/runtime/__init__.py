@@ -20,7 +20,7 @@ from .launch import ProcResult, free_port, launch_local, run_ranks
 from .multimodel import MultiModelRunner, MultiStepResult
 from .reference import sequential_step
 from .runner import PipelineRunner
-from .schedule import (SCHEDULES, Compute, Message, Post, ProgramError, adaptive_orders, build_programs, check_programs,
+from .schedule import (SCHEDULES, Compute, Message, Post, ProgramError, build_programs, check_programs,
                        stage_orders)
 from .shards import ShardStore, shard_bytes
 from .tied import Ties, tie_stages
@@ -30,6 +30,6 @@ __all__ = [
     "Bypass", "CommEvent", "CommRecorder", "DistContext", "P2P", "ShapeMismatch", "check_peer_sequences",
     "init_pipeline", "RunnerConfig", "PipelineAborted", "Hooks", "StageRun", "run_program", "ProcResult",
     "free_port", "launch_local", "run_ranks", "MultiModelRunner", "MultiStepResult", "sequential_step", "PipelineRunner",
-    "SCHEDULES", "Compute", "Message", "Post", "ProgramError", "adaptive_orders", "build_programs", "check_programs",
+    "SCHEDULES", "Compute", "Message", "Post", "ProgramError", "build_programs", "check_programs",
     "stage_orders", "ShardStore", "shard_bytes", "Ties", "tie_stages", "WeightPredictor",
 ]

@@ -1,8 +1,9 @@
 """Flush-free streams of steps on one stage (`PipelineRunner.run_steps` with ``RunnerConfig(flush=False)``):
-the steps' micro-batches as one 1F1B program on the interpreter, with the hooks of one model plus
-`StreamHooks`: the weights each forward and backward computes with
-(`dynabatch.pipeline.runtime.weight_prediction.WeightPredictor`) and this stage's update after its
-last backward of each step. Seconds, tokens, bytes."""
+the steps' micro-batches as one program on the interpreter, compiled from the stream's ops
+(`dynabatch.core.schedule.build.stream_ops`: 1F1B over the stream with each step's update, the order the
+flush-free simulator prices), with the hooks of one model plus `StreamHooks`: the weights each forward and
+backward computes with (`dynabatch.pipeline.runtime.weight_prediction.WeightPredictor`) and this stage's
+update ops. Seconds, tokens, bytes."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 
 import numpy as np
 
+from ...core.schedule.build import stream_ops
 from ...core.simulate.flushfree import update_lag
 from ..measure.timing import StepResult, StepTiming
 from .hooks import OneModel
+from .schedule import build_programs, quantize_times
 from .update import reduce_losses, update_stage
 
 
@@ -21,8 +24,10 @@ class StreamHooks:
     hook but those below, plus: ``ends`` (each step's exclusive end),
     ``lags`` [S, V] (updates between each micro-batch's forward and backward on every stage),
     ``tokens`` (each step's global real target tokens), ``predictor`` (the stage's `WeightPredictor`),
-    and the update: ``update(k)`` runs this stage's update of the stream's step ``k``. ``done``: updates
-    run so far; ``update_t``: when each ran (``perf_counter``)."""
+    and the update: ``update(k)`` runs this stage's update of the stream's step ``k`` (the program's
+    update op, `run_update`). ``done``: updates run so far; ``update_t``: when each ran (``perf_counter``)."""
+
+    chunks = 1
 
     def __init__(self, base: OneModel, ends: np.ndarray, lags: np.ndarray, predictor, update):
         self.base = base
@@ -37,6 +42,12 @@ class StreamHooks:
     def __getattr__(self, name: str):
         return getattr(self.base, name)
 
+    def at(self, chunk: int):
+        """These hooks (a stream runs one model chunk per stage)."""
+        if chunk != 0:
+            raise ValueError("a flush-free stream runs one model chunk per stage")
+        return self
+
     def forward_context(self, v: int, meter):
         """``v``'s forward with the weights `RunnerConfig.weight_prediction` says, ``lag`` updates ahead."""
         return self.predictor.forward(v, int(self.lags[self.base.s, v]), pack=meter.pack if meter is not None else None,
@@ -46,12 +57,14 @@ class StreamHooks:
         """``v``'s backward with the weight version the predictor keeps for it."""
         return self.predictor.backward(v)
 
-    def after_backward(self, v: int) -> None:
-        """After the backward of a step's last micro-batch on this stage: the stage's update."""
-        if self.done < len(self.ends) and v + 1 == self.ends[self.done]:  # this stage's part of a step is done
-            self.update(self.done)
-            self.update_t.append(time.perf_counter())
-            self.done += 1
+    def run_update(self, k: int) -> None:
+        """The program's ``U{k}`` (after the backward of step ``k``'s last micro-batch on this stage): the
+        stage's update."""
+        if k != self.done:
+            raise RuntimeError(f"internal error: the stream's update U{k} came after {self.done} updates")
+        self.update(k)
+        self.update_t.append(time.perf_counter())
+        self.done += 1
 
     def group(self, v: int) -> int:
         """The stream step ``v`` belongs to (its loss is reported per step)."""
@@ -95,7 +108,8 @@ def _run(runner, shapes, batches, ends, tokens, predictor, optimizer) -> list[St
 
     hooks = StreamHooks(runner.one_model(shapes, batches, k0), ends, update_lag(ends, ctx.num_stages), predictor,
                         update)
-    program = runner.program(shapes)
+    times = np.array([sh.time_s for sh in shapes])
+    program = build_programs(stream_ops(ctx.num_stages, ends), quantize_times(times), runner.entries(shapes))[ctx.stage]
     clock = runner.start_program(program, hooks, runner.recompute_layers(None))
     run = runner.run(program, hooks, clock, len(shapes), groups=len(ends))
     clock.resolve()

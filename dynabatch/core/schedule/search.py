@@ -1,0 +1,74 @@
+"""The planner's ordering search and ``auto``'s pick, on the orders of `dynabatch.core.schedule.build`.
+
+`order_step` orders each rank's micro-batches for a schedule by simulating candidate orders
+(`dynabatch.core.kernels.schedules`: every candidate's op table from `rank_ops_kernel`, priced by the
+table simulator); for ``auto`` it does so for each of `AUTO_PREFERENCE` and `pick_auto` keeps the lowest
+makespan whose peak in-flight activation bytes per stage fit the limit (GPipe holds all M micro-batches
+on every stage, 1F1B at most ``S - s`` on stage ``s``, adaptive stays within the limit by construction).
+Times are seconds, memory bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.arrays import kernel_array
+from ..kernels.schedules import order_ranks_schedule, order_ranks_stages
+from ..kernels.simulate import schedule_kernel
+from .registry import AUTO_PREFERENCE, schedule_info
+
+
+def ops_by_count(stages: int, counts: np.ndarray, schedule: str) -> np.ndarray:
+    """int32 ``[kmax + 1, S, 2 kmax]``: the plain op codes of the order ``schedule``'s rank balancing judges
+    swaps on (its registered ``balance`` order) for every micro-batch count ``k`` in ``counts`` at index
+    ``k`` (zero-padded), as `dynabatch.core.kernels.assign.balance_simulated` takes them."""
+    code = schedule_info(schedule_info(schedule).balance).code
+    kmax = int(counts.max()) if len(counts) else 0
+    ops = np.zeros((kmax + 1, stages, 2 * max(kmax, 1)), np.int32)
+    for k in np.unique(counts):
+        if k > 0:
+            ops[k, :, : 2 * k] = schedule_kernel(stages, int(k), code)
+    return ops
+
+
+def order_step(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: float, stage_limit: float,
+               optimize: bool, per_stage: bool = True):
+    """Order each rank's micro-batches for ``schedule`` (a registered name; ``auto`` tries `AUTO_PREFERENCE`).
+
+    ``st`` ``[S, M]`` seconds per stage, ``p2p`` seconds and ``mem`` bytes (on the largest stage) per
+    micro-batch, ``rank_of`` int32 ranks, ``stage_limit`` in-flight activation bytes per stage. Each
+    rank's candidate orders are simulated and the fastest kept (with ``optimize``; else the given
+    order): `stage_candidates` on per-stage times (``per_stage``), else the four orders of stage 0's
+    times (a stage-blind plan, every stage alike). Returns ``(perm, rank_time_s, schedule)``:
+    micro-batch indices rank by rank in execution order, each rank's simulated makespan (``inf``
+    where it cannot be simulated), and the concrete schedule (``auto`` resolved).
+    """
+    st, p2p, mem = (kernel_array(x, np.float64) for x in (st, p2p, mem))
+    rank_of = kernel_array(rank_of, np.int32)
+    names = AUTO_PREFERENCE if schedule_info(schedule).name == "auto" else (schedule,)
+    results = {}
+    for name in names:
+        args = (p2p, mem, rank_of, int(ranks), float(fwd_fraction))
+        code, limit = np.int64(schedule_info(name).code), float(stage_limit)
+        if per_stage:
+            perm, rank_time, peak = order_ranks_stages(st, *args, code, limit, bool(optimize))
+        else:
+            perm, rank_time, peak = order_ranks_schedule(st[0], *args, st.shape[0], code, limit, bool(optimize))
+        results[name] = (perm, np.where(np.isnan(rank_time), np.inf, rank_time), float(peak.max(initial=0.0)))
+    if len(names) == 1:
+        return results[schedule][0], results[schedule][1], schedule
+    best = pick_auto({n: float(r[1].max(initial=0.0)) for n, r in results.items()},
+                     {n: r[2] for n, r in results.items()}, stage_limit)
+    return results[best][0], results[best][1], best
+
+
+def pick_auto(span_s: dict, peak_bytes: dict, limit: float) -> str:
+    """The schedule ``auto`` runs, from the simulated makespan ``span_s`` (seconds) and peak in-flight
+    bytes per stage ``peak_bytes`` of each of `AUTO_PREFERENCE`: the lowest makespan whose peak fits
+    ``limit`` (ties: preference order); when none fits (oversize micro-batches of a baseline), the
+    least memory."""
+    names = AUTO_PREFERENCE
+    fits = [n for n in names if peak_bytes[n] <= limit]
+    if fits:
+        return min(fits, key=lambda n: (span_s[n], names.index(n)))
+    return min(names, key=lambda n: (peak_bytes[n], names.index(n)))
