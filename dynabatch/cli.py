@@ -10,6 +10,7 @@ from .commands import add_subcommand
 from .commands.bench_load import add_bench_load_command, add_bench_loader_command
 from .commands.bench_plan import add_bench_plan_command
 from .commands.bench_train import add_bench_multimodel_command, add_bench_train_command
+from .commands.bench_trainer import add_bench_trainer_command
 from .commands.check import add_check_command
 from .commands.datagen import add_datagen_command
 from .commands.profile import add_profile_command
@@ -100,6 +101,7 @@ def _add_bench(sub) -> None:
     add_bench_load_command(bench_sub)
     add_bench_loader_command(bench_sub)
     add_bench_train_command(bench_sub)
+    add_bench_trainer_command(bench_sub)
     add_bench_multimodel_command(bench_sub)
     add_bench_gpu_command(bench_sub)
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])

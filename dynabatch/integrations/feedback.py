@@ -18,9 +18,10 @@ step it
 4. makes the step's `StepMetrics` (``last``; `take` hands over those not yet taken).
 
 The micro-batch whose backward synchronizes gradients (the step's last, with more than one rank)
-is timed but not observed: its backward also holds the gradient reduction and the wait for the
-slowest rank. Feedback therefore needs two or more micro-batches per rank to learn anything on
-several ranks. Under DDP the step's first forward also broadcasts the model's buffers (DDP's
+holds the gradient reduction and the wait for the slowest rank in its backward: its time is taken
+as its own forward times the backward/forward ratio the step's other micro-batches measured (over
+all ranks; the last ratio measured when every rank ran one micro-batch, the cost model's
+``(1 - f) / f`` before any), so that a step of one micro-batch per rank is observed too. Under DDP the step's first forward also broadcasts the model's buffers (DDP's
 ``broadcast_buffers``), so its time includes how much later the last rank started the step. Under
 FSDP on several ranks nothing is fed back (a warning says so): every micro-batch all-gathers the
 parameters layer by layer, so the ranks run in lockstep and no time is one micro-batch's own.
@@ -122,6 +123,7 @@ class StepFeedback:
         self._pending: list[StepMetrics] = []
         self._stats = None  # the loader's wait/interval counters after the previous step
         self._device = None  # where the collectives' tensors live (the backend's device)
+        self._ratio: float | None = None  # backward / forward seconds, for the synchronizing micro-batch
 
     # -- what step_backward calls ------------------------------------------------------------------
     def record(self, step, timer, loss: torch.Tensor) -> StepMetrics:
@@ -152,9 +154,9 @@ class StepFeedback:
         n = len(HEAD)
         F, B, P = (rows[:, n + k * M:n + (k + 1) * M] for k in range(3))
         real = np.arange(M)[None, :] < rows[:, 1][:, None]
+        cost = self.loop.cost_model if self.loop is not None else getattr(self.loader, "cost", None)
+        B = self._estimate_synced_backward(F, B, real, timer.synced, cost)
         valid = real & np.isfinite(F + B) & (F + B > 0)
-        if timer.synced is not None:
-            valid[:, timer.synced] = False
         refit = None
         if self.loop is not None and timer.lockstep:
             self._warn_lockstep()
@@ -167,9 +169,7 @@ class StepFeedback:
             refit = self.loop.maybe_refit()
             if refit is not None and world > 1:
                 self._agree_on_coefficients()
-        cost = self.loop.cost_model if self.loop is not None else getattr(self.loader, "cost", None)
-        m = step_metrics(step, rows[:, :n], F, B, P, valid, timer.synced,
-                         float(getattr(cost, "forward_fraction", 1.0 / 3.0)))
+        m = step_metrics(step, rows[:, :n], F, B, P, valid)
         if refit is not None:
             m = replace(m, refit=True, refit_mape_before=refit.mape_before_refit, refit_mape_after=refit.mape_after_refit)
         m = replace(m, cost_version=int(getattr(cost, "version", 0)))
@@ -197,8 +197,10 @@ class StepFeedback:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The loop's refit state (`FeedbackLoop.state_dict`; None without a loop), JSON-able."""
-        return {"format": FEEDBACK_FORMAT, "loop": None if self.loop is None else self.loop.state_dict()}
+        """The loop's refit state (`FeedbackLoop.state_dict`; None without a loop) and the last
+        backward/forward ratio (the synchronizing micro-batch's estimate), JSON-able."""
+        return {"format": FEEDBACK_FORMAT, "loop": None if self.loop is None else self.loop.state_dict(),
+                "backward_ratio": self._ratio}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict` into the loop and its cost model (the loader's), in place."""
@@ -210,9 +212,28 @@ class StepFeedback:
                              ": the plans would not continue as they were")
         if self.loop is not None:
             self.loop.load_state_dict(state["loop"])
-        self._stats = None
+        self._stats, self._ratio = None, state.get("backward_ratio")
 
     # -- inside ------------------------------------------------------------------------------------
+    def _estimate_synced_backward(self, F, B, real, synced: int | None, cost) -> np.ndarray:
+        """``B`` with the synchronizing micro-batch's backward (which also waited for the slowest rank
+        and reduced the gradients) replaced by its forward times the backward/forward ratio of the
+        step's other real micro-batches over all ranks (the last such ratio seen when the step has
+        none; the cost model's ``(1 - f) / f`` before any)."""
+        if synced is None or F.shape[1] == 0:
+            return B
+        others = real.copy()
+        others[:, synced] = False
+        f, b = F[others].sum(), B[others].sum()
+        if f > 0 and b > 0:
+            self._ratio = float(b / f)
+        elif self._ratio is None:
+            frac = float(getattr(cost, "forward_fraction", 1.0 / 3.0))
+            self._ratio = (1.0 - frac) / frac
+        B = B.copy()
+        B[:, synced] = F[:, synced] * self._ratio
+        return B
+
     def _warn_lockstep(self) -> None:
         if not getattr(self, "_warned_lockstep", False):
             self._warned_lockstep = True

@@ -31,13 +31,14 @@ class StepMetrics:
     predicted_imbalance / measured_imbalance: slowest rank over the mean rank (1.0 = balanced) of the
         plan's predicted seconds and of the measured forward+backward seconds (the synchronizing
         micro-batch's backward, which also waits for the slowest rank, counted as its forward times the
-        rank's backward/forward ratio on its other micro-batches). rank_compute_s: each rank's measured
-        seconds so counted; compute_s their maximum; step_s: the slowest rank's wall seconds since its
-        previous step (optimizer, logging and data wait included; nan on the first).
+        backward/forward ratio of the step's other micro-batches: `dynabatch.integrations.feedback`),
+        placeholders included. rank_compute_s: each rank's measured seconds so counted; compute_s
+        their maximum; step_s: the slowest rank's wall seconds since its previous step (optimizer,
+        logging and data wait included; nan on the first).
     data_wait_share: mean over ranks of the share of the last step interval the loop waited for the
         loader (planning and loading included; nan on an epoch's first step).
     cost_mape: the plan's predictions against the measured micro-batches (out of sample: made before
-        they ran); observations: how many micro-batches that scored (real, not the synchronizing one).
+        they ran); observations: how many real micro-batches that scored.
     refit: whether the cost model was refit after this step; refit_mape_before / refit_mape_after:
         that refit's error on its window before and after (nan without a refit); cost_version: the
         cost model's `version` after this step.
@@ -76,28 +77,14 @@ def _imbalance(per_rank: np.ndarray) -> float:
     return float(np.max(per_rank)) / mean if mean > 0 else math.nan
 
 
-def rank_compute_s(fwd: np.ndarray, bwd: np.ndarray, synced: int | None, forward_fraction: float) -> np.ndarray:
-    """Each rank's measured forward+backward seconds (rows of ``fwd``/``bwd`` [ranks, M]); the
-    synchronizing micro-batch ``synced``'s backward is its forward times the rank's backward/forward
-    ratio on its other micro-batches (the cost model's ``(1 - f) / f`` when it has none)."""
-    total = fwd.sum(axis=1) + bwd.sum(axis=1)
-    if synced is None or fwd.shape[1] == 0:
-        return total
-    others = np.ones(fwd.shape[1], bool)
-    others[synced] = False
-    f_o, b_o = fwd[:, others].sum(axis=1), bwd[:, others].sum(axis=1)
-    default = (1.0 - forward_fraction) / forward_fraction
-    ratio = np.where(f_o > 0, b_o / np.where(f_o > 0, f_o, 1.0), default)
-    return total - bwd[:, synced] + fwd[:, synced] * ratio
-
-
-def step_metrics(step, rows: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, pred: np.ndarray, valid: np.ndarray,
-                 synced: int | None, forward_fraction: float) -> StepMetrics:
+def step_metrics(step, rows: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, pred: np.ndarray,
+                 valid: np.ndarray) -> StepMetrics:
     """The `StepMetrics` of ``step`` from every rank's gathered ``rows`` [ranks, len(HEAD)] and per
-    micro-batch ``fwd``/``bwd``/``pred`` [ranks, M] (seconds, this rank's execution order); ``valid``
-    [ranks, M]: the micro-batches that score the cost model (real, not ``synced``)."""
+    micro-batch ``fwd``/``bwd``/``pred`` [ranks, M] (seconds, this rank's execution order; the
+    synchronizing micro-batch's backward already estimated); ``valid`` [ranks, M]: the micro-batches
+    that score the cost model (real ones with a time)."""
     h = {name: rows[:, i] for i, name in enumerate(HEAD)}
-    per_rank = rank_compute_s(fwd, bwd, synced, forward_fraction)
+    per_rank = fwd.sum(axis=1) + bwd.sum(axis=1)
     real = np.arange(fwd.shape[1])[None, :] < h["real_microbatches"][:, None]
     predicted = np.where(real, pred, 0.0).sum(axis=1)
     y, p = (fwd + bwd)[valid], pred[valid]
@@ -117,4 +104,4 @@ def step_metrics(step, rows: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, pred:
         observations=int(len(y)))
 
 
-__all__ = ["HEAD", "StepMetrics", "rank_compute_s", "step_metrics"]
+__all__ = ["HEAD", "StepMetrics", "step_metrics"]

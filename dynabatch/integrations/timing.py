@@ -12,7 +12,7 @@ What a time includes: ``forward_s[i]`` is the call of the loss function on micro
 model's forward and the loss); ``backward_s[i]`` its ``backward()``. The backward of the micro-batch
 that synchronizes gradients (the step's last, under DDP/FSDP with more than one rank) also holds
 the gradient all-reduce and the wait for the slowest rank: `MicroBatchTimer.synced` names it so
-that feedback leaves it out of the refit (`dynabatch.integrations.feedback`). Under FSDP every
+that feedback counts its backward from its forward instead (`dynabatch.integrations.feedback`). Under FSDP every
 micro-batch all-gathers parameters, so each waits for the other ranks (``lockstep``).
 """
 
