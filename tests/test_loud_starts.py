@@ -79,3 +79,19 @@ def test_streaming_warns_of_samples_over_the_global_batch(tmp_path):
     with pytest.warns(UserWarning, match=r"global_batch_tokens=48 is smaller than 3 samples read so far .* "
                                          r"the longest has 302 tokens"):
         assert sum(1 for _ in loader) == 3
+
+
+def test_train_steps_spans_epochs_and_refuses_data_without_a_step(tmp_path):
+    """`DataLoader.train_steps(n)`: exactly n steps, epoch after epoch (5 steps of data for 2 steps per
+    epoch: epochs 0, 0, 1, 1, 2); an empty file is an error, not a run of 0 steps."""
+    loader = DataLoader(ROWS, options=PlanOptions(global_batch_tokens=200, max_len=64))
+    per_epoch = len(loader)
+    steps = [(s.epoch, s.step) for s in loader.train_steps(2 * per_epoch + 1)]
+    assert steps == [(e, k) for k, e in enumerate(sorted([0] * per_epoch + [1] * per_epoch + [2]))]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    loader = DataLoader(str(empty), options=OPTIONS)
+    with pytest.raises(ValueError, match=r"epoch 0 of the data gives no step \(0 of 3 trained\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the streaming mode's own "gave no step"
+            list(loader.train_steps(3))

@@ -264,6 +264,26 @@ class DataLoader:
             self._last_step = Step.of(ready, [self._pin(b) for b in ready.batches[skip:]], self.rank)
             yield self._last_step
 
+    def train_steps(self, num_steps: int) -> Iterator[Step]:
+        """Exactly ``num_steps`` `Step` s, epoch after epoch (each epoch as `steps` gives it, from where the
+        loader stands: a resumed state continues), for a loop that trains a number of steps rather than of
+        epochs. Raises ValueError, before yielding anything, when an epoch gives no step (empty data, or less
+        than one global batch with ``drop_last``): a run that trains nothing must not look like one that did."""
+        if num_steps < 0:
+            raise ValueError(f"num_steps={num_steps}: a number of steps is >= 0")
+        done = 0
+        while done < num_steps:
+            before, epoch = done, self.epoch
+            for step in self.steps():
+                yield step
+                done += 1
+                if done == num_steps:
+                    return
+            if done == before:
+                raise ValueError(f"epoch {epoch} of the data gives no step ({done} of {num_steps} trained): "
+                                 "the data holds no samples, or fewer than one global batch with drop_last=True; "
+                                 "check the paths, or lower the global batch")
+
     def feedback(self, result):
         """Feed the measured result of the last step `steps` yielded to the attached
         `FeedbackLoop` (``record_step(step, result)``), then ``maybe_refit()``; returns what
