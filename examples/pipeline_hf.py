@@ -1,12 +1,14 @@
 """Train a Hugging Face decoder folder (model + tokenizer) on pipeline stages, each rank loading only its
 stage's weights, with feedback and adaptive recomputation; merge the stages into a save_pretrained folder.
-Run `python examples/pipeline_hf.py MODEL_DIR DATA --stages 2` (local ranks) or under torchrun (one rank each)."""
+Run `python examples/pipeline_hf.py MODEL_DIR DATA --stages 2` (local ranks; `--ranks 4`: 2 replicas of 2 stages)
+or under torchrun, one rank each (`torchrun --nproc-per-node 4 examples/pipeline_hf.py MODEL_DIR DATA --stages 2`)."""
 import argparse
 
 import torch
 
-from dynabatch import Costing, DataLoader, FeedbackLoop, PlanOptions, Runtime, Tokenization
-from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, load_stage, run_ranks, stage_cost_model
+from dynabatch import Costing, DataLoader, FeedbackLoop, PlanOptions, Tokenization
+from dynabatch.pipeline import (PipelineRunner, RunnerConfig, init_pipeline, load_stage, loader_runtime, run_ranks,
+                                stage_cost_model)
 
 
 def train(rank, world, port, a):
@@ -17,7 +19,7 @@ def train(rank, world, port, a):
                               recompute="adaptive", device_memory_limit=a["memory_limit"])
         loader = DataLoader(a["data"], options=options, tokenization=Tokenization(tokenizer=a["model_dir"]),
                             costing=Costing(cost_model=cost), feedback=FeedbackLoop(cost),
-                            runtime=Runtime(world_size=ctx.num_replicas, rank=ctx.replica, plan_ahead=0))
+                            runtime=loader_runtime(ctx, plan_ahead=0))  # this replica's share of the data
         runner = PipelineRunner.from_model(part.model, ctx, part.bounds, RunnerConfig(gather_timing=True))
         optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-3)
         for k, step in zip(range(a["steps"]), loader.steps()):
@@ -36,11 +38,13 @@ if __name__ == "__main__":
     p.add_argument("model_dir", help="a save_pretrained folder with the tokenizer")
     p.add_argument("data", help="JSONL/Parquet file, folder or glob of records")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--ranks", type=int, help="local processes: stages x data-parallel replicas (default --stages)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="pipeline_hf_out", help="the merged save_pretrained folder")
     p.add_argument("--batch-tokens", type=int, default=4096, help="global batch, tokens")
     p.add_argument("--max-len", type=int, default=512, help="longest sample, tokens")
     p.add_argument("--memory-limit", type=float, default=256e6, help="activation bytes a stage may hold")
     args = p.parse_args()
-    run_ranks(f"{__file__}:train", args.stages, args=(vars(args),), idle_timeout_s=600)  # 600 s: numba's first compile
+    run_ranks(f"{__file__}:train", args.ranks or args.stages, args=(vars(args),),
+              idle_timeout_s=600)  # 600 s: numba's first compile
     print("merged into", args.out)

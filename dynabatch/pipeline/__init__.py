@@ -32,10 +32,11 @@ from .models import (MODELS, LayerCosts, LayeredModel, MicroBatchShape, Pipeline
                      split_model, t5_tiny, uniform_partition, vision_calls, vlm_batch_shapes, vlm_tiny,
                      with_placeholders)
 from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistContext, Hooks, Message,
-                      MultiModelRunner, MultiStepResult, P2P, PipelineAborted, PipelineRunner, Post, ProcResult,
+                      MultiModelRunner, MultiStepResult, NonFiniteStep, P2P, PipelineAborted, PipelineRunner, Post,
+                      ProcResult,
                       ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor,
                       build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
-                      run_program, run_ranks, sequential_step, stage_orders, tie_stages)
+                      loader_runtime, run_program, run_ranks, sequential_step, stage_orders, tie_stages)
 from .models.hf import (HFLayeredModel, HFStage, UnsupportedModel, from_hf, hf_reference_step, load_stage, merge_stages,
                         save_stage)
 
@@ -53,4 +54,4 @@ __all__ = [
 ]
 __all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]
 __all__ += ["HFLayeredModel", "UnsupportedModel", "from_hf", "hf_reference_step", "merge_stages", "save_stage"]
-__all__ += ["HFStage", "load_stage", "run_ranks"]
+__all__ += ["HFStage", "load_stage", "run_ranks", "NonFiniteStep", "loader_runtime"]

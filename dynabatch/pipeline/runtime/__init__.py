@@ -5,9 +5,12 @@
 * `runner`: `PipelineRunner` (flushed steps; `hooks.OneModel`), `stream`: flush-free streams
   (`RunnerConfig(flush=False)`, weight versions from `weight_prediction`), `multimodel`:
   `MultiModelRunner` (K models, shards resident per `residency` and spilled per `shards`).
-* `update`: the step's end written once (loss all-reduce, update, timing gather); `tied`: parameters
-  shared between stages; `bypass`: stages a micro-batch skips; `reference`: the one-process step.
-* `comm`: process groups and transfers; `failure`, `waits`, `guard`: no hang when a rank fails;
+* `update`: the step's end written once (update, timing gather; the loss all-reduce: `nonfinite`);
+  `tied`: parameters shared between stages; `bypass`: stages a micro-batch skips; `reference`: the
+  one-process step.
+* `comm`: process groups and transfers; `failure`, `waits`, `guard`, `setup_guard`: no hang when a rank
+  fails (in a step or in set-up); `nonfinite`: NaN/inf steps raised or skipped alike on every rank;
+  `replicas`: each pipeline replica's data loader (`loader_runtime`);
   `launch`: run N local ranks (`run_ranks`: the same script alone or under torchrun).
 """
 
@@ -18,7 +21,9 @@ from .failure import PipelineAborted
 from .interpreter import Hooks, StageRun, run_program
 from .launch import ProcResult, free_port, launch_local, run_ranks
 from .multimodel import MultiModelRunner, MultiStepResult
+from .nonfinite import NonFiniteStep
 from .reference import sequential_step
+from .replicas import loader_runtime
 from .runner import PipelineRunner
 from .schedule import (SCHEDULES, Compute, Message, Post, ProgramError, build_programs, check_programs,
                        stage_orders)
@@ -33,3 +38,4 @@ __all__ = [
     "SCHEDULES", "Compute", "Message", "Post", "ProgramError", "build_programs", "check_programs",
     "stage_orders", "ShardStore", "shard_bytes", "Ties", "tie_stages", "WeightPredictor",
 ]
+__all__ += ["NonFiniteStep", "loader_runtime"]

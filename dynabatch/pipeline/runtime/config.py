@@ -1,10 +1,11 @@
 """`RunnerConfig`: how a `PipelineRunner` executes its steps (schedule, checks, recomputation,
-memory metering, flush-free streams and their weight handling, bypass of idle stages)."""
+memory metering, flush-free streams and their weight handling, bypass of idle stages, non-finite steps)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .nonfinite import MODES as NONFINITE
 from .schedule import SCHEDULES
 
 
@@ -36,7 +37,10 @@ class RunnerConfig:
     gradients from ``prediction_gradient``). ``bypass_idle_stages``: a micro-batch skips the stages
     holding only layers idle for it (`dynabatch.pipeline.runtime.bypass`: no op, no message there; its entry
     stage starts it from its dictionary, so a middle entry stage needs the step's dictionaries too);
-    flushed steps of `from_model` runners only.
+    flushed steps of `from_model` runners only. ``nonfinite``: a NaN or infinite loss or gradient in a step
+    is a `NonFiniteStep` naming the step, the stage and the micro-batch on every rank, before any update
+    (``"raise"``), or the step is skipped on every rank and counted in ``runner.skipped_steps`` (``"skip"``,
+    flushed steps only), or nothing is checked (``"off"``); see `dynabatch.pipeline.runtime.nonfinite`.
     """
 
     schedule: str = "auto"
@@ -51,6 +55,7 @@ class RunnerConfig:
     weight_prediction: str | None = None
     prediction_gradient: str = "last"
     bypass_idle_stages: bool = False
+    nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -59,6 +64,11 @@ class RunnerConfig:
             raise ValueError(f"weight_prediction must be None, 'stash' or 'predict', got {self.weight_prediction!r}")
         if self.bypass_idle_stages and not self.flush:
             raise ValueError("bypass_idle_stages runs flushed steps only (flush=True)")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+        if self.nonfinite == "skip" and not self.flush:
+            raise ValueError("nonfinite='skip' needs flushed steps: in a flush-free stream a stage updates before "
+                             "the others finish the step, so they cannot agree to skip it; use 'raise'")
         if not self.flush and self.schedule not in ("auto", "1f1b"):
             raise ValueError(f"flush=False runs asynchronous 1F1B; schedule={self.schedule!r} is not 1f1b")
         r = self.recompute

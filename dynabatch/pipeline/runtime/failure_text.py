@@ -23,7 +23,8 @@ def root_cause(who: str, exc: BaseException) -> str:
         return msg
     frames = "".join(f"\n    {f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
                      for f in tb[-TAIL_FRAMES:])
-    return f"{msg}\n  its traceback (last {min(len(tb), TAIL_FRAMES)} frames, innermost last):{frames}"
+    n = min(len(tb), TAIL_FRAMES)
+    return f"{msg}\n  its traceback (last {n} frame{'s' if n > 1 else ''}, innermost last):{frames}"
 
 
 def short(text: str, limit: int = 160) -> str:

@@ -81,7 +81,8 @@ from .residency import StepShards
 from .runner import PipelineRunner, microbatch_counts
 from .schedule import build_programs, quantize_times
 from .shards import ShardStore, shard_bytes
-from .update import gather_timings, reduce_losses, update_stage
+from .nonfinite import GradWatch, NonFiniteStep, check_update, reduce_step
+from .update import gather_timings, update_stage
 
 __all__ = ["MultiModelRunner", "MultiStepResult", "ShardStore", "shard_bytes"]  # the last two from .shards
 
@@ -172,6 +173,8 @@ class MultiModelRunner:
         self._window: list[MultiStepResult] = []  # results since the last automatic refit
         self._programs: OrderedDict = OrderedDict()
         self.guard = StepGuard(ctx, "the multi-model runner", lambda: self.step_index)
+        self.nonfinite = runners[0].config.nonfinite  # RunnerConfig.nonfinite of the first model's runner
+        self.skipped_steps: list[tuple[int, int]] = []  # (step, model) updates skipped (nonfinite="skip")
 
     @classmethod
     def from_models(cls, models: Sequence, ctx, bounds, optimizer: Callable[[object, int], torch.optim.Optimizer], *,
@@ -250,7 +253,13 @@ class MultiModelRunner:
         last backward on each stage (see the module doc); checked against the heads' count.
         Errors end every rank as in `PipelineRunner.step`. With ``refit_every`` the step that
         completes a window of that many steps then refits ``time_scale`` (the next step's order)."""
-        res = self.guard.run(lambda: self._step(plan, batches, num_tokens, collation))
+        if num_tokens is not None and self.nonfinite == "skip":
+            raise ValueError("RunnerConfig(nonfinite='skip') with num_tokens: each model updates right after its "
+                             "last backward on each stage, before the stages could agree to skip; pass "
+                             "num_tokens=None or use nonfinite='raise'")
+        res, nonfinite = self.guard.run(lambda: self._step(plan, batches, num_tokens, collation))
+        if nonfinite is not None:  # every rank decided alike (`nonfinite.reduce_step`): all raise it
+            raise NonFiniteStep(nonfinite)
         if self.refit_every is not None:
             self._window.append(res)
             if len(self._window) >= self.refit_every:  # the same step on every rank: a collective
@@ -278,8 +287,10 @@ class MultiModelRunner:
         early = num_tokens is not None
         shards = StepShards(store, program, order, M, ops[s], early, interleave=self.interleave, names=self.names,
                             monitor=ctx.monitor, stage=s, rank=ctx.rank, step=step_k)
+        watches = [GradWatch(K * M, ctx.device, r.trainable) if self.nonfinite != "off" else None
+                   for r in self.runners]
         hooks = ManyModels(self, shapes, batches if needs_data else None, order, shards,
-                           float(num_tokens) if early else None)
+                           float(num_tokens) if early else None, watches)
         self.p2p.step = step_k
         for r in self.runners:
             for p in r.stage.parameters():
@@ -288,21 +299,33 @@ class MultiModelRunner:
         if self.check_plan and S > 1:
             check_links(program, hooks, s, self.p2p, self.guard)
         clock = Clock(ctx.device)
-        run = run_program(program, hooks, ctx=ctx, p2p=self.p2p, guard=self.guard, clock=clock, size=K * M, groups=K)
-        total_loss, counted = reduce_losses(self.guard, run.loss, run.tokens, f"multi-model step {step_k}")
+        run = run_program(program, hooks, ctx=ctx, p2p=self.p2p, guard=self.guard, clock=clock, size=K * M,
+                          groups=K * M)  # one loss per virtual micro-batch: a non-finite one is named
+        position = np.argsort(order)  # model k ran as virtual micro-batches position[k] * M + j
+        ranges = [(int(position[k]) * M, int(position[k]) * M + M) for k in range(K)]
+        total_loss, counted, verdict, _ = reduce_step(self.guard, run.loss, run.tokens, ranges, watches,
+                                                   f"multi-model step {step_k}", watches[0] is not None)
+        bad = [k for k in range(K) if verdict is not None and verdict.bad(k)]
         if early:
-            bad = [k for k in range(K) if counted[k] != float(num_tokens)]
-            if bad:
-                raise ValueError(f"num_tokens={num_tokens} but the heads counted {counted[bad[0]]:.0f} real target "
-                                 f"tokens for {self.names[bad[0]]} in step {step_k}: the updates used the wrong "
+            miscounted = [k for k in range(K) if counted[k] != float(num_tokens)]
+            if miscounted:
+                k = miscounted[0]
+                raise ValueError(f"num_tokens={num_tokens} but the heads counted {counted[k]:.0f} real target "
+                                 f"tokens for {self.names[k]} in step {step_k}: the updates used the wrong "
                                  f"normalizer")
         else:
             for k in shards.remaining():
                 shards.use(k)
+                if bad:  # on every rank alike; "raise": no model updates in this step, "skip": only the bad ones
+                    if k in bad or self.nonfinite == "raise":
+                        for p in self.runners[k].trainable():
+                            p.grad = None
+                        if self.nonfinite == "skip":
+                            self.skipped_steps.append((step_k, k))
+                        continue
                 hooks.update(k, float(counted[k]))
         clock.resolve()
         step_s = time.perf_counter() - t_step
-        position = np.argsort(order)  # model k ran as virtual micro-batches position[k] * M + j
         results = []
         for k in range(K):
             n = float(counted[k])
@@ -316,9 +339,13 @@ class MultiModelRunner:
             self.runners[k].step_index += 1
         self.step_index += 1
         spills, loads, prefetches, moved, copy_s = shards.moves()
-        return MultiStepResult(step_k, tuple(results), tuple(int(k) for k in order), int(store.peak_bytes),
-                               store.budget, spills, loads, prefetches, tuple(float(x) for x in self.time_scale),
-                               moved, copy_s)
+        res = MultiStepResult(step_k, tuple(results), tuple(int(k) for k in order), int(store.peak_bytes),
+                              store.budget, spills, loads, prefetches, tuple(float(x) for x in self.time_scale),
+                              moved, copy_s)
+        raising = bad and (self.nonfinite == "raise" or early)
+        after = "the models had already updated" if early else "no rank updated any model in this step"
+        return res, (verdict.message(f"multi-model step {step_k} of {self.names[bad[0]]}", bad[0], after=after)
+                     if raising else None)
 
 
 class ManyModels(Hooks):
@@ -328,8 +355,9 @@ class ManyModels(Hooks):
     ``num_tokens`` is known (early updates), and its first backward's gradients are measured."""
 
     def __init__(self, runner: MultiModelRunner, shapes, batches, order: np.ndarray, shards: StepShards,
-                 num_tokens: float | None):
+                 num_tokens: float | None, watches):
         self.runner, self.order, self.shards, self.num_tokens = runner, order, shards, num_tokens
+        self.watches = watches  # per model: its gradient flags per virtual micro-batch (`GradWatch`, or None)
         self.M = len(shapes)
         self.s = runner.ctx.stage
         self.first, self.last = self.s == 0, self.s == runner.ctx.num_stages - 1
@@ -363,13 +391,15 @@ class ManyModels(Hooks):
         return self.first
 
     def group(self, v: int) -> int:
-        return self.model(v)
+        return v
 
     def before_op(self, v: int, forward: bool) -> None:
         self.shards.use(self.model(v))
 
     def after_backward(self, v: int) -> None:
         k = self.model(v)
+        if self.watches[k] is not None:
+            self.watches[k].after_backward(v)
         if k not in self.grads_made:  # a model's first backward here allocates its gradients; the
             self.grads_made.add(k)      # others accumulate in place, so the bytes change only then
             self.runner.store.observe()
@@ -377,8 +407,13 @@ class ManyModels(Hooks):
             self.update(k, self.num_tokens)
 
     def update(self, k: int, n_tokens: float) -> None:
-        """Model ``k``'s update on this stage (its gradients are freed after)."""
+        """Model ``k``'s update on this stage (its gradients are freed after); an early one (``num_tokens``
+        known) is refused when the model's gradients here are not finite (`nonfinite.check_update`)."""
         r = self.runner
+        if self.num_tokens is not None and self.watches[k] is not None:
+            lo = int(np.argsort(self.order)[k]) * self.M
+            check_update(self.watches[k], lo, lo + self.M, f"multi-model step {r.step_index} of {r.names[k]}",
+                         self.s, r.ctx.rank)
         update_stage(r.guard, r.runners[k].trainable(), n_tokens, r.optimizers[k],
                      f"{r.names[k]}'s stage {self.s} (multi-model step {r.step_index})", ties=r.runners[k].ties,
                      free_grads=True)

@@ -15,8 +15,9 @@ from ...core.schedule.build import stream_ops
 from ...core.simulate.flushfree import update_lag
 from ..measure.timing import StepResult, StepTiming
 from .hooks import OneModel
+from .nonfinite import NonFiniteStep, check_update, reduce_step
 from .schedule import build_programs, quantize_times
-from .update import reduce_losses, update_stage
+from .update import update_stage
 
 
 class StreamHooks:
@@ -57,9 +58,15 @@ class StreamHooks:
         """``v``'s backward with the weight version the predictor keeps for it."""
         return self.predictor.backward(v)
 
+    def after_backward(self, v: int) -> None:
+        """After a backward on this stage: its gradient flags."""
+        if self.base.watch is not None:
+            self.base.watch.after_backward(v)
+
     def run_update(self, k: int) -> None:
         """The program's ``U{k}`` (after the backward of step ``k``'s last micro-batch on this stage): the
-        stage's update."""
+        stage's update (refused when this stage's gradients of the step are not finite:
+        `nonfinite.check_update`)."""
         if k != self.done:
             raise RuntimeError(f"internal error: the stream's update U{k} came after {self.done} updates")
         self.update(k)
@@ -67,8 +74,9 @@ class StreamHooks:
         self.done += 1
 
     def group(self, v: int) -> int:
-        """The stream step ``v`` belongs to (its loss is reported per step)."""
-        return int(self.step_of[v])
+        """``v`` itself: one loss accumulator per micro-batch (summed per step at the end; a non-finite
+        one is named)."""
+        return v
 
 
 def run_stream(runner, steps, optimizer, num_tokens, collation) -> list[StepResult]:
@@ -92,17 +100,23 @@ def run_stream(runner, steps, optimizer, num_tokens, collation) -> list[StepResu
     tokens = np.asarray(num_tokens, np.float64)
     predictor = runner.weight_predictor(optimizer)
     needs_data = runner.stage.is_first or runner.stage.is_last
-    return runner.guard.run(lambda: _run(runner, shapes, batches if needs_data else None, ends, tokens, predictor,
-                                         optimizer))
+    out, nonfinite = runner.guard.run(lambda: _run(runner, shapes, batches if needs_data else None, ends, tokens,
+                                                   predictor, optimizer))
+    if nonfinite is not None:  # known to every rank from the loss reduction: all raise it
+        raise NonFiniteStep(nonfinite)
+    return out
 
 
-def _run(runner, shapes, batches, ends, tokens, predictor, optimizer) -> list[StepResult]:
+def _run(runner, shapes, batches, ends, tokens, predictor, optimizer) -> tuple[list[StepResult], str | None]:
     t_step = time.perf_counter()
     ctx, k0 = runner.ctx, runner.step_index
     ctx.monitor.set_state("busy", f"preparing step {k0}")
     params = runner.trainable()
 
     def update(k: int) -> None:
+        if hooks.base.watch is not None:  # no other stage could agree: a bad step raises here (module doc)
+            lo = int(ends[k - 1]) if k else 0
+            check_update(hooks.base.watch, lo, int(ends[k]), f"stream step {k0 + k}", ctx.stage, ctx.rank)
         update_stage(runner.guard, params, float(tokens[k]), optimizer, f"stream step {k0 + k}", ties=runner.ties,
                      free_grads=True)
 
@@ -111,13 +125,18 @@ def _run(runner, shapes, batches, ends, tokens, predictor, optimizer) -> list[St
     times = np.array([sh.time_s for sh in shapes])
     program = build_programs(stream_ops(ctx.num_stages, ends), quantize_times(times), runner.entries(shapes))[ctx.stage]
     clock = runner.start_program(program, hooks, runner.recompute_layers(None))
-    run = runner.run(program, hooks, clock, len(shapes), groups=len(ends))
+    run = runner.run(program, hooks, clock, len(shapes), groups=len(shapes))
     clock.resolve()
     K = len(ends)
     if hooks.done != K:
         raise RuntimeError(f"internal error: the stream updated {hooks.done} of its {K} steps")
-    losses, _ = reduce_losses(runner.guard, run.loss, run.tokens, "a flush-free stream")
     starts = np.concatenate(([0], ends[:-1]))
+    watch = hooks.base.watch
+    losses, _, verdict, _ = reduce_step(runner.guard, run.loss, run.tokens, list(zip(starts.tolist(), ends.tolist())),
+                                        [watch] * K, "a flush-free stream", watch is not None)
+    bad = [k for k in range(K) if verdict is not None and verdict.bad(k)]  # a loss only: gradients raised before
+    nonfinite = verdict.message(f"stream step {k0 + bad[0]}", bad[0], after="the stages had already updated") \
+        if bad else None
     marks = [t_step] + hooks.update_t
     saved = run.saved_bytes if runner.config.measure_memory else None
     out = []
@@ -129,4 +148,4 @@ def _run(runner, shapes, batches, ends, tokens, predictor, optimizer) -> list[St
         out.append(StepResult(k0 + k, float(losses[k]) * (1.0 / max(n, 1.0)), int(round(n)), timing, None, None,
                               float(predictor.peak_bytes)))
     runner.step_index += K
-    return out
+    return out, nonfinite

@@ -1,7 +1,7 @@
-"""The pieces every way of running ends a step (or a stream's step) with, written once: the loss/token
-all-reduce over every rank, the update of a stage's parameters (shared parameters summed over the
-stages holding them, the data-parallel all-reduce, the scaling by ``1 / tokens``, the optimizer step)
-and the all-gather of every rank's `StepTiming`. Seconds, tokens."""
+"""The pieces every way of running ends a step (or a stream's step) with, written once: the update of a
+stage's parameters (shared parameters summed over the stages holding them, the data-parallel all-reduce,
+the scaling by ``1 / tokens``, the optimizer step) and the all-gather of every rank's `StepTiming` (the
+loss/token all-reduce, which carries the non-finite verdict too: `nonfinite.reduce_step`). Seconds, tokens."""
 
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..measure.timing import StepTiming
-
-
-def reduce_losses(guard, loss: torch.Tensor, tokens: torch.Tensor, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Sum ``loss`` and ``tokens`` (float64 [G] each) over every rank with one all-reduce (``text``:
-    what the rank waits in); returns both as float64 numpy arrays, the same on every rank."""
-    stats = torch.stack([loss, tokens])
-    guard.all_reduce(stats, f"in the loss all-reduce of {text} (waiting for every rank)", guard.everyone())
-    out = stats.cpu().numpy()
-    return out[0], out[1]
 
 
 def update_stage(guard, params: list, n_tokens: float, optimizer, label: str, *, ties=None,
