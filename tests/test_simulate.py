@@ -71,6 +71,8 @@ def test_schedule_is_valid_permutation(kind, S, M):
 
 def test_unknown_kind_lists_valid_kinds():
     with pytest.raises(ValueError, match="1f1b.*gpipe|gpipe.*1f1b"):
+        pipeline_schedule(2, 2, "zb-v")
+    with pytest.raises(ValueError, match="no plain op codes"):  # chunks: see dynabatch.core.schedule.step_ops
         pipeline_schedule(2, 2, "interleaved")
 
 

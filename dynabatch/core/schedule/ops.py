@@ -106,8 +106,9 @@ class StepOps:
     __hash__ = None
 
     def check(self) -> None:
-        """ValueError unless every rank lists, for each micro-batch and chunk, one forward and then either one
-        backward or one input part and then one weight part (updates anywhere)."""
+        """ValueError unless every rank lists, for each micro-batch and chunk, once each: a forward and either a
+        backward or its input and weight parts (updates anywhere; an order they cannot run in is the
+        simulator's to find)."""
         for s in range(self.num_stages):
             seen: dict[tuple[int, int], list[int]] = {}
             for op in self.rank(s):
@@ -120,8 +121,8 @@ class StepOps:
                 seen.setdefault((op.microbatch, op.chunk), []).append(op.kind)
             want = {(j, c) for j in range(self.num_microbatches) for c in range(self.num_chunks)}
             good = ([oc.FORWARD, oc.BACKWARD], [oc.FORWARD, oc.BACKWARD_INPUT, oc.BACKWARD_WEIGHT])
-            bad = sorted(k for k in want if seen.get(k) not in good) + sorted(set(seen) - want)
+            bad = sorted(k for k in want if sorted(seen.get(k, [])) not in good) + sorted(set(seen) - want)
             if bad:
                 j, c = bad[0]
-                raise ValueError(f"stage {s} must list F, then B (or Bi then W), once each for micro-batch {j} "
+                raise ValueError(f"stage {s} must list F and B (or Bi and W), once each, for micro-batch {j} "
                                  f"chunk {c}; it lists {[oc.KIND_NAMES.get(k, k) for k in seen.get((j, c), [])]}")

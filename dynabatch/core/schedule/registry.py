@@ -51,6 +51,11 @@ _ENTRIES = (
                  "memory-aware list order from the predicted times and bytes (DynaPipe-style)"),
     ScheduleInfo("auto", oc.AUTO, 1, False, False, "1f1b",
                  "per step, the fastest simulated order whose in-flight bytes fit the memory limit"),
+    ScheduleInfo("interleaved", oc.INTERLEAVED, oc.INTERLEAVED_CHUNKS, False, True, "1f1b",
+                 f"Megatron's interleaved 1F1B: {oc.INTERLEAVED_CHUNKS} model chunks per stage, assigned round-robin"),
+    ScheduleInfo("zb-h1", oc.ZB_H1, 1, True, True, "1f1b",
+                 "zero bubble ZB-H1: 1F1B with each backward split into input and weight parts, the weight parts "
+                 "of stage s s backwards late (1F1B's stage-0 memory)"),
 )
 
 #: name -> its `ScheduleInfo`, in registration order.

@@ -34,17 +34,17 @@ from ..measure.timing import Clock, StepResult, StepTiming
 from ..models.partition import PipelineStage, StagePartition, split_model
 from ..models.spec import MicroBatchShape, TensorSpec, check_batch, plan_shapes
 from .bypass import Bypass
+from .chunks import chunk_ties, chunked, with_chunks
 from .comm import CommEvent, DistContext, P2P
 from .config import RunnerConfig
 from .guard import StepGuard
 from .hooks import OneModel
 from .interpreter import check_links, run_program
-from .nonfinite import GradWatch, NonFiniteStep, reduce_step
 from .schedule import build_programs, quantize_times, runner_orders
 from .setup_guard import setup_phase
 from .stream import run_stream
 from .tied import Ties
-from .update import gather_timings, update_stage
+from .update import gather_timings, reduce_losses, update_stage
 
 
 def microbatch_counts(plan, num_replicas: int, M: int) -> np.ndarray:
@@ -80,7 +80,6 @@ class PipelineRunner:
         self.ties = ties if ties is not None else Ties([])
         self.p2p = P2P(ctx, debug_shapes=config.debug_shapes, recorder=recorder)
         self.step_index = 0
-        self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient (nonfinite="skip")
         self.guard = StepGuard(ctx, "the runner", lambda: self.step_index)
         self._programs: OrderedDict = OrderedDict()
         self._param_ptrs = param_pointers([stage])
@@ -97,14 +96,15 @@ class PipelineRunner:
         every rank with an error naming the rank that failed first."""
         with setup_phase(ctx, f"building the runner of {getattr(model, 'name', 'the model')} (stage {ctx.stage})"):
             stages = split_model(model.layers, bounds)
-            if len(stages) != ctx.num_stages:
-                raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages}")
+            if len(stages) % ctx.num_stages:
+                raise ValueError(f"bounds give {len(stages)} stages but the pipeline has {ctx.num_stages} (an "
+                                 f"interleaved cut gives each stage the same number of chunks)")
             cut = [st.first_layer for st in stages] + [len(model.layers)]
             if config.bypass_idle_stages and bypass is None:
                 bypass = Bypass.of(model, cut)
-            stage = stages[ctx.stage].to(ctx.device)
-            return cls(stage, model.boundary, ctx, config, recorder=recorder, bypass=bypass,
-                       ties=Ties.of(model, stage, cut, ctx))
+            stage = chunked(stages, ctx.num_stages, ctx.stage).to(ctx.device)
+            ties = Ties.of(model, stage, cut, ctx) if len(stages) == ctx.num_stages else chunk_ties(model, cut)
+            return cls(stage, model.boundary, ctx, config, recorder=recorder, bypass=bypass, ties=ties)
 
     def parameters(self):
         """Parameters of this rank's stage (give these to the optimizer)."""
@@ -137,8 +137,7 @@ class PipelineRunner:
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
         entry = self.entries(shapes)
-        orders = runner_orders(self.config.schedule, S, times, mem, plan,
-                               self.plan_rank(plan) if isinstance(plan, BatchPlan) else self.ctx.replica,
+        orders = runner_orders(self.config.schedule, S, times, mem, plan, self.ctx.replica,
                                self.config.memory_limit_bytes)
         key = (S, M, orders.tobytes(), units.tobytes(), entry.tobytes())
         hit = self._programs.get(key)
@@ -157,23 +156,14 @@ class PipelineRunner:
         """The op orders [S, 2M] this runner would use for ``plan`` (this rank's replica)."""
         return self._program(self.shapes(plan), plan)[1]
 
-    def plan_rank(self, plan: BatchPlan) -> int:
-        """The rank of ``plan`` this replica runs: its replica index in a plan of every replica, 0 in a plan of
-        one rank (this replica's own: the streaming loader plans each replica's share alone)."""
-        R = self.ctx.num_replicas
-        if plan.num_ranks == R:
-            return self.ctx.replica
-        if plan.num_ranks == 1:
-            return 0
-        raise ValueError(f"the plan is for {plan.num_ranks} data-parallel ranks but there are {R} pipeline replicas "
-                         f"(rank {self.ctx.rank}, step {self.step_index}): plan for {R} ranks, or give each replica "
-                         f"its own plan of one rank (a DataLoader with runtime=loader_runtime(ctx))")
-
     def shapes(self, plan, collation: str | None = None) -> list[MicroBatchShape]:
         """This replica's micro-batch shapes of ``plan`` (a `BatchPlan`, or a list of `MicroBatchShape` s or
         `MicroBatch` es, the latter with ``collation``)."""
         if isinstance(plan, BatchPlan):
-            return plan_shapes(plan, self.plan_rank(plan))
+            if plan.num_ranks != self.ctx.num_replicas:
+                raise ValueError(f"the plan is for {plan.num_ranks} data-parallel ranks but there are "
+                                 f"{self.ctx.num_replicas} pipeline replicas")
+            return plan_shapes(plan, self.ctx.replica)
         out = []
         for x in plan:
             if isinstance(x, MicroBatch):
@@ -194,10 +184,7 @@ class PipelineRunner:
         the last stage need them (inputs, labels), the others may pass None. Instead of a plan, a list
         of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works.
         ``recompute``: this step's recomputed layers per stage (e.g. a loader step's
-        ``step.plan.options["recompute_layers"]`` when only its shapes are passed). A NaN or infinite loss or
-        gradient raises `NonFiniteStep` on every rank, naming the step, stage and micro-batch, before any
-        update (``RunnerConfig.nonfinite``; ``"skip"``: no rank updates, the step joins ``skipped_steps``).
-        Raises the original exception on the rank where something failed and
+        ``step.plan.options["recompute_layers"]`` when only its shapes are passed). Raises the original exception on the rank where something failed and
         `PipelineAborted` (naming that rank and its error) on every other rank; a rank that makes no
         progress for ``timeout_s`` while others wait on it, or dies, ends every other rank with a
         `PipelineAborted` naming it and what it was doing (see `dynabatch.pipeline.runtime.failure`).
@@ -205,10 +192,7 @@ class PipelineRunner:
         if not self.config.flush:
             raise ValueError("RunnerConfig(flush=False): give the steps to run_steps(...), which runs them as one "
                              "asynchronous stream")
-        result, nonfinite = self.guard.run(lambda: self._step(plan, batches, optimizer, collation, recompute))
-        if nonfinite is not None:  # every rank decided alike (`nonfinite.reduce_step`): all raise it
-            raise NonFiniteStep(nonfinite)
-        return result
+        return self.guard.run(lambda: self._step(plan, batches, optimizer, collation, recompute))
 
     def run_steps(self, steps, *, optimizer: torch.optim.Optimizer, num_tokens=None,
                   collation: str | None = None) -> list[StepResult]:
@@ -250,11 +234,9 @@ class PipelineRunner:
         """This stage's parameters that take gradients."""
         return [p for p in self.stage.parameters() if p.requires_grad]
 
-    def one_model(self, shapes: Sequence[MicroBatchShape], batches: Sequence[dict] | None, step: int, *,
-                  per_microbatch: bool = False) -> OneModel:
+    def one_model(self, shapes: Sequence[MicroBatchShape], batches: Sequence[dict] | None, step: int) -> OneModel:
         """The interpreter hooks of ``shapes`` on this stage, after checking ``batches`` against them:
-        the stages that read dictionaries (first, last, a bypass entry) need all of them. ``per_microbatch``:
-        one loss accumulator per micro-batch (run with ``groups=len(shapes)``), else one."""
+        the stages that read dictionaries (first, last, a bypass entry) need all of them."""
         ctx, stage, s = self.ctx, self.stage, self.ctx.stage
         M = len(shapes)
         if M == 0:
@@ -269,9 +251,10 @@ class PipelineRunner:
         if needs_data and self.config.check_inputs:
             for j, (b, sh) in enumerate(zip(batches, shapes)):
                 check_batch(b, sh, f"step {self.step_index} micro-batch {j}")
-        watch = GradWatch(M, ctx.device, self.trainable) if self.config.nonfinite != "off" else None
-        return _Step(stage, s, self.boundary, shapes, batches if needs_data else None, entry, ctx.device,
-                     self.bypass, self.step_index, watch=watch, per_microbatch=per_microbatch)
+        hooks = OneModel(stage, s, self.boundary, shapes, batches if needs_data else None, entry, ctx.device,
+                         self.bypass, self.step_index)
+        return with_chunks(hooks, stage, s, self.boundary, shapes, batches if needs_data else None, ctx.device,
+                           self.step_index)
 
     def start_program(self, program, hooks, recompute: int) -> Clock:
         """Before a program's first op: clear the gradients, run the plan check (`RunnerConfig.check_plan`)
@@ -295,22 +278,13 @@ class PipelineRunner:
         s = ctx.stage
         ctx.monitor.set_state("busy", f"preparing step {k}")
         shapes = self.shapes(plan, collation)
-        hooks = self.one_model(shapes, batches, k, per_microbatch=True)
+        hooks = self.one_model(shapes, batches, k)
         program, _ = self._program(shapes, plan)
         clock = self.start_program(program, hooks, self.recompute_layers(plan, recompute))
-        M = len(shapes)
-        run = self.run(program, hooks, clock, M, groups=M)  # one loss per micro-batch: a bad one is named
-        loss, tokens, verdict, ran = reduce_step(self.guard, run.loss, run.tokens, [(0, M)], [hooks.watch],
-                                                 f"step {k}", hooks.watch is not None)
+        run = self.run(program, hooks, clock, len(shapes))
+        loss, tokens = reduce_losses(self.guard, run.loss, run.tokens, f"step {k}")
         total_loss, n_tokens = float(loss[0]), float(tokens[0])
-        bad = verdict is not None and verdict.bad()
-        if bad:  # on every rank alike: no update anywhere (no gradient all-reduce, no optimizer step)
-            for p in self.trainable():
-                p.grad = None
-            if self.config.nonfinite == "skip":
-                self.skipped_steps.append(k)
-        else:
-            update_stage(self.guard, self.trainable(), n_tokens, optimizer, f"step {k}", ties=self.ties)
+        update_stage(self.guard, self.trainable(), n_tokens, optimizer, f"step {k}", ties=self.ties)
         clock.resolve()
         metered = self.config.measure_memory
         timing = StepTiming(k, ctx.rank, s, ctx.replica, run.forward_s, run.backward_s, run.wait_s,
@@ -318,27 +292,8 @@ class PipelineRunner:
                             int(stage.recompute))
         all_timings = None
         if self.config.gather_timing:
-            all_timings = gather_timings(self.guard, timing, ran[::ctx.num_stages])  # each replica's count
+            all_timings = gather_timings(self.guard, timing, microbatch_counts(plan, ctx.num_replicas, len(shapes)))
         self.step_index += 1
         peaks = (getattr(plan, "options", None) or {}).get("stage_peak_bytes")
-        result = StepResult(timing.step, total_loss * (1.0 / max(n_tokens, 1.0)), int(round(n_tokens)), timing,
-                            all_timings, float(peaks[s]) if peaks else None)
-        return result, (verdict.message(f"step {k}") if bad and self.config.nonfinite == "raise" else None)
-
-
-class _Step(OneModel):
-    """The hooks of one model's step: this stage's gradient flags after each backward (``watch``: a
-    `GradWatch`, None when unchecked) and, with ``per_microbatch``, one loss accumulator per micro-batch
-    (a non-finite one is named; else one for the step, as `OneModel`)."""
-
-    def __init__(self, *args, watch: GradWatch | None = None, per_microbatch: bool = False, **kw):
-        super().__init__(*args, **kw)
-        self.watch = watch
-        self.per_microbatch = per_microbatch
-
-    def group(self, v: int) -> int:
-        return v if self.per_microbatch else 0
-
-    def after_backward(self, v: int) -> None:
-        if self.watch is not None:
-            self.watch.after_backward(v)
+        return StepResult(timing.step, total_loss * (1.0 / max(n_tokens, 1.0)), int(round(n_tokens)), timing,
+                          all_timings, float(peaks[s]) if peaks else None)

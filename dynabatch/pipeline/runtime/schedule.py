@@ -241,8 +241,8 @@ def build_programs(orders, time_units=None, entry=None) -> list[list[Instruction
     if u.shape != (M,) or u.min(initial=1) < 1:
         raise ValueError("time_units must be M positive integers")
     e = _entries(entry, S, M)
-    if ops.num_chunks > 1 and e.any():
-        raise ValueError("bypassed stages need one model chunk per stage")
+    if ops.num_chunks > 1 and (e.any() or S < 2):
+        raise ValueError("model chunks run on two stages at least, and bypassed stages need one chunk per stage")
     starts, end = witness(ops, u)
     events: list[list[tuple]] = [[] for _ in range(S)]
     for s in range(S):

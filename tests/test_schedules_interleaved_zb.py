@@ -1,0 +1,110 @@
+"""Interleaved 1F1B (two model chunks per stage) and zero-bubble ZB-H1 (split backwards) in the simulator,
+the planner, the plan file and the stage-partition search: closed forms on uniform times, memory, the
+lower bound, and plans whose recorded rank times are the simulated makespans of the orders they run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynabatch import CostModel, Shapes, plan_microbatches
+from dynabatch.core.kernels.op_codes import WEIGHT_SHARE
+from dynabatch.core.schedule import REGISTRY, StepOps, plan_orders, plan_p2p_s, plan_stage_times, split_times, step_ops
+from dynabatch.core.simulate.pipeline import PipelineDeadlock, makespan, simulate_pipeline
+from dynabatch.pipeline.models.partition import LayerCosts, balanced_partition, partition_makespan
+from dynabatch.planfile import plan_from_arrow, plan_to_arrow
+
+NEW = ("interleaved", "zb-h1")
+
+
+@pytest.mark.parametrize("S,M", [(2, 2), (2, 8), (3, 6), (4, 8), (4, 16)])
+def test_uniform_closed_forms(S, M):
+    """F = 1, B = 2 on every stage: 1F1B (M + S - 1)(F + B); interleaved (v = 2, M a multiple of S)
+    M (F + B) + (S - 1)(F + B) / v (Megatron's bubble / v); ZB-H1 (M >= S) M (F + B) + (S - 1)(F + Bi - W),
+    a third of 1F1B's bubble with Bi = W = 1."""
+    f, b = np.ones(M), 2 * np.ones(M)
+    one = simulate_pipeline(f, b, schedule="1f1b", num_stages=S).makespan_s
+    inter = simulate_pipeline(f, b, schedule="interleaved", num_stages=S)
+    zb = simulate_pipeline(f, b, schedule="zb-h1", num_stages=S)
+    assert one == 3 * (M + S - 1)
+    assert inter.makespan_s == pytest.approx(3 * M + 3 * (S - 1) / 2)
+    assert zb.makespan_s == pytest.approx(3 * M + (S - 1) * (1 + (1 - WEIGHT_SHARE) * 2 - WEIGHT_SHARE * 2))
+    assert inter.start_s.shape == (2 * S, M, 2) and zb.weight_end_s.shape == (S, M)
+    assert np.all(zb.weight_start_s >= zb.end_s[:, :, 1])  # each weight part after its input part
+    for r in (inter, zb):
+        assert r.lower_bound_s <= r.makespan_s + 1e-9
+
+
+def test_zero_bubble_holds_one_f_one_b_stage_zero_memory_and_interleaving_holds_more():
+    S, M = 4, 12
+    mem = np.full(M, 10.0)
+    peaks = {s: simulate_pipeline(np.ones(M), 2 * np.ones(M), schedule=s, num_stages=S, mem_bytes=mem).peak_inflight_bytes
+             for s in ("1f1b", "zb-h1", "interleaved")}
+    assert peaks["1f1b"].tolist() == [40.0, 30.0, 20.0, 10.0]
+    assert peaks["zb-h1"].max() == peaks["1f1b"].max()  # later stages hold more, none more than stage 0 of 1F1B
+    assert np.all(peaks["zb-h1"] >= peaks["1f1b"])
+    # interleaving: each chunk holds half a micro-batch's bytes, Megatron's warm-up holds more of them
+    assert peaks["interleaved"][0] == 10.0 * (2 * (S - 1) + S + 1) / 2 > peaks["1f1b"][0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 5), M=st.integers(1, 12), seed=st.integers(0, 10_000), name=st.sampled_from(NEW))
+def test_random_times_never_deadlock_and_respect_the_lower_bound(S, M, seed, name):
+    rng = np.random.default_rng(seed)
+    fwd, bwd, p2p = rng.uniform(0.0, 1.0, (S, M)), rng.uniform(0.0, 2.0, (S, M)), rng.uniform(0, 0.2, M)
+    r = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p)
+    assert r.lower_bound_s <= r.makespan_s * (1 + 1e-9) + 1e-12
+    ops = step_ops(name, S, M)
+    assert makespan(fwd, bwd, ops, p2p) == r.makespan_s == simulate_pipeline(fwd, bwd, schedule=ops, p2p_s=p2p).makespan_s
+    v = REGISTRY[name].chunks
+    per_chunk = np.concatenate([fwd / v] * v), np.concatenate([bwd / v] * v)  # [v S, M] virtual-stage times
+    assert simulate_pipeline(*per_chunk, schedule=name, num_stages=S, p2p_s=p2p).makespan_s == pytest.approx(
+        r.makespan_s, rel=1e-12)
+
+
+def test_an_explicit_order_that_cannot_finish_names_the_stuck_ops():
+    ops = step_ops("zb-h1", 2, 2)
+    table = ops.table.copy()
+    table[1] = table[1][[1, 0, 2, 3, 4, 5]]  # stage 1 starts with its input part of micro-batch 0
+    with pytest.raises(PipelineDeadlock, match="stage 1 waits forever at Bi0"):
+        simulate_pipeline(np.ones(2), np.ones(2), schedule=StepOps("", 2, 2, 1, table))
+
+
+def _plan(schedule, **kw):
+    rng = np.random.default_rng(4)
+    shapes = Shapes.from_lengths(input_tokens=np.minimum(rng.lognormal(5.4, 0.9, 400).astype(int) + 1, 2048))
+    cost = CostModel.preset("gpt", num_stages=4)
+    return plan_microbatches(shapes, cost, num_stages=4, num_ranks=2, method="dp", max_len=2048, schedule=schedule,
+                             **kw), cost
+
+
+@pytest.mark.parametrize("schedule", NEW)
+def test_plans_record_the_makespan_of_the_order_they_run(schedule):
+    plan, cost = _plan(schedule)
+    assert plan.schedule == schedule and plan.op_slots is None  # a static order: its name determines it
+    st, p2p = plan_stage_times(plan), plan_p2p_s(plan, cost)
+    for r in range(plan.num_ranks):
+        idx = plan.rank_indices(r)
+        ops = plan_orders(plan, r, cost)
+        assert ops == step_ops(schedule, plan.num_stages, len(idx))
+        fwd, bwd = split_times(st[:, idx], cost.forward_fraction)
+        assert makespan(fwd, bwd, ops, p2p[idx]) == plan.rank_time_s[r]
+    back = plan_from_arrow(plan_to_arrow(plan))
+    assert back.schedule == schedule and all(plan_orders(back, r) == plan_orders(plan, r)
+                                             for r in range(plan.num_ranks))
+    one, _ = _plan("1f1b")
+    assert plan.iteration_time_s < one.iteration_time_s  # the bubble these orders cut is there in a dp plan
+
+
+def test_partition_search_cuts_chunks_for_the_interleaved_order():
+    rng = np.random.default_rng(0)
+    costs = LayerCosts(rng.uniform(0.5, 1.5, (8, 6)), rng.uniform(1.0, 3.0, (8, 6)))
+    best = balanced_partition(costs, 4, schedule="interleaved")  # 2 stages x 2 chunks
+    assert len(best.bounds) == 5 and best.schedule == "interleaved"
+    assert best.makespan_s == partition_makespan(costs, best.bounds, schedule="interleaved")
+    with pytest.raises(ValueError, match="multiple of 2 pieces"):
+        partition_makespan(costs, [0, 3, 5, 8], schedule="interleaved")
+    zb = balanced_partition(costs, 2, schedule="zb-h1")
+    assert zb.makespan_s < balanced_partition(costs, 2, schedule="1f1b").makespan_s
