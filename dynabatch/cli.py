@@ -43,6 +43,7 @@ examples of the other commands (every command's --help ends with its own example
   dynabatch check my-model/ data/train.jsonl --num-stages 2             your model folder and data, before a run
   dynabatch bench loader --limit 20000 --workers 0                  DataLoader vs torch's + collators
   dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       real pipelined training (~10 min)
+  dynabatch bench trainer --models llama --steps 12                 transformers.Trainer on 2 ranks: dp vs HF batching
   dynabatch bench multimodel --k 2 --steps 12                       K models on one data pass
   dynabatch bench gpu --quick                                       on a GPU machine (~3 min)
 
@@ -67,6 +68,7 @@ examples:
   dynabatch bench load --sources jsonl --repeat 1                   # a minute: loaders vs datasets
   dynabatch bench loader --limit 20000 --workers 0                  # a minute: DataLoader vs torch's
   dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       # ~10 minutes: real training
+  dynabatch bench trainer --models llama --steps 12                 # minutes: Trainer, dp vs HF batching
   dynabatch bench multimodel --k 2 --steps 12                       # minutes: K models on one data pass
   dynabatch bench gpu --quick                                       # on a GPU: ~3 minutes
 """
