@@ -7,7 +7,7 @@ import numpy as np
 from .core.schedule.orders import split_times
 from .core.simulate.pipeline import simulate_pipeline
 
-_KIND = ("F", "B")
+_KIND = ("F", "B", "W")
 
 
 def draw_pipeline_timeline(ax, times_s: np.ndarray, forward_fraction: float, num_stages: int, schedule: str) -> None:
@@ -20,15 +20,19 @@ def draw_pipeline_timeline(ax, times_s: np.ndarray, forward_fraction: float, num
         if times_s.ndim == 1:
             fwd, bwd = fwd[0], bwd[0]
         sim = simulate_pipeline(fwd, bwd, num_stages=None if times_s.ndim == 2 else num_stages, schedule=schedule)
-        draw_simulated_timeline(ax, sim.start_s, sim.end_s)
+        draw_simulated_timeline(ax, sim.start_s, sim.end_s, weight_start_s=sim.weight_start_s,
+                                weight_end_s=sim.weight_end_s)
     else:
         draw_simulated_timeline(ax, np.zeros((num_stages, 0, 2)), np.zeros((num_stages, 0, 2)))
 
 
-def draw_simulated_timeline(ax, start_s: np.ndarray, end_s: np.ndarray, microbatch_ids=None) -> list:
-    """Gantt chart of simulated op times ``start_s`` / ``end_s`` (``[S, M, 2]`` seconds, as
-    `SimResult` holds them): a row per stage, a colour per micro-batch, plain boxes for forwards and
-    hatched ones for backwards, in ms. Each box's ``gid`` is ``"s{stage}:F{j}"`` / ``"s{stage}:B{j}"``
+def draw_simulated_timeline(ax, start_s: np.ndarray, end_s: np.ndarray, microbatch_ids=None, *,
+                            weight_start_s=None, weight_end_s=None) -> list:
+    """Gantt chart of simulated op times ``start_s`` / ``end_s`` (``[Q, M, 2]`` seconds, as
+    `SimResult` holds them: a row per stage, or per virtual stage ``c S + s`` of an interleaved order): a
+    colour per micro-batch, plain boxes for forwards and hatched ones for backwards (of a split backward:
+    its input part; ``weight_start_s``/``weight_end_s`` ``[Q, M]``, when given, add its weight parts
+    cross-hatched), in ms. Each box's ``gid`` is ``"s{stage}:F{j}"`` / ``"s{stage}:B{j}"`` / ``"s{stage}:W{j}"``
     (``j`` the micro-batch's position in ``start_s``); returns the boxes (matplotlib Rectangles).
     ``microbatch_ids`` (``[M]``) picks the colours (default ``0..M-1``)."""
     import matplotlib.pyplot as plt
@@ -40,12 +44,15 @@ def draw_simulated_timeline(ax, start_s: np.ndarray, end_s: np.ndarray, microbat
     cmap = plt.get_cmap("tab20")
     colors = [cmap(int(i) % 20) for i in ids]
     boxes = []
+    parts = [(start_s[..., 0], end_s[..., 0]), (start_s[..., 1], end_s[..., 1])]
+    if weight_start_s is not None:
+        parts.append((np.asarray(weight_start_s, np.float64), np.asarray(weight_end_s, np.float64)))
     for s in range(S):
-        for kind in (0, 1):
+        for kind, (st, en) in enumerate(parts):
             if not M:
                 continue
-            a, b = start_s[s, :, kind] * 1e3, end_s[s, :, kind] * 1e3
-            bars = ax.barh(np.full(M, s), b - a, left=a, color=colors, hatch=None if kind == 0 else "//",
+            a, b = st[s] * 1e3, en[s] * 1e3
+            bars = ax.barh(np.full(M, s), b - a, left=a, color=colors, hatch=(None, "//", "xx")[kind],
                            edgecolor="k", lw=0.3)
             for j, patch in enumerate(bars.patches):
                 patch.set_gid(f"s{s}:{_KIND[kind]}{j}")
@@ -53,7 +60,8 @@ def draw_simulated_timeline(ax, start_s: np.ndarray, end_s: np.ndarray, microbat
     ax.set_yticks(range(S))
     ax.set_ylim(S - 0.5, -0.5)
     ax.set_ylabel("pipeline stage")
-    ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward")
+    ax.set_xlabel("time (ms); colour = micro-batch, plain = forward, hatched = backward"
+                  + ("'s input part, crossed = its weight part" if weight_start_s is not None else ""))
     return boxes
 
 

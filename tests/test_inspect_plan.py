@@ -10,6 +10,7 @@ import pytest
 from dynabatch import CostModel, PlanOptions
 from dynabatch.cli import main
 from dynabatch.core.schedule.build import adaptive_order
+from dynabatch.core.schedule.registry import AUTO_PREFERENCE
 from dynabatch.core.simulate.pipeline import simulate_pipeline
 from dynabatch.core.cost.features import microbatch_features
 from dynabatch.planfile.inspect import (format_summary, microbatch_columns, shape_histogram, stage_busy,
@@ -78,17 +79,35 @@ def test_summary_figures_match_the_plans(run):
 # -- per-stage busy time and the simulated timeline --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vlm_run(tmp_path_factory):
-    """A contiguous-layout VLM plan (vision layers on stages 0-1, the LLM on 2-3) written to a file;
-    ``auto`` so that steps record different concrete schedules."""
-    shapes, names = synthetic_shapes("vision", 1200, seed=3)
+def _vlm_run(tmp_path_factory, schedule: str, n: int = 1200):
+    shapes, names = synthetic_shapes("vision", n, seed=3)
     cost = CostModel.preset("vlm", num_stages=4, layout="contiguous")
     cfg = RunPlanConfig(PlanOptions(num_ranks=2, num_stages=4, global_batch_tokens=65536, max_len=8192,
-                                    schedule="auto", drop_last=True), epochs=1)
+                                    schedule=schedule, drop_last=True), epochs=1)
     path = tmp_path_factory.mktemp("vlm") / "plan.parquet"
     plan_run(Index(shapes, names, ["synthetic"]), cost, cfg, workers=1, progress=False).write(path)
     return load_run_plan(path)
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory):
+    """A contiguous-layout VLM plan (vision layers on stages 0-1, the LLM on 2-3) written to a file;
+    ``auto``: each step records the concrete schedule it chose."""
+    return _vlm_run(tmp_path_factory, "auto")
+
+
+@pytest.fixture(scope="module")
+def vlm_runs(tmp_path_factory, vlm_run):
+    """The auto run, and the same samples planned under one named schedule (``runs(name)``)."""
+    cache = {}
+
+    def runs(schedule):
+        if any(vlm_run.step_schedule(s) == schedule for s in vlm_run.steps):
+            return vlm_run
+        if schedule not in cache:
+            cache[schedule] = _vlm_run(tmp_path_factory, schedule, 400)
+        return cache[schedule]
+    return runs
 
 
 def _reference_sim(run, step, rank):
@@ -115,7 +134,7 @@ def test_vlm_plan_has_per_stage_costs(vlm_run):
     assert text.any() and np.all(st[0, text] < 0.1 * st[3, text])  # text-only: (almost) nothing on stage 0
     heavy = plan.mb_vision_tiles >= 9
     assert heavy.any() and np.any(st[0, heavy] > 1.1 * st[3, heavy])  # many tiles: slower on stage 0
-    assert {vlm_run.step_schedule(k) for k in vlm_run.steps} == {"1f1b", "adaptive"}  # auto chose both
+    assert {vlm_run.step_schedule(k) for k in vlm_run.steps} <= set(AUTO_PREFERENCE)  # auto chose per step
 
 
 def test_stage_busy_sums_each_ranks_stage_times(vlm_run):
@@ -136,8 +155,9 @@ def test_stage_busy_sums_each_ranks_stage_times(vlm_run):
     assert b["run"]["time_s"] == pytest.approx(vlm_run.iteration_times_s().sum())
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "adaptive"])
-def test_timeline_is_the_simulated_schedule(vlm_run, schedule, tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "adaptive", "zb-h1"])
+def test_timeline_is_the_simulated_schedule(vlm_runs, schedule, tmp_path):
+    vlm_run = vlm_runs(schedule)
     k = next(int(s) for s in vlm_run.steps if vlm_run.step_schedule(s) == schedule)
     plan = vlm_run.step(k)
     for r in range(plan.num_ranks):
@@ -153,16 +173,20 @@ def test_timeline_is_the_simulated_schedule(vlm_run, schedule, tmp_path):
     axes = {ax.get_gid(): ax for ax in fig.axes}
     boxes = {p.get_gid(): p for p in axes["timeline"].patches if p.get_gid()}
     S, M = st.shape
-    assert len(boxes) == 2 * S * M
+    split = ref.weight_start_s is not None  # a split backward: its weight parts are drawn too
+    assert len(boxes) == (3 if split else 2) * S * M and split == (schedule == "zb-h1")
     for s in range(S):
         for j in range(M):
-            for kind, name in ((0, "F"), (1, "B")):
+            parts = [(ref.start_s[s, j, k], ref.end_s[s, j, k], n) for k, n in ((0, "F"), (1, "B"))]
+            if split:
+                parts.append((ref.weight_start_s[s, j], ref.weight_end_s[s, j], "W"))
+            for a, b, name in parts:
                 box = boxes[f"s{s}:{name}{j}"]
-                assert box.get_x() == pytest.approx(ref.start_s[s, j, kind] * 1e3, abs=1e-9)
-                assert box.get_x() + box.get_width() == pytest.approx(ref.end_s[s, j, kind] * 1e3, abs=1e-9)
+                assert box.get_x() == pytest.approx(a * 1e3, abs=1e-9)
+                assert box.get_x() + box.get_width() == pytest.approx(b * 1e3, abs=1e-9)
                 assert box.get_y() + box.get_height() / 2 == pytest.approx(s)
     # the drawn boxes are the per-stage costs: a vision-heavy micro-batch is longer on stage 0 than on stage 3
-    width = lambda s, j: boxes[f"s{s}:F{j}"].get_width() + boxes[f"s{s}:B{j}"].get_width()  # noqa: E731
+    width = lambda s, j: sum(boxes[f"s{s}:{n}{j}"].get_width() for n in ("FBW" if split else "FB"))  # noqa: E731
     j, t = int(np.argmax(st[0] / st[3])), int(np.argmin(st[0] / st[3]))
     assert width(0, j) == pytest.approx(st[0, j] * 1e3) and width(0, j) > 1.03 * width(3, j)
     assert width(0, t) == pytest.approx(st[0, t] * 1e3) and width(0, t) < width(3, t)

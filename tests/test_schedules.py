@@ -25,6 +25,7 @@ from dynabatch.core.kernels.schedules import (
     stage_candidates_reference,
 )
 from dynabatch.core.options import SCHEDULES
+from dynabatch.core.schedule.registry import AUTO_PREFERENCE
 from dynabatch.core.schedule.build import adaptive_order
 from dynabatch.core.simulate.pipeline import pipeline_schedule, simulate_pipeline
 from dynabatch.planfile import format as fmt
@@ -97,17 +98,21 @@ def test_adaptive_beats_1f1b_with_uneven_stages_and_room_in_memory():
     # limited to one micro-batch in flight the adaptive order gains nothing over 1F1B
     tight = simulate_pipeline(ADAPT_F, ADAPT_B, schedule="adaptive", mem_bytes=mem, memory_limit=1.0)
     assert tight.makespan_s > runs["1f1b"].makespan_s - 1e-9
-    assert simulate_pipeline(ADAPT_F, ADAPT_B, schedule="auto", mem_bytes=mem, memory_limit=4.0).schedule == "adaptive"
+    auto = simulate_pipeline(ADAPT_F, ADAPT_B, schedule="auto", mem_bytes=mem, memory_limit=4.0)
+    every = {s: simulate_pipeline(ADAPT_F, ADAPT_B, schedule=s, mem_bytes=mem, memory_limit=4.0) for s in AUTO_PREFERENCE}
+    assert auto.makespan_s == min(r.makespan_s for r in every.values()) < runs["1f1b"].makespan_s
 
 
 def test_auto_takes_gpipe_only_when_its_memory_fits():
     mem = np.ones(4)
+    auto = AUTO_PREFERENCE
     roomy = simulate_pipeline(GPIPE_F, GPIPE_B, schedule="auto", mem_bytes=mem, memory_limit=4.0)
     tight = simulate_pipeline(GPIPE_F, GPIPE_B, schedule="auto", mem_bytes=mem, memory_limit=3.0)
-    assert roomy.schedule == "gpipe" and roomy.makespan_s == 29.0
+    alone = {s: simulate_pipeline(GPIPE_F, GPIPE_B, schedule=s, mem_bytes=mem, memory_limit=3.0) for s in auto}
+    assert alone["gpipe"].makespan_s == 29.0 == min(alone[s].makespan_s for s in ("gpipe", "1f1b", "adaptive"))
+    assert roomy.makespan_s == min(r.makespan_s for r in alone.values())  # every order fits 4 in flight
     assert tight.schedule != "gpipe" and tight.peak_inflight_bytes.max() <= 3.0
-    feasible = [simulate_pipeline(GPIPE_F, GPIPE_B, schedule=s, mem_bytes=mem, memory_limit=3.0)
-                for s in ("1f1b", "adaptive")]
+    feasible = [r for s, r in alone.items() if s != "gpipe"]
     assert tight.makespan_s == min(f.makespan_s for f in feasible)
 
 
@@ -170,9 +175,9 @@ def _plan(schedule, memory_limit=None, **kw):
 def test_planner_auto_records_the_fastest_order_that_fits():
     shapes, cost = _setup()
     limit = cost.memory_limit(4, 2)
-    plans = {s: _plan(s) for s in ("gpipe", "1f1b", "adaptive")}
+    plans = {s: _plan(s) for s in AUTO_PREFERENCE}
     auto = _plan("auto")
-    assert auto.schedule in ("gpipe", "1f1b", "adaptive")
+    assert auto.schedule in AUTO_PREFERENCE
     budget = 4 * limit
 
     def peak(p):  # the largest in-flight bytes on any stage of any rank
@@ -199,7 +204,7 @@ def test_planner_auto_records_the_fastest_order_that_fits():
     # with memory for every micro-batch at once gpipe is simulated as it is, and counted as fitting
     roomy = _plan("auto", memory_limit=limit * 1e3)
     assert roomy.iteration_time_s <= min(_plan(s, memory_limit=limit * 1e3).iteration_time_s
-                                         for s in ("gpipe", "1f1b", "adaptive")) + 1e-12
+                                         for s in AUTO_PREFERENCE) + 1e-12
 
 
 def _ipc(table: pa.Table) -> bytes:

@@ -83,7 +83,7 @@ def _plan(schedule, **kw):
 @pytest.mark.parametrize("schedule", NEW)
 def test_plans_record_the_makespan_of_the_order_they_run(schedule):
     plan, cost = _plan(schedule)
-    assert plan.schedule == schedule and plan.op_slots is None  # a static order: its name determines it
+    assert plan.schedule == schedule and np.all(plan.op_slots == -1)  # a static order: its name determines it
     st, p2p = plan_stage_times(plan), plan_p2p_s(plan, cost)
     for r in range(plan.num_ranks):
         idx = plan.rank_indices(r)
@@ -108,3 +108,35 @@ def test_partition_search_cuts_chunks_for_the_interleaved_order():
         partition_makespan(costs, [0, 3, 5, 8], schedule="interleaved")
     zb = balanced_partition(costs, 2, schedule="zb-h1")
     assert zb.makespan_s < balanced_partition(costs, 2, schedule="1f1b").makespan_s
+
+
+def test_auto_picks_the_fastest_one_chunk_order_that_fits_and_inspect_says_why():
+    from dynabatch.core.schedule import AUTO_PREFERENCE
+    from dynabatch.core.schedule.search import compare_orders
+
+    assert set(AUTO_PREFERENCE) == {n for n, i in REGISTRY.items() if i.concrete and i.chunks == 1}
+    auto, cost = _plan("auto")
+    plans = {s: _plan(s)[0] for s in AUTO_PREFERENCE}
+    assert auto.schedule == min(plans, key=lambda s: (plans[s].iteration_time_s, AUTO_PREFERENCE.index(s)))
+    why = compare_orders(auto, cost)
+    assert list(why) == list(AUTO_PREFERENCE) and why[auto.schedule]["fits"]
+    assert why[auto.schedule]["makespan_s"] == pytest.approx(auto.iteration_time_s, rel=1e-12)
+    assert why["zb-h1"]["peak_bytes"] == why["1f1b"]["peak_bytes"]  # the same depth as 1F1B's stage 0
+
+
+def test_held_bytes_kernel_equals_its_reference_and_the_plain_peaks():
+    from dynabatch.core.kernels.recompute import stage_peaks
+    from dynabatch.core.kernels.simulate import held_table_kernel, held_table_reference
+
+    rng = np.random.default_rng(1)
+    for name in ("1f1b", "gpipe", "interleaved", "zb-h1"):
+        S, M = 3, 5
+        ops = step_ops(name, S, M)
+        held = rng.uniform(1, 5, (ops.num_virtual_stages, M))
+        out = np.empty(S)
+        held_table_kernel(ops.table, held, out)
+        assert np.allclose(out, held_table_reference(ops.table.tolist(), held), rtol=0, atol=1e-12)
+        if not ops.split and ops.num_chunks == 1:
+            plain = np.empty(S)
+            stage_peaks(ops.codes(), held, plain)
+            assert np.array_equal(out, plain)

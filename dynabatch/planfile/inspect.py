@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.schedule.orders import DEFAULT_FORWARD_FRACTION, plan_orders, plan_p2p_s, plan_stage_times, split_times
+from ..core.schedule.search import compare_orders
 from ..core.simulate.pipeline import simulate_pipeline
 from .arrow import STAGE_FIELDS
 from .reader import RunPlan
@@ -96,7 +97,8 @@ def _stats(x: np.ndarray) -> dict:
 
 
 def step_detail(run: RunPlan, step: int) -> dict:
-    """One step: its predicted time, each rank's simulated time and micro-batches."""
+    """One step: its predicted time, each rank's simulated time and micro-batches, and the schedules ``auto``
+    weighs simulated on its order (`dynabatch.core.schedule.search.compare_orders`: which runs, and why)."""
     plan = run.step(step)
     ranks = []
     length = plan.mb_input_len + plan.mb_target_len
@@ -112,7 +114,8 @@ def step_detail(run: RunPlan, step: int) -> dict:
         })
     return {"step": int(step), "epoch": run.epoch_of(step), "iteration_time_s": plan.iteration_time_s,
             "padding_efficiency": plan.padding_efficiency, "rank_imbalance": plan.rank_imbalance,
-            "microbatches": plan.num_microbatches, "samples": int(len(plan.sample_ids)), "ranks": ranks}
+            "microbatches": plan.num_microbatches, "samples": int(len(plan.sample_ids)), "ranks": ranks,
+            "schedule": plan.schedule, "schedules": compare_orders(plan, run.cost_model())}
 
 
 def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
@@ -148,6 +151,7 @@ def step_timeline(run: RunPlan, step: int, rank: int | None = None) -> dict:
     busy = st.sum(axis=1)
     span = sim.makespan_s
     return {**out, "start_s": sim.start_s, "end_s": sim.end_s,
+            "weight_start_s": sim.weight_start_s, "weight_end_s": sim.weight_end_s,
             "ops": sim.ops, "makespan_s": span, "busy_s": busy, "idle_s": np.maximum(span - busy, 0.0),
             "utilization": busy / span if span > 0 else np.ones(S)}
 
@@ -335,6 +339,9 @@ def format_summary(s: dict) -> str:
             lines.append(f"{r['rank']:>4}  {r['microbatches']:>13}  {r['samples']:>7}  "
                          f"{r['rows'][0]:>3}-{r['rows'][1]:<4} {r['length'][0]:>5}-{r['length'][1]:<6}  "
                          f"{r['compute_s'] * 1e3:>10.1f}  {r['simulated_s'] * 1e3:>12.1f}")
+        lines.append(f"schedule {d['schedule']}; on this step's order: " + ", ".join(
+            f"{n} {c['makespan_s'] * 1e3:.1f} ms" + ("" if c["fits"] else " (over the in-flight budget)")
+            for n, c in d["schedules"].items()))
     if s.get("stage_busy"):
         lines += [""] + _stage_busy_text(s["stage_busy"])
     return "\n".join(lines)

@@ -200,7 +200,8 @@ def _timeline_panel(ax, tl: dict, step: int) -> None:
 
     from ..plots import draw_simulated_timeline
 
-    draw_simulated_timeline(ax, tl["start_s"], tl["end_s"], tl["microbatches"])
+    draw_simulated_timeline(ax, tl["start_s"], tl["end_s"], tl["microbatches"], weight_start_s=tl.get("weight_start_s"),
+                            weight_end_s=tl.get("weight_end_s"))
     ax.set_xlabel("time (ms)")
     ax.legend(handles=[Patch(facecolor="white", edgecolor="k", label="forward"),
                        Patch(facecolor="white", edgecolor="k", hatch="//", label="backward"),

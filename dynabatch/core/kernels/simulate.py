@@ -16,6 +16,7 @@ kernel                     reference
 `simulate_table_kernel`    `simulate_table_reference`
 `makespan_table_kernel`    `makespan_table_reference`
 `inflight_table_kernel`    `inflight_table_reference`
+`held_table_kernel`        `held_table_reference`
 `simulate_kernel`          `simulate_reference`
 `makespan_kernel`          `makespan_reference`
 `inflight_kernel`          `inflight_reference`
@@ -459,6 +460,45 @@ def inflight_table_reference(table, mem, v):
         peak_n.append(most)
         peak_bytes.append(most_bytes)
     return peak_n, peak_bytes
+
+
+@njit(cache=True)
+def held_table_kernel(table, held, out):
+    """Fill ``out`` (float64 ``[S]``) with each stage's peak held bytes under op table ``table``: micro-batch
+    ``j`` holds ``held[q, j]`` bytes on virtual stage ``q = c S + s`` (float64 ``[Q, M]``; ``[S, M]`` without
+    chunks) from the start of its forward there to the end of its backward, or of the backward's weight
+    part when it is split (per-stage bytes, as the recompute choice and the partition search price them)."""
+    S = table.shape[0]
+    for s in range(S):
+        now = 0.0
+        best = 0.0
+        for k in range(table.shape[1]):
+            kind = table[s, k, 0]
+            if kind == NOP:
+                break
+            q = table[s, k, 2] * S + s
+            if kind == FORWARD:
+                now += held[q, table[s, k, 1]]
+                if now > best:
+                    best = now
+            elif kind == BACKWARD or kind == BACKWARD_WEIGHT:
+                now -= held[q, table[s, k, 1]]
+        out[s] = best
+
+
+def held_table_reference(table, held):
+    """Plain-Python `held_table_kernel`: a list of each stage's peak held bytes."""
+    S, peaks = len(table), []
+    for s, row in enumerate(table):
+        now, best = 0.0, 0.0
+        for kind, j, c, _ in (tuple(int(x) for x in r) for r in row):
+            if kind == NOP:
+                break
+            if kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
+                now += float(held[c * S + s][j]) if kind == FORWARD else -float(held[c * S + s][j])
+                best = max(best, now)
+        peaks.append(best)
+    return peaks
 
 
 @njit(cache=True)

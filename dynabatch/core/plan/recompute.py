@@ -43,10 +43,9 @@ import numpy as np
 
 from ..cost.features import microbatch_features
 from ..cost.stage_memory import StageMemory, stage_memory_of
-from ..kernels.recompute import stage_peaks
-from ..kernels.simulate import makespan_kernel
 from ..options import RECOMPUTE
-from ..schedule.orders import rank_ops, record_orders, split_times, stage_limit
+from ..schedule.build import rank_span_and_peaks
+from ..schedule.orders import record_orders, stage_limit
 
 __all__ = ["RECOMPUTE", "StageMemory", "apply_recompute", "recompute_costs"]
 
@@ -101,16 +100,11 @@ def _peaks_and_times(plan, st, held, p2p, fwd_fraction, limit):
     S = st.shape[0]
     peaks = np.zeros(S)
     times = np.zeros(plan.num_ranks)
-    buf = np.empty(S)
     for r, idx in enumerate(_rank_slices(plan)):
         if not len(idx):
             continue
-        s_t = np.ascontiguousarray(st[:, idx])
-        ops = rank_ops(plan.schedule, s_t, p2p[idx], held[:, idx].max(axis=0), fwd_fraction, limit)
-        stage_peaks(ops, np.ascontiguousarray(held[:, idx]), buf)
+        _, buf, times[r] = rank_span_and_peaks(plan.schedule, st[:, idx], p2p[idx], held[:, idx], fwd_fraction, limit)
         peaks = np.maximum(peaks, buf)
-        fwd, bwd = split_times(s_t, fwd_fraction)
-        times[r] = float(makespan_kernel(fwd, bwd, np.ascontiguousarray(p2p[idx]), ops))
     return peaks, times
 
 

@@ -17,6 +17,8 @@ import numpy as np
 from ..kernels.op_tables import multimodel_table, stream_row
 from ..kernels import op_codes as oc
 from ..kernels.schedules import OK, OVERSIZE, adaptive_kernel, rank_ops_kernel
+from ..kernels.simulate import held_table_kernel, makespan_table_kernel
+from ..kernels.times import chunk_times, split_kernel
 from .ops import StepOps
 from .registry import concrete
 
@@ -49,6 +51,26 @@ def step_ops(schedule: str, num_stages: int, num_microbatches: int, *, stage_tim
     if status != OK:
         raise RuntimeError("adaptive order construction stalled (internal error)")
     return StepOps(info.name, S, k, info.chunks, table)
+
+
+def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, limit: float):
+    """``(ops, peaks, span)`` of one rank running micro-batches of stage times ``st`` ``[S, k]`` (seconds,
+    execution order) under ``schedule``: its `step_ops` (adaptive keeps ``limit`` bytes in flight, each
+    micro-batch counting its largest per-stage bytes), each stage's peak of held bytes ``held`` ``[S, k]``
+    (kept from a forward to its backward, or to its weight part when split), and the simulated makespan
+    with ``p2p`` ``[k]`` seconds per hop (seconds; the split of ``forward_fraction``)."""
+    st = np.ascontiguousarray(st, np.float64)
+    held = np.ascontiguousarray(held, np.float64)
+    p2p = np.ascontiguousarray(p2p, np.float64)
+    S, k = st.shape
+    ops = step_ops(schedule, S, k, stage_times=st, p2p_s=p2p, mem_bytes=held.max(axis=0),
+                   forward_fraction=forward_fraction, memory_limit=limit)
+    peaks = np.empty(S)
+    fwd, bwd = split_kernel(st, float(forward_fraction))
+    if ops.num_chunks > 1:  # each chunk a 1 / v share of its stage's seconds and bytes
+        fwd, bwd, held = (chunk_times(x, ops.num_chunks) for x in (fwd, bwd, held))
+    held_table_kernel(ops.table, held, peaks)
+    return ops, peaks, float(makespan_table_kernel(fwd, bwd, oc.WEIGHT_SHARE, p2p, ops.table))
 
 
 def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = None, *, p2p_s=0.0,

@@ -112,10 +112,11 @@ def record_orders(plan, p2p, forward_fraction: float):
     stage times, ``p2p`` ``[M]`` seconds in plan order, its ``mem_bytes`` and `stage_limit`) recorded in
     ``op_slots``: the order the planner simulated for ``rank_time_s`` (one numba call,
     `record_slots_kernel`). A schedule with chunks or split backwards is static: its plan records the name,
-    from which `plan_orders` rebuilds the order exactly (``op_slots`` None)."""
+    from which `plan_orders` rebuilds the order exactly, and ``op_slots`` of ``-1`` (no positions; the column
+    stays in the plan file, whose steps may mix schedules under ``auto``)."""
     info = concrete(plan.schedule)
     if not _plain(plan.schedule):
-        return dataclasses.replace(plan, op_slots=None)
+        return dataclasses.replace(plan, op_slots=np.full((plan.num_stages, plan.num_microbatches, 2), -1, np.int32))
     slots = np.zeros((plan.num_stages, plan.num_microbatches, 2), np.int32)
     rank_order = np.lexsort((plan.mb_order, plan.mb_rank)).astype(np.int64)  # rank by rank, execution order
     counts = np.bincount(plan.mb_rank, minlength=plan.num_ranks).astype(np.int64)
@@ -137,7 +138,7 @@ def plan_orders(plan, rank: int, cost=None) -> StepOps:
     if not 0 <= rank < plan.num_ranks:
         raise ValueError(f"rank {rank} is not in the plan of step {plan.step} ({plan.num_ranks} ranks)")
     idx = plan.rank_indices(rank)
-    if plan.op_slots is not None:
+    if plan.op_slots is not None and _plain(plan.schedule):
         codes = ops_of(plan.op_slots[:, idx], where=f"the plan of step {plan.step}, rank {rank}")
         return StepOps(plan.schedule, plan.num_stages, len(idx), 1, StepOps.from_codes(codes).table)
     ff = DEFAULT_FORWARD_FRACTION if cost is None else cost.forward_fraction

@@ -64,8 +64,11 @@ REGISTRY: Mapping[str, ScheduleInfo] = MappingProxyType({e.name: e for e in _ENT
 SCHEDULE_NAMES: tuple[str, ...] = tuple(REGISTRY)
 #: name -> code.
 SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({e.name: e.code for e in _ENTRIES})
-#: The concrete orders ``auto`` chooses from, in the order it prefers them on equal makespans.
-AUTO_PREFERENCE: tuple[str, ...] = ("1f1b", "adaptive", "gpipe")
+#: The concrete orders ``auto`` chooses from, in the order it prefers them on equal makespans: every
+#: registered order of one chunk per stage (a runner holds one model cut for all its steps, so the per-step
+#: pick is among the orders that cut runs; ``interleaved`` needs its own cut and is chosen by name).
+AUTO_PREFERENCE: tuple[str, ...] = tuple(sorted((e.name for e in _ENTRIES if e.code != oc.AUTO and e.chunks == 1),
+                                                key=("1f1b", "zb-h1", "adaptive", "gpipe").index))
 
 
 def schedule_info(name: str) -> ScheduleInfo:

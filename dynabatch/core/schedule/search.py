@@ -62,6 +62,36 @@ def order_step(schedule: str, st, p2p, mem, rank_of, ranks: int, fwd_fraction: f
     return results[best][0], results[best][1], best
 
 
+def compare_orders(plan, cost=None) -> dict:
+    """The orders ``auto`` weighs, side by side for ``plan``'s step (why it runs what it runs): for each of
+    `AUTO_PREFERENCE` (and the plan's own schedule), every rank's micro-batches in the plan's execution
+    order simulated under it with the plan's stage times, transfers (``cost``'s; none without) and bytes:
+    ``{name: {"makespan_s", "peak_bytes", "fits"}}`` (the slowest rank, the largest in-flight bytes on a
+    stage, whether they fit the in-flight budget: the plan's adaptive budget, else ``S`` x the cost model's
+    per-micro-batch limit). The planner searched each schedule's own order, so a schedule other than the
+    chosen one can only be slower there than here."""
+    from .build import rank_span_and_peaks
+    from .orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, stage_limit
+
+    S = plan.num_stages
+    budget = stage_limit(plan)
+    if not np.isfinite(budget) and cost is not None:
+        budget = S * float(cost.memory_limit(S, plan.num_ranks))
+    ff = DEFAULT_FORWARD_FRACTION if cost is None else cost.forward_fraction
+    st, p2p = plan_stage_times(plan), plan_p2p_s(plan, cost)
+    mem = np.broadcast_to(np.asarray(plan.mb_memory_bytes, np.float64), st.shape)
+    out = {}
+    for name in dict.fromkeys(AUTO_PREFERENCE + (plan.schedule,)):
+        span = peak = 0.0
+        for r in range(plan.num_ranks):
+            idx = plan.rank_indices(r)
+            if len(idx):
+                _, peaks, t = rank_span_and_peaks(name, st[:, idx], p2p[idx], mem[:, idx], ff, budget)
+                span, peak = max(span, t), max(peak, float(peaks.max()))
+        out[name] = {"makespan_s": span, "peak_bytes": peak, "fits": bool(peak <= budget)}
+    return out
+
+
 def pick_auto(span_s: dict, peak_bytes: dict, limit: float) -> str:
     """The schedule ``auto`` runs, from the simulated makespan ``span_s`` (seconds) and peak in-flight
     bytes per stage ``peak_bytes`` of each of `AUTO_PREFERENCE`: the lowest makespan whose peak fits

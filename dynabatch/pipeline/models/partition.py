@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from ...core.kernels.op_codes import WEIGHT_SHARE
-from ...core.kernels.recompute import stage_peaks
-from ...core.kernels.simulate import makespan_table_kernel
+from ...core.kernels.simulate import held_table_kernel, makespan_table_kernel
 from ...core.schedule.build import step_ops
 from ...core.schedule.ops import StepOps
 from ...core.schedule.registry import schedule_info
@@ -183,8 +182,9 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
     search starts from the min-max partition of per-layer busy time and moves single boundaries
     (by up to 2 layers) while the makespan improves, for at most ``max_rounds`` rounds.
     ``memory_limit`` (bytes a device may hold for backward): only partitions whose every stage's peak
-    of kept activation bytes (``costs.memory_bytes`` summed over the stage's layers, held from each
-    micro-batch's forward to its backward in the schedule's order) stays within it are taken;
+    of kept activation bytes (``costs.memory_bytes`` summed over the stage's layers (its chunks'), held from
+    each micro-batch's forward to its backward, or to its weight part when split, in the schedule's order)
+    stays within it are taken;
     ValueError when none does.
     """
     n, m = costs.num_layers, costs.num_microbatches
@@ -193,21 +193,17 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
     if memory_limit is not None and costs.memory_bytes is None:
         raise ValueError("memory_limit needs LayerCosts with memory_bytes (profile_layers measures them)")
     ops = _ops(num_stages, m, schedule)
-    if memory_limit is not None and (ops.num_chunks > 1 or ops.split):
-        raise ValueError(f"memory_limit prices the activations of plain orders; {schedule} has chunks or split "
-                         "backwards")
-    plain = ops.codes() if memory_limit is not None else None
     p2p = _p2p(p2p_s, m)
     pf = np.vstack([np.zeros((1, m)), np.cumsum(costs.forward_s, axis=0)])
     pb = np.vstack([np.zeros((1, m)), np.cumsum(costs.backward_s, axis=0)])
     pm = None if memory_limit is None else np.vstack([np.zeros((1, m)), np.cumsum(costs.memory_bytes, axis=0)])
-    peaks = np.empty(num_stages)
+    peaks = np.empty(ops.num_stages)
     total = (costs.forward_s + costs.backward_s).sum(axis=1)
 
     def score(bounds) -> tuple[float, float]:
         b = np.asarray(bounds, np.int64)
         if pm is not None:
-            stage_peaks(plain, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
+            held_table_kernel(ops.table, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
             if peaks.max() > memory_limit:
                 return math.inf, math.inf
         f = np.ascontiguousarray(pf[b[1:]] - pf[b[:-1]])
