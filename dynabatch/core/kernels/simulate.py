@@ -416,26 +416,17 @@ def inflight_table_kernel(table, mem, v, peak_n, peak_bytes):
     ``mem`` is float64 ``[M]`` activation bytes per micro-batch on a stage; each of a stage's ``v`` chunks
     holds ``mem / v`` of it. In flight on a stage: a micro-batch's chunk counts from the start of its
     forward to the end of its backward there, or of the backward's weight part when it is split (the
-    graph is kept for it), so the peak depends only on the order, not on the times."""
+    graph is kept for it), so the peak depends only on the order, not on the times (`held_table_kernel`
+    of the same bytes on every virtual stage, and of ones for the count)."""
+    Q = table.shape[0] * v
+    held = np.empty((Q, mem.shape[0]))
+    for q in range(Q):
+        held[q] = mem / v
+    held_table_kernel(table, held, peak_bytes)
+    count = np.empty(table.shape[0])
+    held_table_kernel(table, np.ones((Q, mem.shape[0])), count)
     for s in range(table.shape[0]):
-        n = 0
-        held = 0.0
-        best_n = 0
-        best_b = 0.0
-        for k in range(table.shape[1]):
-            kind = table[s, k, 0]
-            if kind == NOP:
-                break
-            if kind == FORWARD:
-                n += 1
-                held += mem[table[s, k, 1]] / v
-                best_n = max(best_n, n)
-                best_b = max(best_b, held)
-            elif kind == BACKWARD or kind == BACKWARD_WEIGHT:
-                n -= 1
-                held -= mem[table[s, k, 1]] / v
-        peak_n[s] = best_n
-        peak_bytes[s] = best_b
+        peak_n[s] = np.int64(count[s])
 
 
 def inflight_table_reference(table, mem, v):
