@@ -143,6 +143,36 @@ def test_measured_times_reach_the_loop_in_plan_order(data_path):
     loader.close()
 
 
+def test_a_streaming_loader_feeds_every_ranks_features(data_path, tmp_path):
+    """The streaming mode plans each rank's own share: feedback sends the micro-batches' features with
+    the times (so every rank can refit from all of them); recorded against the right features."""
+    import pyarrow.parquet as pq
+
+    import dynabatch
+    from dynabatch import Costing, PlanOptions, Runtime, Tokenization
+
+    jsonl = tmp_path / "own.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(data_path).to_pylist()))
+    cost = CostModel.preset("gpt", "cpu")
+    cost.time_coef = workers.PRIOR
+    loader = dynabatch.DataLoader(str(jsonl), feedback=FeedbackLoop(cost, refit_every=3),
+                                  options=PlanOptions(global_batch_tokens=1800, max_len=workers.MAX_LEN, num_stages=1,
+                                                      memory_limit=8e9),
+                                  tokenization=Tokenization(tokenizer="bytes"),
+                                  costing=Costing(cost_model=cost, collate="padded"), runtime=Runtime(plan_ahead=0))
+    assert loader.mode == "streaming"
+    fb = StepFeedback(loader)
+    step = next(iter(loader))
+    mine = step.plan.rank_indices(0)
+    phi = fb.loop.features(step.plan, step.shapes)[mine]
+    timer = MicroBatchTimer(len(step), torch.device("cpu"))
+    timer.forward_s[:len(mine)], timer.backward_s[:len(mine)] = phi @ workers.TRUTH / 3, 2 * phi @ workers.TRUTH / 3
+    m = fb.record(step, timer, torch.tensor(2.0))
+    assert m.observations == len(mine) == len(fb.loop.last.measured_s) > 1
+    assert np.allclose(fb.loop.last.measured_s, fb.loop.last.phi @ workers.TRUTH, rtol=1e-12)
+    loader.close()
+
+
 def _same(x, y) -> bool:
     """Equal, nan included (the ranks' results come through JSON: nan is another object each time)."""
     return json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True)

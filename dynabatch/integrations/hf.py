@@ -21,8 +21,16 @@ complete or absent: written into ``tmp-checkpoint-N/`` and renamed ``checkpoint-
 instead of Trainer's ``skip_first_batches`` (``ignore_data_skip`` is forced on). A checkpoint
 without that file is refused.
 
+Feedback and metrics (``feedback=True``, the default): every step is timed, gathered over the ranks
+and fed to the loader's `FeedbackLoop` when it has one (`dynabatch.integrations.feedback.StepFeedback`,
+``step_feedback``; its refit state is saved in each checkpoint, ``FEEDBACK_STATE_NAME``, and loaded
+on resume), and the steps' `StepMetrics` are logged as ``dynabatch/*`` entries
+(`dynabatch.integrations.hf_metrics.StepMetricsCallback`).
+
 Not supported (refused at construction): ``gradient_accumulation_steps != 1``, DeepSpeed, and
-``nn.DataParallel`` (several GPUs in one process; use DDP through ``torchrun``/``accelerate launch``).
+``nn.DataParallel`` (several GPUs in one process; use DDP through ``torchrun``/``accelerate launch``);
+``TrainingArguments(fsdp=...)`` where accelerate does not run FSDP (the CPU) and a model sharded
+beforehand under such an accelerator (`dynabatch.integrations.fsdp.check_trainer_fsdp`).
 The loss of every Hugging Face model is the summed token loss / ``step.target_tokens``
 (`dynabatch.integrations.loss.model_loss`: T5 and BART, whose own loss is a per-micro-batch mean, get it
 from their logits); a ``compute_loss_func`` or label smoother is used as Trainer uses it.
