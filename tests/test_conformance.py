@@ -18,7 +18,7 @@ across a packed row): the routes refuse them by name, which is checked too.
 
 from __future__ import annotations
 
-import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -93,7 +93,10 @@ def _loader(folder, family: str, collate: str) -> DataLoader:
                       costing=Costing(cost_model="gpt", device="cpu", collate=collate))
 
 
+@functools.lru_cache(maxsize=None)
 def _step(folder, family: str, collate: str):
+    """The step with the most micro-batches of the family's data (one per family and collation: every route
+    reads the same step, which none of them changes)."""
     loader = _loader(folder, family, collate)
     step = max((s for s in loader), key=len)  # the step with the most micro-batches
     loader.close()
@@ -110,6 +113,12 @@ def _model(folder, dtype=torch.float64):
 
 def _pixels(mb: dict) -> dict:
     return {"pixel_values": mb["pixel_values"]} if "pixel_values" in mb and mb["image_tiles"].sum() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _step_reference(folder, family: str, collate: str, dtype=torch.float64):
+    """`_reference` of `_step`'s step, computed once per family, collation and dtype."""
+    return _reference(folder, family, _step(folder, family, collate), dtype)
 
 
 def _reference(folder, family: str, step, dtype=torch.float64):
@@ -152,12 +161,16 @@ def _trainer(model, step, loader_folder, family, collate, tmp_path):
 
 
 ROUTES = ["plain", "step_backward", "accelerate", "trainer"]
-# every family on the plain loop and step_backward, padded and packed (packed encoder-decoder: refused);
-# accelerate and the Trainer on a family of each loss kind and LLaVA (they share step_backward's loss)
+# every family on the plain loop and step_backward, padded and packed (packed encoder-decoder: refused; LLaVA
+# takes padded rows). accelerate and the Trainer add their own wrapping around step_backward's loss (prepare,
+# backward, no_sync; compute_loss, the Trainer's step): one family of each loss kind (Llama: the model's own,
+# T5: from the logits) and, for the Trainer, LLaVA (pixel values through _prepare_inputs). Dropped as adding
+# no coverage: BART and LLaVA under accelerate, BART and packed Llama under the Trainer (the same loss route
+# and collation as cells kept).
 CELLS = ([(f, r, c) for f in FAMILIES for r in ("plain", "step_backward") for c in ("padded", "packed")
           if not (f == "llava" and c == "packed")]
-         + [(f, r, "padded") for f in ("llama", "t5", "bart", "llava") for r in ("accelerate", "trainer")]
-         + [("llama", "trainer", "packed")])
+         + [(f, "accelerate", "padded") for f in ("llama", "t5")]
+         + [(f, "trainer", "padded") for f in ("llama", "t5", "llava")])
 
 
 @pytest.mark.parametrize("family,route,collate", CELLS, ids=["-".join(c) for c in CELLS])
@@ -189,7 +202,8 @@ def test_route_equals_the_plain_model(folders, family, route, collate, tmp_path)
             prepared = acc.prepare(model)
             loss = float(step_backward(prepared, step, accelerator=acc))
         grads = grads_of(model)
-    ref_loss, ref_grads = _reference(folder, family, step)
+    ref_loss, ref_grads = (_reference(folder, family, step) if route == "trainer"
+                           else _step_reference(folder, family, collate))
     gap = relative_gap(grads, ref_grads)
     print(f"conformance {family} {route} {collate}: loss gap {abs(loss - ref_loss) / ref_loss:.1e} grad gap {gap:.1e}")
     assert loss == pytest.approx(ref_loss, rel=RTOL64), (loss, ref_loss)
