@@ -3,6 +3,8 @@ dynabatch the torch-free planning core at the bottom. Import edges are read from
 import statement, also inside functions), so a lazy import that runs back up is caught too."""
 
 import ast
+import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -84,7 +86,70 @@ def test_no_import_cycle_between_dynabatch_subpackages():
             visit(node, [])
 
 
-def test_modules_stay_small():
+def _file_cycles(package: str) -> list[list[str]]:
+    """Import circles between the modules (files) of ``package``, as sorted lists of module names: every
+    strongly connected component of the import graph with more than one module (a module importing its own
+    parent package's ``__init__`` is not a circle of files)."""
+    graph = _graph(package)
+    for name, deps in graph.items():
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {d for d in deps if d != name and d not in parents}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_no_import_circle_between_files_of_a_package():
+    """No two files import each other, directly or around a circle (type-only and lazy imports count: they
+    are what a split along a line cap leaves), in any package."""
+    circles = [c for pkg in ("dynabatch", "loaders", "tokenization") for c in _file_cycles(pkg)]
+    assert not circles, f"import circles between files: {circles}"
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path, monkeypatch):
+    """The check above can fail: two files importing each other (one of them lazily) are a circle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("def x():\n    from .a import y\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _file_cycles("pkg") == [["pkg.a", "pkg.b"]]
+
+
+def test_modules_stay_readable():
+    """Modules are cut where their jobs part, not at a line count: a module over `MAX_LINES` lines is
+    reported (a warning, so that a cohesive module may stay whole), never a failure."""
     big = [(str(p.relative_to(ROOT)), n) for pkg in ("dynabatch", "loaders", "tokenization")
            for _, p in _modules(pkg) if (n := len(p.read_text().splitlines())) > MAX_LINES]
-    assert not big, f"modules over {MAX_LINES} lines: {big}"
+    if big:
+        warnings.warn(f"modules over {MAX_LINES} lines (split them where their jobs part): {big}", UserWarning)
