@@ -138,31 +138,37 @@ def test_progress_bar_is_tqdm_on_a_terminal_lines_off_it_and_nothing_when_off(mo
     assert isinstance(progress.progress_bar(3, "x", "it", False), progress.NoProgress)
 
 
-def _run(args, cwd):
-    """A command run off a terminal (stdout and stderr are pipes), as in a log or CI."""
-    import subprocess
-    import sys
+def _run(args, cwd, capsys, monkeypatch):
+    """A command run off a terminal (stdout and stderr captured, as in a log or CI), in this process: the
+    commands' progress is decided by what stderr is when they run, not by how the interpreter started."""
+    from types import SimpleNamespace
 
-    r = subprocess.run([sys.executable, "-m", "dynabatch.cli", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+    from dynabatch.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    return SimpleNamespace(stdout=out, stderr=err)
 
 
-def test_long_commands_off_a_terminal_write_lines_not_bars(tmp_path):
+def test_long_commands_off_a_terminal_write_lines_not_bars(tmp_path, capsys, monkeypatch):
     """datagen and scan in a log: no ``\\r`` bar redraws, one line per stage with its percent; under
     --json nothing but the JSON document."""
     import json
 
-    r = _run(["datagen", "--out", "data", "--text", "3000"], tmp_path)
+    r = _run(["datagen", "--out", "data", "--text", "3000"], tmp_path, capsys, monkeypatch)
     assert "\r" not in r.stderr
     assert "datagen text rows: done, 100% (3000/3000 samples) in " in r.stderr, r.stderr
-    r = _run(["scan", "data/text", "--tokenizer", "bytes", "--workers", "1", "--out", "index.parquet"], tmp_path)
+    r = _run(["scan", "data/text", "--tokenizer", "bytes", "--workers", "1", "--out", "index.parquet"], tmp_path,
+             capsys, monkeypatch)
     assert "\r" not in r.stderr and re.search(r"^scan: done, 100% \(3000/3000 samples\) in ", r.stderr, re.M), r.stderr
     r = _run(["scan", "data/text", "--tokenizer", "bytes", "--workers", "1", "--out", "index.parquet", "--json"],
-             tmp_path)
+             tmp_path, capsys, monkeypatch)
     assert r.stderr == "" and json.loads(r.stdout)["samples"] == 3000
-    r = _run(["plan", "index.parquet", "--model", "gpt", "--workers", "1", "--out", "plan.parquet", "--json"], tmp_path)
+    r = _run(["plan", "index.parquet", "--model", "gpt", "--workers", "1", "--out", "plan.parquet", "--json"],
+             tmp_path, capsys, monkeypatch)
     assert r.stderr == "" and json.loads(r.stdout)["steps"] >= 1
-    r = _run(["datagen", "--out", "quiet", "--text", "100", "--no-progress"], tmp_path)
+    r = _run(["datagen", "--out", "quiet", "--text", "100", "--no-progress"], tmp_path, capsys, monkeypatch)
     assert r.stderr == ""
