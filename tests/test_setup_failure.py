@@ -1,7 +1,8 @@
 """A rank that fails during set-up (before `PipelineRunner.from_model` has finished) stops every other rank
 with an error naming it, on 2 gloo ranks of a tied tiny Llama saved with ``save_pretrained``: the survivor
 would otherwise sit in the rendezvous of the tied embedding's process group (`Ties.of`), which gloo cannot
-interrupt. Cases: rank 1 raises after loading its stage; rank 1 reads a damaged shard (the error names the
+interrupt. Cases: rank 1 raises in `init_pipeline`'s own creation of the pipeline's process groups; rank 1
+raises after loading its stage; rank 1 reads a damaged shard (the error names the
 file); rank 1 is killed (SIGKILL) or leaves with ``os._exit``; rank 0, the coordination store's host, is
 killed. Each survivor must stop by itself (launch_local's liveness timeout is the hang detector, no wall
 clock) with an error naming the culprit and, where it raised, its exception and traceback tail:
@@ -29,7 +30,7 @@ from prelaunch import Prelaunch, job  # noqa: E402
 TIMEOUT_S = 30.0  # the liveness timeout in these runs: a silent heartbeat is a death after 10 s, before a stall
 IDLE_S = 120.0  # launch_local's hang detector: a rank blocked in gloo without a verdict is killed
 LAUNCHES = Prelaunch(parallel=5)
-SCENARIOS = [("raise", 1), ("bad_shard", 1), ("kill", 1), ("exit", 1), ("kill", 0)]
+SCENARIOS = [("raise", 1), ("bad_shard", 1), ("kill", 1), ("exit", 1), ("kill", 0), ("groups", 1)]
 
 
 def setup_worker(rank, world, port, folder, scenario, culprit, timeout_s):
@@ -42,6 +43,14 @@ def setup_worker(rank, world, port, folder, scenario, culprit, timeout_s):
         sys.stderr.write(f"DYNABATCH_FAULT_AT {time.time():.3f}\n")
         sys.stderr.flush()
 
+    if rank == culprit and scenario == "groups":  # fails in init_pipeline's own group creation
+        import torch.distributed as dist
+
+        def refuse(*args, **kwargs):
+            mark()
+            raise RuntimeError(f"no process group on rank {rank}")
+
+        dist.new_group = refuse
     with init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=timeout_s,
                        abort_after_s=3.0) as ctx:
         if rank == culprit and scenario == "bad_shard":
@@ -187,3 +196,13 @@ def test_store_host_dying_in_set_up_stops_the_others(root):
     msg = _aborted(err)
     assert "rank 0 (stage 0, replica 0) died" in msg and "coordination store" in msg, msg
     assert "tied.py" in err and "PipelineAborted: " in err, err[-3000:]
+
+
+@LAUNCHES.plan(lambda root: [setup_job(root, "groups", 1)])
+def test_rank_failing_in_init_pipeline_groups_stops_its_peer(root):
+    """The pipeline's own process groups (`init_pipeline`) are set-up collectives too: rank 1 failing there
+    stops rank 0, which waits in its group creation, with rank 1's error."""
+    res, err = _result(root, "groups", 1)
+    assert "RuntimeError: no process group on rank 1" in res[1].stderr
+    msg = _aborted(err)
+    assert "rank 1 (stage 1, replica 0) failed: RuntimeError: no process group on rank 1" in msg, msg

@@ -25,6 +25,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -180,16 +181,6 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     if num_stages < 1 or world_size % num_stages:
         raise ValueError(f"world size {world_size} is not a multiple of num_stages {num_stages}")
     replicas = world_size // num_stages
-    pp_group = dp_group = None
-    # every rank must create every group, in the same order
-    for d in range(replicas):
-        g = dist.new_group([d * num_stages + s for s in range(num_stages)])
-        if rank // num_stages == d:
-            pp_group = g
-    for s in range(num_stages):
-        g = dist.new_group([d * num_stages + s for d in range(replicas)])
-        if rank % num_stages == s:
-            dp_group = g
     try:
         watch_store = store.clone()
     except Exception:  # stores without clone(): share the client (TCPStore clients are locked)
@@ -199,6 +190,13 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
                              poll_s=poll_s, abort_after_s=abort_after_s, timeout_s=timeout_s, num_stages=num_stages,
                              threaded_waits=(backend != "nccl"))
     monitor.start()
+    # the groups are set-up collectives of every rank: watched (`setup_guard`), so a rank that dies or raises
+    # meanwhile stops the others with its name instead of leaving them in gloo's rendezvous
+    from .setup_guard import setup_call
+
+    pp_group, dp_group = setup_call(SimpleNamespace(monitor=monitor, rank=rank),
+                                    lambda: _pipeline_groups(rank, num_stages, replicas),
+                                    "in the creation of the pipeline's process groups", range(world_size))
     ctx = DistContext(rank, world_size, num_stages, backend, device, store, pp_group, dp_group, monitor,
                       float(timeout_s), owns)
     # Without an explicit close() the store's host could exit while others finish their last step;
@@ -209,6 +207,20 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
         dist.barrier(group=pp_group)
         dist.barrier(group=dp_group)
     return ctx
+
+
+def _pipeline_groups(rank: int, num_stages: int, replicas: int):
+    """(this rank's pipeline group, its data-parallel group); every rank creates every group, in one order."""
+    pp_group = dp_group = None
+    for d in range(replicas):
+        g = dist.new_group([d * num_stages + s for s in range(num_stages)])
+        if rank // num_stages == d:
+            pp_group = g
+    for s in range(num_stages):
+        g = dist.new_group([d * num_stages + s for d in range(replicas)])
+        if rank % num_stages == s:
+            dp_group = g
+    return pp_group, dp_group
 
 
 # ---------------------------------------------------------------------------------------------
