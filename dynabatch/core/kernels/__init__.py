@@ -19,13 +19,25 @@ module                kernel                          reference
                       `_rank_stats`, `_max_without`   helpers of `assign_ranks`
                       `balance_simulated`             `balance_simulated_reference`
                       `_rank_span`                    helper of `balance_simulated`
-`.simulate`           `schedule_kernel`               `schedule_reference`
+`.op_tables`          `static_table`                  `static_table_reference`
+                      `stream_row`                    `stream_row_reference`
+                      `multimodel_table`              `multimodel_table_reference`
+                      `codes_table`, `table_codes`    `codes_table_reference`, `table_codes_reference`
+                      `warmup_forwards`,              helpers of the tables, covered by their
+                      `one_f_one_b_row`, `_put`       references
+`.simulate`           `simulate_table_kernel`         `simulate_table_reference`
+                      `makespan_table_kernel`         `makespan_table_reference`
+                      `schedule_kernel`               `schedule_reference`
                       `simulate_kernel`               `simulate_reference`
                       `makespan_kernel`               `makespan_reference`
+                      `run_table`, `run_ops`,         the event loop of the table kernels and of
+                      `op_ready`, `gated_start`,      `spill_timing_kernel`, covered by both
+                      `_run_copies`
+`.inflight`           `inflight_table_kernel`         `inflight_table_reference`
+                      `held_table_kernel`             `held_table_reference`
                       `inflight_kernel`               `inflight_reference`
-                      `split_kernel`                  `split_reference`
-                      `run_ops`, `op_ready`,          the event loop of `simulate_kernel` and
-                      `gated_start`, `_run_copies`    `spill_timing_kernel`, covered by both
+`.times`              `split_kernel`                  `split_reference`
+                      `chunk_times`                   `chunk_times_reference`
 `.spill`              `spill_timing_kernel`           `spill_timing_reference` (compared in
                                                       ``tests/test_multimodel_sim_spill.py``)
 `.cost`               `padded_features`               `padded_features_reference`
@@ -37,6 +49,7 @@ module                kernel                          reference
                       `order_ranks_stages`            `order_ranks_stages_reference`
                       `stage_candidates`              `stage_candidates_reference`
                       `rank_ops_kernel`               `rank_ops_reference`
+                      `record_slots_kernel`           `record_slots_reference`
                       `_order_ranks`                  the loop of both orderings, covered
                                                       by both references
 `.stage_assign`       `assign_stages`                 `assign_stages_reference`
@@ -50,8 +63,7 @@ module                kernel                          reference
 `.recompute`          `stage_peaks`                   `stage_peaks_reference`
 `.stage_order`        `insertion_search`              `insertion_search_reference`
                       `_span`                         helper of `insertion_search`
-`.flushfree`          `flushfree_ops`                 `flushfree_ops_reference`
-                      `flushfree_kernel`              `flushfree_reference`
+`.flushfree`          `flushfree_kernel`              `flushfree_reference`
                       `stage_loads`                   `stage_loads_reference`
 ====================  ==============================  ==========================================
 

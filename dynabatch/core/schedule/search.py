@@ -15,6 +15,8 @@ import numpy as np
 from ..kernels.arrays import kernel_array
 from ..kernels.schedules import order_ranks_schedule, order_ranks_stages
 from ..kernels.simulate import schedule_kernel
+from .build import rank_span_and_peaks
+from .orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, stage_limit
 from .registry import AUTO_PREFERENCE, schedule_info
 
 
@@ -70,9 +72,6 @@ def compare_orders(plan, cost=None) -> dict:
     stage, whether they fit the in-flight budget: the plan's adaptive budget, else ``S`` x the cost model's
     per-micro-batch limit). The planner searched each schedule's own order, so a schedule other than the
     chosen one can only be slower there than here."""
-    from .build import rank_span_and_peaks
-    from .orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, stage_limit
-
     S = plan.num_stages
     budget = stage_limit(plan)
     if not np.isfinite(budget) and cost is not None:

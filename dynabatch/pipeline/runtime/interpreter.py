@@ -368,7 +368,6 @@ def _send_input_grads(op: Op, hooks: Hooks, ctx, state: _State, grads) -> None:
     v, S = op.microbatch, ctx.num_stages
     if hooks.starts(v):
         return
-    spec_in, _ = hooks.specs(v)
     state.outbox[link_message(v, "grad", op.chunk * S + ctx.stage - 1, S)] = [
         g if g is not None else torch.zeros_like(b) for b, g in zip(*grads)]
 
