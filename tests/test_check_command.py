@@ -59,7 +59,7 @@ def _folder(tmp_path, family, **edit):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "t5", "bart", "llava"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "t5", "bart", "llava"])
 def test_check_agrees_on_each_family(tmp_path, data, family, capsys):
     folder = _folder(tmp_path, family)
     records = data / ("vlm.jsonl" if family == "llava" else "text.jsonl")

@@ -120,7 +120,7 @@ class StepFeedback:
         if self.loop is not None:
             _check_planning_on_demand(loader)
         self.last: StepMetrics | None = None
-        self._pending: list[StepMetrics] = []
+        self._unread: list[StepMetrics] = []
         self._stats = None  # the loader's wait/interval counters after the previous step
         self._device = None  # where the collectives' tensors live (the backend's device)
         self._ratio: float | None = None  # backward / forward seconds, for the synchronizing micro-batch
@@ -176,12 +176,12 @@ class StepFeedback:
         if timer.lockstep:  # every rank waited for the slowest one in each micro-batch: no rank's own time
             m = replace(m, measured_imbalance=math.nan)
         self.last = m
-        self._pending.append(m)
+        self._unread.append(m)
         return m
 
     def take(self) -> list[StepMetrics]:
         """The `StepMetrics` made since the last `take` (oldest first); they are handed over once."""
-        out, self._pending = self._pending, []
+        out, self._unread = self._unread, []
         return out
 
     # -- the accelerate helper ---------------------------------------------------------------------
