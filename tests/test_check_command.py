@@ -93,7 +93,7 @@ def test_check_refuses_what_would_train_wrong(tmp_path, data, capsys):
     assert "stored tensor(s) no layer of the config takes, e.g. ['model.layers.2." in err, err
     full = _folder(tmp_path / "ok", "llama")
     assert main(["check", str(full), text, "--stages", "6"]) == 1
-    assert "--num-stages 6: LlamaForCausalLM has 5 layers" in capsys.readouterr().err
+    assert "6 pipeline stages asked, but LlamaForCausalLM has 5 layers" in capsys.readouterr().err
     small = tmp_path / "small"
     build(decoder_config("llama", vocab_size=64), seed=1, dtype=torch.float32).save_pretrained(small)
     assert main(["check", str(small), text]) == 1

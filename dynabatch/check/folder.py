@@ -92,8 +92,8 @@ def folder_report(folder: str | Path, *, stages: int = 1, tokenizer=None) -> Fol
     rep.family, rep.num_layers = model.kind, len(model.layers)
     if not 1 <= stages <= rep.num_layers:
         rep.problems.append(Problem(
-            f"--num-stages {stages}: {rep.model_class} has {rep.num_layers} layers in the pipeline (embedding, blocks, "
-            "head), and each stage needs one", f"use at most {rep.num_layers} stages"))
+            f"{stages} pipeline stages asked, but {rep.model_class} has {rep.num_layers} layers in the pipeline "
+            "(embedding, blocks, head) and each stage needs one", f"use at most {rep.num_layers} stages"))
     else:
         unit = np.ones((rep.num_layers, 1))
         rep.bounds = tuple(int(b) for b in uniform_partition(LayerCosts(unit, unit), stages).bounds)
