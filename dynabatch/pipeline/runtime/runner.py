@@ -40,11 +40,12 @@ from .config import RunnerConfig
 from .guard import StepGuard
 from .hooks import OneModel
 from .interpreter import check_links, run_program
+from .nonfinite import GradWatch, NonFiniteStep, reduce_step
 from .schedule import build_programs, quantize_times, runner_orders
 from .setup_guard import setup_phase
 from .stream import run_stream
 from .tied import Ties
-from .update import gather_timings, reduce_losses, update_stage
+from .update import gather_timings, update_stage
 
 
 def microbatch_counts(plan, num_replicas: int, M: int) -> np.ndarray:
@@ -80,6 +81,7 @@ class PipelineRunner:
         self.ties = ties if ties is not None else Ties([])
         self.p2p = P2P(ctx, debug_shapes=config.debug_shapes, recorder=recorder)
         self.step_index = 0
+        self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient (nonfinite="skip")
         self.guard = StepGuard(ctx, "the runner", lambda: self.step_index)
         self._programs: OrderedDict = OrderedDict()
         self._param_ptrs = param_pointers([stage])
@@ -137,7 +139,8 @@ class PipelineRunner:
         units = quantize_times(times)
         mem = np.array([sh.memory_bytes for sh in shapes])
         entry = self.entries(shapes)
-        orders = runner_orders(self.config.schedule, S, times, mem, plan, self.ctx.replica,
+        orders = runner_orders(self.config.schedule, S, times, mem, plan,
+                               self.plan_rank(plan) if isinstance(plan, BatchPlan) else self.ctx.replica,
                                self.config.memory_limit_bytes)
         key = (S, M, orders.tobytes(), units.tobytes(), entry.tobytes())
         hit = self._programs.get(key)
@@ -156,14 +159,23 @@ class PipelineRunner:
         """The op orders [S, 2M] this runner would use for ``plan`` (this rank's replica)."""
         return self._program(self.shapes(plan), plan)[1]
 
+    def plan_rank(self, plan: BatchPlan) -> int:
+        """The rank of ``plan`` this replica runs: its replica index in a plan of every replica, 0 in a plan of
+        one rank (this replica's own: the streaming loader plans each replica's share alone)."""
+        R = self.ctx.num_replicas
+        if plan.num_ranks == R:
+            return self.ctx.replica
+        if plan.num_ranks == 1:
+            return 0
+        raise ValueError(f"the plan is for {plan.num_ranks} data-parallel ranks but there are {R} pipeline replicas "
+                         f"(rank {self.ctx.rank}, step {self.step_index}): plan for {R} ranks, or give each replica "
+                         f"its own plan of one rank (a DataLoader with runtime=loader_runtime(ctx))")
+
     def shapes(self, plan, collation: str | None = None) -> list[MicroBatchShape]:
         """This replica's micro-batch shapes of ``plan`` (a `BatchPlan`, or a list of `MicroBatchShape` s or
         `MicroBatch` es, the latter with ``collation``)."""
         if isinstance(plan, BatchPlan):
-            if plan.num_ranks != self.ctx.num_replicas:
-                raise ValueError(f"the plan is for {plan.num_ranks} data-parallel ranks but there are "
-                                 f"{self.ctx.num_replicas} pipeline replicas")
-            return plan_shapes(plan, self.ctx.replica)
+            return plan_shapes(plan, self.plan_rank(plan))
         out = []
         for x in plan:
             if isinstance(x, MicroBatch):
@@ -184,7 +196,10 @@ class PipelineRunner:
         the last stage need them (inputs, labels), the others may pass None. Instead of a plan, a list
         of this replica's `MicroBatchShape`s or `MicroBatch`es (the latter with ``collation=``) works.
         ``recompute``: this step's recomputed layers per stage (e.g. a loader step's
-        ``step.plan.options["recompute_layers"]`` when only its shapes are passed). Raises the original exception on the rank where something failed and
+        ``step.plan.options["recompute_layers"]`` when only its shapes are passed). A NaN or infinite loss or
+        gradient raises `NonFiniteStep` on every rank, naming the step, stage and micro-batch, before any
+        update (``RunnerConfig.nonfinite``; ``"skip"``: no rank updates, the step joins ``skipped_steps``).
+        Raises the original exception on the rank where something failed and
         `PipelineAborted` (naming that rank and its error) on every other rank; a rank that makes no
         progress for ``timeout_s`` while others wait on it, or dies, ends every other rank with a
         `PipelineAborted` naming it and what it was doing (see `dynabatch.pipeline.runtime.failure`).
@@ -192,7 +207,10 @@ class PipelineRunner:
         if not self.config.flush:
             raise ValueError("RunnerConfig(flush=False): give the steps to run_steps(...), which runs them as one "
                              "asynchronous stream")
-        return self.guard.run(lambda: self._step(plan, batches, optimizer, collation, recompute))
+        result, nonfinite = self.guard.run(lambda: self._step(plan, batches, optimizer, collation, recompute))
+        if nonfinite is not None:  # every rank decided alike (`nonfinite.reduce_step`): all raise it
+            raise NonFiniteStep(nonfinite)
+        return result
 
     def run_steps(self, steps, *, optimizer: torch.optim.Optimizer, num_tokens=None,
                   collation: str | None = None) -> list[StepResult]:
@@ -234,9 +252,11 @@ class PipelineRunner:
         """This stage's parameters that take gradients."""
         return [p for p in self.stage.parameters() if p.requires_grad]
 
-    def one_model(self, shapes: Sequence[MicroBatchShape], batches: Sequence[dict] | None, step: int) -> OneModel:
+    def one_model(self, shapes: Sequence[MicroBatchShape], batches: Sequence[dict] | None, step: int, *,
+                  per_microbatch: bool = False) -> OneModel:
         """The interpreter hooks of ``shapes`` on this stage, after checking ``batches`` against them:
-        the stages that read dictionaries (first, last, a bypass entry) need all of them."""
+        the stages that read dictionaries (first, last, a bypass entry) need all of them. ``per_microbatch``:
+        one loss accumulator per micro-batch (run with ``groups=len(shapes)``), else one."""
         ctx, stage, s = self.ctx, self.stage, self.ctx.stage
         M = len(shapes)
         if M == 0:
@@ -251,8 +271,9 @@ class PipelineRunner:
         if needs_data and self.config.check_inputs:
             for j, (b, sh) in enumerate(zip(batches, shapes)):
                 check_batch(b, sh, f"step {self.step_index} micro-batch {j}")
-        hooks = OneModel(stage, s, self.boundary, shapes, batches if needs_data else None, entry, ctx.device,
-                         self.bypass, self.step_index)
+        watch = GradWatch(M, ctx.device, self.trainable) if self.config.nonfinite != "off" else None
+        hooks = _Step(stage, s, self.boundary, shapes, batches if needs_data else None, entry, ctx.device,
+                      self.bypass, self.step_index, watch=watch, per_microbatch=per_microbatch)
         return with_chunks(hooks, stage, s, self.boundary, shapes, batches if needs_data else None, ctx.device,
                            self.step_index)
 
@@ -278,13 +299,22 @@ class PipelineRunner:
         s = ctx.stage
         ctx.monitor.set_state("busy", f"preparing step {k}")
         shapes = self.shapes(plan, collation)
-        hooks = self.one_model(shapes, batches, k)
+        hooks = self.one_model(shapes, batches, k, per_microbatch=True)
         program, _ = self._program(shapes, plan)
         clock = self.start_program(program, hooks, self.recompute_layers(plan, recompute))
-        run = self.run(program, hooks, clock, len(shapes))
-        loss, tokens = reduce_losses(self.guard, run.loss, run.tokens, f"step {k}")
+        M = len(shapes)
+        run = self.run(program, hooks, clock, M, groups=M)  # one loss per micro-batch: a bad one is named
+        loss, tokens, verdict, ran = reduce_step(self.guard, run.loss, run.tokens, [(0, M)], [hooks.watch],
+                                                 f"step {k}", hooks.watch is not None)
         total_loss, n_tokens = float(loss[0]), float(tokens[0])
-        update_stage(self.guard, self.trainable(), n_tokens, optimizer, f"step {k}", ties=self.ties)
+        bad = verdict is not None and verdict.bad()
+        if bad:  # on every rank alike: no update anywhere (no gradient all-reduce, no optimizer step)
+            for p in self.trainable():
+                p.grad = None
+            if self.config.nonfinite == "skip":
+                self.skipped_steps.append(k)
+        else:
+            update_stage(self.guard, self.trainable(), n_tokens, optimizer, f"step {k}", ties=self.ties)
         clock.resolve()
         metered = self.config.measure_memory
         timing = StepTiming(k, ctx.rank, s, ctx.replica, run.forward_s, run.backward_s, run.wait_s,
@@ -292,8 +322,27 @@ class PipelineRunner:
                             int(stage.recompute))
         all_timings = None
         if self.config.gather_timing:
-            all_timings = gather_timings(self.guard, timing, microbatch_counts(plan, ctx.num_replicas, len(shapes)))
+            all_timings = gather_timings(self.guard, timing, ran[::ctx.num_stages])  # each replica's count
         self.step_index += 1
         peaks = (getattr(plan, "options", None) or {}).get("stage_peak_bytes")
-        return StepResult(timing.step, total_loss * (1.0 / max(n_tokens, 1.0)), int(round(n_tokens)), timing,
-                          all_timings, float(peaks[s]) if peaks else None)
+        result = StepResult(timing.step, total_loss * (1.0 / max(n_tokens, 1.0)), int(round(n_tokens)), timing,
+                            all_timings, float(peaks[s]) if peaks else None)
+        return result, (verdict.message(f"step {k}") if bad and self.config.nonfinite == "raise" else None)
+
+
+class _Step(OneModel):
+    """The hooks of one model's step: this stage's gradient flags after each backward (``watch``: a
+    `GradWatch`, None when unchecked) and, with ``per_microbatch``, one loss accumulator per micro-batch
+    (a non-finite one is named; else one for the step, as `OneModel`)."""
+
+    def __init__(self, *args, watch: GradWatch | None = None, per_microbatch: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.watch = watch
+        self.per_microbatch = per_microbatch
+
+    def group(self, v: int) -> int:
+        return v if self.per_microbatch else 0
+
+    def after_backward(self, v: int) -> None:
+        if self.watch is not None:
+            self.watch.after_backward(v)
