@@ -10,11 +10,13 @@ generous bounds on what must happen within seconds, never targets.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,9 +87,11 @@ def _wait_for_ranks(proc: subprocess.Popen, folder: str, beat: str) -> list[int]
 @linux_only
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_ranks_die_with_a_sigkilled_launcher_and_its_folder_is_reclaimed(tmp_path, monkeypatch, method):
-    folder, tmp = tmp_path / "pids", tmp_path / "tmp"
+    folder = tmp_path / "pids"
     folder.mkdir()
-    tmp.mkdir()
+    # the launch folders' TMPDIR, short: the fork server's socket lives there, and an AF_UNIX path has at most
+    # 107 bytes (pytest's tmp_path under xdist can pass that)
+    tmp = Path(tempfile.mkdtemp(prefix="dbo-", dir="/tmp"))
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     beat = str(tmp_path / "launcher.beat")
@@ -129,6 +133,7 @@ def test_ranks_die_with_a_sigkilled_launcher_and_its_folder_is_reclaimed(tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @linux_only
