@@ -203,3 +203,13 @@ def synthetic_shapes(kind: str = "text", num_samples: int = 20000, seed: int = 0
         raise ValueError(f"synthetic kind must be 'text' or 'vision', got {kind!r}")
     shapes = Shapes(np.arange(num_samples, dtype=np.int64), np.maximum(inp, 1), tgt, vis, task.astype(np.int32))
     return shapes, [t[0] for t in tasks]
+
+
+def bench_shapes(data, model: str, samples: int, seed: int) -> tuple[Shapes, str]:
+    """The shapes a planning bench runs on and how its table names them: ``data`` files (`read_shapes`), else
+    ``samples`` synthetic samples of ``model``'s kind (vision for ``vlm``, else text; `synthetic_shapes`)."""
+    if data:
+        shapes, _ = read_shapes(data)
+        return shapes, " ".join(Path(d).name for d in data)
+    shapes, _ = synthetic_shapes("vision" if model == "vlm" else "text", samples, seed=seed)
+    return shapes, f"synthetic ({samples} samples)"

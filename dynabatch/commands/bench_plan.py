@@ -84,19 +84,14 @@ def bench_plan_command(args) -> int:
     """Run ``dynabatch bench plan`` with its parsed arguments (1 with a one-line error on bad options)."""
     from ..bench.plan import PlanBenchConfig, format_table, plot, run_plan_bench
     from ..core.cost.model import CostModel
-    from ..shape_sources import read_shapes, synthetic_shapes
+    from ..shape_sources import bench_shapes, read_shapes
 
     try:
         options = plan_options_from_args(args, max_len=8192 if args.model == "vlm" else 2048, max_target_len=512)
     except ValueError as e:
         print(f"dynabatch: error: {e}", file=sys.stderr)
         return 1
-    if args.data:
-        shapes, _ = read_shapes(args.data)
-        data = " ".join(Path(d).name for d in args.data)
-    else:
-        shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
-        data = f"synthetic ({args.samples} samples)"
+    shapes, data = bench_shapes(args.data, args.model, args.samples, args.seed)
     if args.mix_text:
         from ..bench.plan import mix_text
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..progress import add_progress_option, show_progress
 from . import add_subcommand
@@ -53,14 +52,9 @@ def add_bench_schedules_command(bench_sub) -> None:
 def bench_schedules_command(args) -> int:
     """Run ``dynabatch bench schedules`` with its parsed arguments."""
     from ..bench.schedules import format_schedules, run_schedules_bench
-    from ..shape_sources import read_shapes, synthetic_shapes
+    from ..shape_sources import bench_shapes
 
-    if args.data:
-        shapes, _ = read_shapes(args.data)
-        data = " ".join(Path(d).name for d in args.data)
-    else:
-        shapes, _ = synthetic_shapes("vision" if args.model == "vlm" else "text", args.samples, seed=args.seed)
-        data = f"synthetic ({args.samples} samples)"
+    shapes, data = bench_shapes(args.data, args.model, args.samples, args.seed)
     rows = run_schedules_bench(shapes, args.model, args.device, tuple(args.num_stages), tuple(args.num_ranks),
                                args.batches, args.global_batch_tokens, args.max_len,
                                args.max_target_len if args.model == "t5" else None, args.seed,
