@@ -12,7 +12,7 @@ from .folder import Problem, folder_report
 def _first_step(args, report):
     from .. import Costing, DataLoader, PlanOptions, Tokenization
 
-    tokenizer = args.tokenizer or (args.model_dir if report.tokenizer != "bytes" else "bytes")
+    tokenizer = report.tokenizer_spec  # the one the report checked against the vocabulary
     loader = DataLoader(args.data, options=PlanOptions(global_batch_tokens=args.batch_tokens, max_len=args.max_len,
                                                        num_stages=max(args.stages, 1), shuffle=False),
                         tokenization=Tokenization(tokenizer=tokenizer, model=args.model_dir),

@@ -36,6 +36,7 @@ class FolderReport:
     bounds: tuple[int, ...] = ()
     stage_bytes: tuple[int, ...] = ()  # distinct parameter bytes each stage holds (shared ones on each)
     tokenizer: str = ""
+    tokenizer_spec: str | None = None  # what the loader is given: the folder, the bytes tokenizer, or --tokenizer
     tokenizer_ids: int | None = None
     vocab_size: int | None = None
     decoder_start_token_id: int | None = None
@@ -122,7 +123,7 @@ def _check_tokenizer(rep: FolderReport, folder: Path, tokenizer, facts) -> None:
         rep.problems.append(Problem(f"tokenizer {spec!r} does not load: {e}", "save the tokenizer into the folder "
                                     "(tokenizer.save_pretrained(folder)) or pass --tokenizer"))
         return
-    rep.tokenizer, rep.tokenizer_ids = str(getattr(tok, "name", spec)), int(tok.vocab_size)
+    rep.tokenizer, rep.tokenizer_spec, rep.tokenizer_ids = str(getattr(tok, "name", spec)), spec, int(tok.vocab_size)
     if rep.vocab_size is not None and rep.tokenizer_ids > rep.vocab_size:
         rep.problems.append(Problem(
             f"the tokenizer has {rep.tokenizer_ids} ids but the model embeds {rep.vocab_size}",

@@ -292,6 +292,7 @@ class StreamingPlanner:
         self.cfg = cfg
         self.coll = collective
         self.collate = collate
+        self._warned = False  # the oversized-sample warning is said once per epoch
 
     def _plan(self, shapes: Shapes, step: int):
         c = self.cfg
@@ -304,8 +305,8 @@ class StreamingPlanner:
 
     def _warn_oversized(self, toks: list[TokSample]) -> None:
         """The indexed mode's one-line warning (`oversized_samples`) for the first samples read that outweigh
-        the global batch in tokens (each is then a step of its own, over the budget); once per loader."""
-        if getattr(self, "_warned", False) or not toks:
+        the global batch in tokens (each is then a step of its own, over the budget); once per epoch."""
+        if self._warned or not toks:
             return
         n = len(toks)
         shapes = Shapes.from_lengths(np.fromiter((t.input_tokens for t in toks), np.int64, count=n),
