@@ -1,0 +1,13 @@
+"""Multi-task multi-modal planning (Spindle): a model as a graph of components (`ComponentGraph`), each
+step's per-component workload, a per-component device allocation in dependency-ordered waves
+(`Allocation`), and the routing of micro-batches to the ranks of each component's group. Torch-free."""
+
+from ..lazy import lazy_names
+
+_NAMES = {
+    "COMPONENT_KINDS": "graph", "TOKEN_KINDS": "graph", "Component": "graph", "ComponentGraph": "graph",
+    "Task": "graph", "Allocation": "allocation", "Placement": "allocation",
+}
+__all__ = sorted(_NAMES)
+
+__getattr__ = lazy_names(__name__, _NAMES)
