@@ -29,10 +29,12 @@ class Component:
     ``layers``: its layer count (a pipeline inside the component cuts these). ``model``: prices those layers
     per token shape (`dynabatch.core.cost.CostModel.analytic`; a ``decoder``-kind config whose ``layers``
     equals ``layers``). ``inputs``: the components whose outputs it consumes (dependency edges). ``tokens``:
-    which token count of a sample drives its work (`TOKEN_KINDS`). ``seq_len``: > 0 when those tokens are
-    attended in independent sequences of this many tokens (a ViT's tiles: patches per tile); 0 when a
-    sample's tokens form one sequence. ``token_ratio``: tokens this component emits per token it reads
-    (a projector's pixel shuffle: 0.25); only the emitted width and count size the activations it sends.
+    which token count of a sample drives its work (`TOKEN_KINDS`; counts are in backbone tokens). ``token_ratio``:
+    backbone tokens it emits per token it reads: an encoder with ``token_ratio=0.25`` (a ViT whose 2 x 2 pixel
+    shuffle turns 16 patches into 4 tokens) reads 4 patches per backbone token of the sample. ``seq_len``: > 0
+    when the tokens it reads are attended in independent sequences of this many (a ViT's tiles: patches per
+    tile); 0 when a sample's tokens form one sequence. Its output (``model.hidden`` wide) per emitted token is
+    the activation it sends on.
     """
 
     name: str
@@ -56,6 +58,10 @@ class Component:
             raise ValueError(f"{where}: layers must be >= 1, got {self.layers}")
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"{where}: model must be a dynabatch.core.cost.ModelConfig, got {type(self.model).__name__}")
+        if self.model.kind != "decoder" or float(self.model.layers) != float(self.layers):
+            raise ValueError(f"{where}: model must be a decoder-kind ModelConfig of its {self.layers} layers, got kind "
+                             f"{self.model.kind!r} with {self.model.layers} layers (split a vision_language config "
+                             f"with dynabatch.core.multitask.vision_language_graph)")
         if self.seq_len < 0 or self.token_ratio <= 0:
             raise ValueError(f"{where}: seq_len must be >= 0 and token_ratio > 0, got {self.seq_len}, {self.token_ratio}")
         if self.name in self.inputs:
@@ -65,13 +71,12 @@ class Component:
     @property
     def param_count(self) -> float:
         """Parameters of the whole component (all its layers)."""
-        m = self.model
-        return m.params_per_stage * (self.layers / m.layers if m.layers else 1.0)
+        return float(self.model.params_per_stage)
 
     @property
     def out_bytes_per_token(self) -> float:
-        """Bytes of the activation it sends on per token it reads (hidden width x dtype x token_ratio)."""
-        return float(self.model.hidden * self.model.dtype_bytes * self.token_ratio)
+        """Bytes of the activation it sends on per backbone token of a sample (hidden width x dtype)."""
+        return float(self.model.hidden * self.model.dtype_bytes)
 
 
 @dataclass(frozen=True)
