@@ -84,6 +84,23 @@ def default_method(collation: str) -> str:
     return {"padded": "dp", "packed": "dp_varlen", "packed_rows": "pack"}[collation]
 
 
+class _Unset:
+    """The type of `UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: The default of a planning keyword not given (``plan_microbatches(shapes, cost, options, num_stages=...)``):
+#: the value of ``options`` (or `PlanOptions`' default) applies.
+UNSET: Any = _Unset()
+
+
+def given(values: Mapping[str, Any]) -> dict:
+    """The entries of ``values`` that were given (not `UNSET`), as a dict."""
+    return {k: v for k, v in values.items() if v is not UNSET}
+
+
 def renamed(kwargs: dict, *, where: str, stacklevel: int = 3) -> dict:
     """``kwargs`` with deprecated option names replaced by their new names (warns once per name).
 

@@ -59,6 +59,7 @@ adds it, so the recomputed share of each stage's measured forward is taken off i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -66,6 +67,7 @@ from ..batchplan import BatchPlan
 from ..cost.model import NUM_FEATURES, CostModel
 from ..cost.features import plan_features
 from ..cost.fit import MAX_OBSERVATIONS, fit_relative, mape as _mape, robust_fit  # noqa: F401  (re-exported)
+from ..options import UNSET, PlanOptions, given
 from ..shapes import Shapes
 from .planner import plan_microbatches
 from .feedback_state import feedback_state_dict, load_feedback_state
@@ -237,9 +239,18 @@ class FeedbackLoop:
         """Restore `state_dict` (into this loop and its cost model, in place)."""
         load_feedback_state(self, state, FeedbackRow)
 
-    def plan(self, shapes: Shapes, *args, **kw) -> BatchPlan:
-        """`dynabatch.core.plan.planner.plan_microbatches` with the current cost model."""
-        return plan_microbatches(shapes, self._cost, *args, **kw)
+    def plan(self, shapes: Shapes, options: PlanOptions | None = None, *, step: int = 0,
+             global_batch_tokens: int | None = UNSET, global_batch_size: int | None = UNSET,
+             max_len: int | None = UNSET, max_target_len: int | None = UNSET, method: str = UNSET,
+             method_options: Mapping[str, Any] = UNSET, num_stages: int = UNSET, num_ranks: int = UNSET,
+             schedule: str = UNSET, memory_limit: float | None = UNSET, recompute: str = UNSET,
+             device_memory_limit: float | None = UNSET, flush: bool = UNSET, seed: int = UNSET, shuffle: bool = UNSET,
+             drop_last: bool = UNSET, equal_microbatches: bool = UNSET, max_caps: int = UNSET) -> BatchPlan:
+        """`dynabatch.core.plan.planner.plan_microbatches` of ``shapes`` with the current cost model: ``options``
+        and ``step`` as it takes them, each other keyword the `PlanOptions` field of its name (`UNSET`: from
+        ``options``)."""
+        fields = given({k: v for k, v in locals().items() if k not in ("self", "shapes", "options", "step")})
+        return plan_microbatches(shapes, self._cost, options, step=step, **fields)
 
     # -- features ----------------------------------------------------------------------------------
     def features(self, plan: BatchPlan, shapes: Shapes | None = None, rank: int | None = None) -> np.ndarray:

@@ -16,6 +16,8 @@ import dataclasses
 import itertools
 import warnings
 
+from typing import Any, Mapping
+
 import numpy as np
 
 from . import baselines as _bl
@@ -26,7 +28,7 @@ from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPS
 from ..batchplan import BatchPlan
 from ..cost.features import main_padding
 from ..cost.model import CostModel
-from ..options import METHODS, PlanOptions, renamed
+from ..options import METHODS, UNSET, PlanOptions, given, renamed
 from ..schedule.orders import record_orders
 from ..schedule.registry import AUTO_PREFERENCE
 from ..schedule.search import ops_by_count, order_step
@@ -74,13 +76,17 @@ def greedy_cuts_reference(tokens, budget):
 
 
 def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None, *, seed: int = 0, tokens=None,
-                         drop_last: bool = False, shuffle: bool = True, **deprecated) -> list[np.ndarray]:
+                         drop_last: bool = False, shuffle: bool = True, batch_tokens: int | None = None,
+                         tokens_per_batch: int | None = None) -> list[np.ndarray]:
     """Positions of each global batch: a seeded random permutation of the samples (the samples in
     order when not ``shuffle``), cut each time a
     batch's own token count reaches ``global_batch_tokens`` (so every batch but the last holds at
     least that many tokens). ``tokens`` overrides the per-sample token count (default
     ``shapes.total_tokens``; ones count samples). The last, smaller batch is kept unless
-    ``drop_last``. `dynabatch.core.plan.steps.global_batches` calls this with a `PlanOptions`."""
+    ``drop_last``. `dynabatch.core.plan.steps.global_batches` calls this with a `PlanOptions`.
+    ``batch_tokens`` and ``tokens_per_batch``: deprecated names of ``global_batch_tokens`` (a warning)."""
+    deprecated = {k: v for k, v in (("batch_tokens", batch_tokens), ("tokens_per_batch", tokens_per_batch))
+                  if v is not None}
     if deprecated:
         global_batch_tokens = renamed(deprecated, where="split_global_batches").pop("global_batch_tokens",
                                                                                      global_batch_tokens)
@@ -126,12 +132,24 @@ def _ordering(cost: CostModel, main, dec, tiles, padded: bool = True) -> np.ndar
 
 
 def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOptions | None = None, *, step: int = 0,
-                      **fields) -> BatchPlan:
+                      global_batch_tokens: int | None = UNSET, global_batch_size: int | None = UNSET,
+                      max_len: int | None = UNSET, max_target_len: int | None = UNSET, method: str = UNSET,
+                      method_options: Mapping[str, Any] = UNSET, num_stages: int = UNSET, num_ranks: int = UNSET,
+                      schedule: str = UNSET, memory_limit: float | None = UNSET, recompute: str = UNSET,
+                      device_memory_limit: float | None = UNSET, flush: bool = UNSET, seed: int = UNSET,
+                      shuffle: bool = UNSET, drop_last: bool = UNSET, equal_microbatches: bool = UNSET,
+                      max_caps: int = UNSET, batch_tokens: int = UNSET, tokens_per_batch: int = UNSET,
+                      batch_size: int = UNSET, samples_per_batch: int = UNSET, ranks: int = UNSET, stages: int = UNSET,
+                      rows: int = UNSET, max_tokens: int = UNSET, microbatches_per_rank: int = UNSET) -> BatchPlan:
     """Plan one global batch: which samples form each micro-batch, on which rank, in which order.
 
     ``shapes`` are the samples of the global batch; ``options`` a `PlanOptions`, or give its fields
-    as keywords (``num_stages=4, num_ranks=8, method="dp", max_len=2048``...; keywords override
-    ``options``). ``memory_limit`` (bytes of activations per micro-batch per stage) defaults to
+    as keywords (``num_stages=4, num_ranks=8, method="dp", max_len=2048``...; each keyword is the
+    `PlanOptions` field of its name and overrides ``options``; one not given (`UNSET`) keeps the
+    value of ``options``). Deprecated, with a DeprecationWarning: the old option names
+    (``batch_tokens``, ``tokens_per_batch``, ``batch_size``, ``samples_per_batch``, ``ranks``,
+    ``stages``: `DEPRECATED_NAMES`) and a baseline's knob as a bare keyword (``rows``, ``max_tokens``,
+    ``microbatches_per_rank``: give it in ``method_options``). ``memory_limit`` (bytes of activations per micro-batch per stage) defaults to
     ``cost_model.memory_limit(num_stages, num_ranks)``; ``max_len``/``max_target_len`` truncate
     sample lengths in tokens; baselines take their knob from ``method_options`` (see
     `dynabatch.core.plan.baselines.BASELINE_KNOBS`). ``step`` numbers the plan. Raises `PlanningError`
@@ -145,6 +163,8 @@ def plan_microbatches(shapes: Shapes, cost_model: CostModel, options: PlanOption
     ``plan.options`` (``recompute_layers``, ``stage_peak_bytes``); a baseline method is cut as
     ``full`` cuts and priced under the policy.
     """
+    # every keyword given but the four above is a planning option (or a deprecated name of one)
+    fields = given({k: v for k, v in locals().items() if k not in ("shapes", "cost_model", "options", "step")})
     options = _options(options, fields)
     if options.recompute == "none":
         plan = _plan(shapes, cost_model, options, step)
