@@ -35,7 +35,7 @@ from .options import make_formatter, open_data, resolve
 from .step import Step
 from .model_facts import check_vocabulary, model_facts, with_model_facts
 from .records import CollateConfig
-from .settings import Costing, DataSource, LoaderSettings, Runtime, Tokenization, Workers, refuse_old_keywords
+from .settings import Costing, DataSource, LoaderSettings, Runtime, Tokenization, Workers, refusing_old_keywords
 from .torch_args import refuse_torch_arguments, torch_planning
 
 
@@ -112,9 +112,9 @@ class DataLoader:
     runtime: a `Runtime` (rank, world size, collective, plan_ahead, plan_processes, streaming lookahead).
     feedback: a `dynabatch.core.plan.feedback.FeedbackLoop` whose ``cost_model`` is this loader's cost
         model object; see `feedback`.
-    **old_keywords: nothing is taken here: the loose keywords of earlier releases (``tokenizer=``,
-        ``global_batch_tokens=``, ``rank=``...) raise a TypeError naming the record each now
-        belongs to (`dynabatch.loader.settings.record_of`).
+    Any other keyword raises a TypeError; the loose keywords of earlier releases (``tokenizer=``,
+    ``global_batch_tokens=``, ``rank=``...) name the record each now belongs to
+    (`dynabatch.loader.settings.record_of`).
 
     Staleness of planned-ahead steps: a step is planned with the cost model as it is when it is
     planned (`Step.cost_version`). The planning thread runs ``plan_ahead`` steps ahead of the step
@@ -126,14 +126,14 @@ class DataLoader:
     was when they started.
     """
 
+    @refusing_old_keywords
     def __init__(self, data, batch_size: int | None = None, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool | None = None, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, options: PlanOptions | None = None,
                  tokenization: Tokenization | None = None, source: DataSource | None = None,
-                 costing: Costing | None = None, runtime: Runtime | None = None, feedback=None, **old_keywords):
-        refuse_old_keywords(old_keywords)
+                 costing: Costing | None = None, runtime: Runtime | None = None, feedback=None):
         refuse_torch_arguments(sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
                                generator=generator, pin_memory_device=pin_memory_device, in_order=in_order)
         workers = Workers(num_workers, pin_memory, prefetch_factor, timeout, multiprocessing_context, worker_init_fn,

@@ -17,6 +17,8 @@ torch worker arguments (`Workers`) for the modes, which read any field by its na
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,9 +222,11 @@ class LoaderSettings:
         return self.workers.loader_kwargs
 
     @classmethod
-    def of(cls, workers: Workers, **records) -> "LoaderSettings":
+    def of(cls, workers: Workers, *, tokenization: Tokenization | None = None, source: DataSource | None = None,
+           costing: Costing | None = None, runtime: Runtime | None = None) -> "LoaderSettings":
         """From the DataLoader's keywords: each record given (or None: its defaults), type-checked."""
         out = {}
+        records = {"tokenization": tokenization, "source": source, "costing": costing, "runtime": runtime}
         for key, value in records.items():
             kind = RECORDS[key]
             if value is None:
@@ -259,7 +263,8 @@ DIRECT = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "c
 
 
 def records_from_keywords(**loose) -> dict:
-    """Migration from earlier releases: the loose keywords of a ``DataLoader(...)`` call -> the
+    """Migration from earlier releases: the loose keywords of a ``DataLoader(...)`` call (any of them:
+    that call's keywords are passed here as they were written) -> the
     keywords it takes now (``options=PlanOptions(...)`` and the settings records), so that
     ``DataLoader(data, **records_from_keywords(tokenizer=t, global_batch_tokens=n))`` is the old
     call. Planning keywords (deprecated names too, with a warning) go into one `PlanOptions`
@@ -288,6 +293,20 @@ def records_from_keywords(**loose) -> dict:
     return out
 
 
+def refusing_old_keywords(init):
+    """``DataLoader.__init__`` wrapped so that a keyword it does not take (a loose keyword of earlier
+    releases) raises `refuse_old_keywords`' TypeError, naming the record it now belongs to, rather
+    than Python's bare one. The signature ``help`` and `inspect` show stays the one written."""
+    names = set(inspect.signature(init).parameters)
+
+    @functools.wraps(init)
+    def init_refusing_old_keywords(self, *args, **keywords):
+        refuse_old_keywords({k: v for k, v in keywords.items() if k not in names})
+        return init(self, *args, **keywords)
+
+    return init_refusing_old_keywords
+
+
 def refuse_old_keywords(old: dict) -> None:
     """TypeError for keywords DataLoader does not take, naming the record each now belongs to."""
     if not old:
@@ -301,4 +320,4 @@ def refuse_old_keywords(old: dict) -> None:
 
 
 __all__ = ["Costing", "DIRECT", "DataSource", "LoaderSettings", "MODES", "RECORDS", "Runtime", "Tokenization",
-           "Workers", "record_of", "records_from_keywords", "refuse_old_keywords"]
+           "Workers", "record_of", "records_from_keywords", "refuse_old_keywords", "refusing_old_keywords"]

@@ -26,7 +26,7 @@ import pyarrow as pa
 from .. import __version__
 from ..planfile.arrow import plans_to_arrow
 from ..core.cost.model import CostModel
-from ..core.options import PlanOptions
+from ..core.options import UNSET, PlanOptions, given
 from ..core.plan.planner import PlanningError
 from ..core.shapes import Shapes
 from ..core.plan.steps import global_batches, oversized_samples, plan_step, sample_tokens
@@ -57,7 +57,16 @@ class RunPlanConfig:
     loader_differences: dict | None = None
 
     def __init__(self, options: PlanOptions | None = None, *, epochs: int = 1, tokenizer: str | None = None,
-                 family: str | None = None, loader_differences: dict | None = None, **flat):
+                 family: str | None = None, loader_differences: dict | None = None,
+                 global_batch_tokens: int | None = UNSET, global_batch_size: int | None = UNSET,
+                 max_len: int | None = UNSET, max_target_len: int | None = UNSET, method: str = UNSET,
+                 method_options=UNSET, num_stages: int = UNSET, num_ranks: int = UNSET, schedule: str = UNSET,
+                 memory_limit: float | None = UNSET, recompute: str = UNSET, device_memory_limit: float | None = UNSET,
+                 flush: bool = UNSET, seed: int = UNSET, shuffle: bool = UNSET, drop_last: bool = UNSET,
+                 equal_microbatches: bool = UNSET, max_caps: int = UNSET):
+        # the deprecated flat form: every keyword after loader_differences is the PlanOptions field of its name
+        flat = given({k: v for k, v in locals().items()
+                      if k not in ("self", "options", "epochs", "tokenizer", "family", "loader_differences")})
         if flat:
             warnings.warn("RunPlanConfig(num_ranks=..., global_batch_tokens=..., ...) is deprecated: pass "
                           "RunPlanConfig(PlanOptions(...), epochs=...)", DeprecationWarning, stacklevel=2)
