@@ -179,10 +179,14 @@ class MultiModelRunner:
     @classmethod
     def from_models(cls, models: Sequence, ctx, bounds, optimizer: Callable[[object, int], torch.optim.Optimizer], *,
                     config: RunnerConfig = RunnerConfig(schedule="1f1b"), time_scale: Sequence[float] | None = None,
-                    **kw) -> "MultiModelRunner":
+                    memory_budget_bytes: float | None = None, interleave: bool = True,
+                    names: Sequence[str] | None = None, recorder: Callable[[CommEvent], None] | None = None,
+                    debug_shapes: bool = False, check_plan: bool = True, gather_timing: bool | None = None,
+                    refit_every: int | None = None) -> "MultiModelRunner":
         """Keep this rank's stage of each `LayeredModel` in ``models`` (cut at ``bounds``: one list for
         all, or one per model), build each one's optimizer with ``optimizer(parameters, k)``; the
-        default ``time_scale`` is each model's parameter count over the largest."""
+        default ``time_scale`` is each model's parameter count over the largest. The other keywords as
+        `MultiModelRunner` takes them."""
         models = list(models)
         per_model = isinstance(bounds, (list, tuple)) and len(bounds) > 0 and not np.isscalar(bounds[0])
         per = list(bounds) if per_model else [bounds] * len(models)
@@ -193,7 +197,9 @@ class MultiModelRunner:
         if time_scale is None:
             sizes = np.array([sum(p.numel() for layer in m.layers for p in layer.parameters()) for m in models], float)
             time_scale = sizes / sizes.max()
-        return cls(runners, opts, time_scale=time_scale, **kw)
+        return cls(runners, opts, time_scale=time_scale, memory_budget_bytes=memory_budget_bytes,
+                   interleave=interleave, names=names, recorder=recorder, debug_shapes=debug_shapes,
+                   check_plan=check_plan, gather_timing=gather_timing, refit_every=refit_every)
 
     # -- planning ------------------------------------------------------------------------------
     def order(self, times: np.ndarray) -> np.ndarray:
