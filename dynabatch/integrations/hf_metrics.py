@@ -53,6 +53,8 @@ class StepMetricsCallback(TrainerCallback):
         self.feedback = feedback
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """``transformers.TrainerCallback.on_log``: add the unread steps' metrics to ``logs``; ``kwargs``
+        are what the Trainer passes every callback (model, optimizer, ...), unused here."""
         entries = summarize(self.feedback.take())
         if entries and logs is not None:
             logs.update(entries)
