@@ -163,13 +163,14 @@ class HFTokenizer(_Adapter):
         self._encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     @classmethod
-    def from_object(cls, tokenizer: Any, **kwargs: Any) -> "HFTokenizer":
+    def from_object(cls, tokenizer: Any, *, eos_token: str | None = None, pad_token: str | None = None,
+                    bos_token: str | None = None) -> "HFTokenizer":
         """Adapter of an in-memory ``tokenizers.Tokenizer`` (a copy: the caller's object is not changed).
 
         Special tokens are found by the names given (``eos_token=``, ``pad_token=``,
         ``bos_token=``), else among the common names; ``name`` carries a hash of the tokenizer.
         """
-        return cls(tokenizer, **kwargs)
+        return cls(tokenizer, eos_token=eos_token, pad_token=pad_token, bos_token=bos_token)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text, no special tokens added."""
@@ -191,6 +192,8 @@ class TransformersTokenizer(_Adapter):
     Built from a local directory (``AutoTokenizer`` with ``local_files_only=True``; a path that
     is not an existing directory is refused before transformers is asked, so nothing is ever
     fetched from the hub) or, with `from_object`, from a tokenizer object already in memory.
+    ``kwargs`` are passed to ``transformers.AutoTokenizer.from_pretrained`` (e.g. ``eos_token=``), with
+    ``local_files_only=True``.
     """
 
     def __init__(self, directory: str | os.PathLike, *, trust_remote_code: bool = False, **kwargs: Any) -> None:
@@ -340,11 +343,11 @@ class TiktokenTokenizer(_Adapter):
         self._set_specials(eos, None, None, why=f"{eos_token!r} is not one of its special tokens")
 
     @classmethod
-    def from_object(cls, encoding: Any, **kwargs: Any) -> "TiktokenTokenizer":
+    def from_object(cls, encoding: Any, *, eos_token: str = "<|endoftext|>", num_threads: int = 8) -> "TiktokenTokenizer":
         """Adapter of an in-memory ``tiktoken.Encoding`` (``eos_token=``, ``num_threads=`` as above)."""
         if not hasattr(encoding, "encode_ordinary_batch"):
             raise TypeError(f"TiktokenTokenizer needs a tiktoken.Encoding, got {type(encoding).__name__}")
-        return cls(encoding, **kwargs)
+        return cls(encoding, eos_token=eos_token, num_threads=num_threads)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text; special-token strings are encoded as text."""
@@ -406,7 +409,9 @@ def _object_adapter(obj: Any) -> Any:
     return None
 
 
-def load_tokenizer(spec: Any, **kwargs: Any) -> Tokenizer:
+def load_tokenizer(spec: Any, *, eos_token: str | None = None, pad_token: str | None = None,
+                   bos_token: str | None = None, num_threads: int | None = None,
+                   trust_remote_code: bool | None = None) -> Tokenizer:
     """Build a tokenizer from a spec, from local files only.
 
     ``spec`` is one of: ``"bytes"`` (`ByteTokenizer`); a path to a ``tokenizer.json``
@@ -417,9 +422,14 @@ def load_tokenizer(spec: Any, **kwargs: Any) -> Tokenizer:
     (`TransformersTokenizer.from_object`: special ids from its ``eos_token_id``,
     ``pad_token_id``, ``bos_token_id``) or a ``tiktoken.Encoding``
     (`TiktokenTokenizer.from_object`); or an object that already is a `Tokenizer` (returned
-    unchanged). ``kwargs`` go to the adapter (e.g. ``eos_token=``). Adapters pickle, so worker
-    processes may get the adapter or the spec string.
+    unchanged). The keywords given (not None) go to the adapter, which documents them: the special
+    tokens' names (``eos_token=``, ``pad_token=``, ``bos_token=``), ``num_threads=`` (tiktoken,
+    sentencepiece), ``trust_remote_code=`` (a transformers directory); one the adapter does not take
+    is a TypeError. Adapters pickle, so worker processes may get the adapter or the spec string.
     """
+    kwargs = {k: v for k, v in (("eos_token", eos_token), ("pad_token", pad_token), ("bos_token", bos_token),
+                                ("num_threads", num_threads), ("trust_remote_code", trust_remote_code))
+              if v is not None}
     if not isinstance(spec, (str, os.PathLike)):
         if isinstance(spec, Tokenizer):
             return spec

@@ -24,13 +24,13 @@ planner (main length = input + target + vision tokens) counts every vision token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ._adapters import load_tokenizer
-from ._chat import ChatRenderer, resolve_chat
-from ._config import FormatConfig, OnError
+from ._chat import ChatOption, ChatRenderer, resolve_chat
+from ._config import Family, FormatConfig, OnError
 from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
 from ._segments import (PART_INPUT, PART_TARGET, PART_VISION, _add_sample, _Images, _Segments, is_conversation,
                         sample_key)
@@ -302,6 +302,10 @@ def _labels(plan: _BatchPlan, j: int) -> np.ndarray:
     return plan.seg_ids[j] if plan.seg_trained[j] else np.full(len(plan.seg_ids[j]), IGNORE_INDEX, np.int32)
 
 
+#: The default of a `Formatter` keyword not given (the `FormatConfig` default applies).
+_UNSET: Any = object()
+
+
 class Formatter:
     """Turns samples into `EncodedSample` s for one tokenizer, family and set of max lengths.
 
@@ -310,7 +314,8 @@ class Formatter:
     its vision tokens itself), the count is reported separately (and counts towards the max
     lengths: see `FormatConfig`); with
     ``FormatConfig.image_token_id`` each image's run of placeholders is inserted LLaVA-style (see
-    `FormatConfig`). Keyword arguments build the `FormatConfig` when ``config`` is not given;
+    `FormatConfig`). The keywords after ``vision`` are the `FormatConfig` fields of their names (documented
+    there); those given build the `FormatConfig` when ``config`` is not given (not both).
     ``tokenizer`` may be a `load_tokenizer` spec. ``chat`` is the resolved conversation rendering
     (`FormatConfig.chat_template`; ``chat.record()`` names it).
     """
@@ -321,8 +326,21 @@ class Formatter:
         config: FormatConfig | None = None,
         *,
         vision: VisionPolicy | None = None,
-        **config_kwargs,
+        family: Family = _UNSET,
+        max_input_tokens: int | None = _UNSET,
+        max_target_tokens: int | None = _UNSET,
+        max_total_tokens: int | None = _UNSET,
+        truncation_side: str = _UNSET,
+        add_bos: bool = _UNSET,
+        chat_template: ChatOption = _UNSET,
+        pretokenized: bool | None = _UNSET,
+        image_token_id: int | None = _UNSET,
     ) -> None:
+        config_kwargs = {k: v for k, v in (
+            ("family", family), ("max_input_tokens", max_input_tokens), ("max_target_tokens", max_target_tokens),
+            ("max_total_tokens", max_total_tokens), ("truncation_side", truncation_side), ("add_bos", add_bos),
+            ("chat_template", chat_template), ("pretokenized", pretokenized), ("image_token_id", image_token_id),
+        ) if v is not _UNSET}
         if config is not None and config_kwargs:
             raise TypeError("pass either config= or FormatConfig keyword arguments, not both")
         self.config = config if config is not None else FormatConfig(**config_kwargs)
