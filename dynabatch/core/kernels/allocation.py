@@ -1,0 +1,360 @@
+"""The per-component allocation search of `dynabatch.core.multitask.allocation` (Spindle), as numba kernels,
+each beside a plain-Python reference that `tests/test_multitask_allocation.py` compares on random graphs.
+
+* `lpt_kernel`: a component's micro-batches balanced over its data-parallel replicas (longest first, each to
+  the least-loaded replica; ties to the lower index): the rule `dynabatch.core.multitask.routing.route` uses.
+* `options_kernel`: every (devices ``n``, pipeline depth ``s``) a component can run on, its simulated seconds
+  (the heaviest replica: summed micro-batch times, or the pipeline simulator's makespan of a GPipe order
+  inside the group when ``s > 1``, plus receiving its inputs and the gradient all-reduce) and peak bytes per
+  device; options another one beats in devices, seconds and bytes at once are dropped.
+* `block_frontier_kernel`: the components of one wave share the devices (sum of ``n`` <= ``N``): the Pareto
+  frontier of (wave seconds = the slowest component's, bytes = the largest per-device peak) over all
+  combinations of their options.
+* `pareto_sum_kernel`: waves run one after another on the same devices: the frontier of summed seconds and
+  summed bytes (each device holds one component per wave) of two frontiers, under a memory limit.
+
+Times are seconds, memory bytes. Imports nothing from dynabatch but the simulator kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from numba import njit
+
+from .simulate import makespan_kernel, makespan_reference
+
+
+# --------------------------------------------------------------------------- balancing
+
+
+@njit(cache=True)
+def lpt_kernel(cost, d, assign):
+    """Longest-processing-time balancing of ``cost`` (float64 [M] seconds; entries < 0 are skipped and get
+    ``assign`` -1) over ``d`` replicas: writes each entry's replica into ``assign`` (int64 [M]) and returns
+    the replicas' loads (float64 [d]). Longest first (ties: lower index first), each to the least-loaded
+    replica (ties: lower replica)."""
+    M = cost.shape[0]
+    order = np.argsort(-cost, kind="mergesort")
+    loads = np.zeros(d)
+    for k in range(M):
+        j = order[k]
+        if cost[j] < 0:
+            assign[j] = -1
+            continue
+        best = 0
+        for r in range(1, d):
+            if loads[r] < loads[best]:
+                best = r
+        assign[j] = best
+        loads[best] += cost[j]
+    return loads
+
+
+def lpt_reference(cost, d):
+    """Plain-Python `lpt_kernel`: (assign [M] int64, loads [d] float64)."""
+    cost = [float(c) for c in cost]
+    order = sorted(range(len(cost)), key=lambda j: (-cost[j], j))
+    loads = [0.0] * int(d)
+    assign = [-1] * len(cost)
+    for j in order:
+        if cost[j] < 0:
+            continue
+        best = min(range(int(d)), key=lambda r: (loads[r], r))
+        assign[j] = best
+        loads[best] += cost[j]
+    return np.array(assign, np.int64), np.array(loads)
+
+
+# --------------------------------------------------------------------------- one component on n devices
+
+
+@njit(cache=True)
+def gpipe_codes(S, M):
+    """Plain op codes int32 [S, 2M] of GPipe (every forward, then every backward, on each stage): the order
+    inside a component's group under wavefront execution (its backward runs in a later, backward wave)."""
+    ops = np.empty((S, 2 * M), np.int32)
+    for s in range(S):
+        for j in range(M):
+            ops[s, j] = j + 1
+            ops[s, M + j] = -(j + 1)
+    return ops
+
+
+@njit(cache=True)
+def _replica_time(t, mem, p2p, recv, ovh, ff, s, sel):
+    m = sel.shape[0]
+    if m == 0:
+        return 0.0, 0.0
+    held = 0.0
+    rx = 0.0
+    busy = 0.0
+    for k in range(m):
+        held += mem[sel[k]]
+        rx += recv[sel[k]]
+        busy += t[sel[k]]
+    if s == 1:
+        return busy + rx, held
+    fwd = np.empty((s, m))
+    bwd = np.empty((s, m))
+    pp = np.empty(m)
+    for k in range(m):
+        j = sel[k]
+        o = min(ovh, t[j])
+        stage = (t[j] - o) / s + o  # a uniform cut of the layers; every stage pays the launch overhead
+        for q in range(s):
+            fwd[q, k] = stage * ff
+            bwd[q, k] = stage * (1.0 - ff)
+        pp[k] = p2p[j]
+    span = makespan_kernel(fwd, bwd, pp, gpipe_codes(s, m))
+    return span + rx, held / s
+
+
+@njit(cache=True)
+def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes, ar_bw, ar_lat, limit):
+    """A component's options on 1..``N`` devices: arrays (n int64, s int64, seconds, bytes per device), sorted
+    by n then s, without options another beats (no more devices, seconds and bytes, one of them fewer).
+
+    ``t`` / ``mem`` / ``p2p`` / ``recv`` (float64 [M]): each micro-batch's forward+backward seconds on one device
+    holding the whole component (< 0: it does not reach the component), activation bytes kept for backward,
+    seconds to pass its activations between two stages inside the component, seconds to receive its inputs
+    and send their gradients back. ``ovh``: per-stage launch seconds; ``ff``: forward share of a micro-batch's
+    time; ``layers``: most pipeline stages; ``state_by_d[d]``: model-state bytes of the whole component with
+    ``d`` data-parallel replicas (`CostModel.state_bytes`); ``grad_bytes``: its gradient bytes; the ring
+    all-reduce over ``d`` replicas takes ``2 (d - 1) / d * grad_bytes / s / ar_bw + 2 (d - 1) ar_lat`` seconds.
+    Options above ``limit`` bytes per device are dropped."""
+    M = t.shape[0]
+    cap = 0
+    for n in range(1, N + 1):
+        for s in range(1, min(n, layers) + 1):
+            if n % s == 0:
+                cap += 1
+    on = np.empty(cap, np.int64)
+    os_ = np.empty(cap, np.int64)
+    ot = np.empty(cap)
+    om = np.empty(cap)
+    assign = np.empty(M, np.int64)
+    active = 0
+    for j in range(M):
+        if t[j] >= 0:
+            active += 1
+    cnt = 0
+    for n in range(1, N + 1):
+        for s in range(1, min(n, layers) + 1):
+            if n % s != 0:
+                continue
+            d = n // s
+            loads = lpt_kernel(t, d, assign)
+            worst = 0.0
+            peak = 0.0
+            for r in range(d):
+                k = 0
+                for j in range(M):
+                    if assign[j] == r:
+                        k += 1
+                sel = np.empty(k, np.int64)
+                k = 0
+                for j in range(M):
+                    if assign[j] == r:
+                        sel[k] = j
+                        k += 1
+                span, held = _replica_time(t, mem, p2p, recv, ovh, ff, s, sel)
+                if span > worst:
+                    worst = span
+                if held > peak:
+                    peak = held
+            if active > 0 and d > 1:
+                worst += 2.0 * (d - 1) / d * grad_bytes / s / ar_bw + 2.0 * (d - 1) * ar_lat
+            bytes_ = state_by_d[d] / s + peak
+            if bytes_ > limit:
+                continue
+            on[cnt], os_[cnt], ot[cnt], om[cnt] = n, s, worst, bytes_
+            cnt += 1
+    keep = np.ones(cnt, np.bool_)
+    for a in range(cnt):
+        for b in range(cnt):
+            if a != b and on[b] <= on[a] and ot[b] <= ot[a] and om[b] <= om[a] and (
+                    on[b] < on[a] or ot[b] < ot[a] or om[b] < om[a] or b < a):
+                keep[a] = False
+                break
+    k = 0
+    for a in range(cnt):
+        if keep[a]:
+            k += 1
+    rn = np.empty(k, np.int64)
+    rs = np.empty(k, np.int64)
+    rt = np.empty(k)
+    rm = np.empty(k)
+    k = 0
+    for a in range(cnt):
+        if keep[a]:
+            rn[k], rs[k], rt[k], rm[k] = on[a], os_[a], ot[a], om[a]
+            k += 1
+    return rn, rs, rt, rm
+
+
+def options_reference(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes, ar_bw, ar_lat, limit):
+    """Plain-Python `options_kernel` (same arguments and result), on the simulator's plain-Python reference."""
+    t, mem, p2p, recv = (list(map(float, a)) for a in (t, mem, p2p, recv))
+    active = sum(1 for x in t if x >= 0)
+    cands = []
+    for n in range(1, int(N) + 1):
+        for s in range(1, min(n, int(layers)) + 1):
+            if n % s:
+                continue
+            d = n // s
+            assign, _ = lpt_reference(t, d)
+            worst = peak = 0.0
+            for r in range(d):
+                sel = [j for j in range(len(t)) if assign[j] == r]
+                if not sel:
+                    continue
+                held = sum(mem[j] for j in sel)
+                rx = sum(recv[j] for j in sel)
+                if s == 1:
+                    span = sum(t[j] for j in sel) + rx
+                else:
+                    stage = [(t[j] - min(ovh, t[j])) / s + min(ovh, t[j]) for j in sel]
+                    fwd = np.array([[x * ff for x in stage]] * s)
+                    bwd = np.array([[x * (1.0 - ff) for x in stage]] * s)
+                    codes = np.array([list(range(1, len(sel) + 1)) + [-(k + 1) for k in range(len(sel))]] * s,
+                                     np.int32)
+                    span = makespan_reference(fwd, bwd, np.array([p2p[j] for j in sel]), codes) + rx
+                    held /= s
+                worst, peak = max(worst, span), max(peak, held)
+            if active and d > 1:
+                worst += 2.0 * (d - 1) / d * grad_bytes / s / ar_bw + 2.0 * (d - 1) * ar_lat
+            b = state_by_d[d] / s + peak
+            if b <= limit:
+                cands.append((n, s, worst, b))
+    keep = []
+    for a, (n, s, tt, m) in enumerate(cands):
+        beaten = any(b != a and nb <= n and tb <= tt and mb <= m and (nb < n or tb < tt or mb < m or b < a)
+                     for b, (nb, _, tb, mb) in enumerate(cands))
+        if not beaten:
+            keep.append((n, s, tt, m))
+    cols = list(zip(*keep)) if keep else [(), (), (), ()]
+    return (np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.float64),
+            np.array(cols[3], np.float64))
+
+
+# --------------------------------------------------------------------------- waves
+
+
+@njit(cache=True)
+def _pareto(t, m):
+    """Indices of the Pareto-minimal (t, m) points, ascending t (ties: smaller m, then lower index)."""
+    n = t.shape[0]
+    o1 = np.argsort(m, kind="mergesort")
+    o2 = np.argsort(t[o1], kind="mergesort")
+    order = o1[o2]
+    keep = np.empty(n, np.int64)
+    k = 0
+    best = np.inf
+    for i in range(n):
+        j = order[i]
+        if m[j] < best:
+            keep[k] = j
+            k += 1
+            best = m[j]
+    return keep[:k]
+
+
+def _pareto_reference(t, m):
+    order = sorted(range(len(t)), key=lambda j: (t[j], m[j], j))
+    out, best = [], float("inf")
+    for j in order:
+        if m[j] < best:
+            out.append(j)
+            best = m[j]
+    return out
+
+
+@njit(cache=True)
+def block_frontier_kernel(opt_n, opt_t, opt_m, starts, N):
+    """Frontier of one wave: components ``k`` have options ``starts[k]:starts[k+1]`` of the flat ``opt_n``
+    (devices), ``opt_t`` (seconds), ``opt_m`` (bytes per device). Over every combination (one option per
+    component) with sum of devices <= ``N``: wave seconds = max, bytes = max. Returns (seconds, bytes,
+    choice [F, K] flat option indices), ascending seconds, only combinations no other beats in both."""
+    K = starts.shape[0] - 1
+    total = 1
+    for k in range(K):
+        total *= starts[k + 1] - starts[k]
+    if total == 0:
+        return np.empty(0), np.empty(0), np.empty((0, K), np.int64)
+    ct = np.empty(total)
+    cm = np.empty(total)
+    cc = np.empty((total, K), np.int64)
+    idx = np.zeros(K, np.int64)
+    cnt = 0
+    while True:
+        used = 0
+        tt = 0.0
+        mm = 0.0
+        for k in range(K):
+            o = starts[k] + idx[k]
+            used += opt_n[o]
+            if opt_t[o] > tt:
+                tt = opt_t[o]
+            if opt_m[o] > mm:
+                mm = opt_m[o]
+        if used <= N:
+            ct[cnt] = tt
+            cm[cnt] = mm
+            for k in range(K):
+                cc[cnt, k] = starts[k] + idx[k]
+            cnt += 1
+        k = K - 1  # odometer: the last component's option turns fastest
+        while k >= 0:
+            idx[k] += 1
+            if idx[k] < starts[k + 1] - starts[k]:
+                break
+            idx[k] = 0
+            k -= 1
+        if k < 0:
+            break
+    keep = _pareto(ct[:cnt], cm[:cnt])
+    return ct[keep], cm[keep], cc[keep]
+
+
+def block_frontier_reference(opt_n, opt_t, opt_m, starts, N):
+    """Plain-Python `block_frontier_kernel`."""
+    K = len(starts) - 1
+    pts = []
+    for combo in itertools.product(*[range(starts[k], starts[k + 1]) for k in range(K)]):
+        if sum(int(opt_n[o]) for o in combo) <= N:
+            pts.append((max([float(opt_t[o]) for o in combo] + [0.0]), max([float(opt_m[o]) for o in combo] + [0.0]),
+                        combo))
+    keep = _pareto_reference([p[0] for p in pts], [p[1] for p in pts])
+    return (np.array([pts[j][0] for j in keep], np.float64), np.array([pts[j][1] for j in keep], np.float64),
+            np.array([pts[j][2] for j in keep], np.int64).reshape(len(keep), K))
+
+
+@njit(cache=True)
+def pareto_sum_kernel(t1, m1, t2, m2, limit):
+    """Frontier of (t1[a] + t2[b], m1[a] + m2[b]) over pairs with summed bytes <= ``limit``: returns (seconds,
+    bytes, a, b), ascending seconds."""
+    n1, n2 = t1.shape[0], t2.shape[0]
+    ct = np.empty(n1 * n2)
+    cm = np.empty(n1 * n2)
+    ca = np.empty(n1 * n2, np.int64)
+    cb = np.empty(n1 * n2, np.int64)
+    cnt = 0
+    for a in range(n1):
+        for b in range(n2):
+            mm = m1[a] + m2[b]
+            if mm <= limit:
+                ct[cnt], cm[cnt], ca[cnt], cb[cnt] = t1[a] + t2[b], mm, a, b
+                cnt += 1
+    keep = _pareto(ct[:cnt], cm[:cnt])
+    return ct[keep], cm[keep], ca[keep], cb[keep]
+
+
+def pareto_sum_reference(t1, m1, t2, m2, limit):
+    """Plain-Python `pareto_sum_kernel`."""
+    pts = [(float(t1[a]) + float(t2[b]), float(m1[a]) + float(m2[b]), a, b)
+           for a in range(len(t1)) for b in range(len(t2)) if float(m1[a]) + float(m2[b]) <= limit]
+    keep = _pareto_reference([p[0] for p in pts], [p[1] for p in pts])
+    return (np.array([pts[j][0] for j in keep], np.float64), np.array([pts[j][1] for j in keep], np.float64),
+            np.array([pts[j][2] for j in keep], np.int64), np.array([pts[j][3] for j in keep], np.int64))
