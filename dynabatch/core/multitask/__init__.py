@@ -8,7 +8,9 @@ _NAMES = {
     "COMPONENT_KINDS": "graph", "TOKEN_KINDS": "graph", "Component": "graph", "ComponentGraph": "graph",
     "Task": "graph", "Allocation": "allocation", "Placement": "allocation",
     "GRAPHS": "zoo", "MTMM_TINY": "zoo", "graph_by_name": "zoo", "graph_from_configs": "zoo", "mtmm_graph": "zoo",
-    "mtmm_tiny_graph": "zoo", "vision_language_graph": "zoo",
+    "mtmm_tiny_graph": "zoo", "vision_language_graph": "zoo", "route": "routing",
+    "StepSamples": "workload", "Workload": "workload", "ComponentCosts": "workload",
+    "ComponentOptions": "allocation", "component_options": "allocation", "plan_allocation": "allocation",
 }
 __all__ = sorted(_NAMES)
 
