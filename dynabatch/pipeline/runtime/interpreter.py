@@ -43,6 +43,7 @@ from ..measure.memory import SavedBytes
 from ..measure.timing import Clock
 from ..models.spec import TensorSpec, as_tuple, to_device
 from .schedule import Instruction, Message, Post, link_message
+from .split_backward import input_part, weight_part
 
 
 class Hooks:
@@ -388,8 +389,9 @@ def _backward(op: Op, top: Hooks, hooks: Hooks, ctx, guard, clock: Clock, state:
     with top.backward_context(v):
         if split:
             want = [b for b in takes if b.requires_grad]
-            got = torch.autograd.grad(outputs, want, grads, retain_graph=True, allow_unused=True) \
-                if outputs and want else [None] * len(want)
+            module = hooks.module(v)
+            got, work = input_part(outputs, grads, want, [p for p in module.parameters() if p.requires_grad],
+                                   rewalk=getattr(module, "recompute", 0) > 0)
             by_id = {id(b): g for b, g in zip(want, got)}
             input_grads = [by_id.get(id(b)) for b in takes]
         elif outputs:
@@ -397,7 +399,7 @@ def _backward(op: Op, top: Hooks, hooks: Hooks, ctx, guard, clock: Clock, state:
     clock.stop(t0, state.bwd_s[c, 0], v)
     _ran(state, clock, op, t0)
     if split:
-        state.weights[(v, c)] = (outputs, grads)
+        state.weights[(v, c)] = work
     else:
         input_grads = [b.grad for b in takes]
         _release(state, v, c)
@@ -406,17 +408,16 @@ def _backward(op: Op, top: Hooks, hooks: Hooks, ctx, guard, clock: Clock, state:
 
 
 def _backward_weight(op: Op, top: Hooks, hooks: Hooks, ctx, clock: Clock, state: _State) -> None:
-    """The weight part of a split backward (``W``): this chunk's parameter gradients from the graph its
-    input part kept, accumulated into ``.grad`` as a whole backward does; then the graph is freed."""
+    """The weight part of a split backward (``W``): this chunk's parameter gradients from the gradients its
+    input part kept (`dynabatch.pipeline.runtime.split_backward`), accumulated into ``.grad`` as a whole
+    backward does; then the graph is freed."""
     v, c = op.microbatch, op.chunk
-    outputs, grads = state.weights.pop((v, c))
-    params = [p for p in hooks.module(v).parameters() if p.requires_grad]
+    work = state.weights.pop((v, c))
     ctx.monitor.set_state("busy", f"in weight-gradient backward of {top.describe(v)}"
                           + (f" (chunk {c})" if top.chunks > 1 else ""))
     t0 = clock.start()
     with top.backward_context(v):
-        if outputs and params:
-            torch.autograd.backward(outputs, grads, inputs=params)
+        weight_part(work)
     clock.stop(t0, state.bwd_s[c, 1], v)
     _ran(state, clock, op, t0)
     _release(state, v, c)
