@@ -162,7 +162,7 @@ class NoProgress:
 
 def progress_bar(total: float | None, desc: str, unit: str, show: bool, **tqdm_kw):
     """The bar of one stage of ``total`` ``unit`` by the rule (module doc): nothing unless ``show``, a
-    tqdm bar on stderr when it is a terminal (``tqdm_kw`` passed on, e.g. ``unit_scale=True``), else
+    tqdm bar on stderr when it is a terminal (``tqdm_kw`` passed to ``tqdm.auto.tqdm``, e.g. ``unit_scale=True``), else
     a `LineProgress`."""
     if not show:
         return NoProgress()

@@ -67,9 +67,11 @@ class GpuBenchConfig:
                            memory_limit=self.microbatch_memory_bytes)
 
 
-def bench_config(device: str, *, quick: bool = False, **over) -> GpuBenchConfig:
+def bench_config(device: str, *, quick: bool = False, data: tuple = (),
+                 attn_implementation: str = "sdpa") -> GpuBenchConfig:
     """The settings for ``device``: the full GPU run (about 8 minutes on one H100), its ``quick`` form
-    (about 3), or the tiny CPU run (the code path only; ``quick`` makes it tinier still)."""
+    (about 3), or the tiny CPU run (the code path only; ``quick`` makes it tinier still); ``data`` and
+    ``attn_implementation`` as `GpuBenchConfig` has them."""
     if device.startswith("cuda"):
         cfg = GpuBenchConfig(device, quick)
         if quick:
@@ -84,7 +86,7 @@ def bench_config(device: str, *, quick: bool = False, **over) -> GpuBenchConfig:
                              generated_samples=300)
         if quick:
             cfg = replace(cfg, steps=2, generated_samples=120, global_batch_tokens=768)
-    return replace(cfg, **over)
+    return replace(cfg, data=tuple(data), attn_implementation=attn_implementation)
 
 
 def bench_loader(cfg: GpuBenchConfig, data, index: str, cost, *, options: PlanOptions | None = None,

@@ -109,27 +109,36 @@ class CostModel(StageCosts):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def preset(cls, model: str = "gpt", device: str = "a100-80gb", *, num_stages: int = 4, layout="uniform",
-               **kw) -> "CostModel":
+               pad_multiple: int = 8, forgetting: float = 0.98, prior_strength: float = 1e-3,
+               packed_attention: str = "varlen") -> "CostModel":
         """Analytic cost model of a named model preset on a named device preset.
 
         The default device stays ``a100-80gb`` on every machine: the same arguments give the same
         costs (and plans) wherever they run, as offline planning needs. This machine's device is
         ``dynabatch.devices.resolve_device()`` (torch, so outside this core), which the
-        DataLoader's default ``device="auto"`` uses. ``layout``: where layers sit (`dynabatch.core.cost.stages`)."""
-        cm = cls(model_preset(model, num_stages), device_preset(device), **kw)
+        DataLoader's default ``device="auto"`` uses. ``layout``: where layers sit (`dynabatch.core.cost.stages`);
+        the other keywords as in `CostModel`."""
+        cm = cls(model_preset(model, num_stages), device_preset(device), pad_multiple=pad_multiple,
+                 forgetting=forgetting, prior_strength=prior_strength, packed_attention=packed_attention)
         cm._num_stages = int(num_stages)
         return cm.set_layout(layout)
 
     @classmethod
-    def analytic(cls, model: ModelConfig, device: DeviceProfile, **kw) -> "CostModel":
-        """Analytic cost model from explicit configs."""
-        return cls(model, device, **kw)
+    def analytic(cls, model: ModelConfig, device: DeviceProfile, *, time_coef=None, mem_coef=None,
+                 pad_multiple: int = 8, forgetting: float = 0.98, prior_strength: float = 1e-3,
+                 packed_attention: str = "varlen") -> "CostModel":
+        """Analytic cost model from explicit configs (the keywords as in `CostModel`)."""
+        return cls(model, device, time_coef=time_coef, mem_coef=mem_coef, pad_multiple=pad_multiple,
+                   forgetting=forgetting, prior_strength=prior_strength, packed_attention=packed_attention)
 
     @classmethod
-    def profiled(cls, table: ProfiledTable, model: ModelConfig, device: DeviceProfile, **kw) -> "CostModel":
+    def profiled(cls, table: ProfiledTable, model: ModelConfig, device: DeviceProfile, *, pad_multiple: int = 8,
+                 forgetting: float = 0.98, prior_strength: float = 1e-3,
+                 packed_attention: str = "varlen") -> "CostModel":
         """Cost model whose padded costs come from ``table``; packed (varlen) costs use linear
-        coefficients least-squares fitted to the same table."""
-        cm = cls(model, device, table=table, **kw)
+        coefficients least-squares fitted to the same table (the keywords as in `CostModel`)."""
+        cm = cls(model, device, table=table, pad_multiple=pad_multiple, forgetting=forgetting,
+                 prior_strength=prior_strength, packed_attention=packed_attention)
         r, l, d = np.meshgrid(table.rows, table.main_len, table.dec_len, indexing="ij")
         phi = cm.padded_features(r.ravel(), l.ravel(), d.ravel(), np.zeros(r.size))
         cm.time_coef = fit_relative(phi, table.time_s.ravel(), np.ones(r.size), cm.prior_time_coef, 1e-6)
@@ -476,11 +485,13 @@ class CostModel(StageCosts):
         return CostModel(self.model, dev, pad_multiple=self.pad_multiple,
                          packed_attention=self.packed_attention).set_layout(self.layout)
 
-    def with_model(self, **changes) -> "CostModel":
-        """The same device and layer layout with some `ModelConfig` fields changed (e.g.
-        ``recompute=False``: the base a per-stage recompute policy is priced from); analytic
-        coefficients recomputed."""
-        return CostModel(replace(self.model, **changes), self.device, pad_multiple=self.pad_multiple,
+    def with_model(self, model: ModelConfig | None = None, *, recompute: bool | None = None) -> "CostModel":
+        """The same device and layer layout with another `ModelConfig` (``model``; default this one), its
+        ``recompute`` set when given (``recompute=False``: the base a per-stage recompute policy is
+        priced from); analytic coefficients recomputed."""
+        model = self.model if model is None else model
+        model = model if recompute is None else replace(model, recompute=bool(recompute))
+        return CostModel(model, self.device, pad_multiple=self.pad_multiple,
                          packed_attention=self.packed_attention).set_layout(self.layout)
 
     def __repr__(self) -> str:

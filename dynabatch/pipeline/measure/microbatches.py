@@ -60,14 +60,18 @@ def representative(microbatches: Sequence[dict], k: int = 8) -> list[dict]:
     return [mbs[i] for i in order[pick]]
 
 
-def stage_cost_model(model, num_stages: int, device: str | DeviceProfile = "cpu", **kw) -> CostModel:
+def stage_cost_model(model, num_stages: int, device: str | DeviceProfile = "cpu", *,
+                     packed_attention: str | None = None, pad_multiple: int = 8, forgetting: float = 0.98,
+                     prior_strength: float = 1e-3) -> CostModel:
     """The analytic `CostModel` of one pipeline stage of ``model`` (a `LayeredModel`, or a
     `ModelConfig`): the whole model's layers (and decoder or vision layers) divided by ``num_stages``, on a
-    device preset name or `DeviceProfile`; ``kw`` go to `CostModel`. A micro-batch without image
+    device preset name or `DeviceProfile`; the keywords as in `CostModel`. A micro-batch without image
     tiles has no vision cost (the ``n_vis``/``q_vis``/``has_vis`` features are 0). A packed row is priced
-    as the model attends it (its ``packed_attention()``) unless ``kw`` says otherwise."""
-    if hasattr(model, "packed_attention"):
-        kw = {"packed_attention": model.packed_attention(), **kw}
+    as the model attends it (its ``packed_attention()``) unless ``packed_attention`` says otherwise."""
+    if packed_attention is None:
+        packed_attention = model.packed_attention() if hasattr(model, "packed_attention") else "varlen"
+    kw = dict(packed_attention=packed_attention, pad_multiple=pad_multiple, forgetting=forgetting,
+              prior_strength=prior_strength)
     cfg = getattr(model, "config", model)
     extra = {"encoder_decoder": {"decoder_layers": cfg.decoder_layers / num_stages},
              "vision_language": {"vision_layers": cfg.vision_layers / num_stages}}.get(cfg.kind, {})

@@ -321,10 +321,15 @@ def _with_mask_cost(cm: CostModel, prof: Profile, ragged: np.ndarray) -> np.ndar
 
 
 def profile_cost_model(model, *, num_stages: int = 1, device="cpu", device_profile: DeviceProfile | str | None = None,
-                       pad_multiple: int = 8, **kw) -> CostModel:
-    """`fitted_cost_model` of `profile_model` measurements of ``model`` on ``device`` (``kw``: its grids,
-    ``repeats``, ``seed``, ``progress``)."""
-    prof = profile_model(model, num_stages=num_stages, device=device, **kw)
+                       pad_multiple: int = 8, rows=DEFAULT_ROWS, lengths=DEFAULT_LENGTHS, target_lengths=None,
+                       packed: bool = True, tiles=DEFAULT_TILES, repeats: int = 3, warmup: int = 1, seed: int = 0,
+                       progress=None, ragged: bool = True) -> CostModel:
+    """`fitted_cost_model` of `profile_model` measurements of ``model`` on ``device`` (the grids ``rows``,
+    ``lengths``, ``target_lengths``, ``tiles`` and ``packed``, ``repeats``, ``warmup``, ``seed``, ``progress``,
+    ``ragged`` as in `profile_model`)."""
+    prof = profile_model(model, rows=rows, lengths=lengths, target_lengths=target_lengths, packed=packed, tiles=tiles,
+                         num_stages=num_stages, repeats=repeats, warmup=warmup, device=device, seed=seed,
+                         progress=progress, ragged=ragged)
     return fitted_cost_model(prof, model, device=device, device_profile=device_profile, pad_multiple=pad_multiple)
 
 
@@ -358,15 +363,17 @@ def load_layer_costs(path):
 # command line
 
 
-def load_model(spec: str, *, seed: int = 0, **overrides):
-    """The `LayeredModel` a ``--model`` names: a tiny model (sizes overridden by ``overrides``) or, for
-    ``hf:PATH``, the Hugging Face model of a ``save_pretrained`` folder (its weights) or a
-    ``config.json`` (random weights from ``seed``), through `dynabatch.pipeline.from_hf`."""
+def load_model(spec: str, *, seed: int = 0, hidden: int | None = None, layers: int | None = None):
+    """The `LayeredModel` a ``--model`` names: a tiny model (``hidden`` and ``layers``, when given, resize it:
+    ``layers`` are ``gpt-tiny``'s blocks, the encoder layers of the others) or, for ``hf:PATH``, the Hugging
+    Face model of a ``save_pretrained`` folder (its weights) or a ``config.json`` (random weights from
+    ``seed``), through `dynabatch.pipeline.from_hf`."""
     from ..models import make_model
 
     if not spec.startswith("hf:"):
-        return make_model(spec, seed=seed, **overrides)
-    if overrides:
+        sizes = {} if layers is None else {"layers" if spec == "gpt-tiny" else "encoder_layers": layers}
+        return make_model(spec, seed=seed, hidden=hidden, **sizes)
+    if hidden is not None or layers is not None:
         raise ValueError(f"--hidden/--layers resize the tiny models only; edit the config of {spec[3:]} instead")
     from ..models.hf import from_hf
 

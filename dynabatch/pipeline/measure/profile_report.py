@@ -104,18 +104,13 @@ def profile_command(args) -> int:
     from ...core.cost.model import describe
     from ...progress import progress_bar, show_progress
 
-    over = {}
-    if args.hidden:
-        over["hidden"] = args.hidden
-    if args.layers:
-        over["layers" if args.model == "gpt-tiny" else "encoder_layers"] = args.layers
     for name, grid in (("rows", args.rows), ("lengths", args.lengths), ("target-lengths", args.target_lengths),
                        ("tiles", args.tiles)):
         if grid is not None and (len(grid) == 0 or any(b <= a for a, b in zip(grid[:-1], grid[1:])) or min(grid) < 1):
             print(f"dynabatch profile: error: --{name} must be positive and strictly increasing", file=sys.stderr)
             return 2
     try:
-        model = load_model(args.model, seed=args.seed, **over)
+        model = load_model(args.model, seed=args.seed, hidden=args.hidden or None, layers=args.layers or None)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"dynabatch profile: error: {e}", file=sys.stderr)
         return 2

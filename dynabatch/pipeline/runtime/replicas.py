@@ -65,11 +65,13 @@ class ReplicaCollective(TorchCollective):
         return buf.numpy().reshape(self.world_size, k)
 
 
-def loader_runtime(ctx, **kw):
+def loader_runtime(ctx, *, plan_ahead: int = 2, plan_processes: int | None = None, buffer_tokens: int | None = None,
+                   chunk_size: int = 64):
     """``dynabatch.Runtime`` for this rank's data loader: the replica's share (``rank=ctx.replica``,
     ``world_size=ctx.num_replicas``) and, with several replicas, their `ReplicaCollective` (collective: every
-    rank calls it at the same point). ``kw``: the other ``Runtime`` fields (``plan_ahead``, ...)."""
+    rank calls it at the same point). The keywords: the other ``Runtime`` fields, as it documents them."""
     from ...loader.settings import Runtime
 
     collective = ReplicaCollective(ctx) if ctx.num_replicas > 1 else None
-    return Runtime(rank=ctx.replica, world_size=ctx.num_replicas, collective=collective, **kw)
+    return Runtime(rank=ctx.replica, world_size=ctx.num_replicas, collective=collective, plan_ahead=plan_ahead,
+                   plan_processes=plan_processes, buffer_tokens=buffer_tokens, chunk_size=chunk_size)

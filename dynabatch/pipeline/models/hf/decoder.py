@@ -123,20 +123,25 @@ class DecoderHead(HFLayer):
         return summed_cross_entropy(logits, batch["labels"], shift=True)
 
 
-def cost_config(name: str, kind: str, config, dtype: torch.dtype, **extra) -> ModelConfig:
-    """The cost model's `ModelConfig` of a Hugging Face text config (whole model as one stage)."""
+def cost_config(name: str, kind: str, config, dtype: torch.dtype, *, layers: int | None = None,
+                decoder_layers: float = 0.0, vision_hidden: int = 0, vision_attn_dim: int = 0, vision_ffn: int = 0,
+                vision_layers: float = 0.0, tile_patches: int = 0, tile_tokens: int = 0) -> ModelConfig:
+    """The cost model's `ModelConfig` of a Hugging Face text config (whole model as one stage): ``layers``
+    (default the config's layer count) and the decoder and vision sizes as `ModelConfig` has them."""
     hidden = int(getattr(config, "hidden_size", None) or config.d_model)
     heads = int(getattr(config, "num_attention_heads", None) or config.num_heads)
     head_dim = int(getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or hidden // heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     ffn = int(getattr(config, "intermediate_size", None) or getattr(config, "d_ff", None)
               or getattr(config, "encoder_ffn_dim", 4 * hidden))
-    layers = extra.pop("layers", None) or int(getattr(config, "num_hidden_layers", None) or config.num_layers)
+    layers = layers or int(getattr(config, "num_hidden_layers", None) or config.num_layers)
     gated = bool(getattr(config, "hidden_act", None) in ("silu", "gelu_pytorch_tanh") or
                  getattr(config, "is_gated_act", False))
     return ModelConfig(name, kind, hidden=hidden, attn_dim=heads * head_dim, kv_dim=kv * head_dim, ffn=ffn,
                        layers=layers, gated_ffn=gated, flash_attention=False,
-                       dtype_bytes=torch.empty((), dtype=dtype).element_size(), **extra)
+                       dtype_bytes=torch.empty((), dtype=dtype).element_size(), decoder_layers=decoder_layers,
+                       vision_hidden=vision_hidden, vision_attn_dim=vision_attn_dim, vision_ffn=vision_ffn,
+                       vision_layers=vision_layers, tile_patches=tile_patches, tile_tokens=tile_tokens)
 
 
 def decoder_parts(hf_model: nn.Module) -> nn.Module:
