@@ -24,6 +24,7 @@ examples:
   dynabatch bench schedules                                          # generated FLAN-like text, 4 and 8 stages
   dynabatch bench schedules --data ../shared/data/text/niv2_sample.jsonl.gz --num-stages 4 --num-ranks 8 32
   dynabatch bench schedules --model t5 --batches 8 --json > schedules.json
+  dynabatch bench schedules --measure                                # executed vs simulated op seconds, 2 gloo stages
 """
 
 
@@ -45,6 +46,10 @@ def add_bench_schedules_command(bench_sub) -> None:
     p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
     p.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--measure", action="store_true",
+                   help="instead: run gpt-tiny on 2 gloo stages (1f1b and zb-h1) and score the simulator's op seconds "
+                        "(F, B, Bi, W) against the executed ones (dynabatch.bench.schedules_measure)")
+    p.add_argument("--rounds", type=int, default=12, help="--measure: rounds of fresh micro-batches (default 12)")
     add_progress_option(p, "the global batches planned")
     p.set_defaults(func=bench_schedules_command)
 
@@ -54,6 +59,12 @@ def bench_schedules_command(args) -> int:
     from ..bench.schedules import format_schedules, run_schedules_bench
     from ..shape_sources import bench_shapes
 
+    if args.measure:
+        from ..bench.schedules_measure import MeasureConfig, format_measure, run_measure
+
+        rep = run_measure(MeasureConfig(rounds=args.rounds, seed=args.seed))
+        print(json.dumps(rep, indent=1) if args.json else format_measure(rep))
+        return 0
     shapes, data = bench_shapes(args.data, args.model, args.samples, args.seed)
     rows = run_schedules_bench(shapes, args.model, args.device, tuple(args.num_stages), tuple(args.num_ranks),
                                args.batches, args.global_batch_tokens, args.max_len,

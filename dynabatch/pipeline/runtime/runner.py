@@ -86,6 +86,8 @@ class PipelineRunner:
         self._programs: OrderedDict = OrderedDict()
         self._param_ptrs = param_pointers([stage])
         self._wp = None
+        #: The `StageRun` of the latest flushed step (its ops in order and their seconds, after the step).
+        self.last_run = None
 
     @classmethod
     def from_model(cls, model, ctx: DistContext, bounds: Sequence[int] | StagePartition,
@@ -304,6 +306,7 @@ class PipelineRunner:
         clock = self.start_program(program, hooks, self.recompute_layers(plan, recompute))
         M = len(shapes)
         run = self.run(program, hooks, clock, M, groups=M)  # one loss per micro-batch: a bad one is named
+        self.last_run = run
         loss, tokens, verdict, ran = reduce_step(self.guard, run.loss, run.tokens, [(0, M)], [hooks.watch],
                                                  f"step {k}", hooks.watch is not None)
         total_loss, n_tokens = float(loss[0]), float(tokens[0])
