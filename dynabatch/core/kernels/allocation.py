@@ -83,32 +83,40 @@ def gpipe_codes(S, M):
 
 
 @njit(cache=True)
-def _replica_time(t, mem, p2p, recv, ovh, ff, s, sel):
-    m = sel.shape[0]
-    if m == 0:
-        return 0.0, 0.0
-    held = 0.0
-    rx = 0.0
-    busy = 0.0
+def gpipe_makespan_kernel(stage_s, ff, p2p, sel, m, s, fend, bend):
+    """Makespan (seconds) of GPipe on ``s`` stages for micro-batches ``sel[:m]`` whose every stage takes
+    ``stage_s[j]`` (forward ``ff`` of it, backward the rest) with ``p2p[j]`` between stages: the pipeline
+    simulator's recurrence (`dynabatch.core.kernels.simulate.makespan_kernel` on `gpipe_codes`, which the
+    tests compare) specialised to this order, with no allocation (``fend`` / ``bend``: float64 scratch >= m)."""
+    # forward: stage q runs F_1..F_m; F(q, j) waits for F(q-1, j) and its transfer
     for k in range(m):
-        held += mem[sel[k]]
-        rx += recv[sel[k]]
-        busy += t[sel[k]]
-    if s == 1:
-        return busy + rx, held
-    fwd = np.empty((s, m))
-    bwd = np.empty((s, m))
-    pp = np.empty(m)
+        fend[k] = 0.0
+    for q in range(s):
+        free = 0.0
+        for k in range(m):
+            j = sel[k]
+            ready = fend[k] + (p2p[j] if q > 0 else 0.0)
+            st = free if free > ready else ready
+            free = st + stage_s[j] * ff
+            fend[k] = free
+    last_f = free
+    # backward: the last stage starts after its own forwards; stage q runs B_1..B_m, each after B(q+1, j)
+    # (a stage above the last needs B(q+1, 1), which ends after the last stage's forwards, so after its own:
+    # its backwards need no earlier start than 0)
+    span = 0.0
     for k in range(m):
-        j = sel[k]
-        o = min(ovh, t[j])
-        stage = (t[j] - o) / s + o  # a uniform cut of the layers; every stage pays the launch overhead
-        for q in range(s):
-            fwd[q, k] = stage * ff
-            bwd[q, k] = stage * (1.0 - ff)
-        pp[k] = p2p[j]
-    span = makespan_kernel(fwd, bwd, pp, gpipe_codes(s, m))
-    return span + rx, held / s
+        bend[k] = fend[k]
+    for q in range(s - 1, -1, -1):
+        free = last_f if q == s - 1 else 0.0
+        for k in range(m):
+            j = sel[k]
+            ready = bend[k] + (p2p[j] if q < s - 1 else 0.0)
+            st = free if free > ready else ready
+            free = st + stage_s[j] * (1.0 - ff)
+            bend[k] = free
+        if free > span:
+            span = free
+    return span
 
 
 @njit(cache=True)
@@ -123,7 +131,9 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
     time; ``layers``: most pipeline stages; ``state_by_d[d]``: model-state bytes of the whole component with
     ``d`` data-parallel replicas (`CostModel.state_bytes`); ``grad_bytes``: its gradient bytes; the ring
     all-reduce over ``d`` replicas takes ``2 (d - 1) / d * grad_bytes / s / ar_bw + 2 (d - 1) ar_lat`` seconds.
-    Options above ``limit`` bytes per device are dropped."""
+    A replica's time: its micro-batches' summed seconds (``s == 1``) or GPipe's simulated makespan with every
+    stage ``(t - ovh) / s + ovh`` (a uniform cut), plus its ``recv``. Options above ``limit`` bytes per device
+    are dropped."""
     M = t.shape[0]
     cap = 0
     for n in range(1, N + 1):
@@ -135,6 +145,14 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
     ot = np.empty(cap)
     om = np.empty(cap)
     assign = np.empty(M, np.int64)
+    loads = np.zeros(N)
+    held = np.zeros(N)
+    rx = np.zeros(N)
+    count = np.zeros(N + 1, np.int64)
+    grouped = np.empty(M, np.int64)
+    fend = np.empty(M)
+    bend = np.empty(M)
+    order = np.argsort(-t, kind="mergesort")  # longest first, ties by index: `lpt_kernel`'s order
     active = 0
     for j in range(M):
         if t[j] >= 0:
@@ -145,32 +163,79 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
             if n % s != 0:
                 continue
             d = n // s
-            loads = lpt_kernel(t, d, assign)
-            worst = 0.0
+            for r in range(d):
+                loads[r] = 0.0
+                held[r] = 0.0
+                rx[r] = 0.0
+            for k in range(M):  # `lpt_kernel` on the shared order
+                j = order[k]
+                if t[j] < 0:
+                    assign[j] = -1
+                    continue
+                best = 0
+                for r in range(1, d):
+                    if loads[r] < loads[best]:
+                        best = r
+                assign[j] = best
+                loads[best] += t[j]
+                held[best] += mem[j]
+                rx[best] += recv[j]
             peak = 0.0
             for r in range(d):
-                k = 0
-                for j in range(M):
-                    if assign[j] == r:
-                        k += 1
-                sel = np.empty(k, np.int64)
-                k = 0
-                for j in range(M):
-                    if assign[j] == r:
-                        sel[k] = j
-                        k += 1
-                span, held = _replica_time(t, mem, p2p, recv, ovh, ff, s, sel)
-                if span > worst:
-                    worst = span
-                if held > peak:
-                    peak = held
-            if active > 0 and d > 1:
-                worst += 2.0 * (d - 1) / d * grad_bytes / s / ar_bw + 2.0 * (d - 1) * ar_lat
-            bytes_ = state_by_d[d] / s + peak
+                if held[r] > peak:
+                    peak = held[r]
+            bytes_ = state_by_d[d] / s + peak / s
             if bytes_ > limit:
                 continue
+            worst = 0.0
+            if s == 1:
+                for r in range(d):
+                    if loads[r] + rx[r] > worst:
+                        worst = loads[r] + rx[r]
+            else:
+                # micro-batches grouped by replica, in index order (counting sort)
+                for r in range(d + 1):
+                    count[r] = 0
+                for j in range(M):
+                    if assign[j] >= 0:
+                        count[assign[j] + 1] += 1
+                for r in range(d):
+                    count[r + 1] += count[r]
+                for j in range(M):
+                    a = assign[j]
+                    if a >= 0:
+                        grouped[count[a]] = j
+                        count[a] += 1
+                st = stage_time(t, ovh, s)
+                lo = 0
+                for r in range(d):
+                    hi = count[r]
+                    m = hi - lo
+                    if m > 0:
+                        span = gpipe_makespan_kernel(st, ff, p2p, grouped[lo:hi], m, s, fend, bend)
+                        if span + rx[r] > worst:
+                            worst = span + rx[r]
+                    lo = hi
+            if active > 0 and d > 1:
+                worst += 2.0 * (d - 1) / d * grad_bytes / s / ar_bw + 2.0 * (d - 1) * ar_lat
             on[cnt], os_[cnt], ot[cnt], om[cnt] = n, s, worst, bytes_
             cnt += 1
+    return _undominated(on[:cnt], os_[:cnt], ot[:cnt], om[:cnt])
+
+
+@njit(cache=True)
+def stage_time(t, ovh, s):
+    """Per micro-batch seconds on each of ``s`` stages of a uniform cut: the work splits, the launch does not."""
+    out = np.empty(t.shape[0])
+    for j in range(t.shape[0]):
+        o = ovh if ovh < t[j] else t[j]
+        out[j] = (t[j] - o) / s + o if t[j] > 0 else 0.0
+    return out
+
+
+@njit(cache=True)
+def _undominated(on, os_, ot, om):
+    cnt = on.shape[0]
     keep = np.ones(cnt, np.bool_)
     for a in range(cnt):
         for b in range(cnt):
@@ -178,20 +243,8 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
                     on[b] < on[a] or ot[b] < ot[a] or om[b] < om[a] or b < a):
                 keep[a] = False
                 break
-    k = 0
-    for a in range(cnt):
-        if keep[a]:
-            k += 1
-    rn = np.empty(k, np.int64)
-    rs = np.empty(k, np.int64)
-    rt = np.empty(k)
-    rm = np.empty(k)
-    k = 0
-    for a in range(cnt):
-        if keep[a]:
-            rn[k], rs[k], rt[k], rm[k] = on[a], os_[a], ot[a], om[a]
-            k += 1
-    return rn, rs, rt, rm
+    idx = np.flatnonzero(keep)
+    return on[idx], os_[idx], ot[idx], om[idx]
 
 
 def options_reference(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes, ar_bw, ar_lat, limit):
@@ -210,7 +263,7 @@ def options_reference(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_by
                 sel = [j for j in range(len(t)) if assign[j] == r]
                 if not sel:
                     continue
-                held = sum(mem[j] for j in sel)
+                held = sum(mem[j] for j in sel) / s
                 rx = sum(recv[j] for j in sel)
                 if s == 1:
                     span = sum(t[j] for j in sel) + rx
@@ -221,13 +274,12 @@ def options_reference(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_by
                     codes = np.array([list(range(1, len(sel) + 1)) + [-(k + 1) for k in range(len(sel))]] * s,
                                      np.int32)
                     span = makespan_reference(fwd, bwd, np.array([p2p[j] for j in sel]), codes) + rx
-                    held /= s
                 worst, peak = max(worst, span), max(peak, held)
+            if state_by_d[d] / s + peak > limit:
+                continue
             if active and d > 1:
                 worst += 2.0 * (d - 1) / d * grad_bytes / s / ar_bw + 2.0 * (d - 1) * ar_lat
-            b = state_by_d[d] / s + peak
-            if b <= limit:
-                cands.append((n, s, worst, b))
+            cands.append((n, s, worst, state_by_d[d] / s + peak))
     keep = []
     for a, (n, s, tt, m) in enumerate(cands):
         beaten = any(b != a and nb <= n and tb <= tt and mb <= m and (nb < n or tb < tt or mb < m or b < a)

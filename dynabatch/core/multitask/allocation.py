@@ -179,8 +179,7 @@ def component_options(costs, workload, name: str, num_devices: int, memory_limit
 
     a = component_inputs(costs, workload, name, allreduce_bandwidth)
     N = int(num_devices)
-    cm = costs.models[name]
-    state = np.array([0.0] + [cm.state_bytes(d) for d in range(1, N + 1)])
+    state = costs.state_table(name, N)
     fn = options_kernel if method == "kernel" else options_reference
     n, s, t, m = fn(a["t"], a["mem"], a["p2p"], a["recv"], a["ovh"], a["ff"], a["layers"], N, state,
                     a["grad_bytes"], a["ar_bw"], a["ar_lat"], float(memory_limit))

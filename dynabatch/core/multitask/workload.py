@@ -196,6 +196,16 @@ class ComponentCosts:
             c.name: given.get(c.name) or CostModel.analytic(c.model, self.device) for c in graph.components}
         self.loops: dict[str, FeedbackLoop] = {
             n: FeedbackLoop(m, refit_every=refit_every, forgetting=forgetting) for n, m in self.models.items()}
+        self._state: dict[tuple[str, int], np.ndarray] = {}
+
+    def state_table(self, component: str, num_devices: int) -> np.ndarray:
+        """Model-state bytes of the whole ``component`` with ``d`` data-parallel replicas, for d in
+        0..``num_devices`` (`CostModel.state_bytes`; entry 0 unused), memoized (it depends on shapes only)."""
+        key = (component, int(num_devices))
+        if key not in self._state:
+            cm = self.models[component]
+            self._state[key] = np.array([0.0] + [cm.state_bytes(d) for d in range(1, int(num_devices) + 1)])
+        return self._state[key]
 
     def workload(self, samples: StepSamples) -> Workload:
         """The step's `Workload` under the current cost models."""
