@@ -12,6 +12,12 @@ objective. Finally the DP is rerun with the number of micro-batches tracked modu
 rank can receive the same count, over caps in order of their unconstrained objective until none
 can win.
 
+On one stage with several ranks nothing waits for a pipeline, but the step waits for its slowest
+rank, which ``sum / R`` does not see (a few large micro-batches cannot be spread evenly):
+`_one_stage_search` scores each candidate cap's partition by the slowest rank's seconds once
+`dynabatch.core.kernels.assign.assign_ranks` (the planner's own assignment) has spread it
+(`slowest_rank_s`), caps in order of their ``sum / R`` (a lower bound) until none can win.
+
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate (`dynabatch.core.kernels.segments`). `dp_reference` is the same algorithm in
 plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
@@ -27,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from .assign import assign_ranks, assign_ranks_reference
 from .caps import _pick_caps_between, pick_caps_reference
 from .cost import NUM_FEATURES, Q_PAD
 from .objective import objective_kernel, objective_reference
@@ -182,9 +189,11 @@ def dp_search(main, dec, tiles, cost, search):
         floor = max(floor, seg_time[offset[i]])
     for k in range(seg_time.shape[0]):
         top = max(top, seg_time[k])
+    if stages == 1 and ranks > 1 and n > 0:
+        return _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, equal_counts)
     if stages == 1:
-        # No pipeline bubble: the objective is the sum alone, minimal without any cap, so only
-        # the largest segment time is needed (no sort of every segment time).
+        # One rank, no pipeline bubble: the objective is the sum alone, minimal without any cap, so
+        # only the largest segment time is needed (no sort of every segment time).
         coarse = np.full(1, top)
     else:
         # the caps of `_pick_caps` over the sorted distinct segment times from ``floor`` up
@@ -254,6 +263,97 @@ def dp_search(main, dec, tiles, cost, search):
         best_starts = dp_mod_ranks(offset, count, seg_time, top, n, ranks)
         if best_starts.shape[0] == 0:
             return best_starts, NO_EQUAL_SPLIT
+    return best_starts, 0
+
+
+@njit(cache=True, nogil=True)
+def _backtrack(back, n):
+    """Segment starts of the partition `dp_for_cap` left in ``back`` (ascending)."""
+    k = 0
+    i = n
+    while i > 0:
+        i = back[i]
+        k += 1
+    out = np.empty(k, np.int64)
+    i = n
+    while i > 0:
+        k -= 1
+        out[k] = back[i]
+        i = back[i]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def partition_times(offset, count, seg_time, starts, n):
+    """Seconds of each segment of the partition ``starts`` (segment prices of `enumerate_segments`)."""
+    out = np.empty(starts.shape[0])
+    for q in range(starts.shape[0]):
+        end = starts[q + 1] if q + 1 < starts.shape[0] else n
+        out[q] = seg_time[offset[end] + (end - 1 - starts[q])]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def slowest_rank_s(times, ranks, equal_counts):
+    """Seconds of the slowest rank once ``times`` are spread over ``ranks`` by `assign_ranks` (one
+    stage): the step time a one-stage data-parallel plan of these micro-batches waits for."""
+    rank_of = assign_ranks(times, ranks, 1, equal_counts)
+    per_rank = np.zeros(ranks)
+    for k in range(times.shape[0]):
+        per_rank[rank_of[k]] += times[k]
+    return per_rank.max()
+
+
+@njit(cache=True, nogil=True)
+def _caps_by_makespan(offset, count, seg_time, caps, n, ranks, equal_counts, f, back, mx, best_val, best_starts):
+    """Score every cap of ``caps`` by `slowest_rank_s` of its partition (`dp_for_cap`, or `dp_mod_ranks`
+    with ``equal_counts``), smallest unconstrained sum / ranks first; returns the best (value, starts)
+    found, starting from (``best_val``, ``best_starts``). A cap is skipped once its sum / ranks (a
+    lower bound of its slowest rank: the constrained sum is no smaller) cannot win."""
+    lower = np.empty(caps.shape[0])
+    for k in range(caps.shape[0]):
+        lower[k] = dp_for_cap(offset, count, seg_time, caps[k], n, f, back, mx) / ranks
+    for idx in np.argsort(lower, kind="mergesort"):
+        if not lower[idx] < best_val:
+            break
+        if equal_counts:
+            st = dp_mod_ranks(offset, count, seg_time, caps[idx], n, ranks)
+            if st.shape[0] == 0:
+                continue
+        else:
+            dp_for_cap(offset, count, seg_time, caps[idx], n, f, back, mx)
+            st = _backtrack(back, n)
+        val = slowest_rank_s(partition_times(offset, count, seg_time, st, n), ranks, equal_counts)
+        if val < best_val:
+            best_val = val
+            best_starts = st
+    return best_val, best_starts
+
+
+@njit(cache=True, nogil=True)
+def _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, equal_counts):
+    """`dp_search` on one stage with several ranks: the step waits for the slowest rank, so each
+    candidate cap's partition is scored by `slowest_rank_s` (sum / ranks alone ignores that a few large
+    micro-batches cannot be spread evenly: on FLAN-like steps of 2 ranks it gave one micro-batch per
+    rank, the slowest rank 1.6-1.8x the mean). Caps: `_pick_caps_between` on a log grid, then refined
+    between the neighbours of the best one; the uncapped partition (the sum's optimum) is among them."""
+    f = np.empty(n + 1)
+    back = np.empty(n + 1, np.int64)
+    mx = np.empty(n + 1)
+    coarse = _pick_caps_between(seg_time, floor, top, max_caps)
+    best_val, best_starts = _caps_by_makespan(offset, count, seg_time, coarse, n, ranks, equal_counts, f, back, mx,
+                                              np.inf, np.empty(0, np.int64))
+    if best_starts.shape[0] == 0:
+        # No candidate cap admits a multiple of R; the largest segment time admits every split.
+        best_starts = dp_mod_ranks(offset, count, seg_time, top, n, ranks)
+        return best_starts, (0 if best_starts.shape[0] else NO_EQUAL_SPLIT)
+    largest = partition_times(offset, count, seg_time, best_starts, n).max()
+    k = np.searchsorted(coarse, largest)  # the best partition's largest micro-batch is at most its cap
+    lo_v = coarse[k - 1] if k > 0 else coarse[0]
+    hi_v = coarse[k + 1] if k + 1 < coarse.shape[0] else coarse[-1]
+    fine = _pick_caps_between(seg_time, lo_v, hi_v, max_caps)
+    best_val, best_starts = _caps_by_makespan(offset, count, seg_time, fine, n, ranks, equal_counts, f, back, mx,
+                                              best_val, best_starts)
     return best_starts, 0
 
 
@@ -335,6 +435,36 @@ def dp_reference(main, dec, tiles, cost: SegmentCost, search: DPSearch):
 
     floor = max(seg[(i - 1, i)] for i in range(1, n + 1))
     values = np.unique(np.array(list(seg.values())))
+    if stages == 1 and ranks > 1:  # `_one_stage_search`: each cap's partition scored by its slowest rank
+        def slowest(starts):
+            times = [seg[(a, b)] for a, b in zip(starts, starts[1:] + [n])]
+            per_rank = [0.0] * ranks
+            for t, r in zip(times, assign_ranks_reference(times, ranks, 1, equal_counts)):
+                per_rank[r] += t
+            return max(per_rank)
+
+        def by_makespan(caps, best, best_val):
+            lower = [sum(seg[(a, b)] for a, b in zip(st, st[1:] + [n])) / ranks
+                     for st in (best_for_cap(c, 1) for c in caps)]
+            for idx in np.argsort(np.array(lower), kind="mergesort"):
+                if not lower[idx] < best_val:
+                    break
+                st = best_for_cap(caps[idx], ranks if equal_counts else 1)
+                if st is not None and slowest(st) < best_val:
+                    best, best_val = st, slowest(st)
+            return best, best_val
+
+        coarse = pick_caps_reference(values, int(np.searchsorted(values, floor)), max_caps)
+        best, best_val = by_makespan(list(coarse), None, np.inf)
+        if best is None:
+            best = best_for_cap(values[-1], ranks)
+            return (best, 0) if best is not None else ([], NO_EQUAL_SPLIT)
+        largest = max(seg[(a, b)] for a, b in zip(best, best[1:] + [n]))
+        k = int(np.searchsorted(coarse, largest))
+        lo_v, hi_v = coarse[max(k - 1, 0)], coarse[min(k + 1, len(coarse) - 1)]
+        window = values[np.searchsorted(values, lo_v): np.searchsorted(values, hi_v, side="right")]
+        best, _ = by_makespan(list(pick_caps_reference(window, 0, max_caps)), best, best_val)
+        return best, 0
     if stages == 1:  # no bubble: the uncapped partition minimizes the sum
         caps = [values[-1]]
     else:
