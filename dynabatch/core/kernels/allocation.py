@@ -35,10 +35,17 @@ def lpt_kernel(cost, d, assign):
     ``assign`` -1) over ``d`` replicas: writes each entry's replica into ``assign`` (int64 [M]) and returns
     the replicas' loads (float64 [d]). Longest first (ties: lower index first), each to the least-loaded
     replica (ties: lower replica)."""
-    M = cost.shape[0]
-    order = np.argsort(-cost, kind="mergesort")
     loads = np.zeros(d)
-    for k in range(M):
+    _lpt_ordered(cost, np.argsort(-cost, kind="mergesort"), d, assign, loads)
+    return loads
+
+
+@njit(cache=True)
+def _lpt_ordered(cost, order, d, assign, loads):
+    """`lpt_kernel` given the longest-first ``order``, into ``assign`` and ``loads[:d]`` (zeroed here)."""
+    for r in range(d):
+        loads[r] = 0.0
+    for k in range(cost.shape[0]):
         j = order[k]
         if cost[j] < 0:
             assign[j] = -1
@@ -49,7 +56,6 @@ def lpt_kernel(cost, d, assign):
                 best = r
         assign[j] = best
         loads[best] += cost[j]
-    return loads
 
 
 def lpt_reference(cost, d):
@@ -163,23 +169,14 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
             if n % s != 0:
                 continue
             d = n // s
+            _lpt_ordered(t, order, d, assign, loads)
             for r in range(d):
-                loads[r] = 0.0
                 held[r] = 0.0
                 rx[r] = 0.0
-            for k in range(M):  # `lpt_kernel` on the shared order
-                j = order[k]
-                if t[j] < 0:
-                    assign[j] = -1
-                    continue
-                best = 0
-                for r in range(1, d):
-                    if loads[r] < loads[best]:
-                        best = r
-                assign[j] = best
-                loads[best] += t[j]
-                held[best] += mem[j]
-                rx[best] += recv[j]
+            for j in range(M):
+                if assign[j] >= 0:
+                    held[assign[j]] += mem[j]
+                    rx[assign[j]] += recv[j]
             peak = 0.0
             for r in range(d):
                 if held[r] > peak:

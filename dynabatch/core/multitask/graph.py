@@ -178,6 +178,15 @@ class ComponentGraph:
                 return t
         raise KeyError(f"no task {name!r} in this graph (tasks: {', '.join(self.task_names)})")
 
+    def check_tasks(self, tasks, what: str = "sample") -> None:
+        """ValueError naming the first entry of ``tasks`` (one per ``what``: sample, micro-batch) that is not a
+        task of this graph, and the graph's tasks."""
+        known = set(self.task_names)
+        for i, t in enumerate(tasks):
+            if t not in known:
+                raise ValueError(f"{what} {i} has task {t!r}, which is not a task of the graph "
+                                 f"(tasks: {', '.join(self.task_names)})")
+
     @property
     def task_names(self) -> tuple[str, ...]:
         """The tasks' names, in declaration order."""

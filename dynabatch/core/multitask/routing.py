@@ -26,11 +26,7 @@ def route(allocation: Allocation, graph: ComponentGraph, tasks_of_microbatches: 
     rows); without it every micro-batch costs the same (plain round-robin). Unknown task names raise
     ValueError naming the graph's tasks."""
     tasks = tuple(tasks_of_microbatches)
-    known = set(graph.task_names)
-    for j, t in enumerate(tasks):
-        if t not in known:
-            raise ValueError(f"micro-batch {j} has task {t!r}, which is not a task of the graph "
-                             f"(tasks: {', '.join(graph.task_names)})")
+    graph.check_tasks(tasks, "micro-batch")
     out: dict[str, tuple[tuple[int, ...], ...]] = {}
     for name in graph.order():
         p = allocation.placement(name)

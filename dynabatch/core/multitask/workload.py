@@ -82,11 +82,7 @@ class StepSamples:
         first, each micro-batch filled up to ``microbatch_tokens`` backbone tokens (a longer sample gets one of
         its own). Deterministic. Unknown task names raise ValueError naming the graph's tasks."""
         tasks = tuple(tasks)
-        known = set(graph.task_names)
-        for i, t in enumerate(tasks):
-            if t not in known:
-                raise ValueError(f"sample {i} has task {t!r}, which is not a task of the graph "
-                                 f"(tasks: {', '.join(graph.task_names)})")
+        graph.check_tasks(tasks)
         text, vision, audio = (np.asarray(a, np.int64).ravel() for a in (text, vision, audio))
         merged = text + vision + audio
         cap = int(microbatch_tokens)
@@ -214,10 +210,7 @@ class ComponentCosts:
         mb_tasks = samples.microbatch_tasks
         M = len(mb_tasks)
         C = len(order)
-        for i, t in enumerate(samples.tasks):
-            if t not in g.task_names:
-                raise ValueError(f"sample {i} has task {t!r}, which is not a task of the graph "
-                                 f"(tasks: {', '.join(g.task_names)})")
+        g.check_tasks(samples.tasks)
         feats = np.zeros((C, M, NUM_FEATURES))
         time = np.zeros((C, M))
         mem = np.zeros((C, M))

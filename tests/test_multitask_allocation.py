@@ -1,0 +1,334 @@
+"""Spindle planning (issue 39): the component graph, per-step workload, the allocation kernels against their
+plain-Python references on random graphs and workloads, the planner against a brute force written here, the
+routing rule, and the one-pipeline baselines."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from dynabatch.core.cost.model import CostModel
+from dynabatch.core.cost.presets import ModelConfig, device_preset, model_preset
+from dynabatch.core.kernels import allocation as K
+from dynabatch.core.kernels.cost import FEATURES
+from dynabatch.core.kernels.simulate import makespan_kernel
+from dynabatch.core.multitask import (Allocation, Component, ComponentCosts, ComponentGraph, Placement, StepSamples,
+                                      Task, graph_from_configs, mtmm_graph, mtmm_tiny_graph, plan_allocation, route,
+                                      vision_language_graph)
+from dynabatch.core.multitask.allocation import component_options
+from dynabatch.core.multitask.baselines import LayerTable, lower_bound, one_pipeline, pipeline_time, uniform_bounds
+
+DEV = device_preset("a100-80gb")
+
+
+def _cfg(name, hidden, layers, ffn=None):
+    return ModelConfig(name, "decoder", hidden=hidden, attn_dim=hidden, kv_dim=hidden, ffn=ffn or 4 * hidden,
+                       layers=layers)
+
+
+def _random_graph(rng, encoders=2):
+    """Encoders e0.. -> projector -> backbone -> heads h0, h1; random widths and layer counts."""
+    configs, kinds, inputs, tokens, tasks = {}, {}, {}, {}, {}
+    enc = [f"e{k}" for k in range(encoders)]
+    for k, e in enumerate(enc):
+        configs[e] = _cfg(e, int(rng.choice([512, 1024, 2048])), int(rng.integers(1, 5)))
+        kinds[e], tokens[e] = "encoder", ("vision", "audio")[k % 2]
+    configs["proj"] = _cfg("proj", 1024, 1)
+    kinds["proj"], inputs["proj"], tokens["proj"] = "projector", tuple(enc), "encoded"
+    configs["bb"] = _cfg("bb", int(rng.choice([2048, 4096])), int(rng.integers(2, 7)))
+    kinds["bb"], inputs["bb"], tokens["bb"] = "backbone", ("proj",), "merged"
+    for h in ("h0", "h1"):
+        configs[h] = _cfg(h, 1024, 1)
+        kinds[h], inputs[h], tokens[h] = "head", ("bb",), "merged"
+    tasks["text"] = ("bb", "h0")
+    for k, e in enumerate(enc):
+        tasks[f"t{k}"] = (e, "proj", "bb", ("h0", "h1")[k % 2])
+    return graph_from_configs(configs, kinds, inputs, tasks, tokens=tokens)
+
+
+def _random_step(rng, graph, n=12, microbatch_tokens=2048):
+    tasks = [str(t) for t in rng.choice(graph.task_names, n)]
+    text = rng.integers(50, 1500, n)
+    vision = np.array([256 * int(rng.integers(1, 4)) if t == "t0" else 0 for t in tasks])
+    audio = np.array([int(rng.integers(100, 800)) if t.startswith("t") and t != "t0" and t != "text" else 0
+                      for t in tasks])
+    return StepSamples.pack(graph, tasks, text, vision, audio, microbatch_tokens=microbatch_tokens)
+
+
+# ----------------------------------------------------------------------------------------------- graph
+
+
+def test_graph_order_reaches_and_checks():
+    g = mtmm_tiny_graph()
+    assert g.order() == ("vit", "audio", "projector", "backbone", "head_caption", "head_cls")
+    assert g.reaches("image_text") == ("vit", "projector", "backbone", "head_caption")
+    assert g.tasks_through("projector") == ("image_text", "audio_text")
+    assert g.consumers("backbone") == ("head_caption", "head_cls")
+    m = _cfg("x", 64, 1)
+    with pytest.raises(ValueError, match="cycle"):
+        ComponentGraph((Component("a", "encoder", 1, m, inputs=("b",)), Component("b", "backbone", 1, m, ("a",))), ())
+    with pytest.raises(ValueError, match="not a component"):
+        ComponentGraph((Component("a", "encoder", 1, m, inputs=("zz",)),), ())
+    with pytest.raises(ValueError, match="dependency order"):
+        ComponentGraph((Component("a", "encoder", 1, m), Component("b", "backbone", 1, m, ("a",))),
+                       (Task("t", ("b", "a")),))
+    with pytest.raises(ValueError, match="none of which is earlier"):
+        ComponentGraph((Component("a", "encoder", 1, m), Component("c", "encoder", 1, m),
+                        Component("b", "backbone", 1, m, ("a",))), (Task("t", ("c", "b")),))
+    with pytest.raises(KeyError, match="tasks: text"):
+        g.reaches("video")
+    with pytest.raises(ValueError, match="decoder-kind"):
+        Component("a", "encoder", 3, m)
+
+
+def test_vision_language_graph_keeps_the_preset_shapes():
+    cfg = model_preset("vlm", 4)
+    g = vision_language_graph(cfg, num_stages=4)
+    assert g.names == ("vit", "backbone") and g.reaches("text") == ("backbone",)
+    vit, lm = g.component("vit"), g.component("backbone")
+    assert (vit.layers, lm.layers) == (45, 48)
+    # the two components hold the preset's parameters (4 stages of it)
+    assert math.isclose(vit.param_count + lm.param_count, 4 * cfg.params_per_stage, rel_tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------- workload
+
+
+def test_workload_features_and_times_match_the_cost_model():
+    g = mtmm_tiny_graph()
+    s = StepSamples(("image_text", "image_text", "text", "audio_text"), text=[10, 20, 30, 5], vision=[8, 4, 0, 0],
+                    audio=[0, 0, 0, 7], microbatch=[0, 0, 1, 2])
+    costs = ComponentCosts(g, "cpu")
+    w = costs.workload(s)
+    n, q, one = (FEATURES.index(k) for k in ("n_main", "q_main", "one"))
+    vit = w.features[w.row("vit")]
+    # 8 and 4 backbone tokens are 2 and 1 tiles of 16 patches: 48 patches, attention per tile
+    assert vit[0, n] == 48 and vit[0, q] == 3 * 16 ** 2 and vit[0, one] == 1
+    assert not vit[1:].any()
+    audio = w.features[w.row("audio")]
+    assert audio[2, n] == 14 and audio[2, q] == 14 ** 2  # 7 tokens pooled 2:1 from 14 frames
+    bb = w.features[w.row("backbone")]
+    assert list(bb[:, n]) == [42, 30, 12] and list(bb[:, q]) == [18 ** 2 + 24 ** 2, 30 ** 2, 12 ** 2]
+    assert list(w.reaches[w.row("head_cls")]) == [False, False, True]
+    cm = CostModel.analytic(g.component("backbone").model, device_preset("cpu"))
+    np.testing.assert_allclose(w.time_s[w.row("backbone")], cm.time(bb), rtol=1e-12)
+    assert w.send_bytes[w.row("vit"), 0] == 12 * 64 * 4  # 12 backbone tokens, 64 wide, fp32
+    with pytest.raises(ValueError, match="mixes tasks"):
+        StepSamples(("text", "image_text"), [1, 1], [0, 4], [0, 0], [0, 0])
+
+
+def test_pack_is_deterministic_and_names_unknown_tasks():
+    g = mtmm_tiny_graph()
+    tasks = ["text", "image_text", "text", "audio_text", "text"]
+    a = StepSamples.pack(g, tasks, [100, 50, 300, 20, 200], [0, 8, 0, 0, 0], [0, 0, 0, 6, 0], microbatch_tokens=400)
+    b = StepSamples.pack(g, tasks, [100, 50, 300, 20, 200], [0, 8, 0, 0, 0], [0, 0, 0, 6, 0], microbatch_tokens=400)
+    assert list(a.microbatch) == list(b.microbatch) and a.microbatch_tasks == ("text", "text", "image_text",
+                                                                               "audio_text")
+    with pytest.raises(ValueError, match="tasks: text, image_text, audio_text"):
+        StepSamples.pack(g, ["video"], [1], [0], [0], microbatch_tokens=10)
+
+
+def test_refit_from_measured_component_times_goes_through_the_feedback_loop():
+    rng = np.random.default_rng(3)
+    g = _tiny_tasks(mtmm_tiny_graph())
+    costs, truth = ComponentCosts(g, "cpu"), ComponentCosts(g, "cpu")
+    before = costs.models["backbone"].time_coef.copy()
+    errs = []
+    for step in range(4):
+        samples = _random_step(rng, g, n=10, microbatch_tokens=64)
+        w, true = costs.workload(samples), truth.workload(samples)
+        measured = {name: 1.5 * true.time_s[true.row(name)] for name in g.names}  # a machine 1.5x slower
+        errs.append(costs.observe(w, measured)["backbone"])
+        costs.refit()
+    assert errs[0] == pytest.approx(1 / 3, rel=1e-9)  # |1 - 1.5| / 1.5
+    assert errs[-1] < 0.05 and costs.models["backbone"].version > 0
+    assert not np.allclose(before, costs.models["backbone"].time_coef)
+
+
+def _tiny_tasks(g):
+    """The tiny graph renamed like `_random_graph`'s tasks, for `_random_step`."""
+    return ComponentGraph(g.components, (Task("text", g.reaches("text")), Task("t0", g.reaches("image_text")),
+                                         Task("t1", g.reaches("audio_text"))))
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+def test_lpt_kernel_matches_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        c = np.round(rng.random(int(rng.integers(1, 20))) * 5, 1) - (rng.random() < 0.3)  # ties and skips
+        d = int(rng.integers(1, 6))
+        assign = np.empty(len(c), np.int64)
+        loads = K.lpt_kernel(c, d, assign)
+        ra, rl = K.lpt_reference(c, d)
+        assert list(assign) == list(ra)
+        np.testing.assert_allclose(loads, rl)
+
+
+def test_gpipe_recurrence_is_the_simulator():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        s, m = int(rng.integers(2, 6)), int(rng.integers(1, 7))
+        st, p2p, ff = rng.random(m), rng.random(m) * 0.1, float(rng.uniform(0.2, 0.5))
+        sel = np.arange(m)
+        got = K.gpipe_makespan_kernel(st, ff, p2p, sel, m, s, np.empty(m), np.empty(m))
+        want = makespan_kernel(np.tile(st * ff, (s, 1)), np.tile(st * (1 - ff), (s, 1)), p2p, K.gpipe_codes(s, m))
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def _check_options(a, b):
+    assert list(a[0]) == list(b[0]) and list(a[1]) == list(b[1])
+    np.testing.assert_allclose(a[2], b[2], rtol=1e-9)
+    np.testing.assert_allclose(a[3], b[3], rtol=1e-9)
+
+
+def test_options_kernel_matches_reference_on_random_components():
+    rng = np.random.default_rng(2)
+    for _ in range(12):
+        M = int(rng.integers(1, 9))
+        t = np.where(rng.random(M) < 0.25, -1.0, rng.random(M))
+        mem, p2p, recv = rng.random(M) * 4e9, rng.random(M) * 1e-3, rng.random(M) * 1e-2
+        N, layers = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        state = np.array([0.0] + [2e10 * (1 + 3.0 / d) for d in range(1, N + 1)])
+        args = (t, mem, p2p, recv, 4e-4, 1 / 3, layers, N, state, 1e10, 25e9, 2e-5, float(rng.uniform(2e10, 9e10)))
+        _check_options(K.options_kernel(*args), K.options_reference(*args))
+
+
+def test_frontier_and_pareto_sum_kernels_match_references():
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        K_, N = int(rng.integers(1, 4)), int(rng.integers(2, 9))
+        sizes = rng.integers(1, 5, K_)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        n = rng.integers(1, N + 1, starts[-1]).astype(np.int64)
+        t, m = np.round(rng.random(starts[-1]), 2), np.round(rng.random(starts[-1]), 2)
+        got, want = K.block_frontier_kernel(n, t, m, starts, N), K.block_frontier_reference(n, t, m, starts, N)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
+        n1, n2 = int(rng.integers(0, 6)), int(rng.integers(1, 6))
+        t1, m1, t2, m2 = (np.round(rng.random(k), 2) for k in (n1, n1, n2, n2))
+        for x, y in zip(K.pareto_sum_kernel(t1, m1, t2, m2, 1.2), K.pareto_sum_reference(t1, m1, t2, m2, 1.2)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_plan_allocation_kernel_matches_reference_on_random_graphs():
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+        g = _random_graph(rng, encoders=2 + trial % 2)
+        costs = ComponentCosts(g, DEV)
+        w = costs.workload(_random_step(rng, g, n=int(rng.integers(4, 10))))
+        N = int(rng.integers(2, 7))
+        a = plan_allocation(costs, w, N)
+        r = plan_allocation(costs, w, N, method="reference")
+        assert a.step_seconds == pytest.approx(r.step_seconds, rel=1e-9)
+        assert a.placements == r.placements and a.waves == r.waves
+
+
+# ----------------------------------------------------------------------------------------------- planner
+
+
+def _brute_force(costs, w, N, limit):
+    """Least step time over every wave order written independently: each component in its own wave or
+    side by side with others of the same dependency level, every (n, s) option on every component."""
+    g = costs.graph
+    opts = {c: component_options(costs, w, c, N, limit) for c in g.order()}
+    depth = {}
+    for c in g.order():
+        depth[c] = 1 + max((depth[i] for i in g.component(c).inputs), default=-1)
+    best = math.inf
+    names = list(g.order())
+    # a wave id per component: components of one level share a wave or not (ids 0..len-1 within the level)
+    for waves in itertools.product(*[range(len(names)) for _ in names]):
+        groups = {}
+        for c, k in zip(names, waves):
+            groups.setdefault((depth[c], k), []).append(c)
+        if len(set(groups)) != len(set((depth[c], k) for c, k in zip(names, waves))):
+            continue
+        for choice in itertools.product(*[range(len(opts[c].n)) for c in names]):
+            pick = dict(zip(names, choice))
+            total, mem, ok = 0.0, 0.0, True
+            for members in groups.values():
+                if sum(opts[c].n[pick[c]] for c in members) > N:
+                    ok = False
+                    break
+                total += max(opts[c].seconds[pick[c]] for c in members)
+                mem += max(opts[c].bytes[pick[c]] for c in members)
+            if ok and mem <= limit:
+                best = min(best, total)
+    return best
+
+
+def test_plan_allocation_is_optimal_against_brute_force():
+    rng = np.random.default_rng(6)
+    configs = {"e0": _cfg("e0", 1024, 2), "e1": _cfg("e1", 512, 1), "bb": _cfg("bb", 2048, 2)}
+    g = graph_from_configs(configs, {"e0": "encoder", "e1": "encoder", "bb": "backbone"}, {"bb": ("e0", "e1")},
+                           {"text": ("bb",), "t0": ("e0", "bb"), "t1": ("e1", "bb")},
+                           tokens={"e0": "vision", "e1": "audio", "bb": "merged"})
+    for limit in (80e9, 3.0e9):
+        costs = ComponentCosts(g, DEV)
+        w = costs.workload(_random_step(rng, g, n=8))
+        a = plan_allocation(costs, w, 4, memory_limit=limit)
+        assert a.step_seconds == pytest.approx(_brute_force(costs, w, 4, limit), rel=1e-12)
+        assert max(a.memory_bytes) <= limit
+
+
+def test_allocation_respects_dependencies_memory_and_devices():
+    rng = np.random.default_rng(7)
+    g = mtmm_graph()
+    costs = ComponentCosts(g, DEV)
+    n = 40
+    tasks = [str(t) for t in rng.choice(g.task_names, n)]
+    vision = [256 * int(rng.integers(1, 7)) if t == "image_text" else 0 for t in tasks]
+    audio = [750 if t == "audio_text" else 0 for t in tasks]
+    w = costs.workload(StepSamples.pack(g, tasks, rng.integers(100, 1500, n), vision, audio, microbatch_tokens=4096))
+    a = plan_allocation(costs, w, 16)
+    limit = DEV.memory_bytes * DEV.usable_memory_fraction
+    assert len(a.memory_bytes) == 16 and max(a.memory_bytes) <= limit
+    for p in a.placements:
+        for i in g.component(p.component).inputs:
+            assert a.placement(i).wave < p.wave
+    assert a.step_seconds == pytest.approx(sum(max(a.component_seconds[c] for c in wave) for wave in a.waves))
+    assert a.step_seconds >= lower_bound(w, 16)
+    with pytest.raises(ValueError, match="fits on none"):
+        plan_allocation(costs, w, 2)
+
+
+# ----------------------------------------------------------------------------------------------- routing
+
+
+def test_route_balances_reaching_microbatches_like_the_planner():
+    g = mtmm_tiny_graph()
+    tasks = ["text", "image_text", "audio_text", "text", "image_text", "text"]
+    placements = [Placement(n, (0, 1, 2, 3), 2 if n == "backbone" else 1, w) for w, n in enumerate(g.order())]
+    a = Allocation(tuple(placements), tuple((n,) for n in g.order()), 4, 1.0, {})
+    cost = {"backbone": [5.0, 1.0, 2.0, 4.0, 3.0, 0.5]}
+    r = route(a, g, tasks, cost_s=cost)
+    assert r == route(a, g, tasks, cost_s=cost)  # deterministic
+    # backbone: 2 replicas of 2 stages; longest first to the least loaded (ties to replica 0):
+    # 0 -> r0 (5), 3 -> r1 (4), 4 -> r1 (7), 2 -> r0 (7), 1 -> r0 (8), 5 -> r1 (7.5)
+    assert r["backbone"] == ((0, 1, 2), (0, 1, 2), (3, 4, 5), (3, 4, 5))
+    assert r["vit"] == ((1,), (4,), (), ())  # equal costs: round-robin over the image micro-batches
+    assert sorted(j for rank in r["head_caption"] for j in rank) == [0, 1, 3, 4, 5]
+    with pytest.raises(ValueError, match="tasks: text, image_text, audio_text"):
+        route(a, g, ["text", "speech"])
+
+
+# ----------------------------------------------------------------------------------------------- baselines
+
+
+def test_one_pipeline_on_one_stage_is_the_summed_work():
+    rng = np.random.default_rng(8)
+    g = _random_graph(rng)
+    costs = ComponentCosts(g, DEV)
+    w = costs.workload(_random_step(rng, g, n=6))
+    table = LayerTable(costs, w)
+    t, _ = pipeline_time(table, uniform_bounds(table.num_layers, 1), 1, bypass=False)
+    # one stage, one device: every micro-batch's work on every component plus one launch overhead each
+    assert t == pytest.approx(w.time_s.sum() - (w.time_s > 0).sum() * DEV.overhead_s
+                              + w.num_microbatches * DEV.overhead_s, rel=1e-9)
+    full = one_pipeline(costs, w, 4, bypass=False)
+    by = one_pipeline(costs, w, 4, bypass=True)
+    assert by.step_seconds <= full.step_seconds + 1e-12 and full.replicas * full.num_stages == 4
+    assert lower_bound(w, 4) == pytest.approx(w.time_s.sum() / 4)
