@@ -33,6 +33,7 @@ from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexe
 from ..core.options import PlanOptions
 from .options import make_formatter, open_data, resolve
 from .step import Step
+from .tasks import tag_tasks
 from .model_facts import check_vocabulary, model_facts, with_model_facts
 from .records import CollateConfig
 from .settings import Costing, DataSource, LoaderSettings, Runtime, Tokenization, Workers, refusing_old_keywords
@@ -297,6 +298,7 @@ class DataLoader:
         return self._feedback.maybe_refit()
 
     def _pin(self, batch: dict) -> dict:
+        batch = tag_tasks(self.source, batch)  # a TaskMixture's samples carry their task (`loader.tasks`)
         # indexed workers pin in the torch DataLoader already
         workers_pin = isinstance(self._mode, IndexedMode) and self.num_workers > 0
         if workers_pin or not (self.pin_memory and torch.cuda.is_available()):
