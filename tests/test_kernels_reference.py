@@ -1,7 +1,7 @@
 """Every numba kernel equals its plain-Python reference on random inputs.
 
-One test per kernel / reference pair of `dynabatch.core.kernels` (the table in its docstring),
-plus the planner's `_greedy_cuts`. `dp_kernel` vs `dp_reference` is checked in ``test_plan.py``
+One test per kernel / reference pair of `dynabatch.core.kernels` (the table in its docstring).
+`dp_kernel` vs `dp_reference` is checked in ``test_plan.py``
 (it needs that file's cost helpers); its cap picker is checked here. Inputs are drawn with ties
 (times and lengths from small sets), empty parts (ranks without micro-batches, empty rows,
 M = 0) and several stages and ranks, and outputs are compared exactly: the references perform the
@@ -51,7 +51,7 @@ from dynabatch.core.kernels.simulate import (
     split_kernel,
     split_reference,
 )
-from dynabatch.core.plan.planner import _greedy_cuts, greedy_cuts_reference
+from dynabatch.core.kernels.global_batches import greedy_cuts, greedy_cuts_reference
 
 # Times (seconds) from a few values or any float, so ties are common but not the rule.
 time_st = st.sampled_from([0.25, 0.5, 1.0, 1.0, 2.0, 3.5]) | st.floats(0.001, 10.0)
@@ -331,7 +331,7 @@ def test_budget_cuts_matches_reference(lengths, budget, multiple):
 @given(st.lists(st.integers(1, 500), min_size=1, max_size=80), st.integers(1, 2000))
 def test_greedy_cuts_matches_reference(tokens, budget):
     t = np.array(tokens, np.int64)
-    assert _greedy_cuts(t, budget).tolist() == greedy_cuts_reference(t, budget)
+    assert greedy_cuts(t, budget).tolist() == greedy_cuts_reference(t, budget)
 
 
 # ----------------------------------------------------------------------------- collate rows

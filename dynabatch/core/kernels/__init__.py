@@ -11,7 +11,11 @@ module                kernel                          reference
 ====================  ==============================  ==========================================
 `.dp`                 `dp_kernel`                     `dp_reference`
                       `enumerate_segments`,           steps of `dp_kernel`, covered by
-                      `dp_for_cap`, `dp_mod_ranks`    `dp_reference`
+                      `dp_for_cap`, `dp_mod_ranks`,   `dp_reference`
+                      `_one_stage_search`,
+                      `_caps_by_makespan`,
+                      `_slowest_rank_s`, `_backtrack`,
+                      `_partition_times`
 `.objective`          `objective_kernel`              `objective_reference`
 `.assign`             `assign_ranks`                  `assign_ranks_reference`
                       `simulate_rank`                 `simulate_rank_reference`
@@ -65,10 +69,10 @@ module                kernel                          reference
                       `_span`                         helper of `insertion_search`
 `.flushfree`          `flushfree_kernel`              `flushfree_reference`
                       `stage_loads`                   `stage_loads_reference`
+`.global_batches`     `greedy_cuts`                   `greedy_cuts_reference`
 ====================  ==============================  ==========================================
 
-``dynabatch.core.plan.planner._greedy_cuts`` (with ``greedy_cuts_reference``) stays beside the planner. The
-token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the
+The token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the
 planner's: `dynabatch.index.reads`.
 Callers pass arrays through `.arrays.kernel_array` and scalars as ``np.int64``, not literals, where
 types would otherwise vary: numba compiles a kernel (and what it calls) once per argument type.

@@ -16,7 +16,7 @@ On one stage with several ranks nothing waits for a pipeline, but the step waits
 rank, which ``sum / R`` does not see (a few large micro-batches cannot be spread evenly):
 `_one_stage_search` scores each candidate cap's partition by the slowest rank's seconds once
 `dynabatch.core.kernels.assign.assign_ranks` (the planner's own assignment) has spread it
-(`slowest_rank_s`), caps in order of their ``sum / R`` (a lower bound) until none can win.
+(`_slowest_rank_s`), caps in order of their ``sum / R`` (a lower bound) until none can win.
 
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate (`dynabatch.core.kernels.segments`). `dp_reference` is the same algorithm in
@@ -284,7 +284,7 @@ def _backtrack(back, n):
 
 
 @njit(cache=True, nogil=True)
-def partition_times(offset, count, seg_time, starts, n):
+def _partition_times(offset, count, seg_time, starts, n):
     """Seconds of each segment of the partition ``starts`` (segment prices of `enumerate_segments`)."""
     out = np.empty(starts.shape[0])
     for q in range(starts.shape[0]):
@@ -294,7 +294,7 @@ def partition_times(offset, count, seg_time, starts, n):
 
 
 @njit(cache=True, nogil=True)
-def slowest_rank_s(times, ranks, equal_counts):
+def _slowest_rank_s(times, ranks, equal_counts):
     """Seconds of the slowest rank once ``times`` are spread over ``ranks`` by `assign_ranks` (one
     stage): the step time a one-stage data-parallel plan of these micro-batches waits for."""
     rank_of = assign_ranks(times, ranks, 1, equal_counts)
@@ -306,7 +306,7 @@ def slowest_rank_s(times, ranks, equal_counts):
 
 @njit(cache=True, nogil=True)
 def _caps_by_makespan(offset, count, seg_time, caps, n, ranks, equal_counts, f, back, mx, best_val, best_starts):
-    """Score every cap of ``caps`` by `slowest_rank_s` of its partition (`dp_for_cap`, or `dp_mod_ranks`
+    """Score every cap of ``caps`` by `_slowest_rank_s` of its partition (`dp_for_cap`, or `dp_mod_ranks`
     with ``equal_counts``), smallest unconstrained sum / ranks first; returns the best (value, starts)
     found, starting from (``best_val``, ``best_starts``). A cap is skipped once its sum / ranks (a
     lower bound of its slowest rank: the constrained sum is no smaller) cannot win."""
@@ -323,7 +323,7 @@ def _caps_by_makespan(offset, count, seg_time, caps, n, ranks, equal_counts, f, 
         else:
             dp_for_cap(offset, count, seg_time, caps[idx], n, f, back, mx)
             st = _backtrack(back, n)
-        val = slowest_rank_s(partition_times(offset, count, seg_time, st, n), ranks, equal_counts)
+        val = _slowest_rank_s(_partition_times(offset, count, seg_time, st, n), ranks, equal_counts)
         if val < best_val:
             best_val = val
             best_starts = st
@@ -333,7 +333,7 @@ def _caps_by_makespan(offset, count, seg_time, caps, n, ranks, equal_counts, f, 
 @njit(cache=True, nogil=True)
 def _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, equal_counts):
     """`dp_search` on one stage with several ranks: the step waits for the slowest rank, so each
-    candidate cap's partition is scored by `slowest_rank_s` (sum / ranks alone ignores that a few large
+    candidate cap's partition is scored by `_slowest_rank_s` (sum / ranks alone ignores that a few large
     micro-batches cannot be spread evenly: on FLAN-like steps of 2 ranks it gave one micro-batch per
     rank, the slowest rank 1.6-1.8x the mean). Caps: `_pick_caps_between` on a log grid, then refined
     between the neighbours of the best one; the uncapped partition (the sum's optimum) is among them."""
@@ -347,7 +347,7 @@ def _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, e
         # No candidate cap admits a multiple of R; the largest segment time admits every split.
         best_starts = dp_mod_ranks(offset, count, seg_time, top, n, ranks)
         return best_starts, (0 if best_starts.shape[0] else NO_EQUAL_SPLIT)
-    largest = partition_times(offset, count, seg_time, best_starts, n).max()
+    largest = _partition_times(offset, count, seg_time, best_starts, n).max()
     k = np.searchsorted(coarse, largest)  # the best partition's largest micro-batch is at most its cap
     lo_v = coarse[k - 1] if k > 0 else coarse[0]
     hi_v = coarse[k + 1] if k + 1 < coarse.shape[0] else coarse[-1]

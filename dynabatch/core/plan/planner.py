@@ -22,8 +22,7 @@ import numpy as np
 
 from . import baselines as _bl
 from ..kernels.assign import assign_ranks, balance_simulated
-from numba import njit
-
+from ..kernels.global_batches import greedy_cuts
 from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
 from ..batchplan import BatchPlan
 from ..cost.features import main_padding
@@ -45,34 +44,6 @@ class PlanningError(ValueError):
 
 class NoEqualSplitError(PlanningError):
     """The global batch cannot be cut into a multiple of the rank count under the memory limit."""
-
-
-@njit(cache=True)
-def _greedy_cuts(tokens, budget):
-    """End positions of consecutive groups, each closed by the sample that brings it to ``budget``."""
-    ends = []
-    acc = 0
-    for i in range(tokens.shape[0]):
-        acc += tokens[i]
-        if acc >= budget:
-            ends.append(i + 1)
-            acc = 0
-    if acc > 0 or len(ends) == 0:
-        ends.append(tokens.shape[0])
-    return np.array(ends, np.int64)
-
-
-def greedy_cuts_reference(tokens, budget):
-    """Plain-Python version of `_greedy_cuts` for tests."""
-    ends, acc = [], 0
-    for i, t in enumerate(tokens):
-        acc += int(t)
-        if acc >= budget:
-            ends.append(i + 1)
-            acc = 0
-    if acc > 0 or not ends:
-        ends.append(len(tokens))
-    return ends
 
 
 def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None, *, seed: int = 0, tokens=None,
@@ -98,7 +69,7 @@ def split_global_batches(shapes: Shapes, global_batch_tokens: int | None = None,
     perm = np.random.default_rng(seed).permutation(len(shapes)) if shuffle else np.arange(len(shapes))
     if len(perm) == 0:
         return []
-    ends = _greedy_cuts(tok[perm].astype(np.int64), int(global_batch_tokens))
+    ends = greedy_cuts(tok[perm].astype(np.int64), int(global_batch_tokens))
     parts = np.split(perm, ends[:-1])
     if drop_last and tok[parts[-1]].sum() < global_batch_tokens:
         parts = parts[:-1]
