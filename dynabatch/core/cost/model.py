@@ -34,10 +34,8 @@ the math is in `dynabatch.core.cost.fit`). ``version`` counts the coefficient ch
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 
@@ -49,21 +47,12 @@ from .profiled import ProfiledTable
 from .presets import (DEVICE_PRESETS, GPU_PRESETS, KIND_CODE, KINDS, MODEL_PRESETS, TINY_MODEL_PRESETS,  # noqa: F401
                       DeviceProfile, GiB, ModelConfig, device_preset, model_preset)
 from .analytic import analytic_coefficients
+from . import fileformat, legacy_refit
+from .coefficients import Coefficients
 from .features import packed_rows
 from .fit import MAX_OBSERVATIONS, fit_relative  # noqa: F401  (the fitting math lives in fit.py)
 from ..shapes import Shapes
-from .stage_memory import StageMemory
-from .stages import LAYOUTS, StageCosts, StageLayout, stage_words  # noqa: F401
-
-# the coefficient buffer: time_coef, the version sequence counter, the per-stage block (`stages.stage_words`)
-_COEF_WORDS = NUM_FEATURES + 1 + stage_words(NUM_FEATURES)
-_BUFFER_VIEWS = ("_coef_raw", "_coef", "_coef_seq", "_stage_n", "_stage_buf")  # rebuilt by `_coef_store`
-
-
-def _coefficients_of(coef) -> list:
-    """Coefficients read from a file: files written before ``q_pad`` existed hold one fewer, priced at 0."""
-    coef = list(coef)
-    return coef + [0.0] if len(coef) == NUM_FEATURES - 1 else coef
+from .stages import LAYOUTS, StageCosts, StageLayout  # noqa: F401
 
 
 #: `CostModel.packed_attention`: a varlen kernel (flash-attention, flex with a block mask) is quadratic per
@@ -94,14 +83,16 @@ class CostModel(StageCosts):
         self.prior_time_coef = t0
         tc = t0 if time_coef is None else np.asarray(time_coef, np.float64)
         self.mem_coef = m0.copy() if mem_coef is None else np.asarray(mem_coef, np.float64).copy()
-        self._coef_store(tc if tc.shape == (NUM_FEATURES,) else np.zeros(NUM_FEATURES), 0)
         if tc.shape != (NUM_FEATURES,) or self.mem_coef.shape != (NUM_FEATURES,):
             raise ValueError(f"cost coefficients must have {NUM_FEATURES} entries ({', '.join(FEATURES)})")
+        #: The `Coefficients` store: ``time_coef``, its version and per-stage rows (shared after `share_memory`).
+        self.coefficients = Coefficients(tc)
         self.table = table
         self.pad_multiple = int(pad_multiple)
         self.forgetting = float(forgetting)
         self.prior_strength = float(prior_strength)
-        self._legacy_loop = None  # the FeedbackLoop behind the deprecated observe/refit
+        #: The `FeedbackLoop` behind the deprecated `observe`/`refit` (`legacy_refit`), or None.
+        self.legacy_loop = None
         #: Optional `dynabatch.core.cost.stage_memory.StageMemory`: how recomputation changes each stage's held
         #: bytes (measured by `dynabatch.pipeline.measured_stage_memory`); None: derived from the layout.
         self.stage_memory_model = None
@@ -265,52 +256,32 @@ class CostModel(StageCosts):
             )
         return free / max(num_stages, 1)
 
-    # -- coefficients: version counter, shared memory ----------------------------------------------
-    def _coef_store(self, coef, version: int, raw=None, stage=None) -> None:
-        """Back ``time_coef``, the version counter and the per-stage coefficients by ``raw`` (a shared
-        `multiprocessing.RawArray`) or by a private buffer, and write ``coef``, ``version`` and the
-        per-stage rows ``stage`` (or none) into it unless ``coef`` is None.
-
-        Layout: NUM_FEATURES float64 coefficients, one int64 sequence counter (even when no write is
-        in progress; ``version = counter // 2``), the per-stage block (`stages.stage_words`)."""
-        base = np.frombuffer(raw, np.float64) if raw is not None else np.zeros(_COEF_WORDS)
-        self._coef_raw = raw
-        self._coef = base[:NUM_FEATURES]
-        self._coef_seq = base[NUM_FEATURES:NUM_FEATURES + 1].view(np.int64)
-        self._stage_store(base[NUM_FEATURES + 1:], False if coef is None else stage)
-        if coef is not None:
-            self._coef[:] = coef
-            self._coef_seq[0] = 2 * int(version)
-
+    # -- coefficients: the store (`coefficients.Coefficients`), its version counter, shared memory ------
     @property
     def time_coef(self) -> np.ndarray:
         """Seconds per feature unit (`FEATURES`): a live view, in shared memory after `share_memory`.
 
         Assigning writes the new values in place and increments `version` (a `FeedbackLoop` refit
         does exactly that); one process writes, any number read."""
-        return self._coef
+        return self.coefficients.coef
 
     @time_coef.setter
     def time_coef(self, value) -> None:
         value = np.asarray(value, np.float64)
         if value.shape != (NUM_FEATURES,):
             raise ValueError(f"cost coefficients must have {NUM_FEATURES} entries ({', '.join(FEATURES)})")
-        seq = self._coef_seq
-        seq[0] += 1  # odd: a write is in progress (`read_time_coef` waits it out)
-        self._coef[:] = value
-        self._stage_write(None)  # a scalar refit: stages are priced by time_coef (and the layout) again
-        seq[0] += 1
+        self.coefficients.write(value)  # a scalar refit: stages are priced by time_coef (and the layout) again
 
     @property
     def version(self) -> int:
         """How many times ``time_coef`` changed since the model was built (+1 per refit); read from
         shared memory after `share_memory`, so a forked process sees the parent's refits."""
-        return int(self._coef_seq[0]) // 2
+        return self.coefficients.version
 
     @property
     def is_shared(self) -> bool:
         """Whether ``time_coef`` and ``version`` live in shared memory (`share_memory`)."""
-        return self._coef_raw is not None
+        return self.coefficients.is_shared
 
     def share_memory(self) -> "CostModel":
         """Move ``time_coef`` and ``version`` into shared memory (a `multiprocessing.RawArray`, no
@@ -320,16 +291,12 @@ class CostModel(StageCosts):
         this model as an argument (spawn, forkserver) and ``copy.copy`` of the model share the
         coefficients: every refit written here is seen there, with its ``version``. `snapshot`,
         ``copy.deepcopy`` and ordinary pickling give independent copies. Idempotent."""
-        if self._coef_raw is None:
-            import multiprocessing
-
-            coef, version, rows = self._read_coefs()
-            self._coef_store(coef, version, multiprocessing.RawArray("b", 8 * _COEF_WORDS), rows)
+        self.coefficients = self.coefficients.shared()
         return self
 
     def read_time_coef(self) -> tuple[np.ndarray, int]:
         """(a copy of ``time_coef``, its ``version``), consistent even while another process refits."""
-        return self._read_coefs()[:2]  # (`StageCosts._read_coefs`: with the per-stage rows)
+        return self.coefficients.read()[:2]
 
     def snapshot(self) -> "CostModel":
         """A private copy frozen at the current coefficients and version (plan one step with one model
@@ -339,53 +306,18 @@ class CostModel(StageCosts):
         return copy.deepcopy(self)
 
     def __copy__(self) -> "CostModel":
-        new = self.__class__.__new__(self.__class__)
-        new.__dict__.update(self.__dict__)
-        new._legacy_loop = None
-        if self._coef_raw is None:  # a copy shares coefficients only when shared memory was asked for
-            coef, version, rows = self._read_coefs()
-            new._coef_store(coef, version, stage=rows)
-        return new
-
-    def __deepcopy__(self, memo) -> "CostModel":
         import copy
 
         new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        state = {k: v for k, v in self.__dict__.items() if k not in _BUFFER_VIEWS}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        coef, version, rows = self._read_coefs()
-        new._coef_store(coef, version, stage=rows)
+        new.__dict__.update(self.__dict__)
+        new.legacy_loop = None
+        new.coefficients = copy.copy(self.coefficients)  # shared only when shared memory was asked for
         return new
 
-    def __getstate__(self) -> dict:
-        from multiprocessing import context
-
-        d = {k: v for k, v in self.__dict__.items() if k not in _BUFFER_VIEWS}
-        coef, version, rows = self._read_coefs()
-        # a process being started with this model shares the shared buffer; any other pickle is a snapshot
-        share = self._coef_raw is not None and context.get_spawning_popen() is not None
-        d["_coef_state"] = (self._coef_raw if share else None, coef, version, rows)
-        return d
-
-    def __setstate__(self, d: dict) -> None:
-        raw, coef, version, *rows = d.pop("_coef_state")
-        self.__dict__.update(d)
-        self._coef_store(None if raw is not None else coef, version, raw, rows[0] if rows else None)
-
-    # -- deprecated: the one refit path is dynabatch.core.plan.feedback.FeedbackLoop -------------------
+    # -- deprecated: the one refit path is dynabatch.core.plan.feedback.FeedbackLoop (`legacy_refit`) ------
     #: The refit loop class behind the deprecated `observe`/`refit`: `FeedbackLoop`, which sits above the
     #: planner and registers itself here when imported, so the cost model imports nothing above it.
     legacy_loop_class = None
-
-    def _legacy(self):
-        if self.legacy_loop_class is None:
-            raise RuntimeError("CostModel.observe/refit need dynabatch.core.plan.feedback (import dynabatch)")
-        if self._legacy_loop is None:
-            self._legacy_loop = self.legacy_loop_class(self, refit_every=1, forgetting=self.forgetting,
-                                                       prior=self.prior_time_coef,
-                                                       prior_strength=self.prior_strength, min_weight=1e-6)
-        return self._legacy_loop
 
     def observe(self, phi, measured_s, weight: float = 1.0) -> None:
         """Deprecated: ``FeedbackLoop(cost).record(phi, measured_s)`` (the one refit path).
@@ -393,91 +325,41 @@ class CostModel(StageCosts):
         Records measured stage times (seconds) of micro-batches with features ``phi`` in a
         `FeedbackLoop` of this model (forgetting ``self.forgetting`` per call, prior the analytic
         coefficients, ridge ``self.prior_strength``)."""
-        import warnings
-
-        warnings.warn("CostModel.observe is deprecated: record measured times with "
-                      "dynabatch.core.plan.feedback.FeedbackLoop(cost).record(...) or record_step(...), the one "
-                      "refit path",
-                      DeprecationWarning, stacklevel=2)
-        phi = np.atleast_2d(np.asarray(phi, np.float64))
-        y = np.atleast_1d(np.asarray(measured_s, np.float64))
-        if phi.shape != (len(y), NUM_FEATURES):
-            raise ValueError(f"observe needs phi of shape [n, {NUM_FEATURES}] matching {len(y)} times")
-        if np.any(~np.isfinite(y)) or np.any(y < 0):
-            raise ValueError("observed times must be finite and non-negative seconds")
-        self._legacy().record(phi, y, weight=weight)
+        legacy_refit.observe(self, phi, measured_s, weight)
 
     @property
     def num_observations(self) -> int:
         """How many micro-batch timings the deprecated `observe` holds for `refit`."""
-        return 0 if self._legacy_loop is None else self._legacy_loop.num_observations
+        return 0 if self.legacy_loop is None else self.legacy_loop.num_observations
 
     def refit(self) -> np.ndarray:
         """Deprecated: ``FeedbackLoop.refit``/``maybe_refit`` (the one refit path; this delegates to it).
         Returns the new coefficients."""
-        import warnings
-
-        warnings.warn("CostModel.refit is deprecated: refit with dynabatch.core.plan.feedback.FeedbackLoop "
-                      "(maybe_refit/refit), the one refit path", DeprecationWarning, stacklevel=2)
-        if self._legacy_loop is None or self._legacy_loop.num_observations == 0:
-            raise ValueError("refit() needs observations: call observe(phi, measured_seconds) first")
-        self._legacy_loop.refit()
-        return self.time_coef.copy()
+        return legacy_refit.refit(self)
 
     def mape(self, phi, measured_s) -> float:
         """Mean absolute percentage error of predicted vs measured times (a fraction, 0.1 = 10%)."""
         y = np.asarray(measured_s, np.float64)
         return float(np.mean(np.abs(self.time(phi) - y) / np.maximum(y, 1e-12)))
 
-    # -- persistence ---------------------------------------------------------------------------
+    # -- persistence: the file format is `dynabatch.core.cost.fileformat` ----------------------------
     def to_dict(self) -> dict:
-        """JSON-serializable description (configs, coefficients, optional table)."""
-        d = {
-            "format": "dynabatch.cost_model", "version": 1,
-            "model": asdict(self.model), "device": asdict(self.device),
-            "time_coef": self.time_coef.tolist(), "mem_coef": self.mem_coef.tolist(),
-            "pad_multiple": self.pad_multiple, "forgetting": self.forgetting,
-            "prior_strength": self.prior_strength, "packed_attention": self.packed_attention, "table": None,
-            **({"layout": self.layout.to_dict()} if self.layout is not None else {}),
-            **({"stage_time_coef": self.stage_time_coef.tolist()} if self.stage_time_coef is not None else {}),
-            **({"stage_memory_model": self.stage_memory_model.to_dict()} if self.stage_memory_model is not None
-               else {}),
-        }
-        if self.table is not None:
-            d["table"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self.table).items()}
-        return d
+        """JSON-serializable description (configs, coefficients, optional table; `fileformat`)."""
+        return fileformat.cost_model_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         """Inverse of `to_dict`."""
-        if d.get("format") != "dynabatch.cost_model":
-            raise ValueError("not a dynabatch cost model (missing format: dynabatch.cost_model)")
-        table = ProfiledTable(**d["table"]) if d.get("table") else None
-        cm = cls(ModelConfig(**d["model"]), DeviceProfile(**d["device"]), time_coef=_coefficients_of(d["time_coef"]),
-                   mem_coef=_coefficients_of(d["mem_coef"]), table=table, pad_multiple=d["pad_multiple"],
-                   forgetting=d["forgetting"], prior_strength=d["prior_strength"],
-                   packed_attention=d.get("packed_attention", "varlen")).set_layout(
-                       StageLayout.from_dict(d["layout"]) if d.get("layout") else None)
-        if d.get("stage_time_coef"):  # fitted per-stage rows (time_coef, saved beside them, is their mean)
-            cm._stage_write([_coefficients_of(row) for row in d["stage_time_coef"]])
-        if d.get("stage_memory_model"):
-            cm.stage_memory_model = StageMemory.from_dict(d["stage_memory_model"])
-        return cm
+        return fileformat.cost_model_from_dict(cls, d)
 
     def save(self, path) -> None:
         """Write the cost model as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        fileformat.save_cost_model(self, path)
 
     @classmethod
     def load(cls, path) -> "CostModel":
         """Read a cost model written by `save`; a file that is not one raises ValueError naming it."""
-        try:
-            d = json.loads(Path(path).read_text(encoding="utf-8"))
-            if not isinstance(d, dict):
-                raise TypeError(f"expected a JSON object, found {type(d).__name__}")
-            return cls.from_dict(d)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON and Unicode errors are ValueErrors
-            raise ValueError(f"{path}: not a valid dynabatch cost model file ({e})") from e
+        return fileformat.load_cost_model(cls, path)
 
     def with_device(self, device: str | DeviceProfile) -> "CostModel":
         """The same model, layout and packed attention on another device (analytic coefficients recomputed)."""

@@ -22,7 +22,8 @@ time coefficients, ``stage_time_coef`` ``[S, NUM_FEATURES]`` (seconds per featur
 once set, `stage_times` uses them instead of ``time_coef * scale[s]`` and ``time_coef`` is their mean
 over the stages (the average stage: with the layout multipliers, which sum to ``S``, exactly the
 ``time_coef`` they would scale). They live in the same buffer as ``time_coef`` (one version counter,
-shared memory after `CostModel.share_memory`, at most `MAX_STAGE_ROWS` stages). A uniform-layout
+shared memory after `CostModel.share_memory`, at most `MAX_STAGE_ROWS` stages: the store is
+`dynabatch.core.cost.coefficients`). A uniform-layout
 model whose fitted rows differ becomes stage-aware (its `layout` reads as the uniform `StageLayout`),
 so the planner takes its per-stage path; a model never refit per stage plans exactly as before.
 Assigning ``time_coef`` (a scalar refit) or changing the layout drops the rows.
@@ -43,12 +44,11 @@ import numpy as np
 
 from ..kernels.cost import Q_PAD
 from .analytic import analytic_coefficients
+from .coefficients import MAX_STAGE_ROWS
 from .presets import ModelConfig
 
 #: The layouts `CostModel.preset` / ``dynabatch bench plan --layout`` name.
 LAYOUTS = ("uniform", "contiguous")
-#: Most stages per-stage coefficients can be kept for (the shared coefficient buffer is fixed-size).
-MAX_STAGE_ROWS = 128
 # feature columns (see `dynabatch.core.kernels.cost.FEATURES`) of each layer kind
 _MAIN, _DEC, _VIS = (0, 1, Q_PAD), (2, 3, 4), (5, 6, 8)
 
@@ -213,55 +213,15 @@ def stage_scale(config: ModelConfig, layout: StageLayout, device=None) -> tuple[
 
 
 # -- the CostModel side (a base class of `CostModel`) --------------------------------------------------
-def stage_words(num_features: int) -> int:
-    """float64 words of the per-stage block of a cost model's coefficient buffer: the row count, then
-    `MAX_STAGE_ROWS` rows of ``num_features`` coefficients."""
-    return 1 + MAX_STAGE_ROWS * num_features
-
-
 class StageCosts:
     """Per-stage costs of a `CostModel`: its `layout` (default uniform), its optional per-stage time
-    coefficients (`stage_time_coef`) and the ``[S, M]`` matrices."""
+    coefficients (`stage_time_coef`, rows of its `coefficients.Coefficients` store) and the ``[S, M]`` matrices."""
 
     _layout = None
 
-    # -- per-stage time coefficients (a block of the CostModel's coefficient buffer) -----------------
-    def _stage_store(self, block: np.ndarray, rows=None) -> None:
-        """View ``block`` (`stage_words` float64 words) as the row count and the rows; write ``rows``
-        (``[S, F]``; None: no rows; False: leave the block as it is)."""
-        F = len(self._coef)
-        self._stage_n = block[:1].view(np.int64)
-        self._stage_buf = block[1:].reshape(MAX_STAGE_ROWS, F)
-        if rows is not False:
-            self._stage_write(rows)
-
-    def _stage_write(self, rows) -> None:
-        """Write per-stage rows (or none) into the buffer; callers bracket it with the version counter."""
-        if rows is None:
-            self._stage_n[0] = 0
-            return
-        rows = np.asarray(rows, np.float64)
-        self._stage_buf[:len(rows)] = rows
-        self._stage_n[0] = len(rows)
-
-    def _read_coefs(self):
-        """(``time_coef``, ``version``, per-stage rows or None), copies, consistent under a concurrent write."""
-        import time as _time
-
-        seq = self._coef_seq
-        while True:
-            before = int(seq[0])
-            coef = self._coef.copy()
-            rows = self._stage_rows()
-            rows = None if rows is None else rows.copy()
-            if before % 2 == 0 and int(seq[0]) == before:
-                return coef, before // 2, rows
-            _time.sleep(0)
-
     def _stage_rows(self) -> np.ndarray | None:
         """The per-stage rows ``[S, F]`` (a live view) or None."""
-        n = int(self._stage_n[0])
-        return self._stage_buf[:n] if n else None
+        return self.coefficients.rows()
 
     @property
     def stage_time_coef(self) -> np.ndarray | None:
@@ -277,23 +237,21 @@ class StageCosts:
         S = self._stages(num_stages)
         if rows is not None:
             return rows.copy()
-        scale = np.ones((S, len(self._coef))) if self._layout is None else self._stage_scale[0]
-        return self._coef[None, :] * scale
+        coef = self.coefficients.coef
+        scale = np.ones((S, len(coef))) if self._layout is None else self._stage_scale[0]
+        return coef[None, :] * scale
 
     def set_stage_time_coef(self, rows) -> None:
         """Write per-stage time coefficients ``[S, NUM_FEATURES]`` (non-negative) in place, and their mean
         over the stages as ``time_coef``; `version` + 1 (one write: readers see both or neither)."""
         rows = np.asarray(rows, np.float64)
         S = self._stages(len(rows)) if self._layout is not None else len(rows)
-        if rows.shape != (S, len(self._coef)) or not 1 <= S <= MAX_STAGE_ROWS:
-            raise ValueError(f"per-stage coefficients must have shape [S <= {MAX_STAGE_ROWS}, {len(self._coef)}]")
+        F = len(self.coefficients.coef)
+        if rows.shape != (S, F) or not 1 <= S <= MAX_STAGE_ROWS:
+            raise ValueError(f"per-stage coefficients must have shape [S <= {MAX_STAGE_ROWS}, {F}]")
         if not np.all(np.isfinite(rows)) or rows.min() < 0:
             raise ValueError("per-stage coefficients must be finite and non-negative")
-        seq = self._coef_seq
-        seq[0] += 1  # odd: a write is in progress
-        self._coef[:] = rows.mean(axis=0)
-        self._stage_write(rows)
-        seq[0] += 1
+        self.coefficients.write_rows(rows)
 
     @property
     def layout(self) -> StageLayout | None:
@@ -328,17 +286,12 @@ class StageCosts:
                 layout = StageLayout.contiguous(self.model, S, device=self.device)
         if layout is not None and layout.is_uniform_for(self.model):
             layout = None
-        if getattr(self, "_stage_n", None) is not None and self._stage_rows() is not None \
-                and layout != self._layout:
+        if self._stage_rows() is not None and layout != self._layout:
             # fitted rows belong to the layout they were fitted under; never drop them from a shared
-            # buffer another holder (a copy, a forked process) still plans with
-            if self._coef_raw is not None:
-                coef, version, rows = self._read_coefs()
-                self._coef_store(coef, version, stage=rows)
-            seq = self._coef_seq
-            seq[0] += 1
-            self._stage_write(None)
-            seq[0] += 1
+            # store another holder (a copy, a forked process) still plans with
+            if self.coefficients.is_shared:
+                self.coefficients = self.coefficients.private()
+            self.coefficients.drop_rows()
         self._layout = layout
         self._stage_scale = None if layout is None else stage_scale(self.model, layout, self.device)
         return self
@@ -348,7 +301,7 @@ class StageCosts:
         return copy.copy(self).set_layout(layout)
 
     def _stages(self, num_stages) -> int:
-        rows = self._stage_rows() if getattr(self, "_stage_n", None) is not None else None
+        rows = self._stage_rows()
         if rows is not None and self._layout is None:
             if num_stages is not None and int(num_stages) != len(rows):
                 raise ValueError(f"the cost model's per-stage coefficients have {len(rows)} stages, not {num_stages}")
@@ -388,7 +341,7 @@ class StageCosts:
         0 there), so ``time_coef * stage_scale_rows()`` is each stage's row either way."""
         rows = self._stage_rows()
         if rows is not None:
-            c = self._coef[None, :]
+            c = self.coefficients.coef[None, :]
             return np.where(c > 0, rows / np.where(c > 0, c, 1.0), 1.0)
         if self._layout is None:
             return np.ones((self._stages(None), len(self.time_coef)))

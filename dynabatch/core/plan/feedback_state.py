@@ -83,8 +83,8 @@ def load_feedback_state(loop, state: dict, row_type) -> None:
     if c["table_dropped"]:
         cost.table = None  # the first refit dropped it in the saved run too
     # the version as it was saved (the writes above counted one more); shared memory, when there, kept
-    cost._coef_store(np.asarray(c["time_coef"], np.float64), int(c["version"]), cost._coef_raw,
-                     None if c["stage_time_coef"] is None else np.asarray(c["stage_time_coef"], np.float64))
+    cost.coefficients.restore(np.asarray(c["time_coef"], np.float64), int(c["version"]),
+                              None if c["stage_time_coef"] is None else np.asarray(c["stage_time_coef"], np.float64))
     loop.prior = None if state["prior"] is None else np.asarray(state["prior"], np.float64)
     for name, (attr, _) in _BUFFERS.items():
         setattr(loop, attr, buffers[name])
