@@ -152,7 +152,8 @@ def _launch(cases):
 def _cases(stages: int) -> list:
     cases = [(stages, "gpt-tiny", s, c, "none", False) for s in SCHEDULES for c in ("padded", "packed")]
     cases += [(stages, "gpt-tiny", s, "padded", "full", False) for s in ("zb-h1", "interleaved")]
-    cases += [(stages, "llama", s, c, "none", False) for s in ("1f1b", "interleaved", "zb-h1") for c in ("padded", "packed")]
+    cases += [(stages, "llama", s, c, "none", False) for s in ("1f1b", "interleaved", "zb-h1", "zb-h2")
+              for c in ("padded", "packed")]
     cases += [(stages, "llama", "zb-h1", "padded", "none", True)]
     return [part(("schedules", stages), c, _launch, weight=2.0) for c in cases]
 
@@ -181,7 +182,7 @@ TWO, THREE = _cases(2), _cases(3)
 
 @LAUNCHES.plan(lambda: TWO)
 def test_every_schedule_executes_its_simulated_order_on_two_stages():
-    """gpipe, 1f1b, adaptive, interleaved (2 chunks per stage) and zb-h1 (split backwards) on 2 gloo stages,
+    """gpipe, 1f1b, adaptive, interleaved (2 chunks per stage), zb-h1 and zb-h2 (split backwards) on 2 gloo stages,
     gpt-tiny from a plan and Llama from shapes, padded and packed, recomputed and tied: executed == priced
     order on every rank, loss and gradients == one process (float64)."""
     _check([LAUNCHES.result(c) for c in TWO])

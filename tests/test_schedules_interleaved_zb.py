@@ -16,7 +16,7 @@ from dynabatch.core.simulate.pipeline import PipelineDeadlock, makespan, simulat
 from dynabatch.pipeline.models.partition import LayerCosts, balanced_partition, partition_makespan
 from dynabatch.planfile import plan_from_arrow, plan_to_arrow
 
-NEW = ("interleaved", "zb-h1")
+NEW = ("interleaved", "zb-h1", "zb-h2")
 
 
 @pytest.mark.parametrize("S,M", [(2, 2), (2, 8), (3, 6), (4, 8), (4, 16)])
@@ -119,7 +119,8 @@ def test_auto_picks_the_fastest_one_chunk_order_that_fits_and_inspect_says_why()
     plans = {s: _plan(s)[0] for s in AUTO_PREFERENCE}
     assert auto.schedule == min(plans, key=lambda s: (plans[s].iteration_time_s, AUTO_PREFERENCE.index(s)))
     why = compare_orders(auto, cost)
-    assert list(why) == list(AUTO_PREFERENCE) and why[auto.schedule]["fits"]
+    assert list(why) == list(AUTO_PREFERENCE) + ["interleaved"] and why[auto.schedule]["fits"]
+    assert [n for n, c in why.items() if c["per_run"]] == ["interleaved"]  # a cut of its own, for the whole run
     assert why[auto.schedule]["makespan_s"] == pytest.approx(auto.iteration_time_s, rel=1e-12)
     assert why["zb-h1"]["peak_bytes"] == why["1f1b"]["peak_bytes"]  # the same depth as 1F1B's stage 0
 
@@ -140,3 +141,49 @@ def test_held_bytes_kernel_equals_its_reference_and_the_plain_peaks():
             plain = np.empty(S)
             stage_peaks(ops.codes(), held, plain)
             assert np.array_equal(out, plain)
+
+
+def test_zb_h2_fills_the_warm_up_with_forwards_at_about_twice_one_f_one_b_memory():
+    """ZB-H2: stage s warms up with 2 (S - s) - 1 forwards, so stage 0 holds 2 S micro-batches (1F1B: S); on
+    uniform times it is as fast as ZB-H1 (both at the last stage's bound 3 M + S - 1), on variable ones
+    faster (its longer look-ahead absorbs the uneven micro-batches)."""
+    S, M = 4, 12
+    mem = np.full(M, 10.0)
+    run = {s: simulate_pipeline(np.ones(M), 2 * np.ones(M), schedule=s, num_stages=S, mem_bytes=mem)
+           for s in ("1f1b", "zb-h1", "zb-h2")}
+    assert run["zb-h2"].peak_inflight_bytes.tolist() == [80.0, 70.0, 60.0, 50.0]
+    assert run["zb-h2"].makespan_s == run["zb-h1"].makespan_s == 3 * M + S - 1
+    rng = np.random.default_rng(3)
+    gain = []
+    for _ in range(10):
+        base = rng.lognormal(0, 0.6, M)
+        st = np.outer(np.linspace(1, 1.3, S), base)
+        f = st / 3
+        p2p = np.full(M, 0.05 * base.mean())
+        gain.append(makespan(f, st - f, step_ops("zb-h1", S, M), p2p) / makespan(f, st - f, step_ops("zb-h2", S, M), p2p))
+    assert np.mean(gain) > 1.05 and min(gain) >= 1.0 - 1e-12
+
+
+def test_auto_under_a_memory_limit_leaves_out_the_order_that_does_not_fit():
+    from dynabatch.core.schedule.search import pick_auto
+
+    span = {"1f1b": 10.0, "zb-h1": 8.0, "zb-h2": 7.0, "adaptive": 9.0, "gpipe": 12.0}
+    peak = {"1f1b": 4.0, "zb-h1": 4.0, "zb-h2": 8.0, "adaptive": 4.0, "gpipe": 12.0}
+    assert pick_auto(span, peak, 8.0) == "zb-h2"
+    assert pick_auto(span, peak, 4.0) == "zb-h1"  # zb-h2 would hold twice the bytes
+
+
+def test_run_choice_weighs_the_interleaved_cut_against_the_per_step_picks():
+    """Per run: interleaved (its own cut for every step) is chosen only when it fits on every step and its
+    summed simulated seconds beat the sum of auto's per-step picks; the figures are the steps' own."""
+    from dynabatch.core.schedule.search import compare_orders, run_choice
+
+    plans = [_plan("auto")[0] for _ in range(2)]
+    cost = _plan("auto")[1]
+    got = run_choice(plans, cost)
+    cmp = [compare_orders(p, cost) for p in plans]
+    assert got["seconds"]["interleaved"] == pytest.approx(sum(c["interleaved"]["makespan_s"] for c in cmp), rel=1e-12)
+    best = sum(min(c[n]["makespan_s"] for n in c if not c[n]["per_run"] and c[n]["fits"]) for c in cmp)
+    assert got["seconds"]["auto"] == pytest.approx(best, rel=1e-12)
+    want = "interleaved" if got["fits"]["interleaved"] and got["seconds"]["interleaved"] < best else "auto"
+    assert got["choice"] == want

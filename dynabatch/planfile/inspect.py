@@ -341,6 +341,7 @@ def format_summary(s: dict) -> str:
                          f"{r['compute_s'] * 1e3:>10.1f}  {r['simulated_s'] * 1e3:>12.1f}")
         lines.append(f"schedule {d['schedule']}; on this step's order: " + ", ".join(
             f"{n} {c['makespan_s'] * 1e3:.1f} ms" + ("" if c["fits"] else " (over the in-flight budget)")
+            + (" (per run: a cut of its chunks for every step)" if c.get("per_run") else "")
             for n, c in d["schedules"].items()))
     if s.get("stage_busy"):
         lines += [""] + _stage_busy_text(s["stage_busy"])

@@ -24,7 +24,7 @@ KIND_NAMES = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "Bi", BACKWARD_WEIGHT
 
 #: Schedule codes (`dynabatch.core.schedule.registry` names them): the static orders fixed by the stage,
 #: chunk and micro-batch counts, and the orders built from the micro-batches' times and bytes.
-GPIPE, ONE_F_ONE_B, ADAPTIVE, AUTO, INTERLEAVED, ZB_H1 = 0, 1, 2, 3, 4, 5
+GPIPE, ONE_F_ONE_B, ADAPTIVE, AUTO, INTERLEAVED, ZB_H1, ZB_H2 = 0, 1, 2, 3, 4, 5, 6
 
 #: Share of a backward's seconds its weight-gradient part (``BACKWARD_WEIGHT``) takes when it is split:
 #: a layer's input- and weight-gradient products cost about the same (Qi et al., 2024).

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from .op_codes import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COLUMNS, FORWARD, GPIPE, INTERLEAVED,
-                       INTERLEAVED_CHUNKS, INVALID, NOP, ONE_F_ONE_B, UPDATE, ZB_H1)
+                       INTERLEAVED_CHUNKS, INVALID, NOP, ONE_F_ONE_B, UPDATE, ZB_H1, ZB_H2)
 
 @njit(cache=True)
 def warmup_forwards(S, s, M):
@@ -57,21 +57,31 @@ def one_f_one_b_row(table, r, i, S, s, M, first, model):
 
 
 @njit(cache=True)
-def _zb_h1_row(table, s, S, M):
-    """ZB-H1 on stage ``s``: 1F1B's forwards and input-gradient backwards, each weight-gradient part ``s``
-    backwards late (the later stages pass gradients on sooner and fill their idle tail with the deferred
-    parts), so at most ``S`` micro-batches are in flight (forward begun, weight part not done) on any stage:
-    1F1B's stage-0 depth."""
-    w = warmup_forwards(S, s, M)
+def zb_h2_warmup(S, s, M):
+    """Forwards stage ``s`` of ``S`` runs before its first backward under ZB-H2 with ``M`` micro-batches: as
+    many as fit before the first input-gradient part comes back (``2 (S - s) - 1`` of equal ops), at most ``M``."""
+    return min(2 * (S - s) - 1, M)
+
+
+@njit(cache=True)
+def _zb_row(table, s, S, M, w, input_first):
+    """Zero bubble on stage ``s``: ``w`` warm-up forwards, then per backward its input-gradient part (after the
+    next forward, or before it with ``input_first``), each weight-gradient part ``s`` backwards late (the later
+    stages pass gradients on sooner and fill their idle tail with the deferred parts), the rest at the end.
+    ZB-H1 (``w`` = 1F1B's warm-up): at most ``S`` micro-batches in flight (forward begun, weight part not done)
+    on any stage, 1F1B's stage-0 depth; ZB-H2 (`zb_h2_warmup`): about twice that, no warm-up bubble."""
     i = 0
     for j in range(w):
         i = _put(table, s, i, FORWARD, j, 0, 0)
     nf, nw = w, 0
     for b in range(M):
+        if input_first:
+            i = _put(table, s, i, BACKWARD_INPUT, b, 0, 0)
         if nf < M:
             i = _put(table, s, i, FORWARD, nf, 0, 0)
             nf += 1
-        i = _put(table, s, i, BACKWARD_INPUT, b, 0, 0)
+        if not input_first:
+            i = _put(table, s, i, BACKWARD_INPUT, b, 0, 0)
         if b + 1 - nw > s:
             i = _put(table, s, i, BACKWARD_WEIGHT, nw, 0, 0)
             nw += 1
@@ -117,9 +127,9 @@ def _interleaved_rows(table, S, M, v):
 @njit(cache=True)
 def static_table(code, S, M):
     """int32 ``[S, L, 4]``: the op table of static schedule ``code`` (`GPIPE`, `ONE_F_ONE_B`, `INTERLEAVED`,
-    `ZB_H1`) for ``S`` stages and ``M`` micro-batches; ``L`` = ops per rank. Any other code: every row
+    `ZB_H1`, `ZB_H2`) for ``S`` stages and ``M`` micro-batches; ``L`` = ops per rank. Any other code: every row
     `INVALID` (the simulator refuses it)."""
-    per = 3 if code == ZB_H1 else 2
+    per = 3 if code == ZB_H1 or code == ZB_H2 else 2
     v = INTERLEAVED_CHUNKS if code == INTERLEAVED else 1
     table = np.full((S, per * M * v, COLUMNS), 0, np.int32)
     if code == GPIPE:
@@ -134,7 +144,10 @@ def static_table(code, S, M):
             one_f_one_b_row(table, s, 0, S, s, M, 0, 0)
     elif code == ZB_H1:
         for s in range(S):
-            _zb_h1_row(table, s, S, M)
+            _zb_row(table, s, S, M, warmup_forwards(S, s, M), False)
+    elif code == ZB_H2:
+        for s in range(S):
+            _zb_row(table, s, S, M, zb_h2_warmup(S, s, M), True)
     elif code == INTERLEAVED:
         _interleaved_rows(table, S, M, v)
     else:
@@ -169,6 +182,22 @@ def static_table_reference(code, S, M):
                 row.append((BACKWARD_INPUT, op[1], 0, 0))
                 done_w = sum(1 for o in row if o[0] == BACKWARD_WEIGHT)
                 if op[1] + 1 - done_w > s:  # the weight part of the backward s places back
+                    row.append((BACKWARD_WEIGHT, done_w, 0, 0))
+            done_w = sum(1 for o in row if o[0] == BACKWARD_WEIGHT)
+            rows.append(row + [(BACKWARD_WEIGHT, j, 0, 0) for j in range(done_w, M)])
+        return rows
+    if code == ZB_H2:
+        rows = []
+        for s in range(S):
+            w = min(2 * (S - s) - 1, M)
+            row = [(FORWARD, j, 0, 0) for j in range(w)]
+            later = list(range(w, M))  # forwards still to run
+            for b in range(M):
+                row.append((BACKWARD_INPUT, b, 0, 0))
+                if later:
+                    row.append((FORWARD, later.pop(0), 0, 0))
+                done_w = sum(1 for o in row if o[0] == BACKWARD_WEIGHT)
+                if b + 1 - done_w > s:
                     row.append((BACKWARD_WEIGHT, done_w, 0, 0))
             done_w = sum(1 for o in row if o[0] == BACKWARD_WEIGHT)
             rows.append(row + [(BACKWARD_WEIGHT, j, 0, 0) for j in range(done_w, M)])

@@ -56,6 +56,9 @@ _ENTRIES = (
     ScheduleInfo("zb-h1", oc.ZB_H1, 1, True, True, "1f1b",
                  "zero bubble ZB-H1: 1F1B with each backward split into input and weight parts, the weight parts "
                  "of stage s s backwards late (1F1B's stage-0 memory)"),
+    ScheduleInfo("zb-h2", oc.ZB_H2, 1, True, True, "1f1b",
+                 "zero bubble ZB-H2: 2(S-s)-1 warm-up forwards on stage s fill the warm-up bubble, each backward "
+                 "split, its input part first, the weight parts s backwards late (about twice 1F1B's memory)"),
 )
 
 #: name -> its `ScheduleInfo`, in registration order.
@@ -68,7 +71,7 @@ SCHEDULE_CODES: Mapping[str, int] = MappingProxyType({e.name: e.code for e in _E
 #: registered order of one chunk per stage (a runner holds one model cut for all its steps, so the per-step
 #: pick is among the orders that cut runs; ``interleaved`` needs its own cut and is chosen by name).
 AUTO_PREFERENCE: tuple[str, ...] = tuple(sorted((e.name for e in _ENTRIES if e.code != oc.AUTO and e.chunks == 1),
-                                                key=("1f1b", "zb-h1", "adaptive", "gpipe").index))
+                                                key=("1f1b", "zb-h1", "zb-h2", "adaptive", "gpipe").index))
 
 
 def schedule_info(name: str) -> ScheduleInfo:

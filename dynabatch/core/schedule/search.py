@@ -4,8 +4,11 @@
 (`dynabatch.core.kernels.schedules`: every candidate's op table from `rank_ops_kernel`, priced by the
 table simulator); for ``auto`` it does so for each of `AUTO_PREFERENCE` and `pick_auto` keeps the lowest
 makespan whose peak in-flight activation bytes per stage fit the limit (GPipe holds all M micro-batches
-on every stage, 1F1B at most ``S - s`` on stage ``s``, adaptive stays within the limit by construction).
-Times are seconds, memory bytes.
+on every stage, 1F1B at most ``S - s`` on stage ``s``, ZB-H2 about twice that, adaptive stays within the
+limit by construction). The orders of several chunks per stage (interleaved) need their own model cut, which a
+runner keeps for the whole run: `run_choice` weighs them against the per-step picks per run, and
+`compare_orders` (what ``dynabatch inspect`` prints) lists them marked ``per_run``. Times are seconds, memory
+bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ..kernels.schedules import order_ranks_schedule, order_ranks_stages
 from ..kernels.simulate import schedule_kernel
 from .build import rank_span_and_peaks
 from .orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, stage_limit
-from .registry import AUTO_PREFERENCE, schedule_info
+from .registry import AUTO_PREFERENCE, REGISTRY, schedule_info
 
 
 def ops_by_count(stages: int, counts: np.ndarray, schedule: str) -> np.ndarray:
@@ -68,10 +71,12 @@ def compare_orders(plan, cost=None) -> dict:
     """The orders ``auto`` weighs, side by side for ``plan``'s step (why it runs what it runs): for each of
     `AUTO_PREFERENCE` (and the plan's own schedule), every rank's micro-batches in the plan's execution
     order simulated under it with the plan's stage times, transfers (``cost``'s; none without) and bytes:
-    ``{name: {"makespan_s", "peak_bytes", "fits"}}`` (the slowest rank, the largest in-flight bytes on a
-    stage, whether they fit the in-flight budget: the plan's adaptive budget, else ``S`` x the cost model's
-    per-micro-batch limit). The planner searched each schedule's own order, so a schedule other than the
-    chosen one can only be slower there than here."""
+    ``{name: {"makespan_s", "peak_bytes", "fits", "per_run"}}`` (the slowest rank, the largest in-flight bytes on
+    a stage, whether they fit the in-flight budget: the plan's adaptive budget, else ``S`` x the cost model's
+    per-micro-batch limit). The orders of several chunks per stage (interleaved) follow, ``per_run`` True: a
+    runner holds one model cut for all its steps, so ``auto`` cannot switch to them per step; `run_choice`
+    weighs them for the whole run. The planner searched each schedule's own order, so a schedule other than
+    the chosen one can only be slower there than here."""
     S = plan.num_stages
     budget = stage_limit(plan)
     if not np.isfinite(budget) and cost is not None:
@@ -80,15 +85,36 @@ def compare_orders(plan, cost=None) -> dict:
     st, p2p = plan_stage_times(plan), plan_p2p_s(plan, cost)
     mem = np.broadcast_to(np.asarray(plan.mb_memory_bytes, np.float64), st.shape)
     out = {}
-    for name in dict.fromkeys(AUTO_PREFERENCE + (plan.schedule,)):
+    chunked = tuple(n for n, info in REGISTRY.items() if info.concrete and info.chunks > 1)
+    for name in dict.fromkeys(AUTO_PREFERENCE + (plan.schedule,) + chunked):
         span = peak = 0.0
         for r in range(plan.num_ranks):
             idx = plan.rank_indices(r)
             if len(idx):
                 _, peaks, t = rank_span_and_peaks(name, st[:, idx], p2p[idx], mem[:, idx], ff, budget)
                 span, peak = max(span, t), max(peak, float(peaks.max()))
-        out[name] = {"makespan_s": span, "peak_bytes": peak, "fits": bool(peak <= budget)}
+        out[name] = {"makespan_s": span, "peak_bytes": peak, "fits": bool(peak <= budget),
+                     "per_run": schedule_info(name).chunks > 1}
     return out
+
+
+def run_choice(plans, cost=None) -> dict:
+    """What ``auto`` runs for a whole run of ``plans`` (its steps): the per-step picks among `AUTO_PREFERENCE`
+    (one cut of one chunk per stage; each step the fastest order that fits, `compare_orders`) against each order
+    of several chunks per stage (a cut of ``v`` chunks per stage for every step), by simulated seconds summed over
+    the steps. Returns ``{"choice": "auto" or the chunked name, "seconds": {"auto": s, name: s, ...}, "fits":
+    {name: every step fits}}``; a chunked order is chosen only when it fits on every step and is faster."""
+    total, fits = {"auto": 0.0}, {"auto": True}
+    for plan in plans:
+        cmp = compare_orders(plan, cost)
+        ok = [n for n in AUTO_PREFERENCE if cmp[n]["fits"]] or list(AUTO_PREFERENCE)
+        total["auto"] += min(cmp[n]["makespan_s"] for n in ok)
+        for name, c in cmp.items():
+            if c["per_run"]:
+                total[name] = total.get(name, 0.0) + c["makespan_s"]
+                fits[name] = fits.get(name, True) and c["fits"]
+    better = [n for n in total if n != "auto" and fits[n] and total[n] < total["auto"]]
+    return {"choice": min(better, key=total.get) if better else "auto", "seconds": total, "fits": fits}
 
 
 def pick_auto(span_s: dict, peak_bytes: dict, limit: float) -> str:

@@ -5,7 +5,8 @@
 split backward (input gradients, the graph kept) and its weight part (weight gradients), updates),
 keeps the inbox (posted receives), the outbox (tensors waiting for their send), the saved activations
 and the step's micro-batch dictionaries, waits, times each op (seconds) and meters the activation bytes
-each forward keeps for backward (held until the backward's last part). It knows nothing about how the
+each forward keeps for backward (held until the backward's last part; a split backward's input part adds
+the gradients it keeps for the weight part). It knows nothing about how the
 ops are grouped into steps, models or updates: each way of running supplies a `Hooks` object, and the
 interpreter calls it at fixed points:
 
@@ -400,6 +401,10 @@ def _backward(op: Op, top: Hooks, hooks: Hooks, ctx, guard, clock: Clock, state:
     _ran(state, clock, op, t0)
     if split:
         state.weights[(v, c)] = work
+        if (v, c) in state.chunk_b:  # metered: the kept gradients are held until the weight part, too
+            state.chunk_b[(v, c)] += work.kept_bytes
+            state.held_b += work.kept_bytes
+            state.peak_b = max(state.peak_b, state.held_b)
     else:
         input_grads = [b.grad for b in takes]
         _release(state, v, c)

@@ -45,6 +45,12 @@ class WeightWork:
     groups: list[tuple[list, list, list]] = field(default_factory=list)
     rewalk: tuple | None = None
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the gradients kept for the weight part (held from the input part to the weight part, on top
+        of the activations the graph keeps)."""
+        return sum(g.numel() * g.element_size() for _, grads, _ in self.groups for g in grads)
+
 
 def _accumulate(params, grads) -> None:
     """Add ``grads`` into ``params``' ``.grad`` (as a whole backward accumulates them)."""
