@@ -535,3 +535,17 @@ def test_refit_every_and_feedback_take_every_models_measured_times():
         for r in rows:
             assert r["n_obs"] == 2 * 2 * r["m"] and r["y_ok"], r
     assert [r["scale"] for r in res[0]] == [r["scale"] for r in res[1]]
+
+
+def test_a_schedule_other_than_1f1b_is_refused_naming_what_runs():
+    """MultiModelRunner's order is 1F1B over the models' virtual micro-batches (`multimodel_ops`): a runner
+    configured for another schedule is an error that names the supported one, not a silent 1F1B."""
+    from types import SimpleNamespace
+
+    from dynabatch.pipeline.runtime.config import RunnerConfig
+    from dynabatch.pipeline.runtime.multimodel import MultiModelRunner
+
+    ctx = SimpleNamespace(num_replicas=1, stage=0, rank=0)
+    runners = [SimpleNamespace(ctx=ctx, bypass=None, config=RunnerConfig(schedule=s)) for s in ("1f1b", "zb-h1")]
+    with pytest.raises(ValueError, match=r"schedule='zb-h1'.*use '1f1b'"):
+        MultiModelRunner(runners, [None, None])

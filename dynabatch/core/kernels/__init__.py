@@ -67,6 +67,7 @@ module                kernel                          reference
 `.recompute`          `stage_peaks`                   `stage_peaks_reference`
 `.stage_order`        `insertion_search`              `insertion_search_reference`
                       `_span`                         helper of `insertion_search`
+`.residency`          `active_peak_kernel`            `active_peak_reference`
 `.flushfree`          `flushfree_kernel`              `flushfree_reference`
                       `stage_loads`                   `stage_loads_reference`
 `.global_batches`     `greedy_cuts`                   `greedy_cuts_reference`

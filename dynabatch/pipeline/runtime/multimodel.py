@@ -151,6 +151,11 @@ class MultiModelRunner:
                              "True) is for PipelineRunner")
         if ctx.num_replicas != 1:
             raise ValueError(f"MultiModelRunner runs one pipeline replica; this context has {ctx.num_replicas}")
+        other = sorted({r.config.schedule for r in runners} - {"auto", "1f1b"})
+        if other:  # its order is multimodel_ops: 1F1B over the models' virtual micro-batches, nothing else yet
+            raise ValueError(f"MultiModelRunner runs 1F1B over the models' micro-batches (interleaved or model after "
+                             f"model); RunnerConfig(schedule={other[0]!r}) is not supported here: use '1f1b' (or "
+                             "'auto'), or train that model alone with PipelineRunner")
         self.ctx, self.runners, self.optimizers = ctx, runners, list(optimizers)
         self.K = len(runners)
         self.interleave = bool(interleave)
