@@ -223,7 +223,8 @@ class PlanOptions:
                              "(global_batch_size=)")
 
     def replace(self, **changes) -> "PlanOptions":
-        """A copy with ``changes`` (deprecated names accepted with a warning)."""
+        """A copy with ``changes``: fields by name, passed to `dataclasses.replace` (the stdlib's, which
+        takes any field; deprecated names are accepted with a warning)."""
         return dataclasses.replace(self, **renamed(changes, where="PlanOptions.replace"))
 
     # -- serialization (plan-file metadata, loader states, spawned workers) ------------------------
@@ -251,17 +252,6 @@ class PlanOptions:
             if old in d and new not in d:
                 d[new] = d.pop(old)
         return cls(**{k: v for k, v in d.items() if k in names})
-
-    @classmethod
-    def from_kwargs(cls, where: str, **kwargs) -> "PlanOptions":
-        """Build from keyword arguments, accepting deprecated names with a warning; a keyword that
-        is no option raises TypeError naming it."""
-        kwargs = renamed(kwargs, where=where, stacklevel=4)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"{where}: unknown planning option(s) {unknown}; PlanOptions has {sorted(names)}")
-        return cls(**kwargs)
 
 
 def _rebuild_options(cls, fields: dict) -> PlanOptions:
