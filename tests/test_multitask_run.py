@@ -138,7 +138,12 @@ def multitask_worker(rank, world, port, cases):
             batches, tasks = step_batches(model, case["step"], seed=case.get("seed", 0))
         ex = SpindleExecutor(model, g, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         before = {c: [p.detach().clone() for p in model.component(c).parameters()] for c in ex.held}
-        res = ex.step(batches, tasks)
+        if case.get("tags"):  # the DataLoader's per-sample task tags instead of a task list
+            for b, t in zip(batches, tasks):
+                b["tasks"] = (t,) * len(b["input_ids"])
+            res = ex.step(batches)
+        else:
+            res = ex.step(batches, tasks)
         if case.get("llava"):
             from dynabatch.pipeline.models.hf import hf_reference_step
 
@@ -198,7 +203,7 @@ def _hf_gap(hf, ref, held, model):
 @pytest.fixture(scope="module")
 def launched():
     cases = [{"allocation": MIXED, "step": STEP},
-             {"allocation": MIXED, "step": [s for s in STEP if s[0] == "text"], "seed": 1},
+             {"allocation": MIXED, "step": [s for s in STEP if s[0] == "text"], "seed": 1, "tags": True},
              {"allocation": [("vit", (0, 1), 0), ("backbone", (0, 1, 2, 3), 1)], "llava": True}]
     res = launch_local(f"{__file__}:multitask_worker", 4, args=(cases,), idle_timeout_s=120)
     for r in res:
@@ -229,7 +234,7 @@ def test_four_gloo_ranks_equal_one_process(launched):
 def test_a_microbatch_never_touches_the_components_its_task_skips(launched):
     """No compute and no message of any rank names a component for a micro-batch whose task skips it; a step of
     text-only micro-batches leaves the vit, audio, projector and classifier groups without any op (no
-    all-reduce either) and still equals one process."""
+    all-reduce either) and still equals one process (its tasks read from the micro-batches' ``tasks`` tags)."""
     graph = mtmm_tiny_graph()
     for cases in launched:
         c = cases[0]
@@ -281,6 +286,17 @@ def test_wrong_allocations_are_refused_by_name():
         check_allocation(allocation(MIXED), graph, 8)
 
 
+def test_task_tags_of_a_microbatch():
+    """A micro-batch's task is its samples' one ``tasks`` tag; none, or a mix, is refused naming the micro-batch."""
+    from dynabatch.pipeline.multitask import task_of
+
+    assert task_of({"tasks": ("audio_text", "audio_text")}, 0) == "audio_text"
+    with pytest.raises(ValueError, match="micro-batch 3 has no 'tasks' entry"):
+        task_of({"input_ids": torch.zeros(1, 1)}, 3)
+    with pytest.raises(ValueError, match=r"micro-batch 1 mixes tasks \['image_text', 'text'\]"):
+        task_of({"tasks": ("text", "image_text")}, 1)
+
+
 def test_components_match_the_graph_and_their_specs():
     """mtmm-tiny has the graph's components with the zoo's widths; on each task every component's output has
     exactly the shape its spec computes from the micro-batch, and the heads' target counts are their losses'."""
@@ -303,3 +319,50 @@ def test_components_match_the_graph_and_their_specs():
             else:
                 assert spec.matches(y), (t, c, list(y.shape), spec)
                 out[c] = y
+
+
+def test_measure_bench_plumbing_without_ranks():
+    """`bench spindle --measure`'s parts without a launch: its micro-batches hold exactly their samples' token
+    counts (text, tiles, frames), and fed measured times equal to the cost model's own predictions (each
+    micro-batch on the rank `route` gives it), the comparison refits nothing away and reports ratios of 1."""
+    import dataclasses
+
+    import numpy as np
+
+    from dynabatch.bench.spindle_measure import SpindleMeasureConfig, compare, microbatches, step_samples
+    from dynabatch.core.multitask.allocation import plan_allocation
+    from dynabatch.core.multitask.routing import route
+    from dynabatch.core.multitask.workload import ComponentCosts
+
+    cfg = SpindleMeasureConfig(samples=18, warmup=1, calibrate=2, evaluate=2)
+    graph = mtmm_tiny_graph()
+    costs = ComponentCosts(graph, "cpu")
+    samples = [step_samples(cfg, graph, k) for k in range(5)]
+    model = mtmm_tiny(vocab=cfg.vocab)
+    for b, t in zip(microbatches(samples[0], 56, 16, cfg.vocab, 16, 0), samples[0].microbatch_tasks):
+        shape = model.shape_of(b, t)
+        assert shape.text_len == int(b["attention_mask"].sum(1).max())
+        assert shape.tiles == (int(b["image_tiles"].sum()) if t == "image_text" else 0)
+        assert (shape.audio_frames > 0) == (t == "audio_text")
+    for j, b in enumerate(microbatches(samples[1], 56, 16, cfg.vocab, 16, 1)):
+        rows = np.flatnonzero(samples[1].microbatch == j)
+        assert b["attention_mask"].sum(1).tolist() == samples[1].text[rows].tolist()
+        if "image_tiles" in b:
+            assert (b["image_tiles"] * 4).tolist() == samples[1].vision[rows].tolist()
+        if "audio_frames" in b:
+            assert (b["audio_frames"] // 2).tolist() == samples[1].audio[rows].tolist()
+    alloc = plan_allocation(costs, costs.workload(samples[0]), cfg.world)
+    payload = {"steps": [{"cost_s": None} for _ in samples]}
+    measured = []
+    for s in samples:
+        w = costs.workload(s)
+        routes = route(alloc, graph, s.microbatch_tasks)
+        ranks = [dict() for _ in range(cfg.world)]
+        for c in graph.names:
+            for r, mbs in zip(alloc.placement(c).ranks, routes[c]):
+                ranks[r][c] = {str(j): float(w.time_s[w.row(c)][j]) for j in mbs}
+        measured.append(ranks)
+    rows = compare(dataclasses.replace(cfg), graph, ComponentCosts(graph, "cpu"), samples, alloc, measured, payload)
+    assert {r.component for r in rows} == set(graph.names)
+    for r in rows:
+        assert r.measured_s > 0 and r.ratio == pytest.approx(1.0, rel=0.02), r

@@ -13,8 +13,8 @@ components on the device groups of an `dynabatch.core.multitask.Allocation`, run
 See docs/multitask.md.
 """
 
-from .executor import SpindleEvent, SpindleExecutor, SpindleStep
+from .executor import SpindleEvent, SpindleExecutor, SpindleStep, task_of
 from .setup import AllocationError, SpindleContext, attach_allocation, check_allocation, init_spindle
 
 __all__ = ["AllocationError", "SpindleContext", "SpindleEvent", "SpindleExecutor", "SpindleStep", "attach_allocation",
-           "check_allocation", "init_spindle"]
+           "check_allocation", "init_spindle", "task_of"]

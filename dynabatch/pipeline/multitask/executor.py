@@ -65,7 +65,7 @@ class SpindleEvent:
 class SpindleStep:
     """One step's outcome on one rank: ``loss`` (the step's summed loss over its ``num_tokens`` targets, the
     world's sum), per component this rank holds its measured compute seconds (``forward_s``, ``backward_s``:
-    the component's forward and backward on its micro-batches here, waits excluded), the micro-batches it ran
+    the component's forward and backward on its micro-batches here, waits excluded, by the executor's ``clock``), the micro-batches it ran
     (``microbatches``) and the forward + backward seconds of each (``microbatch_s[component][mb]``), seconds waited on transfers and all-reduces (``wait_s``), the step's wall seconds
     (``wall_s``), and what it did (``events``, `SpindleEvent`)."""
 
@@ -94,20 +94,37 @@ class _Item:
     seconds: float = 0.0                         # its forward + backward compute
 
 
+def task_of(batch: dict, index: int) -> str:
+    """The one task of micro-batch ``index``'s samples (its ``tasks`` entry); ValueError when it has none or
+    mixes tasks (plan the step with one task per micro-batch, as `StepSamples.pack` does)."""
+    tags = batch.get("tasks")
+    if tags is None or isinstance(tags, str) or len(tags) == 0:
+        raise ValueError(f"micro-batch {index} has no 'tasks' entry: read it from a DataLoader over a TaskMixture, "
+                         "or pass step(batches, tasks=[...])")
+    if len(set(tags)) != 1:
+        raise ValueError(f"micro-batch {index} mixes tasks {sorted(set(tags))}: the executor runs one task per "
+                         "micro-batch (its path through the components); plan one task per micro-batch")
+    return str(tags[0])
+
+
 class SpindleExecutor:
     """Runs steps of a `ComponentModel` on this rank's share of an `Allocation` (see the module doc).
 
     ``model``: every component's module (this rank uses and updates those it holds; the others stay
     untouched); ``graph``: the components' dependency edges and tasks (`dynabatch.core.multitask`);
     ``ctx``: from `init_spindle`; ``optimizer``: ``optimizer(parameters) -> torch.optim.Optimizer`` over the
-    parameters of the components this rank holds (None: steps leave the gradients and update nothing)."""
+    parameters of the components this rank holds (None: steps leave the gradients and update nothing);
+    ``clock``: what the component seconds are read from (``time.perf_counter``: wall seconds;
+    ``time.thread_time``: this thread's CPU seconds, which on a CPU shared with other processes leaves out the
+    time the rank was preempted; torch computes on the calling thread with ``torch.set_num_threads(1)``)."""
 
     def __init__(self, model: ComponentModel, graph: ComponentGraph, ctx: SpindleContext, *,
-                 optimizer: Callable[[list], torch.optim.Optimizer] | None = None):
+                 optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         check_allocation(ctx.allocation, graph, ctx.world_size)
         for c in graph.names:
             model.component(c)
-        self.model, self.graph, self.ctx = model, graph, ctx
+        self.model, self.graph, self.ctx, self.clock = model, graph, ctx, clock
         self.allocation = ctx.allocation
         topo = {n: i for i, n in enumerate(graph.order())}
         self.index = {n: i for i, n in enumerate(graph.names)}
@@ -137,15 +154,17 @@ class SpindleExecutor:
         self.guard.run(run)
 
     # -- one step --------------------------------------------------------------------------------
-    def step(self, batches: Sequence[dict], tasks: Sequence[str], *,
+    def step(self, batches: Sequence[dict], tasks: Sequence[str] | None = None, *,
              cost_s: Mapping[str, Sequence[float]] | None = None) -> SpindleStep:
         """Forward and backward of the step's micro-batches ``batches`` (dicts; ``tasks[i]`` is micro-batch i's
-        task), the gradient all-reduce in each component group and one optimizer step (module doc). Every rank
-        passes the same micro-batches, tasks and ``cost_s`` (predicted seconds per component and micro-batch,
-        `route`'s balance; None: each micro-batch counts the same)."""
+        task; None: each micro-batch's ``tasks`` entry, the `DataLoader`'s tags of a `TaskMixture`, whose samples
+        must share one task), the gradient all-reduce in each component group and one optimizer step (module
+        doc). Every rank passes the same micro-batches, tasks and ``cost_s`` (predicted seconds per component
+        and micro-batch, `route`'s balance; None: each micro-batch counts the same)."""
+        tasks = [task_of(b, i) for i, b in enumerate(batches)] if tasks is None else list(tasks)
         if len(batches) != len(tasks):
             raise ValueError(f"{len(batches)} micro-batches but {len(tasks)} tasks: tag each micro-batch with one task")
-        for i, t in enumerate(tasks):
+        for t in tasks:
             self.graph.task(t)
         out = self.guard.run(lambda: self._step(list(batches), list(tasks), cost_s))
         self.steps += 1
@@ -223,9 +242,9 @@ class SpindleExecutor:
             for p, buf in recvs.items():
                 it.inputs[p] = buf.requires_grad_(model.output_spec(p, shapes[i]).requires_grad)
             mon.set_state("busy", f"in forward of {c} on micro-batch {i} ({tasks[i]}) of step {k}")
-            t0 = time.perf_counter()
+            t0 = self.clock()
             y = model.component(c)(it.inputs, batches[i])
-            it.seconds = time.perf_counter() - t0
+            it.seconds = self.clock() - t0
             fwd[c] += it.seconds
             events.append(SpindleEvent("compute", c, i, "forward"))
             if not consumers(c, i):  # a head: (loss sum, targets)
@@ -272,10 +291,10 @@ class SpindleExecutor:
                                           peers)
                 grad_out, target = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0], it.out
             mon.set_state("busy", f"in backward of {c} on micro-batch {i} ({tasks[i]}) of step {k}")
-            t0 = time.perf_counter()
+            t0 = self.clock()
             if target.requires_grad:
                 torch.autograd.backward(target, grad_out)
-            dt = time.perf_counter() - t0
+            dt = self.clock() - t0
             it.seconds += dt
             bwd[c] += dt
             events.append(SpindleEvent("compute", c, i, "backward"))
@@ -339,4 +358,4 @@ class SpindleExecutor:
         return waited
 
 
-__all__ = ["SpindleEvent", "SpindleExecutor", "SpindleStep"]
+__all__ = ["SpindleEvent", "SpindleExecutor", "SpindleStep", "task_of"]
