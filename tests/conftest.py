@@ -7,3 +7,19 @@ import os
 
 os.environ.setdefault("DYNABATCH_LAUNCH_START", "forkserver")
 os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers")
+
+
+def pytest_configure(config):
+    # pytest-xdist sorts --dist loadfile's files by their number of tests unless told not to; the
+    # order from pytest_collection_modifyitems (longest files first, tests/suite_order.py) must hold.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from suite_order import longest_first
+
+    items[:] = longest_first(items)
