@@ -351,6 +351,12 @@ def test_measure_bench_plumbing_without_ranks():
             assert (b["image_tiles"] * 4).tolist() == samples[1].vision[rows].tolist()
         if "audio_frames" in b:
             assert (b["audio_frames"] // 2).tolist() == samples[1].audio[rows].tolist()
+    # ComponentModel.step_samples reads the same counts back from the dicts
+    back = model.step_samples(microbatches(samples[1], 56, 16, cfg.vocab, 16, 1), samples[1].microbatch_tasks)
+    order = np.argsort(samples[1].microbatch, kind="stable")
+    for name in ("text", "vision", "audio", "microbatch"):
+        assert getattr(back, name).tolist() == getattr(samples[1], name)[order].tolist(), name
+    assert back.tasks == tuple(np.array(samples[1].tasks)[order])
     alloc = plan_allocation(costs, costs.workload(samples[0]), cfg.world)
     payload = {"steps": [{"cost_s": None} for _ in samples]}
     measured = []

@@ -53,7 +53,9 @@ class ComponentModel:
     ``shape_of(batch, task)``: the `TaskShape` of a micro-batch dictionary. ``targets(name, batch)``: the
     target tokens (or rows) head ``name`` counts in ``batch``'s loss: the step's loss is normalized by
     their sum over the step, known before any forward. ``random_batch(path, rows, text_len, generator,
-    tiles, audio_frames)``: a synthetic micro-batch for a task through the components ``path``."""
+    tiles, audio_frames)``: a synthetic micro-batch for a task through the components ``path``.
+    ``sample_tokens(batch)``: per row, its (text, vision, audio) tokens in backbone tokens (int lists), what
+    `step_samples` gives the planner."""
 
     name: str
     modules: dict[str, nn.Module]
@@ -61,6 +63,7 @@ class ComponentModel:
     shape_of: Callable[[dict, str], TaskShape]
     targets: Callable[[str, dict], int]
     random_batch: Callable[..., dict] | None = None
+    sample_tokens: Callable[[dict], tuple[list, list, list]] | None = None
 
     def component(self, name: str) -> nn.Module:
         """The module of component ``name`` (KeyError naming the model's components otherwise)."""
@@ -73,6 +76,26 @@ class ComponentModel:
         """The parameters of the components ``names`` (default: all), in component then module order."""
         for n in (self.modules if names is None else names):
             yield from self.component(n).parameters()
+
+    def step_samples(self, batches, tasks):
+        """The `dynabatch.core.multitask.workload.StepSamples` of a step's micro-batch dicts (``tasks[j]``: micro-batch
+        j's task): each row a sample of its micro-batch's task with its `sample_tokens`; what
+        `dynabatch.core.multitask.ComponentCosts.workload` and `plan_allocation` price."""
+        from ...core.multitask.workload import StepSamples
+
+        if self.sample_tokens is None:
+            raise ValueError(f"{self.name} has no sample_tokens: build the StepSamples from the loader's shapes")
+        if len(batches) != len(tasks):
+            raise ValueError(f"{len(batches)} micro-batches but {len(tasks)} tasks")
+        names, text, vision, audio, mb = [], [], [], [], []
+        for j, (b, t) in enumerate(zip(batches, tasks)):
+            tx, vi, au = self.sample_tokens(b)
+            names += [t] * len(tx)
+            text += list(tx)
+            vision += list(vi)
+            audio += list(au)
+            mb += [j] * len(tx)
+        return StepSamples(tuple(names), text, vision, audio, mb)
 
     def to(self, dtype: torch.dtype) -> "ComponentModel":
         """Cast every component to ``dtype`` (in place); returns self."""

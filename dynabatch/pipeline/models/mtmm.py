@@ -285,6 +285,14 @@ def mtmm_shape(batch: dict, task: str, tile_tokens: int, pool: int) -> TaskShape
                      int(batch["input_ids"].shape[1]), tiles, frames)
 
 
+def mtmm_sample_tokens(batch: dict, tile_tokens: int, pool: int) -> tuple[list, list, list]:
+    """Per row of an mtmm-tiny micro-batch: (text tokens, vision tokens, audio tokens), in backbone tokens."""
+    text = _text_lengths(batch)
+    tiles = batch.get("image_tiles")
+    vision = torch.zeros_like(text) if tiles is None else tiles.long().reshape(text.shape) * tile_tokens
+    return text.tolist(), vision.tolist(), audio_tokens(batch, pool).tolist()
+
+
 def _output_spec(c: dict, dtype: torch.dtype):
     tt, pool, hv, ha, h = c["tile_tokens"], c["audio_pool"], c["vision_hidden"], c["audio_hidden"], c["hidden"]
 
@@ -373,10 +381,11 @@ def mtmm_tiny(*, vocab: int | None = None, hidden: int | None = None, layers: in
     }
     model = ComponentModel("mtmm-tiny", modules, _output_spec(c, dtype),
                            lambda batch, task: mtmm_shape(batch, task, tt, pool),
-                           lambda name, batch: modules[name].targets(batch), mtmm_random_batch(c, tile_size, mel))
+                           lambda name, batch: modules[name].targets(batch), mtmm_random_batch(c, tile_size, mel),
+                           lambda batch: mtmm_sample_tokens(batch, tt, pool))
     return model.to(dtype)
 
 
 __all__ = ["COMPONENTS", "HEADS", "AudioEncoder", "Backbone", "CaptionHead", "ClassifierHead", "SharedProjector",
            "VisionEncoder", "audio_tokens", "layout", "merged_labels", "merged_length", "modality_tokens",
-           "mtmm_shape", "mtmm_tiny"]
+           "mtmm_sample_tokens", "mtmm_shape", "mtmm_tiny"]

@@ -115,7 +115,15 @@ def llava_graph(source, *, dtype: torch.dtype | None = None, seed: int | None = 
         t = tiles if "vit" in path else 0
         return layered.random_batch(MicroBatchShape("padded", rows, text_len + t * tt, tiles=t), generator)
 
-    model = ComponentModel(f"{layered.name} (2 components)", modules, output_spec, shape_of, targets, random_batch)
+    def sample_tokens(batch: dict) -> tuple[list, list, list]:
+        total = batch["attention_mask"].long().sum(1) if "attention_mask" in batch else \
+            torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1])
+        tiles = batch.get("image_tiles")
+        vision = torch.zeros_like(total) if tiles is None else tiles.long().reshape(total.shape) * tt
+        return (total - vision).tolist(), vision.tolist(), [0] * len(total)  # the placeholders are the vision tokens
+
+    model = ComponentModel(f"{layered.name} (2 components)", modules, output_spec, shape_of, targets, random_batch,
+                           sample_tokens)
     return vision_language_graph(layered.config), model
 
 
