@@ -10,6 +10,7 @@ from .commands import add_subcommand
 from .commands.bench_load import add_bench_load_command, add_bench_loader_command
 from .commands.bench_plan import add_bench_plan_command
 from .commands.bench_schedules import add_bench_schedules_command
+from .commands.bench_spindle import add_bench_spindle_command
 from .commands.bench_train import add_bench_multimodel_command, add_bench_train_command
 from .commands.bench_trainer import add_bench_trainer_command
 from .commands.check import add_check_command
@@ -43,6 +44,7 @@ examples of the other commands (every command's --help ends with its own example
   dynabatch profile --model gpt-tiny --device cpu --out costs.json  a cost model measured here
   dynabatch check my-model/ data/train.jsonl --num-stages 2             your model folder and data, before a run
   dynabatch bench schedules                                          every pipeline schedule on the same dp plans
+  dynabatch bench spindle --devices 32                              multi-task: per-component allocation vs one pipeline
   dynabatch bench loader --limit 20000 --workers 0                  DataLoader vs torch's + collators
   dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       real pipelined training (~10 min)
   dynabatch bench trainer --models llama --steps 12                 transformers.Trainer on 2 ranks: dp vs HF batching
@@ -68,6 +70,7 @@ BENCH_EPILOG = """\
 examples:
   dynabatch bench plan --synthetic                                  # seconds: planning methods, simulated
   dynabatch bench schedules --num-stages 4 8 --num-ranks 8 32         # a minute: every schedule, simulated
+  dynabatch bench spindle                                           # a minute: multi-task allocation vs one pipeline
   dynabatch bench load --sources jsonl --repeat 1                   # a minute: loaders vs datasets
   dynabatch bench loader --limit 20000 --workers 0                  # a minute: DataLoader vs torch's
   dynabatch bench train --model t5-tiny --num-stages 2 --steps 20       # ~10 minutes: real training
@@ -104,6 +107,7 @@ def _add_bench(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     add_bench_plan_command(bench_sub)
     add_bench_schedules_command(bench_sub)
+    add_bench_spindle_command(bench_sub)
     add_bench_load_command(bench_sub)
     add_bench_loader_command(bench_sub)
     add_bench_train_command(bench_sub)

@@ -211,6 +211,7 @@ def test_frontier_and_pareto_sum_kernels_match_references():
         t1, m1, t2, m2 = (np.round(rng.random(k), 2) for k in (n1, n1, n2, n2))
         for x, y in zip(K.pareto_sum_kernel(t1, m1, t2, m2, 1.2), K.pareto_sum_reference(t1, m1, t2, m2, 1.2)):
             np.testing.assert_array_equal(x, y)
+        assert tuple(K.min_sum_kernel(t1, m1, t2, m2, 1.2)) == tuple(K.min_sum_reference(t1, m1, t2, m2, 1.2))
 
 
 def test_plan_allocation_kernel_matches_reference_on_random_graphs():

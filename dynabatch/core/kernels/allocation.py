@@ -407,3 +407,30 @@ def pareto_sum_reference(t1, m1, t2, m2, limit):
     keep = _pareto_reference([p[0] for p in pts], [p[1] for p in pts])
     return (np.array([pts[j][0] for j in keep], np.float64), np.array([pts[j][1] for j in keep], np.float64),
             np.array([pts[j][2] for j in keep], np.int64), np.array([pts[j][3] for j in keep], np.int64))
+
+
+@njit(cache=True)
+def min_sum_kernel(t1, m1, t2, m2, limit):
+    """The pair (a, b) of least ``t1[a] + t2[b]`` with ``m1[a] + m2[b] <= limit`` (ties: smaller summed bytes,
+    then lower a, then lower b); (-1, -1) when none fits. The last step of the allocation search, which needs
+    the best point only, not a frontier."""
+    best_a, best_b = -1, -1
+    bt, bm = np.inf, np.inf
+    for a in range(t1.shape[0]):
+        for b in range(t2.shape[0]):
+            mm = m1[a] + m2[b]
+            if mm <= limit:
+                tt = t1[a] + t2[b]
+                if tt < bt or (tt == bt and mm < bm):
+                    bt, bm, best_a, best_b = tt, mm, a, b
+    return best_a, best_b
+
+
+def min_sum_reference(t1, m1, t2, m2, limit):
+    """Plain-Python `min_sum_kernel`."""
+    pts = [(float(t1[a]) + float(t2[b]), float(m1[a]) + float(m2[b]), a, b)
+           for a in range(len(t1)) for b in range(len(t2)) if float(m1[a]) + float(m2[b]) <= limit]
+    if not pts:
+        return -1, -1
+    _, _, a, b = min(pts)
+    return a, b

@@ -10,6 +10,7 @@ says which rank of a group runs which micro-batch. Torch-free.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -219,9 +220,7 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
     frontier = K.block_frontier_reference if ref else K.block_frontier_kernel
     psum = K.pareto_sum_reference if ref else K.pareto_sum_kernel
 
-    # running frontier over the levels so far: seconds, bytes, and per point the chosen waves
-    # (list of (component names, option index per component))
-    run_t, run_m, run_w = np.zeros(1), np.zeros(1), [[]]
+    levels = []  # per level: its frontier (seconds, bytes) and per point the waves it runs as
     for level in _levels(graph):
         lt, lm, lw = [], [], []
         for part in _set_partitions(level):
@@ -242,15 +241,25 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
             lt.extend(np.asarray(pt).tolist())
             lm.extend(np.asarray(pm).tolist())
             lw.extend(pw[:len(pt)])
-        st, sm, ia, ib = psum(run_t, run_m, np.array(lt), np.array(lm), limit)
-        run_w = [run_w[a] + lw[b] for a, b in zip(ia.tolist(), ib.tolist())]
+        levels.append((np.array(lt), np.array(lm), lw))
+    # the levels' frontiers summed in order (running frontier: seconds, bytes, the waves of each point); a
+    # point is dropped once its bytes leave no room for the least bytes each later level needs (exact)
+    need = [float(m.min()) if len(m) else math.inf for _, m, _ in levels]
+    run_t, run_m, run_w = np.zeros(1), np.zeros(1), [[]]
+    for k, (lt, lm, lw) in enumerate(levels[:-1]):
+        room = limit - sum(need[k + 1:])
+        st, sm, ia, ib = psum(run_t, run_m, lt, lm, room) if room >= 0 else (np.zeros(0),) * 4
+        run_w = [run_w[a] + lw[b] for a, b in zip(np.asarray(ia).tolist(), np.asarray(ib).tolist())]
         run_t, run_m = st, sm
         if len(run_t) == 0:
-            raise ValueError(f"no allocation of the components on {N} devices keeps every device within "
-                             f"{limit / 2 ** 30:.1f} GiB (each device holds one component per wave); use more "
-                             f"devices, a larger memory_limit or smaller micro-batches")
-    best = int(np.argmin(run_t))
-    return _placed(run_w[best], opts, N, float(run_t[best]), method)
+            break
+    lt, lm, lw = levels[-1]
+    a, b = (K.min_sum_reference if ref else K.min_sum_kernel)(run_t, run_m, lt, lm, limit)
+    if a < 0:
+        raise ValueError(f"no allocation of the components on {N} devices keeps every device within "
+                         f"{limit / 2 ** 30:.1f} GiB (each device holds one component per wave); use more "
+                         f"devices, a larger memory_limit or smaller micro-batches")
+    return _placed(run_w[a] + lw[b], opts, N, float(run_t[a] + lt[b]), method)
 
 
 def _placed(waves, opts, N: int, step_s: float, method: str) -> Allocation:

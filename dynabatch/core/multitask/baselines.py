@@ -151,6 +151,9 @@ def one_pipeline(costs, workload, num_devices: int, *, bypass: bool, partition: 
     for S in range(1, min(N, table.num_layers) + 1):
         if N % S:
             continue
+        # the model state alone, spread perfectly over S stages, already overflows: skip the cut search
+        if sum(costs.models[c].state_bytes(N // S) for c in workload.components) / S > limit:
+            continue
         if partition is None:
             bounds = uniform_bounds(table.num_layers, S)
         else:
