@@ -110,9 +110,11 @@ def _events(res) -> list:
     return [(e.kind, e.component, e.microbatch, e.direction, e.peer) for e in res.events]
 
 
-def multitask_worker(rank, world, port, cases):
+def multitask_worker(rank, world, port, cases, outdir):
     """Rank side: one world, each case an allocation of mtmm-tiny (or the LLaVA graph) run for one step; per case
-    the loss, target count, gradient gap against `reference_step`, the SGD update's gap, and what the rank did."""
+    the loss, target count, gradient gap against `reference_step`, the SGD update's gap, and what the rank did,
+    written to ``outdir/rank{rank}.json``. Then a last step in which rank 2's backbone raises: every rank ends
+    with an error (the others' naming rank 2), which the launch returns as their exit codes and stderr."""
     from dynabatch.pipeline.multitask import SpindleExecutor, attach_allocation, init_spindle
 
     torch.set_default_dtype(torch.float64)
@@ -161,8 +163,24 @@ def multitask_worker(rank, world, port, cases):
                     "diff": diff, "scale": scale, "missing": missing, "update": upd, "held": list(ex.held),
                     "microbatches": {c: list(v) for c, v in res.microbatches.items()}, "events": _events(res),
                     "seconds": res.component_seconds, "tasks": tasks})
-    ctx.close()
-    return out
+    import json
+    import time
+    from pathlib import Path
+
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+    model = mtmm_tiny(**SMALL, dtype=torch.float64, seed=3)
+    ctx = attach_allocation(ctx.dist, allocation(MIXED), graph)
+    ex = SpindleExecutor(model, graph, ctx)
+    if rank == 2:
+        def broken(inputs, batch):
+            raise RuntimeError("injected failure in the backbone")
+        model.modules["backbone"].forward = broken
+    batches, tasks = step_batches(model, STEP)
+    t0 = time.monotonic()
+    try:
+        ex.step(batches, tasks)
+    finally:
+        print(f"failed after {time.monotonic() - t0:.2f} s", flush=True)
 
 
 def _llava():
@@ -205,17 +223,40 @@ def launched():
     cases = [{"allocation": MIXED, "step": STEP},
              {"allocation": MIXED, "step": [s for s in STEP if s[0] == "text"], "seed": 1, "tags": True},
              {"allocation": [("vit", (0, 1), 0), ("backbone", (0, 1, 2, 3), 1)], "llava": True}]
-    res = launch_local(f"{__file__}:multitask_worker", 4, args=(cases,), idle_timeout_s=120)
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as outdir:
+        res = launch_local(f"{__file__}:multitask_worker", 4, args=(cases, outdir), idle_timeout_s=120)
+        for r in res:
+            assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-3000:]}"
+            assert Path(outdir, f"rank{r.rank}.json").exists(), f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
+        return [json.loads(Path(outdir, f"rank{r.rank}.json").read_text()) for r in res], res
+
+
+def test_a_failing_rank_stops_its_peers_with_its_error(launched):
+    """Rank 2's backbone raises in the last step: rank 2 fails with its own error, the three others stop within
+    seconds (not at the 60 s liveness timeout) with an error naming rank 2 and its exception."""
+    import re
+
+    from dynabatch.pipeline.runtime.launch import first_failure
+
+    res = launched[1]
+    assert all(r.returncode not in (0, None) for r in res), [r.returncode for r in res]
+    assert "injected failure in the backbone" in res[2].stderr
+    assert first_failure(res).rank == 2
     for r in res:
-        assert not r.timed_out, f"rank {r.rank} hung:\n{r.stderr[-3000:]}"
-        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
-    return [r.result for r in res]
+        if r.rank != 2:
+            assert "rank 2" in r.stderr and "injected failure in the backbone" in r.stderr, r.stderr[-2000:]
+        took = re.findall(r"failed after ([\d.]+) s", r.stdout)
+        assert took and float(took[-1]) < 30.0, (r.rank, took, r.stderr[-1500:])
 
 
 def test_four_gloo_ranks_equal_one_process(launched):
     """Mixed tasks on MIXED: the world's loss and target count, every held parameter's gradient and its SGD
     update equal the one-process reference; every component that a micro-batch reached has its gradient."""
-    for rank, cases in enumerate(launched):
+    for rank, cases in enumerate(launched[0]):
         c = cases[0]
         assert c["tokens"] == c["ref_tokens"] > 0
         assert c["loss"] == pytest.approx(c["ref_loss"], rel=1e-12)
@@ -226,7 +267,7 @@ def test_four_gloo_ranks_equal_one_process(launched):
         assert all(s > 0 for s in c["seconds"].values()), c["seconds"]
     # the routes split each group's micro-batches over its ranks: together they ran each reached one once
     for name, ranks, _ in MIXED:
-        ran = sorted(i for r in ranks for i in launched[r][0]["microbatches"][name])
+        ran = sorted(i for r in ranks for i in launched[0][r][0]["microbatches"][name])
         want = [i for i, s in enumerate(STEP) if name in mtmm_tiny_graph().reaches(s[0])]
         assert ran == want, name
 
@@ -236,7 +277,7 @@ def test_a_microbatch_never_touches_the_components_its_task_skips(launched):
     text-only micro-batches leaves the vit, audio, projector and classifier groups without any op (no
     all-reduce either) and still equals one process (its tasks read from the micro-batches' ``tasks`` tags)."""
     graph = mtmm_tiny_graph()
-    for cases in launched:
+    for cases in launched[0]:
         c = cases[0]
         for kind, comp, mb, direction, peer in c["events"]:
             if mb >= 0:
@@ -248,14 +289,14 @@ def test_a_microbatch_never_touches_the_components_its_task_skips(launched):
         assert not [e for e in text["events"] if e[1] in idle], text["events"]
     # ranks 1 and 3 hold the projector; on the mixed step its image and audio micro-batches came from vit and
     # audio, crossing ranks: both directions of each such edge were posted
-    sends = [e for cases in launched for e in cases[0]["events"] if e[0] == "send"]
+    sends = [e for cases in launched[0] for e in cases[0]["events"] if e[0] == "send"]
     assert {e[3] for e in sends} == {"forward", "backward"}
 
 
 def test_llava_as_two_components_on_four_ranks(launched):
     """The LLaVA adapter as ``vit`` (ranks 0, 1) and ``backbone`` (all four): loss and gradients equal the
     Hugging Face model's own forward/backward (`hf_reference_step`)."""
-    for rank, cases in enumerate(launched):
+    for rank, cases in enumerate(launched[0]):
         c = cases[2]
         assert c["tokens"] == c["ref_tokens"] > 0
         assert c["loss"] == pytest.approx(c["ref_loss"], rel=1e-12)
