@@ -16,8 +16,9 @@ def test_split_pools_seconds_per_stage_and_forgets_by_decay():
     sp = sp.observe([[3.0, 1.0], [1.0, np.nan]], [[1.0, 1.0], [3.0, 5.0]])
     assert sp.weight_shares.tolist() == [pytest.approx(2 / 6), pytest.approx(3 / 4)]  # NaN pairs left out
     assert sp.weight_share == pytest.approx(5 / 10)
-    sp2 = sp.observe([[1.0], [1.0]], [[1.0], [1.0]], decay=0.0)
+    sp2 = sp.observe([[1.0], [1.0]], [[1.0], [1.0]], decay=0.0, whole_s=[[1.6], [np.nan]])
     assert sp2.weight_shares.tolist() == [0.5, 0.5]
+    assert sp.split_factor == 1.0 and sp2.split_factor == pytest.approx(2.0 / 1.6)  # only the paired stage counts
     with pytest.raises(ValueError, match=r"\[2, k\]"):
         sp.observe([[1.0]], [[1.0]])
 
@@ -48,7 +49,10 @@ def _fake_results(cfg, share, rng):
 def test_measure_scores_a_law_the_fit_can_recover_as_exact():
     cfg = MeasureConfig(rounds=4, microbatches=6)
     rep = analyse(_fake_results(cfg, 0.4, np.random.default_rng(0)), cfg)
-    assert rep["weight_share"] == pytest.approx(0.4)
+    assert rep["weight_share"] == pytest.approx(0.4) and rep["split_factor"] == pytest.approx(1.0)
+    assert rep["noise"] == pytest.approx(0.0, abs=1e-12)  # a forward costs the same under both schedules
+    same = rep["schedules"]["zb-h1"]["same_round"]["ops"]
+    assert all(same[k]["median"] == pytest.approx(1.0, rel=1e-9) for k in ("F", "Bi", "W"))
     fitted = rep["schedules"]["zb-h1"]["fitted"]["ops"]
     for k in ("F", "Bi", "W"):
         assert fitted[k]["median"] == pytest.approx(1.0, rel=1e-6) and fitted[k]["within_10pct"] == 1.0

@@ -10,7 +10,8 @@ before it is predicted:
 * *calibration* rounds fit, per stage, the forward and the whole backward seconds of a micro-batch on
   ``[1, tokens, rows x len^2]`` (least squares on 1F1B's ops; the cost model's job, done here so the
   check does not depend on a preset) and the `dynabatch.core.cost.backward_split.BackwardSplit` of the
-  split backwards (the measured share of the weight part, per stage and pooled);
+  split backwards (the measured share of the weight part, per stage and pooled, and the split's seconds over
+  the same micro-batches' whole backward under 1F1B, ``split_factor``);
 * *evaluation* rounds: each executed op's predicted seconds are the simulator's (`op_ready`'s rule):
   ``F`` the fitted forward, ``B`` the fitted backward, ``Bi`` / ``W`` its input / weight share, with the
   pooled share the simulator prices (``fitted``) and with halves (``halves``, `WEIGHT_SHARE`).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 
@@ -38,7 +40,10 @@ KINDS = ("F", "B", "Bi", "W")
 @dataclasses.dataclass(frozen=True)
 class MeasureConfig:
     """What ``--measure`` runs: gpt-tiny of ``hidden``/``layers``, ``microbatches`` padded micro-batches per
-    step of ``rows`` x ``lens`` (inclusive ranges) per round, ``rounds`` rounds after ``warmup``."""
+    step of ``rows`` x ``lens`` (inclusive ranges) per round, ``rounds`` rounds after ``warmup``. ``clock``:
+    ``"thread"`` times each op in CPU seconds of the rank's thread (``time.thread_time``; one torch thread, so
+    the op's own work, without the preemption other processes on a shared machine add), ``"wall"`` in
+    ``perf_counter`` seconds (the runner's clock)."""
 
     schedules: tuple[str, ...] = ("1f1b", "zb-h1")
     hidden: int = 128
@@ -49,6 +54,7 @@ class MeasureConfig:
     rounds: int = 12
     warmup: int = 2
     seed: int = 0
+    clock: str = "thread"
 
 
 def measure_rank(rank: int, world: int, port: int, payload: dict) -> dict:
@@ -62,13 +68,29 @@ def measure_rank(rank: int, world: int, port: int, payload: dict) -> dict:
     from ..pipeline.runtime.launch import heartbeat
     from ..pipeline.runtime.runner import PipelineRunner
 
+    from ..pipeline.measure.timing import Clock
+
     cfg = MeasureConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload.items()})
     torch.set_num_threads(1)
+
+    class ThreadClock(Clock):
+        """CPU seconds of the calling thread (the rank's ops run on it)."""
+
+        def start(self):
+            return time.thread_time()
+
+        def stop(self, t0, out, j):
+            out[j] = time.thread_time() - t0
+
+    class Runner(PipelineRunner):
+        def start_program(self, program, hooks, recompute):
+            clock = super().start_program(program, hooks, recompute)
+            return ThreadClock(self.ctx.device) if cfg.clock == "thread" else clock
     rounds = []
     with init_pipeline(world, rank=rank, world_size=world, master_port=port, timeout_s=300) as ctx:
         model = make_model("gpt-tiny", hidden=cfg.hidden, layers=cfg.layers, seed=cfg.seed)
         n = len(model.layers)
-        runner = PipelineRunner.from_model(model, ctx, [0, n // 2, n], RunnerConfig(schedule=cfg.schedules[0],
+        runner = Runner.from_model(model, ctx, [0, n // 2, n], RunnerConfig(schedule=cfg.schedules[0],
                                                                                       measure_memory=False))
         rng = np.random.default_rng(cfg.seed)
         for k in range(cfg.warmup + cfg.rounds):
@@ -124,11 +146,22 @@ def analyse(results: list[dict], cfg: MeasureConfig) -> dict:
                                        for r in res["rounds"][:half]]) for res in results])
         w = np.array([np.concatenate([_op_seconds(r["runs"]["zb-h1"]["ops"], oc.BACKWARD_WEIGHT, M)
                                       for r in res["rounds"][:half]]) for res in results])
-        split = split.observe(bi, w, decay=0.0)
-    out = {"config": dataclasses.asdict(cfg), "load": list(os.getloadavg()), "stage_weight_shares":
-           split.weight_shares.tolist(), "weight_share": split.weight_share, "schedules": {}}
+        whole = np.array([np.concatenate([_op_seconds(r["runs"]["1f1b"]["ops"], oc.BACKWARD, M)
+                                          for r in res["rounds"][:half]]) for res in results])
+        split = split.observe(bi, w, decay=0.0, whole_s=whole)
+    noise = []  # the timer's floor: one micro-batch's forward under two schedules of the same round
+    for res in results:
+        for r in res["rounds"][half:]:
+            runs = [_op_seconds(r["runs"][n]["ops"], oc.FORWARD, M) for n in cfg.schedules]
+            noise += [abs(b / a - 1) for a, b in zip(runs[0], runs[-1]) if a > 0] if len(runs) > 1 else []
+    out = {"noise": float(np.median(noise)) if noise else float("nan"), "config": dataclasses.asdict(cfg), "load": list(os.getloadavg()), "stage_weight_shares":
+           split.weight_shares.tolist(), "weight_share": split.weight_share, "split_factor": split.split_factor,
+           "schedules": {}}
     for name in cfg.schedules:
-        for label, share in (("fitted", split.weight_share), ("halves", oc.WEIGHT_SHARE)):
+        labels = [("fitted", split.weight_share, split.split_factor), ("halves", oc.WEIGHT_SHARE, 1.0)]
+        if name != "1f1b" and "1f1b" in cfg.schedules:
+            labels.append(("same_round", split.weight_share, split.split_factor))
+        for label, share, factor in labels:
             ratios = {k: [] for k in KINDS}
             sums = {k: [0.0, 0.0] for k in KINDS}
             spans = []
@@ -137,9 +170,15 @@ def analyse(results: list[dict], cfg: MeasureConfig) -> dict:
                 X = _features(dims)
                 fwd = np.array([X @ coef[(s, oc.FORWARD)] for s in range(S)])
                 bwd = np.array([X @ coef[(s, oc.BACKWARD)] for s in range(S)])
+                if label == "same_round":  # this round's 1F1B ops of the same micro-batches, run just before
+                    fwd = np.array([_op_seconds(res["rounds"][i]["runs"]["1f1b"]["ops"], oc.FORWARD, M)
+                                    for res in results])
+                    bwd = np.array([_op_seconds(res["rounds"][i]["runs"]["1f1b"]["ops"], oc.BACKWARD, M)
+                                    for res in results])
                 fwd, bwd = np.maximum(fwd, 1e-7), np.maximum(bwd, 1e-7)
-                pred = {oc.FORWARD: fwd, oc.BACKWARD: bwd, oc.BACKWARD_INPUT: bwd * (1 - share),
-                        oc.BACKWARD_WEIGHT: bwd * share}
+                split_bwd = bwd * factor  # what a split backward costs in all
+                pred = {oc.FORWARD: fwd, oc.BACKWARD: bwd, oc.BACKWARD_INPUT: split_bwd * (1 - share),
+                        oc.BACKWARD_WEIGHT: split_bwd * share}
                 for s, res in enumerate(results):
                     for kind, j, t in res["rounds"][i]["runs"][name]["ops"]:
                         key = oc.KIND_NAMES[kind]
@@ -150,7 +189,8 @@ def analyse(results: list[dict], cfg: MeasureConfig) -> dict:
                 ops = step_ops(name, S, M)
                 start, end = np.empty((S, M, 2)), np.empty((S, M, 2))
                 ws, we = np.empty((S, M)), np.empty((S, M))
-                simulate_table_kernel(fwd, bwd, share, np.zeros(M), ops.table, start, end, ws, we)
+                simulate_table_kernel(fwd, split_bwd if ops.split else bwd, share, np.zeros(M), ops.table, start, end,
+                                      ws, we)
                 span = max(float(end.max()), float(we.max()) if ops.split else 0.0)
                 spans.append(span / max(res["rounds"][i]["runs"][name]["step_s"] for res in results))
             rows = {}
@@ -180,15 +220,19 @@ def format_measure(rep: dict) -> str:
     c = rep["config"]
     lines = [f"gpt-tiny hidden {c['hidden']}, {c['layers']} blocks on 2 gloo stages, {c['microbatches']} padded "
              f"micro-batches of {c['rows'][0]}-{c['rows'][1]} rows x {c['lens'][0]}-{c['lens'][1]} tokens per step, "
-             f"{c['rounds']} rounds (first half calibrates, second half scored); load {rep['load'][0]:.2f}",
+             f"{c['rounds']} rounds (first half calibrates, second half scored); {c.get('clock', 'wall')} clock; load "
+             f"{rep['load'][0]:.2f}",
              "measured weight share of a split backward: per stage "
-             + ", ".join(f"{x:.3f}" for x in rep["stage_weight_shares"]) + f"; pooled {rep['weight_share']:.3f}",
-             "", "schedule  share   op    n  pred/exec median  p10-p90      within 10%  sum ratio  makespan ratio"]
+             + ", ".join(f"{x:.3f}" for x in rep["stage_weight_shares"]) + f"; pooled {rep['weight_share']:.3f}; "
+             f"input + weight part over a whole backward {rep['split_factor']:.3f}",
+             f"timer noise: one micro-batch's forward under two schedules of one round differs by {100 * rep['noise']:.0f}% "
+             "(median)",
+             "", "schedule  share       op    n  pred/exec median  p10-p90      within 10%  sum ratio  makespan ratio"]
     for name, by in rep["schedules"].items():
         for label, r in by.items():
             first = True
             for k, row in r["ops"].items():
-                lines.append(f"{name if first else '':<8}  {label if first else '':<6}  {k:<3} {row['n']:>4}  "
+                lines.append(f"{name if first else '':<8}  {label if first else '':<10}  {k:<3} {row['n']:>4}  "
                              f"{row['median']:>16.3f}  {row['p10']:.3f}-{row['p90']:.3f}  {100 * row['within_10pct']:>9.0f}%"
                              f"  {row['sum_ratio']:>9.3f}  " + (f"{r['makespan_ratio']:>14.3f}" if first else ""))
                 first = False

@@ -50,6 +50,8 @@ def add_bench_schedules_command(bench_sub) -> None:
                    help="instead: run gpt-tiny on 2 gloo stages (1f1b and zb-h1) and score the simulator's op seconds "
                         "(F, B, Bi, W) against the executed ones (dynabatch.bench.schedules_measure)")
     p.add_argument("--rounds", type=int, default=12, help="--measure: rounds of fresh micro-batches (default 12)")
+    p.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                   help="--measure: time ops in the rank thread's CPU seconds (default) or wall seconds")
     add_progress_option(p, "the global batches planned")
     p.set_defaults(func=bench_schedules_command)
 
@@ -62,7 +64,7 @@ def bench_schedules_command(args) -> int:
     if args.measure:
         from ..bench.schedules_measure import MeasureConfig, format_measure, run_measure
 
-        rep = run_measure(MeasureConfig(rounds=args.rounds, seed=args.seed))
+        rep = run_measure(MeasureConfig(rounds=args.rounds, seed=args.seed, clock=args.clock))
         print(json.dumps(rep, indent=1) if args.json else format_measure(rep))
         return 0
     shapes, data = bench_shapes(args.data, args.model, args.samples, args.seed)

@@ -26,24 +26,32 @@ class BackwardSplit:
     input_s: tuple[float, ...]
     weight_s: tuple[float, ...]
     prior: float = WEIGHT_SHARE
+    #: Per stage, the (decayed) seconds of whole backwards of the micro-batches whose split parts were measured
+    #: (0: none given); `split_factor` compares the two.
+    whole_s: tuple[float, ...] = ()
+    #: Per stage, the (decayed) split seconds (input + weight part) of those same micro-batches.
+    paired_s: tuple[float, ...] = ()
 
     @classmethod
     def unmeasured(cls, num_stages: int, prior: float = WEIGHT_SHARE) -> "BackwardSplit":
         """No measurement yet: every stage at ``prior``."""
         if num_stages < 1 or not 0.0 <= prior <= 1.0:
             raise ValueError(f"need num_stages >= 1 and a prior share in [0, 1], got {num_stages} and {prior}")
-        return cls((0.0,) * num_stages, (0.0,) * num_stages, float(prior))
+        zero = (0.0,) * num_stages
+        return cls(zero, zero, float(prior), zero, zero)
 
     @property
     def num_stages(self) -> int:
         return len(self.input_s)
 
-    def observe(self, input_s, weight_s, decay: float = 0.5) -> "BackwardSplit":
+    def observe(self, input_s, weight_s, decay: float = 0.5, whole_s=None) -> "BackwardSplit":
         """The split refit with measured seconds ``input_s`` and ``weight_s`` (``[S, k]`` or ``[S]``: per stage,
         the input and weight parts of its split backwards; NaN entries are left out); the old sums count
-        ``decay`` (0: forget them, 1: keep them whole)."""
+        ``decay`` (0: forget them, 1: keep them whole). ``whole_s`` (same shape): the same micro-batches' whole
+        backwards, when measured, for `split_factor`."""
         bi, w = (np.asarray(x, np.float64) for x in (input_s, weight_s))
         bi, w = (x.reshape(x.shape[0], -1) for x in (bi, w))
+        whole = np.full(bi.shape, np.nan) if whole_s is None else np.asarray(whole_s, np.float64).reshape(bi.shape)
         if bi.shape != w.shape or bi.shape[0] != self.num_stages:
             raise ValueError(f"input_s and weight_s must both be [{self.num_stages}, k] seconds, got {bi.shape} and "
                              f"{w.shape}")
@@ -54,7 +62,20 @@ class BackwardSplit:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
         new_bi = decay * np.asarray(self.input_s) + np.where(ok, bi, 0.0).sum(axis=1)
         new_w = decay * np.asarray(self.weight_s) + np.where(ok, w, 0.0).sum(axis=1)
-        return BackwardSplit(tuple(float(x) for x in new_bi), tuple(float(x) for x in new_w), self.prior)
+        both = ok & np.isfinite(whole)
+        zero = np.zeros(self.num_stages)
+        new_whole = decay * np.asarray(self.whole_s or zero) + np.where(both, whole, 0.0).sum(axis=1)
+        new_paired = decay * np.asarray(self.paired_s or zero) + np.where(both, bi + w, 0.0).sum(axis=1)
+        return BackwardSplit(*(tuple(float(x) for x in a) for a in (new_bi, new_w)), self.prior,
+                             *(tuple(float(x) for x in a) for a in (new_whole, new_paired)))
+
+    @property
+    def split_factor(self) -> float:
+        """A split backward's seconds (input + weight part) over a whole backward's of the same micro-batches,
+        pooled over the stages (1.0 when no whole backward was measured): what splitting costs on top of the
+        products themselves (autograd calls, the kept gradients)."""
+        whole = sum(self.whole_s) if self.whole_s else 0.0
+        return float(sum(self.paired_s) / whole) if whole > 0 else 1.0
 
     @property
     def weight_shares(self) -> np.ndarray:

@@ -52,13 +52,18 @@ class WeightWork:
         return sum(g.numel() * g.element_size() for _, grads, _ in self.groups for g in grads)
 
 
-def _accumulate(params, grads) -> None:
-    """Add ``grads`` into ``params``' ``.grad`` (as a whole backward accumulates them)."""
+def _accumulate(params, grads, taken: set) -> None:
+    """Add ``grads`` into ``params``' ``.grad`` (as a whole backward accumulates them). A parameter without one
+    takes the tensor itself, as autograd's accumulator does, unless its storage was handed out already
+    (``taken``: the data pointers given to other parameters or kept for a weight part; autograd may return one
+    tensor for several inputs, e.g. a sum's gradient), then a copy."""
     for p, g in zip(params, grads):
         if g is None:
             continue
-        if p.grad is None:  # a copy: autograd may hand one tensor to several parameters (a sum's gradient)
-            p.grad = g.detach().clone()
+        if p.grad is None:
+            ptr = g.untyped_storage().data_ptr()
+            p.grad = g.detach().clone() if ptr in taken else g.detach()
+            taken.add(ptr)
         else:
             p.grad.add_(g)
 
@@ -135,8 +140,8 @@ def input_part(outputs, grads, inputs, params, *, rewalk: bool = False) -> tuple
     targets = list(inputs) + whole + edges
     got = torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True) if targets else []
     n_in = len(inputs)
-    _accumulate(whole, got[n_in:n_in + len(whole)])
     kept = got[n_in + len(whole):]
+    _accumulate(whole, got[n_in:n_in + len(whole)], {g.untyped_storage().data_ptr() for g in kept if g is not None})
     work = WeightWork()
     for o, g in roots:
         bits = reach[o.grad_fn] & ~clash
@@ -157,6 +162,7 @@ def weight_part(work: WeightWork) -> None:
         outputs, grads, params = work.rewalk
         torch.autograd.backward(outputs, grads, inputs=params)
         return
+    taken: set = set()
     for edges, grads, params in work.groups:
         # retain_graph: a parameter-side node may be shared by two feeders (one transposed weight used twice)
-        _accumulate(params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True))
+        _accumulate(params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True), taken)
