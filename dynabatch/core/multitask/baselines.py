@@ -169,6 +169,9 @@ def one_pipeline(costs, workload, num_devices: int, *, bypass: bool, partition: 
 
 
 def lower_bound(workload, num_devices: int) -> float:
-    """The iteration lower bound (seconds): all the step's work (every component, every micro-batch, on one
-    device each) spread perfectly over ``num_devices`` devices, with no communication."""
-    return workload.total_seconds() / int(num_devices)
+    """The iteration lower bound (seconds): all the step's work (every component, every micro-batch it runs,
+    without the per-stage launch overhead, which a stage holding several components pays once) spread
+    perfectly over ``num_devices`` devices, with no communication."""
+    t = workload.time_s
+    work = np.where(t > 0, t - np.minimum(workload.overhead_s[:, None], t), 0.0)
+    return float(work.sum()) / int(num_devices)

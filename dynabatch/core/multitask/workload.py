@@ -137,7 +137,7 @@ class Workload:
             raise KeyError(f"no component {component!r} in this workload ({', '.join(self.components)})") from None
 
     def total_seconds(self) -> float:
-        """Seconds of all the step's work on one device (the iteration lower bound times the devices)."""
+        """Seconds of all the step's work on one device, launch overheads included."""
         return float(self.time_s.sum())
 
 
