@@ -6,49 +6,50 @@ equal cost and spread them evenly over data-parallel ranks and pipeline stages
 (`simulate_pipeline`) against the usual baselines (`dynabatch bench plan`).
 """
 
-from ._lazy import lazy_names
+from ._lazy import lazy_names, moved_names
 
-# Every public name loads on first use (name -> submodule): `import dynabatch`, and so the `dynabatch`
-# command printing its --help, imports neither numba (these torch-free names) nor torch (_LAZY below).
+# The entry points: every public name loads on first use (name -> submodule): `import dynabatch`, and so the
+# `dynabatch` command printing its --help, imports neither numba (these torch-free names) nor torch (_LAZY below).
 _CORE = {
-    "BatchPlan": "core.batchplan", "MicroBatch": "core.batchplan",
-    "iteration_lower_bound": "core.plan.bounds", "objective_lower_bound": "core.plan.bounds",
-    "DEVICE_PRESETS": "core.cost.model", "FEATURES": "core.cost.model", "MODEL_PRESETS": "core.cost.model",
-    "CostModel": "core.cost.model", "DeviceProfile": "core.cost.model", "ModelConfig": "core.cost.model",
-    "ProfiledTable": "core.cost.model", "device_preset": "core.cost.model", "model_preset": "core.cost.model",
-    "FeedbackLoop": "core.plan.feedback", "FeedbackRow": "core.plan.feedback", "StepError": "core.plan.feedback",
-    "COLLATIONS": "core.options", "METHODS": "core.options", "RECOMPUTE": "core.options",
-    "SCHEDULES": "core.options", "PlanOptions": "core.options",
-    "PlanningError": "core.plan.planner", "plan_microbatches": "core.plan.planner",
-    "split_global_batches": "core.plan.planner",
-    "ShapeSourceError": "shape_sources", "read_shapes": "shape_sources", "synthetic_shapes": "shape_sources",
-    "StageMemory": "core.cost.stage_memory",
-    "apply_recompute": "core.plan.recompute", "recompute_costs": "core.plan.recompute",
-    "SHAPES_SCHEMA": "core.shapes", "Shapes": "core.shapes",
-    "PipelineDeadlock": "core.simulate.pipeline", "SimResult": "core.simulate.pipeline",
-    "pipeline_schedule": "core.simulate.pipeline", "simulate_pipeline": "core.simulate.pipeline",
-    "global_batches": "core.plan.steps", "plan_step": "core.plan.steps",
-    "PLAN_SCHEMA_VERSION": "planfile", "PlanMismatchError": "planfile", "RunPlan": "planfile",
-    "load_run_plan": "planfile", "plans_to_arrow": "planfile",
+    "BatchPlan": "core.batchplan", "CostModel": "core.cost.model", "FeedbackLoop": "core.plan.feedback",
+    "PlanOptions": "core.options", "PlanningError": "core.plan.planner", "plan_microbatches": "core.plan.planner",
+    "split_global_batches": "core.plan.planner", "Shapes": "core.shapes", "read_shapes": "shape_sources",
+    "simulate_pipeline": "core.simulate.pipeline", "PlanMismatchError": "planfile", "load_run_plan": "planfile",
 }
 
 __all__ = sorted(_CORE)
 __version__ = "0.1.0"
 
-# The DataLoader and collation need torch.
+# The DataLoader (and the records it takes), collation and the training integrations need torch.
 _LAZY = {
     "DataLoader": "loader.dataloader", "build_index": "loader.dataloader", "Tokenization": "loader.settings",
     "DataSource": "loader.settings", "Costing": "loader.settings", "Runtime": "loader.settings",
-    "collate_padded": "loader.collate",
-    "collate_packed": "loader.collate", "model_inputs": "loader.collate", "Collective": "loader.collective",
-    "LocalCollective": "loader.collective", "ThreadCollective": "loader.collective",
-    "TorchCollective": "loader.collective", "LoaderStateError": "loader.state", "Step": "loader.step",
-    # the length index pulls in `tokenization` (its scan): loaded on first use too
-    "LengthIndex": "index", "read_index": "index", "write_index": "index",
+    "Step": "loader.step", "LoaderStateError": "loader.state", "model_inputs": "loader.collate",
     # training integrations: `DynabatchTrainer` needs transformers, `step_backward` torch only
     "DynabatchTrainer": "integrations.hf", "step_backward": "integrations.accumulation",
 }
 __all__ += sorted(_LAZY)
 
+#: Former top-level names -> the module that holds (and documents) each now; ``dynabatch.X`` still finds
+#: them for one release, with a DeprecationWarning.
+MOVED = {
+    **dict.fromkeys(("COLLATIONS", "METHODS", "RECOMPUTE", "SCHEDULES"), "dynabatch.core.options"),
+    **dict.fromkeys(("DEVICE_PRESETS", "FEATURES", "MODEL_PRESETS", "DeviceProfile", "ModelConfig", "ProfiledTable",
+                     "device_preset", "model_preset"), "dynabatch.core.cost.model"),
+    "MicroBatch": "dynabatch.core.batchplan", "FeedbackRow": "dynabatch.core.plan.feedback",
+    "StepError": "dynabatch.core.plan.feedback",
+    "iteration_lower_bound": "dynabatch.core.plan.bounds", "objective_lower_bound": "dynabatch.core.plan.bounds",
+    **dict.fromkeys(("PLAN_SCHEMA_VERSION", "RunPlan", "plans_to_arrow"), "dynabatch.planfile"),
+    **dict.fromkeys(("PipelineDeadlock", "SimResult", "pipeline_schedule"), "dynabatch.core.simulate.pipeline"),
+    "ShapeSourceError": "dynabatch.shape_sources", "synthetic_shapes": "dynabatch.shape_sources",
+    "StageMemory": "dynabatch.core.cost.stage_memory",
+    "apply_recompute": "dynabatch.core.plan.recompute", "recompute_costs": "dynabatch.core.plan.recompute",
+    "SHAPES_SCHEMA": "dynabatch.core.shapes",
+    "global_batches": "dynabatch.core.plan.steps", "plan_step": "dynabatch.core.plan.steps",
+    "collate_padded": "dynabatch.loader.collate", "collate_packed": "dynabatch.loader.collate",
+    **dict.fromkeys(("Collective", "LocalCollective", "ThreadCollective", "TorchCollective"),
+                    "dynabatch.loader.collective"),
+    **dict.fromkeys(("LengthIndex", "read_index", "write_index"), "dynabatch.index"),
+}
 
-__getattr__ = lazy_names(__name__, {**_CORE, **_LAZY})
+__getattr__ = moved_names(__name__, MOVED, lazy_names(__name__, {**_CORE, **_LAZY}))

@@ -11,16 +11,10 @@ import sys
 
 import numpy as np
 
-from dynabatch import (
-    METHODS,
-    CostModel,
-    PlanOptions,
-    objective_lower_bound,
-    plan_microbatches,
-    read_shapes,
-    split_global_batches,
-    synthetic_shapes,
-)
+from dynabatch.core.options import METHODS
+from dynabatch import CostModel, PlanOptions, plan_microbatches, read_shapes, split_global_batches
+from dynabatch.core.plan.bounds import objective_lower_bound
+from dynabatch.shape_sources import synthetic_shapes
 
 
 def main(path: str | None = None, model: str = "gpt", ranks: int = 8, stages: int = 4, batches: int = 8) -> dict:

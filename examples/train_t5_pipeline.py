@@ -31,7 +31,8 @@ import dynabatch
 from dynabatch import Costing, DataSource, PlanOptions, Runtime
 from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import (PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, launch_local, make_model,
-                                representative, search_partition, stage_cost_model)
+                                search_partition, stage_cost_model)
+from dynabatch.pipeline.measure import representative
 
 
 def worker(rank: int, world_size: int, port: int, args: dict):

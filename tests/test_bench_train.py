@@ -17,7 +17,8 @@ from prelaunch import Prelaunch, job
 from dynabatch import CostModel
 from dynabatch.bench.train import TRAIN_METHODS
 from dynabatch.datagen import write_text_shards
-from dynabatch.pipeline import batch_shapes, make_model, representative, stage_cost_model
+from dynabatch.pipeline import batch_shapes, make_model, stage_cost_model
+from dynabatch.pipeline.measure import representative
 
 LAUNCHES = Prelaunch(parallel=2)
 

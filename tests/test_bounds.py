@@ -5,14 +5,9 @@ varlen objective bound for every method's objective and the padded one for every
 import numpy as np
 import pytest
 
-from dynabatch import (
-    CostModel,
-    Shapes,
-    iteration_lower_bound,
-    objective_lower_bound,
-    plan_microbatches,
-    synthetic_shapes,
-)
+from dynabatch import CostModel, Shapes, plan_microbatches
+from dynabatch.core.plan.bounds import iteration_lower_bound, objective_lower_bound
+from dynabatch.shape_sources import synthetic_shapes
 from dynabatch.core.options import method_collation
 from dynabatch.core.plan.planner import METHODS, split_global_batches
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynabatch import CostModel, ProfiledTable, Shapes, plan_microbatches
+from dynabatch import CostModel, Shapes, plan_microbatches
+from dynabatch.core.cost.model import ProfiledTable
 from dynabatch.core.cost.model import PACKED_ATTENTION
 from dynabatch.core.kernels.cost import FEATURES
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import loaders
-from dynabatch import datagen, synthetic_shapes
+from dynabatch import datagen
+from dynabatch.shape_sources import synthetic_shapes
 from dynabatch.cli import main
 from tokenization import DynamicTiling, scan_shapes
 

@@ -11,7 +11,8 @@ import torch
 import loaders
 import tokenization
 from dynabatch import (CostModel, DataLoader, LoaderStateError, PlanMismatchError, Shapes, build_index,
-                       plan_microbatches, plans_to_arrow, split_global_batches)
+                       plan_microbatches, split_global_batches)
+from dynabatch.planfile import plans_to_arrow
 from dynabatch.loader.collate import IGNORE_INDEX
 
 from test_dataloader_data import (PLAN, assert_exactly_once, flat, ids_of, records, run_ranks, structure, uneven_jsonl,

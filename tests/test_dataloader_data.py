@@ -55,7 +55,7 @@ def uneven_jsonl(folder) -> str:
 def run_ranks(world_size: int, fn, timeout: float = 120.0):
     """Run ``fn(rank, collective)`` for every rank in its own thread with a `ThreadCollective`;
     returns the results by rank and re-raises the first error."""
-    from dynabatch import ThreadCollective
+    from dynabatch.loader.collective import ThreadCollective
 
     colls = ThreadCollective.create(world_size, timeout=timeout)
     out: list = [None] * world_size

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dynabatch.devices as devices
-from dynabatch import CostModel, DataLoader, datagen, device_preset, model_preset
+from dynabatch import CostModel, DataLoader, datagen
+from dynabatch.core.cost.model import device_preset, model_preset
 from dynabatch.core.cost.model import DEVICE_PRESETS, GPU_PRESETS, FEATURES
 from dynabatch.devices import DeviceMismatchWarning, Hardware, check_device, loader_cost_model, resolve_device
 from dynabatch import PlanOptions, Tokenization

@@ -146,7 +146,7 @@ def test_packed_plans_need_shapes_for_features():
 
 
 def test_profiled_table_is_superseded_by_measurements():
-    from dynabatch import ProfiledTable
+    from dynabatch.core.cost.model import ProfiledTable
 
     cm = model()
     table = ProfiledTable(np.array([1, 8]), np.array([8, 256]), np.array([0]), np.full((2, 2, 1), 1e-3),
@@ -194,7 +194,7 @@ def plan_features_of(plan):
 def test_record_step_predictions_converge_to_measured_times():
     """record_step(step, result) with the plan's predictions: after refits, the planner's predicted
     per-micro-batch times (made before each step ran) match the measured (slowest stage) times."""
-    from dynabatch.pipeline import StepResult
+    from dynabatch.pipeline.measure import StepResult
 
     rng = np.random.default_rng(7)
     cm = CostModel(t5_tiny(hidden=64).config, device_preset("cpu"))
@@ -348,8 +348,9 @@ def pipeline_worker(rank, world, port, methods):
     """2 gloo stages: plan with the loop's cost model, run the plan for real, record_step, refit."""
     import torch
 
-    from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, plan_shapes, \
-        split_model, stage_cost_model
+    from dynabatch.pipeline import (PipelineRunner, RunnerConfig, init_pipeline, make_model, split_model,
+                                    stage_cost_model)
+    from dynabatch.pipeline.models import plan_shapes
 
     torch.set_num_threads(1)
     out = {}

@@ -164,8 +164,9 @@ def uneven_worker(rank, world, port, steps):
     not know): a per-stage loop fed the gathered timings of every step."""
     import torch
 
-    from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, plan_shapes, \
-        split_model, stage_cost_model
+    from dynabatch.pipeline import (PipelineRunner, RunnerConfig, init_pipeline, make_model, split_model,
+                                    stage_cost_model)
+    from dynabatch.pipeline.models import plan_shapes
 
     torch.set_num_threads(1)
     with init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=10) as ctx:

@@ -312,6 +312,23 @@ def test_refuses_gradient_accumulation_and_train_dataset(data_path, tmp_path):
 
 
 
+def test_deepspeed_is_refused_with_the_reason(data_path, tmp_path, monkeypatch):
+    """A Trainer whose accelerator runs DeepSpeed (deepspeed is not installed here: the Trainer's own
+    flag is set as its accelerator setup sets it) is refused at construction, naming why and what works."""
+    setup = transformers.Trainer.create_accelerator_and_postprocess
+
+    def with_deepspeed(self):
+        setup(self)
+        self.is_deepspeed_enabled = True
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", with_deepspeed)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(NotImplementedError, match="does not support DeepSpeed: its engine owns the accumulation"):
+        DynabatchTrainer(model=tiny_llama(), args=args, train_loader=make_loader(data_path))
+    monkeypatch.undo()
+    DynabatchTrainer(model=tiny_llama(), args=args, train_loader=make_loader(data_path))  # the same, without it
+
+
 def test_a_transformers_without_the_overridden_hooks_is_refused(data_path, tmp_path, monkeypatch):
     monkeypatch.delattr(transformers.Trainer, "_run_epoch")
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
@@ -406,7 +423,7 @@ def test_trainer_under_ddp_two_ranks(data_path, tmp_path):
     """Two CPU processes (gloo DDP through the Trainer's accelerator): each rank trains its share of
     the global step; the all-reduced gradient is the big batch's of the whole step (the world-size
     factor), gradients are all-reduced once per step (no_sync on all but the last micro-batch)."""
-    from dynabatch.pipeline import free_port
+    from dynabatch.pipeline.runtime import free_port
 
     port = free_port()
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]

@@ -232,7 +232,7 @@ def test_dynabatch_plan_layout_contiguous_writes_per_stage_predictions(tmp_path)
     """`dynabatch plan --layout contiguous` plans with per-stage costs, and inspect reports them."""
     import pyarrow.parquet as _pq
 
-    from dynabatch import synthetic_shapes
+    from dynabatch.shape_sources import synthetic_shapes
     from dynabatch.cli import main
 
     shapes, _ = synthetic_shapes("vision", 600, seed=4)

@@ -250,7 +250,7 @@ def _alive(pid: int) -> bool:
 def test_free_port_never_hands_a_port_out_twice():
     """The kernel hands just-closed ports out again (a few repeats in 300 binds): two launches started
     together would then share one coordination store. free_port keeps what it returned."""
-    from dynabatch.pipeline import free_port
+    from dynabatch.pipeline.runtime import free_port
 
     ports = [free_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)

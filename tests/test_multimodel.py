@@ -249,7 +249,8 @@ def identity_worker(rank, world, port, K, steps, configs):
     """Train K models alone with `PipelineRunner` (1F1B), then together under each ``configs`` entry
     ``[budget factor or None, interleave, pass num_tokens]``; report whether every model's stage
     parameters and losses are bit-identical, and the measured residency."""
-    from dynabatch.pipeline import CommRecorder, PipelineRunner, RunnerConfig, init_pipeline, make_model
+    from dynabatch.pipeline.runtime import CommRecorder
+    from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=60, abort_after_s=10)
     out = {"configs": []}
@@ -304,7 +305,7 @@ def test_three_models_together_are_bit_identical_to_each_alone():
     (spills and prefetches every step; interleaved; updates right after each model's last backward,
     or at the end of the step), and with one shard model after model. Measured resident bytes never
     pass the budget, and both ends of every link posted the same operations."""
-    from dynabatch.pipeline import check_peer_sequences
+    from dynabatch.pipeline.runtime import check_peer_sequences
 
     configs = [[None, True, True], [2.0, True, True], [2.0, True, False], [1.0, False, True]]
     res = ok(launch_local(f"{__file__}:identity_worker", 2, args=(3, 4, configs), idle_timeout_s=180))

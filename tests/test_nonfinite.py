@@ -35,7 +35,7 @@ def _steps(model, ctx, n):
     """``n`` steps of 3 micro-batches: (shapes, this rank's dictionaries, target tokens of the step)."""
     from test_pipeline_workers import synthetic_plan
 
-    from dynabatch.pipeline import plan_shapes
+    from dynabatch.pipeline.models import plan_shapes
 
     rng = np.random.default_rng(3)
     out = []

@@ -363,7 +363,8 @@ def test_edited_plan_is_refused_naming_step_and_rank(work, tmp_path, capsys):
 
 def _bare_plan(options: dict, epochs: int = 2, ranks: int = 2) -> "pa.Table":
     """A plan table as older releases wrote it: `plans_to_arrow` steps, no epoch column, no run version."""
-    from dynabatch import plan_microbatches, plans_to_arrow, split_global_batches
+    from dynabatch import plan_microbatches, split_global_batches
+    from dynabatch.planfile import plans_to_arrow
 
     rng = np.random.default_rng(1)
     shapes = Shapes.from_lengths(rng.integers(10, 400, 300), rng.integers(1, 40, 300))

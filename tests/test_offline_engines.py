@@ -74,7 +74,8 @@ def test_default_workers_leave_small_jobs_in_this_process(monkeypatch, tmp_path,
 
     import pyarrow.parquet as pq
 
-    from dynabatch import engines, synthetic_shapes
+    from dynabatch import engines
+    from dynabatch.shape_sources import synthetic_shapes
     from dynabatch.cli import main
     from dynabatch.engines import SAMPLES_PER_WORKER, workers_for
     from dynabatch.offline import runplan

@@ -14,7 +14,8 @@ import warnings
 
 import pytest
 
-from dynabatch import METHODS, DataLoader, build_index
+from dynabatch.core.options import METHODS
+from dynabatch import DataLoader, build_index
 from dynabatch.cli import main
 from dynabatch.datagen import write_image_text_shards, write_text_shards
 from dynabatch.offline import load_run_plan

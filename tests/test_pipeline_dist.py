@@ -20,7 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prelaunch import Prelaunch, job, part  # noqa: E402
 
-from dynabatch.pipeline import check_peer_sequences, launch_local  # noqa: E402
+from dynabatch.pipeline.runtime import check_peer_sequences  # noqa: E402
+from dynabatch.pipeline import launch_local  # noqa: E402
 
 WORKERS = str(Path(__file__).with_name("test_pipeline_workers.py"))
 SCHEDULES = ["gpipe", "1f1b", "adaptive"]

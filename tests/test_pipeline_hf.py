@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_tiny import bart_config, build, decoder_config, grad_gap, t5_config  # noqa: E402
 
-from dynabatch.pipeline import MicroBatchShape, sequential_step  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline import sequential_step  # noqa: E402
 from dynabatch.pipeline.models.hf import UnsupportedModel, from_hf, hf_reference_step, parameter_bytes  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
@@ -112,7 +113,7 @@ def test_t5_blocks_recomputed_carry_the_stage_bias_through_their_checkpoints():
     """A T5 stage whose blocks run under activation recomputation (`PipelineStage(recompute=k)`: the state,
     the stage's bias in it, is what each checkpoint keeps and replays) gives the loss and every gradient of
     the stage without recomputation, bit for bit."""
-    from dynabatch.pipeline import PipelineStage
+    from dynabatch.pipeline.models import PipelineStage  # noqa: E402
 
     hf = build(t5_config())
     model = from_hf(hf)

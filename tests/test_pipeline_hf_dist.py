@@ -25,8 +25,8 @@ from hf_tiny import (bart_config, build, decoder_config, grad_gap, llava_config,
                      t5_config)
 from prelaunch import Prelaunch, part  # noqa: E402
 
-from dynabatch.pipeline import MicroBatchShape, PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, \
-    launch_local  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline import PipelineRunner, RunnerConfig, batch_shapes, init_pipeline, launch_local  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "adaptive"]
 SEQ2SEQ = ("t5", "bart")

@@ -29,8 +29,8 @@ from dynabatch import Shapes  # noqa: E402
 from dynabatch.core.cost.model import CostModel  # noqa: E402
 from dynabatch.core.plan.planner import plan_microbatches  # noqa: E402
 from dynabatch.loader.collate import collate_packed, collate_padded  # noqa: E402
-from dynabatch.pipeline import MicroBatchShape, batch_shapes, check_batch, from_hf, plan_shapes, \
-    sequential_step  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape, check_batch, plan_shapes  # noqa: E402
+from dynabatch.pipeline import batch_shapes, from_hf, sequential_step  # noqa: E402
 from dynabatch.planfile import plan_from_arrow, plans_to_arrow  # noqa: E402
 
 DIMS = [(7, 4), (3, 6), (9, 2), (5, 5)]  # (input tokens, target tokens) of each sample

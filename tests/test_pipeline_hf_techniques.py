@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the worker runs this
 from hf_tiny import build, decoder_config, llava_config  # noqa: E402
 from prelaunch import Prelaunch, part  # noqa: E402
 
-from dynabatch.pipeline import MicroBatchShape, launch_local  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline import launch_local  # noqa: E402
 
 LAUNCHES = Prelaunch(parallel=1)
 
@@ -212,7 +213,8 @@ def test_partition_search_on_the_profiled_layers(llama_profile):
     """`balanced_partition` on the per-layer costs of the profile file: a valid 2- and 3-stage split of
     the Llama's 5 layers whose per-stage busy seconds are the profiled layers' sums, and no split of the
     same costs simulates faster."""
-    from dynabatch.pipeline import balanced_partition, partition_makespan
+    from dynabatch.pipeline import balanced_partition  # noqa: E402
+    from dynabatch.pipeline.models import partition_makespan  # noqa: E402
     from dynabatch.pipeline.measure.profile import load_layer_costs
 
     costs = load_layer_costs(llama_profile[0])
@@ -324,7 +326,7 @@ def _multimodel_case(ctx, steps: int = 3) -> dict:
     each: trained alone with `PipelineRunner`, then together by `MultiModelRunner` on the same micro-batches
     (no budget, and a budget that makes them spill); whether each model's stage parameters and losses are
     bit-identical to its run alone."""
-    from dynabatch.pipeline import PipelineRunner, RunnerConfig
+    from dynabatch.pipeline import PipelineRunner, RunnerConfig  # noqa: E402
     from dynabatch.pipeline.runtime.multimodel import MultiModelRunner, shard_bytes
 
     data = _steps(_llama(0), steps, seed=7)
@@ -368,7 +370,8 @@ def _llava_case(ctx) -> dict:
     the step's dictionaries: a step of text-only micro-batches, then a mixed one. Per step: each stage
     layer's forward calls, the point-to-point messages this rank posted, the loss and this stage's largest
     gradient gap to the Hugging Face model's own forward/backward in one process (float64)."""
-    from dynabatch.pipeline import CommRecorder, PipelineRunner, RunnerConfig
+    from dynabatch.pipeline.runtime import CommRecorder  # noqa: E402
+    from dynabatch.pipeline import PipelineRunner, RunnerConfig  # noqa: E402
     from dynabatch.pipeline.models.hf import from_hf, hf_reference_step
 
     bounds = [0, 4, 8]

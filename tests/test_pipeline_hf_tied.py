@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_tiny import build, decoder_config, t5_config  # noqa: E402
 
-from dynabatch.pipeline import MicroBatchShape, PipelineRunner, RunnerConfig, init_pipeline, launch_local  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, launch_local  # noqa: E402
 
 STEPS = 3
 RTOL_MANY = 1e-5  # several micro-batches per step: relative (norm) gap of any parameter (measured 1.2e-6)
@@ -52,7 +53,7 @@ CASES = [("llama", [0, 2, 5], 1), ("t5", [0, 4, 8], 1), ("t5", [0, 5, 8], 1), ("
 def _reference_step(hf, optimizer, batches) -> float:
     """One process: the plain model's own forward/backward per micro-batch, gradients times 1 / tokens
     (`hf_reference_step`, scaling as the runner does), the optimizer step."""
-    from dynabatch.pipeline import hf_reference_step
+    from dynabatch.pipeline.models.hf import hf_reference_step  # noqa: E402
 
     loss, _ = hf_reference_step(hf, batches)
     optimizer.step()

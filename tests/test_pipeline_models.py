@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.pipeline import MicroBatchShape, PlanMismatch, check_batch, count_parameters, gpt_tiny, t5_tiny
+from dynabatch.pipeline.models import MicroBatchShape, PlanMismatch, check_batch, count_parameters, gpt_tiny, t5_tiny
 from dynabatch.pipeline.models import segment_ids
 from dynabatch.pipeline.runtime.reference import sequential_step
 

@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.pipeline import (
-    LayerCosts,
-    MicroBatchShape,
-    balanced_partition,
-    gpt_tiny,
-    partition_makespan,
-    profile_layers,
-    sequential_step,
-    split_model,
-    uniform_partition,
-)
+from dynabatch.pipeline.models import LayerCosts, MicroBatchShape, gpt_tiny, partition_makespan, uniform_partition
+from dynabatch.pipeline import balanced_partition, profile_layers, sequential_step, split_model
 
 
 def skewed_costs(light=6, heavy=6, M=6, seed=0):

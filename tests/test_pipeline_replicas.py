@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_tiny import build, decoder_config, grad_gap  # noqa: E402
 from liveness import run_live  # noqa: E402
 
-from dynabatch.pipeline import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
 
 BOUNDS = [0, 3, 5]  # embedding + 2 blocks | block + head (the tied embedding on both stages)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_hf.py"

@@ -5,16 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch.pipeline import (
-    CommRecorder,
-    Message,
-    Post,
-    ProgramError,
-    build_programs,
-    check_peer_sequences,
-    check_programs,
-    stage_orders,
-)
+from dynabatch.pipeline.runtime import (CommRecorder, Message, Post, ProgramError, build_programs,
+                                        check_peer_sequences, check_programs, stage_orders)
 from dynabatch.pipeline.runtime.comm import CommEvent
 from dynabatch.pipeline.runtime.schedule import naive_programs, peer_sequences, quantize_times
 from dynabatch.core.simulate import pipeline_schedule, simulate_pipeline

@@ -27,7 +27,8 @@ from hf_tiny import build, decoder_config, grad_gap  # noqa: E402
 from prelaunch import Prelaunch, part  # noqa: E402
 
 from dynabatch.core.schedule import REGISTRY  # noqa: E402
-from dynabatch.pipeline import MicroBatchShape, launch_local  # noqa: E402
+from dynabatch.pipeline.models import MicroBatchShape  # noqa: E402
+from dynabatch.pipeline import launch_local  # noqa: E402
 
 SCHEDULES = [n for n, info in REGISTRY.items() if info.concrete]
 GPT = dict(vocab=64, hidden=16, layers=6, heads=2, max_positions=128)  # 8 layers: embedding, 6 blocks, head

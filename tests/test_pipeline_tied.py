@@ -35,7 +35,8 @@ from prelaunch import Prelaunch, part  # noqa: E402
 from test_pipeline_dist import ok  # noqa: E402
 from test_pipeline_workers import replica_batches, synthetic_plan  # noqa: E402
 
-from dynabatch.pipeline import launch_local, tie_stages  # noqa: E402
+from dynabatch.pipeline import launch_local  # noqa: E402
+from dynabatch.pipeline.runtime import tie_stages  # noqa: E402
 
 GPT = dict(vocab=64, hidden=16, layers=2, heads=2, max_positions=128)
 TWO = [0, 2, 4]  # [embedding, block | block, head]
@@ -62,7 +63,7 @@ def tied_model(seed: int):
 
 def _data(model, seed: int, mbs):
     """``STEPS`` steps: (micro-batch shapes, dictionaries, global real target tokens)."""
-    from dynabatch.pipeline import plan_shapes
+    from dynabatch.pipeline.models import plan_shapes  # noqa: E402
 
     rng = np.random.default_rng(seed)
     out = []

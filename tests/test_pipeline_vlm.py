@@ -10,19 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.pipeline import (
-    MicroBatchShape,
-    PipelineRunner,
-    RunnerConfig,
-    check_batch,
-    init_pipeline,
-    launch_local,
-    merged_length,
-    sequential_step,
-    stage_cost_model,
-    vision_calls,
-    vlm_tiny,
-)
+from dynabatch.pipeline.models import MicroBatchShape, check_batch, merged_length, vision_calls, vlm_tiny
+from dynabatch.pipeline import (PipelineRunner, RunnerConfig, init_pipeline, launch_local, sequential_step,
+                                stage_cost_model)
 from dynabatch.pipeline.models import gpt_tiny
 from dynabatch.loader.settings import records_from_keywords
 
@@ -269,7 +259,7 @@ def test_text_only_microbatches_bypass_the_vision_stages(tmp_path, bounds):
 def test_bypass_entries_and_refusals():
     """The entry stage of each micro-batch follows the cut and the model's idle layers; a model without
     idle layers enters every micro-batch at stage 0; what cannot bypass says so."""
-    from dynabatch.pipeline import Bypass
+    from dynabatch.pipeline.runtime import Bypass
 
     model = vlm_tiny(**TINY)  # layers: patch, 2 ViT, projector | merge, 2 GPT, head
     assert [model.idle_layers(s) for s in SHAPES] == [0, 4, 0, 4]

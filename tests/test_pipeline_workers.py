@@ -15,16 +15,9 @@ import numpy as np
 import torch
 
 from dynabatch.core.batchplan import BatchPlan
-from dynabatch.pipeline import (
-    CommRecorder,
-    MicroBatchShape,
-    PipelineRunner,
-    RunnerConfig,
-    init_pipeline,
-    make_model,
-    plan_shapes,
-    sequential_step,
-)
+from dynabatch.pipeline.runtime import CommRecorder
+from dynabatch.pipeline.models import MicroBatchShape, plan_shapes
+from dynabatch.pipeline import PipelineRunner, RunnerConfig, init_pipeline, make_model, sequential_step
 
 TINY = {"gpt-tiny": dict(vocab=64, hidden=16, layers=3, heads=2, max_positions=128),
         "t5-tiny": dict(vocab=64, hidden=16, encoder_layers=2, decoder_layers=2, heads=2, max_positions=128)}

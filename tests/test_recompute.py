@@ -285,7 +285,8 @@ def test_measured_activation_bytes_stay_under_the_planned_limit():
 def test_partition_search_respects_the_memory_limit():
     """The time-balanced split keeps 2 x 20 bytes on stage 0 under 1F1B; under a 25-byte limit the search
     moves a memory-heavy layer off it, and refuses when nothing fits."""
-    from dynabatch.pipeline import LayerCosts, balanced_partition
+    from dynabatch.pipeline.models import LayerCosts
+    from dynabatch.pipeline import balanced_partition
 
     t = np.ones((4, 2))
     costs = LayerCosts(t, 2 * t, memory_bytes=np.array([[10.0, 10], [10, 10], [1, 1], [1, 1]]))
@@ -325,7 +326,7 @@ def test_feedback_refits_the_time_without_recomputation():
     1.3x of the time without recomputation (the planner adds recomputation itself), not 1.3 x (1 + f),
     which would count the recomputed forward twice in the next plans."""
     from dynabatch import FeedbackLoop
-    from dynabatch.pipeline import StepTiming
+    from dynabatch.pipeline.measure import StepTiming
 
     from dynabatch.core.cost.features import microbatch_features
 

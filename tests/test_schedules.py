@@ -158,7 +158,7 @@ def test_stage_rank_ordering_kernel_equals_reference():
 
 
 def _setup(n=300, seed=0):
-    from dynabatch import model_preset
+    from dynabatch.core.cost.model import model_preset
 
     cost = CostModel(model_preset("gpt"), device_preset("a100-80gb"))
     rng = np.random.default_rng(seed)

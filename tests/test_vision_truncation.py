@@ -20,7 +20,8 @@ from dynabatch.cli import main
 from dynabatch.core.cost.model import CostModel
 from dynabatch.index import derived_labels, index_settings
 from dynabatch.offline import load_run_plan
-from dynabatch.pipeline import stage_cost_model, vlm_tiny
+from dynabatch.pipeline import stage_cost_model
+from dynabatch.pipeline.models import vlm_tiny
 from tokenization import (
     IGNORE_INDEX,
     DynamicTiling,

@@ -23,16 +23,9 @@ from test_pipeline_dist import ok  # noqa: E402
 from test_pipeline_vlm import TINY, one_pass  # noqa: E402
 
 import tokenization  # noqa: E402
-from dynabatch.pipeline import (  # noqa: E402
-    PipelineRunner,
-    RunnerConfig,
-    init_pipeline,
-    launch_local,
-    sequential_step,
-    stage_cost_model,
-    vision_calls,
-    vlm_tiny,
-)
+from dynabatch.pipeline import (PipelineRunner, RunnerConfig, init_pipeline, launch_local, sequential_step,
+                                stage_cost_model)  # noqa: E402
+from dynabatch.pipeline.models import vision_calls, vlm_tiny  # noqa: E402
 from dynabatch.pipeline.models.vlm import merged_length, placeholder_mask, with_placeholders  # noqa: E402
 from tokenization import (  # noqa: E402
     IGNORE_INDEX,

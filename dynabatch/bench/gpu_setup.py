@@ -145,7 +145,7 @@ class ModelFactory:
 
 @contextlib.contextmanager
 def one_stage(device: str):
-    """A one-stage, one-rank `dynabatch.pipeline.DistContext` in this process (NCCL on CUDA, gloo on CPU)."""
+    """A one-stage, one-rank `dynabatch.pipeline.runtime.DistContext` in this process (NCCL on CUDA, gloo on CPU)."""
     from ..pipeline import free_port, init_pipeline
 
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -221,7 +221,7 @@ def collate_padded(
     ``decoder_start_token_id``, default ``pad_id``, padding as ``pad_id``) and
     ``decoder_attention_mask`` [rows, T]. ``rows`` puts several samples in one row (packed rows);
     ``position_ids`` (and, encoder-decoder, ``decoder_position_ids``) then restart at each sample, so
-    a model can tell the samples of a row apart (`dynabatch.pipeline.segment_ids`). See the module
+    a model can tell the samples of a row apart (`dynabatch.pipeline.models.segment_ids`). See the module
     docstring for the label rule.
     """
     fl = _as_flat(samples, family)

@@ -21,37 +21,45 @@ Three subpackages, each importing only the ones listed before it:
   sets up the process groups, `PipelineAborted` ends every rank when one fails, `launch_local` runs N
   local ranks (`run_ranks`: alone or under torchrun).
 
-See docs/pipeline.md.
+This package's top level holds the entry points (`__all__`); every other name lives in, and is
+documented by, its subpackage: `dynabatch.pipeline.models`, `dynabatch.pipeline.measure`,
+`dynabatch.pipeline.runtime` (the communication programs and their parts: `Post`, `Compute`, `Message`,
+`build_programs`, ...), `dynabatch.pipeline.models.hf`. See docs/pipeline.md.
 """
 
-from .measure import (SavedBytes, StepResult, StepTiming, batch_shapes, measured_stage_memory, profile_layers,
-                      representative, search_partition, stage_cost_model)
-from .models import (MODELS, LayerCosts, LayeredModel, MicroBatchShape, PipelineStage, PlanMismatch, StagePartition,
-                     TensorSpec, VisionLanguageModel, balanced_partition, check_batch, count_parameters, gpt_tiny,
-                     make_model, merged_length, partition_makespan, placeholder_mask, plan_shapes, segment_ids,
-                     split_model, t5_tiny, uniform_partition, vision_calls, vlm_batch_shapes, vlm_tiny,
-                     with_placeholders)
-from .runtime import (SCHEDULES, Bypass, CommEvent, CommRecorder, Compute, DistContext, Hooks, Message,
-                      MultiModelRunner, MultiStepResult, NonFiniteStep, P2P, PipelineAborted, PipelineRunner, Post,
-                      ProcResult,
-                      ProgramError, RunnerConfig, ShapeMismatch, ShardStore, Ties, WeightPredictor,
-                      build_programs, check_peer_sequences, check_programs, free_port, init_pipeline, launch_local,
-                      loader_runtime, run_program, run_ranks, sequential_step, stage_orders, tie_stages)
-from .models.hf import (HFLayeredModel, HFStage, UnsupportedModel, from_hf, hf_reference_step, load_stage, merge_stages,
-                        save_stage)
+from .._lazy import moved_names
+from .measure import batch_shapes, measured_stage_memory, profile_layers, search_partition, stage_cost_model
+from .models import LayeredModel, balanced_partition, make_model, split_model
+from .runtime import (MultiModelRunner, PipelineAborted, PipelineRunner, RunnerConfig, init_pipeline, launch_local,
+                      loader_runtime, run_ranks, sequential_step)
+from .models.hf import UnsupportedModel, from_hf, load_stage, merge_stages, save_stage
 
 __all__ = [
-    "MODELS", "SCHEDULES", "CommEvent", "CommRecorder", "Compute", "DistContext", "LayerCosts", "LayeredModel",
-    "Message", "MicroBatchShape", "P2P", "PipelineAborted", "PipelineRunner", "PipelineStage", "PlanMismatch",
-    "Post", "ProcResult", "ProgramError", "RunnerConfig", "ShapeMismatch", "StagePartition", "StepResult",
-    "StepTiming", "TensorSpec", "balanced_partition", "build_programs", "check_batch",
-    "check_peer_sequences", "check_programs", "count_parameters", "free_port", "gpt_tiny", "init_pipeline",
-    "launch_local", "make_model", "partition_makespan", "plan_shapes", "profile_layers", "search_partition",
-    "segment_ids", "sequential_step", "split_model", "stage_orders", "t5_tiny", "uniform_partition",
-    "batch_shapes", "representative", "stage_cost_model", "SavedBytes", "measured_stage_memory", "WeightPredictor",
-    "VisionLanguageModel", "merged_length", "placeholder_mask", "vision_calls", "vlm_batch_shapes", "vlm_tiny",
-    "with_placeholders",
+    # run: process groups, local ranks, the runners and their loader
+    "init_pipeline", "launch_local", "run_ranks", "PipelineAborted", "PipelineRunner", "RunnerConfig",
+    "MultiModelRunner", "loader_runtime", "sequential_step",
+    # models: layered models, Hugging Face models, the stage split and stage checkpoints
+    "LayeredModel", "make_model", "from_hf", "UnsupportedModel", "load_stage", "save_stage", "merge_stages",
+    "balanced_partition", "split_model",
+    # measure: cost models of a stage, per-layer profiles, activation memory
+    "stage_cost_model", "profile_layers", "search_partition", "batch_shapes", "measured_stage_memory",
 ]
-__all__ += ["MultiModelRunner", "MultiStepResult", "ShardStore", "Bypass", "Hooks", "Ties", "run_program", "tie_stages"]
-__all__ += ["HFLayeredModel", "UnsupportedModel", "from_hf", "hf_reference_step", "merge_stages", "save_stage"]
-__all__ += ["HFStage", "load_stage", "run_ranks", "NonFiniteStep", "loader_runtime"]
+
+#: Former top-level names -> the subpackage that holds (and documents) each now; ``dynabatch.pipeline.X``
+#: still finds them for one release, with a DeprecationWarning.
+MOVED = {
+    **dict.fromkeys(("MODELS", "LayerCosts", "MicroBatchShape", "PipelineStage", "PlanMismatch", "StagePartition",
+                     "TensorSpec", "VisionLanguageModel", "check_batch", "count_parameters", "gpt_tiny", "t5_tiny",
+                     "vlm_tiny", "merged_length", "partition_makespan", "placeholder_mask", "plan_shapes",
+                     "segment_ids", "uniform_partition", "vision_calls", "vlm_batch_shapes", "with_placeholders"),
+                    "dynabatch.pipeline.models"),
+    **dict.fromkeys(("SavedBytes", "StepResult", "StepTiming", "representative"), "dynabatch.pipeline.measure"),
+    **dict.fromkeys(("SCHEDULES", "Bypass", "CommEvent", "CommRecorder", "Compute", "DistContext", "Hooks", "Message",
+                     "MultiStepResult", "NonFiniteStep", "P2P", "Post", "ProcResult", "ProgramError", "ShapeMismatch",
+                     "ShardStore", "Ties", "WeightPredictor", "build_programs", "check_peer_sequences",
+                     "check_programs", "free_port", "run_program", "stage_orders", "tie_stages"),
+                    "dynabatch.pipeline.runtime"),
+    **dict.fromkeys(("HFLayeredModel", "HFStage", "hf_reference_step"), "dynabatch.pipeline.models.hf"),
+}
+
+__getattr__ = moved_names(__name__, MOVED)

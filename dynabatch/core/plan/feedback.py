@@ -130,7 +130,7 @@ class StepObservations:
 
 def _scaled_results(result) -> list:
     """``[(seconds per plan second, result)]``: one entry per model of a multi-model step (anything with
-    ``.results`` and ``.time_scale``, a `dynabatch.pipeline.MultiStepResult`), else ``[(1.0, result)]``."""
+    ``.results`` and ``.time_scale``, a `dynabatch.pipeline.runtime.MultiStepResult`), else ``[(1.0, result)]``."""
     scales = getattr(result, "time_scale", None)
     models = getattr(result, "results", None)
     if scales is None or models is None:
@@ -345,7 +345,7 @@ class FeedbackLoop:
         packed plans, ``.shapes``, the global batch's `Shapes`; ``.step`` is kept as the global step
         number). ``result``: the runner's `StepResult` (its ``all_timings``, every rank's, with
         ``RunnerConfig(gather_timing=True)``; else its own ``timing``) or a sequence of `StepTiming`,
-        or a `dynabatch.pipeline.MultiStepResult` (K models on the same micro-batches): each model's
+        or a `dynabatch.pipeline.runtime.MultiStepResult` (K models on the same micro-batches): each model's
         times divided by its ``time_scale`` are observations of the same plan seconds (K per
         micro-batch and stage; the scales themselves are `MultiModelRunner.refit_time_scale`'s).
         Timings of trailing placeholder micro-batches (ranks padded to equal counts) are skipped. A

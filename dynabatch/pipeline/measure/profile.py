@@ -76,7 +76,7 @@ class Profile:
     decoder_lengths: tuple
     time_s: np.ndarray
     memory_bytes: np.ndarray
-    layer_costs: object  # dynabatch.pipeline.LayerCosts (torch-side, imported lazily)
+    layer_costs: object  # dynabatch.pipeline.models.LayerCosts (torch-side, imported lazily)
     padding: tuple = ()  # per shape: a padded one measured with a padded row (``q_pad``); () for none
     round_s: np.ndarray | None = None  # [repeats, shapes]: every layer's fwd+bwd seconds summed, per timed round
 

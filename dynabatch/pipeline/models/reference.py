@@ -1,5 +1,5 @@
 """The loss normalization of the one-process references a pipeline run is checked against
-(`dynabatch.pipeline.sequential_step`, `dynabatch.pipeline.hf_reference_step`)."""
+(`dynabatch.pipeline.sequential_step`, `dynabatch.pipeline.models.hf.hf_reference_step`)."""
 
 from __future__ import annotations
 
