@@ -195,7 +195,12 @@ class DynabatchTrainer(Trainer):
         if a.gradient_accumulation_steps != 1 or int(self.accelerator.gradient_accumulation_steps) != 1:
             raise ValueError("DynabatchTrainer needs gradient_accumulation_steps=1 (also in accelerator_config)")
         if self.is_deepspeed_enabled:
-            raise NotImplementedError("DynabatchTrainer does not support DeepSpeed (its engine accumulates by itself)")
+            raise NotImplementedError(
+                "DynabatchTrainer does not support DeepSpeed: its engine owns the accumulation (its config's "
+                "gradient_accumulation_steps, engine.backward scaling each loss and reducing at its own boundary) and "
+                "its ZeRO stages partition gradients by its own buckets, so a dynabatch step's micro-batches, "
+                "normalized by step.target_tokens and reduced once after the last, would be scaled and reduced again. "
+                "Train with DDP, or with FSDP through dynabatch.integrations.step_backward")
         check_trainer_fsdp(a, self.accelerator, self.model)
         if a.n_gpu > 1:
             raise NotImplementedError("DynabatchTrainer does not support nn.DataParallel (several GPUs in one process): "
