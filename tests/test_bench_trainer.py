@@ -49,6 +49,26 @@ def test_the_document_and_table_from_the_ranks_records():
     assert "dp 2.00x the best other (group_by_length" in table and "target 10% MISSED" in table
 
 
+def test_the_fit_floor_is_what_a_linear_fit_in_sample_reaches():
+    """Times linear in the features: 0; the same times with one in ten doubled: above 0 and below the
+    MAPE of the prices that made them (which miss the doubled ones by 50%); too few observations: nan."""
+    import numpy as np
+
+    from dynabatch.bench.trainer import fit_floor
+
+    rng = np.random.default_rng(0)
+    phi = np.zeros((40, 10))
+    phi[:, 0], phi[:, 7] = rng.integers(100, 4000, 40), 1.0
+    phi[:, 1] = phi[:, 0] * rng.integers(64, 512, 40)
+    coef = np.zeros(10)
+    coef[[0, 1, 7]] = 2e-5, 6e-9, 8e-3
+    y = phi @ coef
+    assert fit_floor(phi, y) == pytest.approx(0.0, abs=1e-9)
+    noisy = np.where(np.arange(40) % 10 == 0, 2 * y, y)
+    assert 0.0 < fit_floor(phi, noisy) <= np.mean(np.abs(y - noisy) / noisy) * (1 + 1e-3)
+    assert math.isnan(fit_floor(phi[:3], y[:3]))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "5", "--rounds", "3"], "must be a multiple of --rounds"),
     (["--methods", "group_by_length"], "keep dp in --methods"),

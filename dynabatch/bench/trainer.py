@@ -14,8 +14,9 @@ every method: summed token cross-entropy / target tokens), the rank spread (max/
 each step's forward seconds, median over the steps), the round spread (how much the method's
 tokens/s moved between rounds: the run's timer and load noise), and for dp the cost model's
 per-micro-batch MAPE before its first refit and over the last steps, with the timer noise floor
-(median relative spread of identical micro-batch shapes). Targets: dp >= 1.2x the best other
-method's target tokens/s on each model; dp's MAPE after feedback <= 10%.
+(median relative spread of identical micro-batch shapes) and the in-sample fit floor (`fit_floor`).
+Targets: dp >= 1.2x the best other method's target tokens/s on each model; dp's MAPE after feedback
+<= 10%.
 """
 
 from __future__ import annotations
@@ -163,8 +164,30 @@ def _summary(per_rank: list[dict], cfg: TrainerBenchConfig) -> dict:
         y = np.concatenate([np.asarray(o[1], np.float64) for o in obs]) if obs else np.zeros(0)
         mean = lambda a: float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")  # noqa: E731
         out.update(mape_start=mean(m[:cfg.refit_every]), mape_end=mean(m[-end:]),
-                   mape_noise=timer_noise(phi, y) if len(y) else float("nan"))
+                   mape_noise=timer_noise(phi, y) if len(y) else float("nan"), mape_fit_floor=fit_floor(phi, y))
     return out
+
+
+def fit_floor(phi: np.ndarray, y: np.ndarray, iters: int = 100) -> float:
+    """MAPE (fraction) of the linear price that fits every observation at once with the least MAPE, in
+    sample, on the features the observations use: what the cost model's linear features could reach
+    had they seen every measured time in advance (load shifts between steps and ranks, which no
+    per-shape price follows, stay in it); nan with fewer observations than features. The least-MAPE
+    fit is an L1 fit of relative errors, solved by reweighted least squares (``iters`` rounds)."""
+    from ..core.cost.fit import mape
+
+    cols = np.flatnonzero(np.any(phi != 0, axis=0))
+    if len(y) <= len(cols):
+        return float("nan")
+    A = phi[:, cols] / y[:, None]
+    w = np.ones(len(y))
+    best = float("inf")
+    for _ in range(iters):
+        coef, *_ = np.linalg.lstsq(A * w[:, None], w, rcond=None)
+        r = np.abs(A @ coef - 1.0)
+        best = min(best, mape(phi[:, cols] @ coef, y))
+        w = 1.0 / np.sqrt(np.maximum(r, 1e-9))  # squared, these weight each residual by 1 / |residual|
+    return best
 
 
 def assemble(cfg: TrainerBenchConfig, ranks: list[dict], data: str) -> dict:
@@ -227,7 +250,7 @@ def format_table(doc: dict) -> str:
              f"max_len {c['max_len']}; data: {c['data']}",
              f"{'model':<6} {'method':<16} {'tgt tok/s':>9} {'real tok/s':>10} {'vs dp':>6} {'pad eff':>7} "
              f"{'tok/step':>8} {'mb/step':>7} {'rank spread':>11} {'round spread':>12} {'eval loss':>9} "
-             f"{'MAPE start':>10} {'MAPE end':>8} {'noise':>6}"]
+             f"{'MAPE start':>10} {'MAPE end':>8} {'noise':>6} {'floor':>6}"]
     for key, v in doc["methods"].items():
         model, method = key.split("/", 1)
         dp = doc["methods"].get(f"{model}/dp")
@@ -236,7 +259,8 @@ def format_table(doc: dict) -> str:
         lines.append(f"{model:<6} {method:<16} {v['tokens_per_s']:>9.0f} {v['real_tokens_per_s']:>10.0f} {vs:>5.2f}x "
                      f"{v['padding_efficiency']:>7.2f} {v['tokens_per_step']:>8.0f} {v['microbatches_per_step']:>7.1f} "
                      f"{v['rank_spread']:>11.3f} {_pct(v['round_spread']):>12} {loss:>9} "
-                     f"{_pct(v.get('mape_start')):>10} {_pct(v.get('mape_end')):>8} {_pct(v.get('mape_noise')):>6}")
+                     f"{_pct(v.get('mape_start')):>10} {_pct(v.get('mape_end')):>8} {_pct(v.get('mape_noise')):>6} "
+                     f"{_pct(v.get('mape_fit_floor')):>6}")
     for key, why in doc["skipped"].items():
         lines.append(f"skipped {key}: {why}")
     t = doc["target_values"]
@@ -250,9 +274,10 @@ def format_table(doc: dict) -> str:
     lines.append("vs dp: dp's target tokens/s over the row's; rank spread: max/mean over ranks of each step's forward "
                  "seconds (median over steps); round spread: (max - min) / median of the rounds' tokens/s (timer and "
                  "load noise); MAPE: dp's planned vs measured seconds per micro-batch, before the first refit / over "
-                 "the last steps; noise: the spread of identical micro-batch shapes (the floor a MAPE can reach here)")
+                 "the last steps; noise: the spread of identical micro-batch shapes (the floor a MAPE can reach here); "
+                 "floor: the MAPE of a linear fit to every dp observation in sample (the best the features can do)")
     return "\n".join(lines)
 
 
-__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "format_table",
-           "prepare_data", "run_trainer_bench"]
+__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "fit_floor",
+           "format_table", "prepare_data", "run_trainer_bench"]

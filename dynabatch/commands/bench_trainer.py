@@ -29,6 +29,7 @@ columns:
   eval loss     held-out summed cross-entropy / target tokens after the last step (same for every method)
   MAPE          dp: planned vs measured seconds per micro-batch before its first refit and over the last
                 steps; noise: median spread of identical micro-batch shapes (the floor a MAPE can reach)
+                floor: MAPE of a linear fit to all of dp's measured micro-batches, in sample (the features' best)
 
 examples:
   dynabatch bench trainer                                   # both models, every method, the shared FLAN sample
