@@ -64,7 +64,7 @@ class DistContext:
     device: torch.device
     store: object
     pp_group: object
-    dp_group: object
+    replica_group: object
     monitor: FailureMonitor
     timeout_s: float
     owns_process_group: bool = True
@@ -72,8 +72,18 @@ class DistContext:
 
     @property
     def num_replicas(self) -> int:
-        """Data-parallel replicas (pipelines)."""
+        """Data-parallel replicas (pipelines): what `PlanOptions.num_ranks` counts (a plan's rank ``r`` is
+        replica ``r``; in the runtime, "rank" is a process)."""
         return self.world_size // self.num_stages
+
+    @property
+    def dp_group(self) -> object:
+        """Deprecated name of `replica_group` ("dp" names the dynamic-programming planner only)."""
+        import warnings
+
+        warnings.warn("DistContext.dp_group is deprecated: use replica_group (this stage's group over the replicas)",
+                      DeprecationWarning, stacklevel=2)
+        return self.replica_group
 
     @property
     def stage(self) -> int:
@@ -194,10 +204,10 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     # meanwhile stops the others with its name instead of leaving them in gloo's rendezvous
     from .setup_guard import setup_call
 
-    pp_group, dp_group = setup_call(SimpleNamespace(monitor=monitor, rank=rank),
+    pp_group, replica_group = setup_call(SimpleNamespace(monitor=monitor, rank=rank),
                                     lambda: _pipeline_groups(rank, num_stages, replicas),
                                     "in the creation of the pipeline's process groups", range(world_size))
-    ctx = DistContext(rank, world_size, num_stages, backend, device, store, pp_group, dp_group, monitor,
+    ctx = DistContext(rank, world_size, num_stages, backend, device, store, pp_group, replica_group, monitor,
                       float(timeout_s), owns)
     # Without an explicit close() the store's host could exit while others finish their last step;
     # at interpreter exit every rank checks in and the host waits for them (skipped after a failure).
@@ -205,13 +215,14 @@ def init_pipeline(num_stages: int, *, rank: int | None = None, world_size: int |
     if backend == "nccl":
         # NCCL wants the first operation on a communicator to involve all its ranks
         dist.barrier(group=pp_group)
-        dist.barrier(group=dp_group)
+        dist.barrier(group=replica_group)
     return ctx
 
 
 def _pipeline_groups(rank: int, num_stages: int, replicas: int):
-    """(this rank's pipeline group, its data-parallel group); every rank creates every group, in one order."""
-    pp_group = dp_group = None
+    """(this rank's pipeline group, its replica group: its stage on every data-parallel replica); every rank
+    creates every group, in one order."""
+    pp_group = replica_group = None
     for d in range(replicas):
         g = dist.new_group([d * num_stages + s for s in range(num_stages)])
         if rank // num_stages == d:
@@ -219,8 +230,8 @@ def _pipeline_groups(rank: int, num_stages: int, replicas: int):
     for s in range(num_stages):
         g = dist.new_group([d * num_stages + s for d in range(replicas)])
         if rank % num_stages == s:
-            dp_group = g
-    return pp_group, dp_group
+            replica_group = g
+    return pp_group, replica_group
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def update_stage(guard, params: list, n_tokens: float, optimizer, label: str, *,
     if grads and ctx.num_replicas > 1:
         flat = _flatten_dense_tensors(grads)
         guard.all_reduce(flat, f"in the gradient all-reduce of {label} (waiting for stage {s} of every replica)",
-                         [ctx.global_rank(s, d) for d in range(ctx.num_replicas)], group=ctx.dp_group)
+                         [ctx.global_rank(s, d) for d in range(ctx.num_replicas)], group=ctx.replica_group)
         flat.mul_(scale)
         for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(r)
