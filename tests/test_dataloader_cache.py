@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dynabatch.loader.indexed_steps as indexed
+import dynabatch.loader.modes.indexed.steps as indexed
 from dynabatch import DataLoader, build_index
-from dynabatch.loader.indexed_steps import TOKEN_COLUMNS
+from dynabatch.loader.modes.indexed.steps import TOKEN_COLUMNS
 from dynabatch.loader.records import PackedBatches
 
 from test_dataloader_data import records, write_parquet
@@ -68,7 +68,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", boom)
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.mode.encode_to_file", boom)
     for index in (table, tmp_path / "idx.parquet"):
         dl = DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index=index))
         assert dl.token_cache is not None and len(list(dl.microbatches())) > 0
@@ -80,7 +80,7 @@ def test_index_token_columns_are_used_without_tokenizing(path, monkeypatch, tmp_
 def test_index_cache_keeps_the_ids(path, tmp_path, monkeypatch):
     cache = tmp_path / "index.parquet"
     first = list(DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=cache)).microbatches())
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.encode_to_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.mode.encode_to_file", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     dl = DataLoader(path, options=PlanOptions(global_batch_tokens=1500), source=DataSource(index_cache=cache))
     assert dl.token_cache is not None
     assert_same(first, list(dl.microbatches()))
@@ -93,7 +93,7 @@ def test_disk_space_turns_the_default_off(path, monkeypatch):
 
     plain = build_index(path)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr("dynabatch.loader.modes.indexed.shutil.disk_usage", lambda p: usage(100, 100, 100))
+    monkeypatch.setattr("dynabatch.loader.modes.indexed.mode.shutil.disk_usage", lambda p: usage(100, 100, 100))
     opts = PlanOptions(global_batch_tokens=1500)
     assert DataLoader(path, options=opts, source=DataSource(index=plain)).token_cache is None
     assert DataLoader(path, options=opts, source=DataSource(index=plain, cache_tokens=True)).token_cache is not None

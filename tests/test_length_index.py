@@ -15,7 +15,7 @@ from dynabatch import Shapes
 from dynabatch.cli import main
 from dynabatch.index import (INTEGRITY_KEY, LengthIndex, LengthIndexError, ScanConfig, read_index, read_index_table,
                              scan_dataset, write_index)
-from dynabatch.loader.indexed_steps import load_index
+from dynabatch.loader.modes.indexed.steps import load_index
 
 from test_offline import write_dataset
 

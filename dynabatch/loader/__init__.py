@@ -1,8 +1,8 @@
 """The `DataLoader` and what lies under it, in the data's order.
 
 `dataloader` (the facade) -> `settings` (its typed settings records) and `options` (its
-arguments normalized into one `PlanOptions`) -> `modes/` (`IndexedMode`, `ReplayMode`, `StreamingMode`: stateful iterators over
-steps) driving their planners (`indexed_steps`, `replay_planner`, `stream_planner`) -> `records`
+arguments normalized into one `PlanOptions`) -> `modes/` (each mode in one place: `modes/indexed/`, `modes/replay.py`,
+`modes/streaming/`, a stateful iterator over steps beside the planner it drives) -> `records`
 (a rank's step plan, tokenized samples, ready steps) -> `collate` (model inputs) -> `step` (the
 `Step` that `DataLoader.steps` yields). `ahead` plans in the background, `state` nests and merges
 the states, `collective` lets streaming ranks agree, `pixels` loads image tiles.

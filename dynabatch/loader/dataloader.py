@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from . import state as lstate
-from .indexed_steps import scan_source, write_index_table
+from .modes.indexed.steps import scan_source, write_index_table
 from .modes import Context, IndexedMode, ReplayMode, StreamingMode, build_indexed, build_replay
 from ..core.options import PlanOptions
 from .options import make_formatter, open_data, resolve

@@ -79,7 +79,7 @@ def resolve(s: LoaderSettings, options: PlanOptions | None, torch_planning: dict
                                                  "max_target_len")}}
     plan_file, cost_model, family = None, s.cost_model, s.family
     if s.plan is not None:  # replay: the plan decides what was not given explicitly
-        from .replay_planner import load_run_plan
+        from .modes.replay import load_run_plan
 
         plan_file = pf = load_run_plan(s.plan)
         method, collate = method or pf.method, collate or pf.collation

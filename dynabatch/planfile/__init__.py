@@ -2,7 +2,7 @@
 one reader (`RunPlan`, `load_run_plan`), one `PlanMismatchError`.
 
 ``dynabatch inspect`` (`dynabatch.planfile.inspect`) and ``DataLoader(source=DataSource(plan=...))``
-(`dynabatch.loader.replay_planner`) both read plan files through `RunPlan`; `plan_to_arrow`,
+(`dynabatch.loader.modes.replay`) both read plan files through `RunPlan`; `plan_to_arrow`,
 `plans_to_arrow` (`arrow`) and `dynabatch.offline.plan_run` write them with the keys of `format`.
 The package depends on `dynabatch.core` (the `BatchPlan` record), never the other way round.
 """

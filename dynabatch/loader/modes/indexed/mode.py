@@ -1,5 +1,5 @@
 """Indexed mode: every rank computes the same global plan of each step from a length index and
-reads its own samples by ``sample_id`` (see `dynabatch.loader.indexed_steps`); `IndexedMode` is its
+reads its own samples by ``sample_id`` (see `dynabatch.loader.modes.indexed.steps`); `IndexedMode` is its
 stateful iterator, `open_index` builds (or reads) the length index and the token cache.
 
 Mode state (nested in the DataLoader's under ``"indexed"``, or ``"replay"``): ``identity``,
@@ -22,19 +22,19 @@ import numpy as np
 import torch
 from tokenization import scan_stats, tokenizer_fingerprint
 
-from .. import state as lstate
-from ..ahead import fork_available
-from ...index import LengthIndexError, TokenFileWriter, encode_to_file
-from ...index.token_file import private_token_path
-from ...index.scan import LOADER_ERRORS_KEY
-from ..indexed_steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache, WorkerSplitDataset,
+from ... import state as lstate
+from ...ahead import fork_available
+from ....index import LengthIndexError, TokenFileWriter, encode_to_file
+from ....index.token_file import private_token_path
+from ....index.scan import LOADER_ERRORS_KEY
+from .steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache, WorkerSplitDataset,
                              index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
                              write_index_table)
-from ..processes import WorkerInit, start_workers, warm_kernels
-from ...core.plan.steps import oversized_samples
-from ..records import ReadyStep
-from ..stream_planner import _identity
-from .base import Context, Mode
+from ...processes import WorkerInit, start_workers, warm_kernels
+from ....core.plan.steps import oversized_samples
+from ...records import ReadyStep
+from ..streaming.planner import _identity
+from ..base import Context, Mode
 
 logger = logging.getLogger("dynabatch")
 

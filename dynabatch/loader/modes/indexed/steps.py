@@ -20,16 +20,16 @@ from dataclasses import replace
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..core.cost.model import CostModel
-from ..core.options import PlanOptions
-from ..core.plan.steps import global_batches, num_global_batches, plan_step
+from ....core.cost.model import CostModel
+from ....core.options import PlanOptions
+from ....core.plan.steps import global_batches, num_global_batches, plan_step
 # The length index, its scan and the token cache live in `dynabatch.index`; re-exported here for the loader.
-from ..index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_COLUMNS,  # noqa: F401
+from ....index import (LABEL_COLUMN, SETTINGS_KEY, TOKEN_COLUMNS,  # noqa: F401
                      TOKEN_SETTINGS_KEY, LengthIndex, TokenCache, derived_labels, encode_all, index_settings,
                      read_index, read_index_table, scan_source, token_cache_bytes, write_index)
-from .records import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
+from ...records import (CollateConfig, ReadyStep, StepPlan, Timer, collate_step, encode_samples,
                             label_counts, rank_step)
-from .ahead import Ahead, ProcessAhead
+from ...ahead import Ahead, ProcessAhead
 
 logger = logging.getLogger("dynabatch")
 

@@ -1,5 +1,5 @@
 """Streaming mode: each rank plans from its own buffer and the ranks agree on each step with one
-small collective (see `dynabatch.loader.stream_planner`); `StreamingMode` is its stateful iterator.
+small collective (see `dynabatch.loader.modes.streaming.planner`); `StreamingMode` is its stateful iterator.
 
 Mode state (nested in the DataLoader's under ``"streaming"``): ``identity``, ``layout``, ``epoch``,
 ``step``, ``step_in_epoch``, ``microbatch``, ``consumed``, ``fresh``, ``done`` (every micro-batch of
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import state as lstate
-from ..ahead import Ahead
-from ..collective import LocalCollective, TorchCollective
-from ..stream_planner import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner
-from .base import Context, Mode
+from ... import state as lstate
+from ...ahead import Ahead
+from ...collective import LocalCollective, TorchCollective
+from .planner import ChunkFeed, ChunkProducer, StreamBuffer, StreamConfig, StreamingPlanner
+from ..base import Context, Mode
 
 
 def default_collective(rank: int, world_size: int, collective=None):
@@ -117,7 +117,7 @@ class StreamingMode(Mode):
             return []
         from loaders import open_access
 
-        from ..records import encode_samples
+        from ...records import encode_samples
 
         samples = open_access(self.ctx.source, generic=True).read(ids)
         toks = encode_samples(samples, self.ctx.formatter, self.ctx.vision, self.ctx.settings.load_pixels,

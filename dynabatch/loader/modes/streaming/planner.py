@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..core.options import PlanOptions
-from ..core.plan.planner import PlanningError, plan_microbatches
-from ..core.plan.steps import oversized_samples
-from ..core.shapes import Shapes
-from .records import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
+from ....core.options import PlanOptions
+from ....core.plan.planner import PlanningError, plan_microbatches
+from ....core.plan.steps import oversized_samples
+from ....core.shapes import Shapes
+from ...records import (CollateConfig, MicroBatchPlan, ReadyStep, StepPlan, Timer, TokSample, collate_step,
                             encode_samples, label_counts)
 
 logger = logging.getLogger("dynabatch")
@@ -138,8 +138,8 @@ class ChunkFeed:
         else:
             from torch.utils.data import DataLoader as TorchDataLoader
 
-            from .indexed_steps import WorkerSplitDataset
-            from .processes import WorkerInit, start_workers
+            from ..indexed.steps import WorkerSplitDataset
+            from ...processes import WorkerInit, start_workers
 
             kw = dict(loader_kwargs or {})
             kw["worker_init_fn"] = WorkerInit(kw.get("worker_init_fn"))  # workers die with this process
