@@ -71,6 +71,15 @@ module                kernel                          reference
 `.flushfree`          `flushfree_kernel`              `flushfree_reference`
                       `stage_loads`                   `stage_loads_reference`
 `.global_batches`     `greedy_cuts`                   `greedy_cuts_reference`
+`.allocation`         `lpt_kernel`                    `lpt_reference`
+                      `options_kernel`                `options_reference` (compared in
+                                                      ``tests/test_multitask_allocation.py``)
+                      `gpipe_makespan_kernel`         `makespan_kernel` on `gpipe_codes`
+                      `block_frontier_kernel`         `block_frontier_reference`
+                      `pareto_sum_kernel`             `pareto_sum_reference`
+                      `min_sum_kernel`                `min_sum_reference`
+                      `_lpt_ordered`, `_pareto`,      helpers, covered by their callers'
+                      `_undominated`, `stage_time`    references
 ====================  ==============================  ==========================================
 
 The token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the
