@@ -2,7 +2,8 @@
 
 A step of micro-batches of times ``t`` (seconds) over ``R`` ranks of an ``S``-stage pipeline takes at
 least each rank's share of the work plus the fill and drain of its largest micro-batch. The DP
-(`dynabatch.core.kernels.dp`) minimizes it over cuts, rank assignment (`assign`, `stage_assign`:
+(`dynabatch.core.kernels.dp`) minimizes it over cuts (on one stage with several ranks it ranks its
+caps by it, a lower bound, and scores them by the slowest rank after assignment), rank assignment (`assign`, `stage_assign`:
 one rank, ``R = 1``) balances it per rank, `BatchPlan.objective_s` reports it and
 `dynabatch.core.plan.bounds` bounds it. `objective_kernel` is the numba form every kernel calls,
 `objective_reference` its plain form (the same two operations).
