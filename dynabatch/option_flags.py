@@ -1,5 +1,8 @@
 """Command-line flags of `PlanOptions`: one flag per field, shared by every command that plans
-(``dynabatch plan``, ``dynabatch bench plan``), defined beside the options they set."""
+(``dynabatch plan``, ``dynabatch bench plan``). The flags, their meaning and defaults are read from
+`PlanOptions`' declaration (`dynabatch.core.options`: `option_flag`, `option_help`, `option_default`);
+what is here is how the command line parses them (types, metavars, the commands' own defaults) and
+the epilog that teaches them."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import sys
 import warnings
 
 from .core.methods import BASELINE_KNOBS
-from .core.options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions
+from .core.options import METHODS, RECOMPUTE, SCHEDULES, PlanOptions, option_default, option_flag, option_help
 
 PLAN_OPTIONS_HELP = """\
 planning options (one flag per field of dynabatch.PlanOptions; the DataLoader takes the same
@@ -87,55 +90,47 @@ def add_plan_options(parser, *, methods: bool = True, ranks: int = 8, stages: in
     arguments back with `plan_options_from_args`."""
 
     g = parser.add_argument_group(title)
+    flag, about = option_flag, option_help  # each flag and its meaning: PlanOptions' declaration
+
+    def add(into, name: str, note: str = "", **kw):
+        """The flag of field ``name``: its declared flag and help (``note`` adds what the CLI does differently);
+        ``default`` is the field's own unless ``kw`` gives the command's."""
+        if "action" not in kw:
+            kw.setdefault("default", option_default(name))
+        return into.add_argument(flag(name), help=about(name) + note, **kw)
+
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--global-batch-tokens", type=int, default=None, metavar="N",
-                      help=f"tokens of one step over all ranks, after truncation (default {global_batch_tokens})")
-    size.add_argument("--global-batch-size", type=int, default=None, metavar="N",
-                      help="samples of one step over all ranks, instead of --global-batch-tokens")
-    g.add_argument("--max-len", type=int, default=None, metavar="L",
-                   help="truncate each sample's main-stack tokens (decoder-only: the whole sequence; "
-                        "encoder-decoder: the input) to L (dynabatch plan: default none, as the DataLoader's "
-                        "max_len; bench plan: 2048, 8192 for vlm)")
-    g.add_argument("--max-target-len", type=int, default=None, metavar="T",
-                   help="truncate an encoder-decoder sample's target (decoder) tokens to T (dynabatch plan: default "
-                        "none, as the DataLoader's max_target_len; bench plan: 512, as FLAN)")
+    add(size, "global_batch_tokens", f" (default {global_batch_tokens})", type=int, default=None, metavar="N")
+    add(size, "global_batch_size", "", type=int, metavar="N")
+    add(g, "max_len", " (dynabatch plan: default none, as the DataLoader's max_len; bench plan: 2048, 8192 for vlm)",
+        type=int, metavar="L")
+    add(g, "max_target_len", " (dynabatch plan: default none, as the DataLoader's max_target_len; bench plan: 512, "
+                             "as FLAN)", type=int, metavar="T")
     if methods:
-        g.add_argument("--method", choices=METHODS, default="dp",
-                       help="planning method: dp (padded micro-batches), dp_varlen (packed varlen) or a "
-                            "baseline (default dp)")
-        g.add_argument("--method-option", action="append", type=_method_option, default=[], metavar="KEY=VALUE",
-                       help="a knob of --method, repeatable: rows=4 (pad, group_by_length, pack, pack_varlen), "
-                            "max_tokens=4096 (token_budget, kk), microbatches_per_rank=2 (rebalance); "
-                            "default: the method's own")
-    g.add_argument("--num-stages", "--stages", dest="stages", type=int, default=stages, metavar="S",
-                   help=f"pipeline stages, PlanOptions.num_stages (default {stages}; --stages: the old name)")
-    g.add_argument("--num-ranks", "--ranks", dest="ranks", type=int, default=ranks, metavar="D",
-                   help=f"data-parallel ranks, the training run's world size (default {ranks})")
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                   help="pipeline schedule the micro-batches are ordered and simulated for (default 1f1b; "
-                        "adaptive: memory-bounded list order; auto: per step the fastest order that fits memory, "
-                        "recorded in the plan)")
-    g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
-                   help="activation bytes one micro-batch may use on one stage: 17e9, 16GiB, 800MB "
-                        "(default: the cost model's limit for --num-stages x --num-ranks)")
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
-                   help="per-stage activation recomputation (default none; full: every layer; adaptive: per stage "
-                        "the fewest layers that keep the stage within --device-memory-limit)")
-    g.add_argument("--device-memory-limit", type=parse_bytes, default=None, metavar="BYTES",
-                   help="activation bytes one device may hold at once, every micro-batch in flight together "
-                        "(e.g. 40GiB); needed by --recompute adaptive, checked for every policy when given")
-    g.add_argument("--no-flush", dest="flush", action="store_false",
-                   help="plan for flush-free streaming of steps (asynchronous 1F1B): each step also records its "
-                        "simulated steady-state time")
-    g.add_argument("--max-caps", type=int, default=48, metavar="N",
-                   help="candidate caps on the largest micro-batch the dp search tries (default 48)")
-    g.add_argument("--seed", type=int, default=0, metavar="K",
-                   help="seed of the global batches: epoch e shuffles with K + e (default 0)")
-    g.add_argument("--no-shuffle", dest="shuffle", action="store_false",
-                   help="form global batches in sample-id order instead of a seeded permutation (evaluation)")
-    g.add_argument("--drop-last", action="store_true",
-                   help="drop each epoch's last global batch when it is smaller than the others (default: keep "
-                        "it, as the DataLoader does)")
+        add(g, "method", f" (default {option_default('method')})", choices=METHODS)
+        add(g, "method_options", ", repeatable: rows=4 (pad, group_by_length, pack, pack_varlen), max_tokens=4096 "
+                                 "(token_budget, kk), microbatches_per_rank=2 (rebalance); default: the method's own",
+            action="append", type=_method_option, default=[], metavar="KEY=VALUE", dest="method_option")
+    # the old names of the two layout flags stay as aliases (PlanOptions deprecates stages=/ranks=)
+    g.add_argument(flag("num_stages"), "--stages", dest="stages", type=int, default=stages, metavar="S",
+                   help=f"{about('num_stages')}, PlanOptions.num_stages (default {stages}; --stages: the old name)")
+    g.add_argument(flag("num_ranks"), "--ranks", dest="ranks", type=int, default=ranks, metavar="D",
+                   help=f"{about('num_ranks')}, the training run's world size (default {ranks}; --ranks: the old name)")
+    add(g, "schedule", f" (default {option_default('schedule')}; adaptive: memory-bounded list order; auto: per step "
+                       "the fastest order that fits memory, recorded in the plan)", choices=SCHEDULES)
+    add(g, "memory_limit", ": 17e9, 16GiB, 800MB (the cost model's limit is for --num-stages x --num-ranks)",
+        type=parse_bytes, metavar="BYTES")
+    add(g, "recompute", f" (default {option_default('recompute')}; full: every layer; adaptive: per stage the fewest "
+                        "layers that keep the stage within --device-memory-limit)", choices=RECOMPUTE)
+    add(g, "device_memory_limit", ", e.g. 40GiB; needed by --recompute adaptive, every policy checked against it when "
+                                  "given",
+        type=parse_bytes, metavar="BYTES")
+    add(g, "flush", "; the flag plans flush-free, and each step records its simulated steady-state time",
+        dest="flush", action="store_false")
+    add(g, "max_caps", f" (default {option_default('max_caps')})", type=int, metavar="N")
+    add(g, "seed", f" (default {option_default('seed')})", type=int, metavar="K")
+    add(g, "shuffle", "; the flag sets False", dest="shuffle", action="store_false")
+    add(g, "drop_last", " (default: keep it, as the DataLoader does)", action="store_true")
     g.add_argument("--keep-last", action=_DeprecatedNoOp,
                    message="--keep-last is deprecated and does nothing: the last global batch is kept by default "
                            "(--drop-last drops it)",

@@ -4,31 +4,14 @@ One frozen record says how a run's steps are formed and planned: the global batc
 samples), truncation, the method and its knobs, the world layout, the schedule, the memory limit,
 the seed and whether a final partial step is dropped. `plan_microbatches`, the `DataLoader` (all
 modes), offline planning (``dynabatch plan``), the plan file's ``dynabatch.options`` metadata and
-every benchmark read the same record, so one name means one thing everywhere:
+every benchmark read the same record, so one name means one thing everywhere.
 
-=====================  =======================================================================
-``global_batch_tokens``  tokens of one step over all ranks (main + decoder tokens after truncation)
-``global_batch_size``    samples of one step over all ranks (instead of tokens)
-``max_len``              cap on a sample's main-stack tokens (decoder-only: the whole sequence)
-``max_target_len``       cap on an encoder-decoder sample's target (decoder) tokens
-``method``               ``dp``, ``dp_varlen`` or a baseline of `dynabatch.core.plan.baselines`
-``method_options``       the method's knobs (a baseline's ``rows``/``max_tokens``..., dp's ``order``)
-``num_stages``           pipeline stages
-``num_ranks``            data-parallel ranks (the world size of the data-parallel group)
-``schedule``             a name of `SCHEDULES`
-``memory_limit``         activation bytes per micro-batch per stage (None: the cost model's)
-``recompute``            per-stage activation recomputation: a name of `RECOMPUTE`
-                         (`dynabatch.core.plan.recompute`): ``none``, ``full`` or ``adaptive``
-``device_memory_limit``  activation bytes one device (stage) may hold at once, all micro-batches
-                         in flight together (None: unchecked; ``adaptive`` recompute needs it)
-``flush``                True: every step ends with a pipeline flush (fill/drain priced per step);
-                         False: steps stream flush-free (asynchronous 1F1B, `dynabatch.core.simulate.flushfree`)
-``seed``                 seed of epoch 0's global-batch permutation (epoch e uses ``seed + e``)
-``shuffle``              permute the samples each epoch (False: global batches in sample-id order)
-``drop_last``            drop each epoch's final global batch when it is smaller than the others
-``equal_microbatches``   every rank gets the same number of micro-batches (dp methods)
-``max_caps``             candidate caps on the largest micro-batch the dp search tries
-=====================  =======================================================================
+Every field is declared once, in `PlanOptions` below: its name, type and default, and as field
+metadata its meaning (units) and the command-line flag that sets it (`option_help`, `option_flag`,
+`option_default`). `dynabatch.option_flags` builds ``dynabatch plan``'s and ``bench plan``'s flags
+from them, the DataLoader takes the same record (``options=``), and docs/planner.md tabulates them
+(a test checks the table, the flags and the declarations against each other). The DataLoader's own
+settings (tokenization, source, costing, runtime) are declared in `dynabatch.loader.settings`.
 
 Names of earlier releases (`DEPRECATED_NAMES`) still work for one release and raise a
 `DeprecationWarning` naming the new one.
@@ -138,6 +121,31 @@ def check_int(name: str, value, *, minimum: int = 1, optional: bool = True, unit
     return int(value.__index__())
 
 
+def _option(default, flag: str | None, help: str):
+    """A `PlanOptions` field: ``default`` (a callable: its factory), the command-line flag that sets it
+    (None: none) and what it means (units)."""
+    meta = MappingProxyType({"flag": flag, "help": help})
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def option_help(name: str) -> str:
+    """What the `PlanOptions` field ``name`` means (its declaration's help)."""
+    return _FIELDS[name].metadata["help"]
+
+
+def option_flag(name: str) -> str | None:
+    """The command-line flag that sets the `PlanOptions` field ``name`` (None: no flag)."""
+    return _FIELDS[name].metadata["flag"]
+
+
+def option_default(name: str):
+    """The default of the `PlanOptions` field ``name`` (a factory's product for ``method_options``)."""
+    f = _FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """How steps are formed and planned (see the module docstring for every field; tokens, bytes).
@@ -147,24 +155,42 @@ class PlanOptions:
     neither. ``method_options`` is stored as a read-only mapping.
     """
 
-    global_batch_tokens: int | None = None
-    global_batch_size: int | None = None
-    max_len: int | None = None
-    max_target_len: int | None = None
-    method: str = "dp"
-    method_options: Mapping[str, Any] = field(default_factory=dict)
-    num_stages: int = 1
-    num_ranks: int = 1
-    schedule: str = "1f1b"
-    memory_limit: float | None = None
-    recompute: str = "none"
-    device_memory_limit: float | None = None
-    flush: bool = True
-    seed: int = 0
-    shuffle: bool = True
-    drop_last: bool = False
-    equal_microbatches: bool = True
-    max_caps: int = 48
+    # Every option is declared here and only here: its name, type and default, and (field metadata, read
+    # with `option_help` / `option_flag`) its meaning and its command-line flag, which
+    # `dynabatch.option_flags` builds the flags of ``dynabatch plan`` / ``bench plan`` from.
+    global_batch_tokens: int | None = _option(None, "--global-batch-tokens",
+                                              "tokens of one step over all ranks (main + decoder tokens after truncation)")
+    global_batch_size: int | None = _option(None, "--global-batch-size",
+                                            "samples of one step over all ranks, instead of tokens (give one of the two)")
+    max_len: int | None = _option(None, "--max-len", "cap on a sample's main-stack tokens (decoder-only: the whole "
+                                                     "sequence; encoder-decoder: the input)")
+    max_target_len: int | None = _option(None, "--max-target-len",
+                                         "cap on an encoder-decoder sample's target (decoder) tokens")
+    method: str = _option("dp", "--method", "planning method: dp (padded micro-batches), dp_varlen (packed varlen) "
+                                            "or a baseline")
+    method_options: Mapping[str, Any] = _option(dict, "--method-option",
+                                                "the method's knobs (a baseline's rows/max_tokens..., dp's order)")
+    num_stages: int = _option(1, "--num-stages", "pipeline stages")
+    num_ranks: int = _option(1, "--num-ranks", "data-parallel ranks")
+    schedule: str = _option("1f1b", "--schedule",
+                            "pipeline schedule the micro-batches are ordered and simulated for")
+    memory_limit: float | None = _option(None, "--memory-limit",
+                                         "activation bytes one micro-batch may use on one stage (None: the cost "
+                                         "model's limit)")
+    recompute: str = _option("none", "--recompute", "per-stage activation recomputation: none, full or adaptive")
+    device_memory_limit: float | None = _option(None, "--device-memory-limit",
+                                                "activation bytes one device may hold at once, every micro-batch in "
+                                                "flight together (None: unchecked)")
+    flush: bool = _option(True, "--no-flush", "whether every step ends with a pipeline flush (False: steps stream "
+                                              "flush-free, asynchronous 1F1B across steps)")
+    seed: int = _option(0, "--seed", "seed of the global batches: epoch e shuffles with seed + e")
+    shuffle: bool = _option(True, "--no-shuffle", "whether to permute the samples each epoch (False: global "
+                                                  "batches in sample-id order, for evaluation)")
+    drop_last: bool = _option(False, "--drop-last",
+                              "drop each epoch's last global batch when it is smaller than the others")
+    equal_microbatches: bool = _option(True, None, "every rank gets the same number of micro-batches (dp methods; "
+                                                   "steps always ask for it)")
+    max_caps: int = _option(48, "--max-caps", "candidate caps on the largest micro-batch the dp search tries")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -252,6 +278,9 @@ class PlanOptions:
             if old in d and new not in d:
                 d[new] = d.pop(old)
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(PlanOptions)}
 
 
 def _rebuild_options(cls, fields: dict) -> PlanOptions:

@@ -1,4 +1,5 @@
-"""The `DataLoader`'s arguments, normalized once: its settings records (`dynabatch.loader.settings`)
+"""The `DataLoader`'s arguments, resolved once (nothing is declared here: the planning options are
+`dynabatch.core.options.PlanOptions`, the loader's settings records `dynabatch.loader.settings`): the records
 and ONE `PlanOptions` (how steps are formed and planned) that every mode gets; `resolve` fills
 the options from ``options=``, torch's ``batch_size``/``shuffle``/``drop_last`` and a replayed
 plan file. ``num_ranks`` is the loader's world size.
