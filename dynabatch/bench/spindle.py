@@ -144,8 +144,13 @@ class SpindleRow:
     layout: str
 
     def to_dict(self) -> dict:
-        """JSON-able."""
-        return asdict(self)
+        """JSON-able (NaN: None)."""
+        def clean(v):
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return None if isinstance(v, float) and math.isnan(v) else v
+
+        return {k: clean(v) for k, v in asdict(self).items()}
 
 
 def _partition(forward_s, backward_s, num_stages):
@@ -215,7 +220,8 @@ def format_spindle(rows: list[SpindleRow]) -> str:
     for r in rows:
         cells = " ".join(f"{r.baselines_s[b]:>15.3f}" if not math.isnan(r.baselines_s[b]) else f"{'(no fit)':>15}"
                          for b in BASELINES)
-        lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {cells} {r.speedup:>9.2f}x {r.lower_bound_s:>11.3f} "
+        ratio = f"{'-':>10}" if math.isnan(r.speedup) else f"{r.speedup:>9.2f}x"
+        lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {cells} {ratio} {r.lower_bound_s:>11.3f} "
                      f"{r.allocation_s / r.lower_bound_s:>10.2f}x {r.plan_ms:>8.1f}")
     lines.append("")
     lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave)" for r in rows]
