@@ -49,3 +49,16 @@ def test_command_prints_json(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["schedule"] for r in out["rows"]} == set(SCHEDULES) and out["model"] == "gpt"
+
+
+def test_a_measured_split_prices_the_split_backwards_only():
+    shapes, _ = synthetic_shapes("text", 2000, seed=2)
+    cost = CostModel.preset("gpt", num_stages=4)
+    opts = PlanOptions(global_batch_tokens=65536, max_len=2048, num_stages=4, num_ranks=4, method="dp",
+                       schedule="1f1b", drop_last=True)
+    plan = plan_step(shapes, cost, opts, global_batches(shapes, cost, opts)[0], step=0)
+    base = simulate_schedules(plan, cost)
+    assert simulate_schedules(plan, cost, split=(0.5, 1.0)) == base
+    dear = simulate_schedules(plan, cost, split=(0.45, 1.3))
+    assert dear["1f1b"] == base["1f1b"] and dear["interleaved"] == base["interleaved"]
+    assert dear["zb-h1"][0] > base["zb-h1"][0] and dear["zb-h2"][0] > base["zb-h2"][0]

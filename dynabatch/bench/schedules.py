@@ -8,7 +8,9 @@ schedule: the mean simulated iteration time (the slowest rank's makespan), its s
 bubble share (idle stage time over ``S x`` makespan, busiest rank), the peak in-flight activation bytes
 on a stage relative to 1F1B's, and the iteration lower bound no order beats (the busiest stage's work of
 the busiest rank). Interleaved cuts each stage into its chunks, each a ``1 / v`` share of the stage's
-seconds; zero-bubble splits each backward into halves (`dynabatch.core.kernels.op_codes.WEIGHT_SHARE`).
+seconds; zero-bubble splits each backward into halves (`dynabatch.core.kernels.op_codes.WEIGHT_SHARE`), or
+by a measured split (``split``: the weight share and the split's seconds over a whole backward's,
+`dynabatch.core.cost.backward_split.BackwardSplit`; ``--weight-share``/``--split-factor``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.cost.model import CostModel
+from ..core.kernels.op_codes import WEIGHT_SHARE
 from ..core.options import PlanOptions
 from ..core.plan.steps import global_batches, plan_step
 from ..core.schedule.build import rank_span_and_peaks
@@ -48,9 +51,11 @@ class ScheduleRow:
         return dict(self.__dict__)
 
 
-def simulate_schedules(plan, cost: CostModel, schedules=SCHEDULES) -> dict:
+def simulate_schedules(plan, cost: CostModel, schedules=SCHEDULES, split: tuple[float, float] | None = None) -> dict:
     """``{schedule: (iteration seconds, busiest rank's bubble share, peak in-flight bytes on a stage)}`` of one
-    plan's ranks simulated under each schedule, and ``"bound"``: the busiest stage's work (seconds)."""
+    plan's ranks simulated under each schedule, and ``"bound"``: the busiest stage's work (seconds).
+    ``split``: ``(weight share, split factor)`` of a measured backward split (None: halves of a whole one)."""
+    share, factor = split if split is not None else (WEIGHT_SHARE, 1.0)
     st, p2p = plan_stage_times(plan), plan_p2p_s(plan, cost)
     held = np.asarray(plan.stage_memory_bytes if plan.stage_memory_bytes is not None else
                       np.broadcast_to(plan.mb_memory_bytes, st.shape), np.float64)
@@ -64,7 +69,8 @@ def simulate_schedules(plan, cost: CostModel, schedules=SCHEDULES) -> dict:
             idx = plan.rank_indices(r)
             if not len(idx):
                 continue
-            _, peaks, t = rank_span_and_peaks(name, st[:, idx], p2p[idx], held[:, idx], cost.forward_fraction, limit)
+            _, peaks, t = rank_span_and_peaks(name, st[:, idx], p2p[idx], held[:, idx], cost.forward_fraction, limit,
+                                              share, factor)
             busy = st[:, idx].sum()
             bound = max(bound, float(st[:, idx].sum(axis=1).max()))
             if t > span:
@@ -78,19 +84,20 @@ def simulate_schedules(plan, cost: CostModel, schedules=SCHEDULES) -> dict:
 def run_schedules_bench(shapes: Shapes, model: str = "gpt", device: str = "a100-80gb", stages=(4, 8), ranks=(8, 32),
                         num_batches: int = 16, global_batch_tokens: int = 65536, max_len: int = 2048,
                         max_target_len: int | None = None, seed: int = 0, schedules=SCHEDULES,
-                        progress: bool = False) -> list[ScheduleRow]:
+                        progress: bool = False, split: tuple[float, float] | None = None) -> list[ScheduleRow]:
     """The rows of the bench (module doc): per (stages, ranks) and schedule, means over ``num_batches``
-    global batches of ``global_batch_tokens`` tokens planned with dp under 1F1B."""
+    global batches of ``global_batch_tokens`` tokens planned with dp under 1F1B; ``split`` as
+    `simulate_schedules` takes it."""
     rows = []
     with progress_bar(len(stages) * len(ranks) * num_batches, "bench schedules", "plan", progress) as bar:
         for S in stages:
             rows += _depth(shapes, model, device, S, ranks, num_batches, global_batch_tokens, max_len,
-                           max_target_len, seed, schedules, bar)
+                           max_target_len, seed, schedules, bar, split)
     return rows
 
 
 def _depth(shapes, model, device, S, ranks, num_batches, global_batch_tokens, max_len, max_target_len, seed,
-           schedules, bar) -> list[ScheduleRow]:
+           schedules, bar, split) -> list[ScheduleRow]:
     """The rows of pipeline depth ``S``, one data-parallel width of ``ranks`` after the other."""
     rows = []
     cost = CostModel.preset(model, device=device, num_stages=S)
@@ -102,7 +109,7 @@ def _depth(shapes, model, device, S, ranks, num_batches, global_batch_tokens, ma
             if k == num_batches:
                 break
             plan = plan_step(shapes, cost, opts, batch, step=k)
-            sims.append(simulate_schedules(plan, cost, schedules))
+            sims.append(simulate_schedules(plan, cost, schedules, split))
             mbs.append(plan.num_microbatches / R)
             bar.update(1)
         base = np.array([s["1f1b"][0] for s in sims])

@@ -46,6 +46,10 @@ def add_bench_schedules_command(bench_sub) -> None:
     p.add_argument("--max-target-len", type=int, default=512, help="truncate targets (default 512)")
     p.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--weight-share", type=float, default=None,
+                   help="price split backwards with this weight-part share (a measured one; default 0.5)")
+    p.add_argument("--split-factor", type=float, default=1.0,
+                   help="a split backward's seconds over a whole one's (a measured one, e.g. from --measure; default 1)")
     p.add_argument("--measure", action="store_true",
                    help="instead: run gpt-tiny on 2 gloo stages (1f1b and zb-h1) and score the simulator's op seconds "
                         "(F, B, Bi, W) against the executed ones (dynabatch.bench.schedules_measure)")
@@ -71,12 +75,17 @@ def bench_schedules_command(args) -> int:
     rows = run_schedules_bench(shapes, args.model, args.device, tuple(args.num_stages), tuple(args.num_ranks),
                                args.batches, args.global_batch_tokens, args.max_len,
                                args.max_target_len if args.model == "t5" else None, args.seed,
-                               progress=show_progress(args))
+                               progress=show_progress(args),
+                               split=None if args.weight_share is None and args.split_factor == 1.0 else
+                               (0.5 if args.weight_share is None else args.weight_share, args.split_factor))
     if args.json:
         print(json.dumps({"data": data, "model": args.model, "device": args.device,
                           "rows": [r.to_dict() for r in rows]}, indent=1))
     else:
         print(f"{data}, {args.model} on {args.device}, {args.batches} global batches of {args.global_batch_tokens} "
-              "tokens, dp plans (1F1B), every schedule simulated on them\n")
+              "tokens, dp plans (1F1B), every schedule simulated on them"
+              + ("" if args.weight_share is None and args.split_factor == 1.0 else
+                 f"; split backwards at {args.split_factor:g}x a whole one, weight share "
+                 f"{0.5 if args.weight_share is None else args.weight_share:g}") + "\n")
         print(format_schedules(rows))
     return 0

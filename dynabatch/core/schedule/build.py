@@ -53,12 +53,15 @@ def step_ops(schedule: str, num_stages: int, num_microbatches: int, *, stage_tim
     return StepOps(info.name, S, k, info.chunks, table)
 
 
-def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, limit: float):
+def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, limit: float,
+                        weight_share: float = oc.WEIGHT_SHARE, split_factor: float = 1.0):
     """``(ops, peaks, span)`` of one rank running micro-batches of stage times ``st`` ``[S, k]`` (seconds,
     execution order) under ``schedule``: its `step_ops` (adaptive keeps ``limit`` bytes in flight, each
     micro-batch counting its largest per-stage bytes), each stage's peak of held bytes ``held`` ``[S, k]``
     (kept from a forward to its backward, or to its weight part when split), and the simulated makespan
-    with ``p2p`` ``[k]`` seconds per hop (seconds; the split of ``forward_fraction``)."""
+    with ``p2p`` ``[k]`` seconds per hop (seconds; the split of ``forward_fraction``). A split backward
+    takes ``split_factor`` x the whole one's seconds, ``weight_share`` of them in its weight part (a measured
+    `dynabatch.core.cost.backward_split.BackwardSplit`'s figures; default: halves of a whole backward)."""
     st = np.ascontiguousarray(st, np.float64)
     held = np.ascontiguousarray(held, np.float64)
     p2p = np.ascontiguousarray(p2p, np.float64)
@@ -70,7 +73,9 @@ def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, l
     if ops.num_chunks > 1:  # each chunk a 1 / v share of its stage's seconds and bytes
         fwd, bwd, held = (chunk_times(x, ops.num_chunks) for x in (fwd, bwd, held))
     held_table_kernel(ops.table, held, peaks)
-    return ops, peaks, float(makespan_table_kernel(fwd, bwd, oc.WEIGHT_SHARE, p2p, ops.table))
+    if ops.split:
+        bwd = bwd * float(split_factor)
+    return ops, peaks, float(makespan_table_kernel(fwd, bwd, float(weight_share), p2p, ops.table))
 
 
 def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = None, *, p2p_s=0.0,
