@@ -413,3 +413,4 @@ def test_measure_bench_plumbing_without_ranks():
     assert {r.component for r in rows} == set(graph.names)
     for r in rows:
         assert r.measured_s > 0 and r.ratio == pytest.approx(1.0, rel=0.02), r
+        assert r.total_ratio == pytest.approx(1.0, rel=0.02), r

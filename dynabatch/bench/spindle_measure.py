@@ -7,10 +7,11 @@ first step's workload (`ComponentCosts` on the ``cpu`` device preset). Each step
 image+text and audio+text samples (`StepSamples.pack`: one task per micro-batch), built into padded
 micro-batches of exactly those token counts; every rank records each component's forward + backward seconds
 on each micro-batch it ran (waits excluded; the CPU seconds of the rank's thread, so that time a rank
-waited for a core of the shared machine is not counted as compute). The first ``warmup`` steps are dropped; of the rest, the first
-``calibrate`` steps refit each component's cost model from its measured times (`ComponentCosts.observe` /
-``refit``: the library's feedback loop, per component), and the remaining steps are predicted before their
-times are looked at: per component, the simulated busy seconds of the heaviest rank of its group (the
+waited for a core of the shared machine is not counted as compute). The first ``warmup`` steps are dropped; the
+rest alternate between *calibration* and *evaluation* steps (`split_steps`: interleaved, so a change of the
+machine's load during the run hits both alike). The calibration steps refit each component's cost model from
+their measured times (`ComponentCosts.observe` / ``refit``: the library's feedback loop, per component); the
+evaluation steps are never seen by the fit, and are predicted by the refit models: per component, the simulated busy seconds of the heaviest rank of its group (the
 micro-batches `route` gives each rank, priced by the refit cost model, summed) against the measured busy
 seconds of the heaviest rank, summed over the evaluation steps. Compute only: the simulator's transfer and
 all-reduce seconds are not in either column (on one CPU a wait is mostly other ranks' compute, not the link).
@@ -42,12 +43,22 @@ class SpindleMeasureConfig:
     frames: tuple[int, int] = (16, 96)
     microbatch_tokens: int = 160
     warmup: int = 2
-    calibrate: int = 6
-    evaluate: int = 4
+    calibrate: int = 5
+    evaluate: int = 5
     hidden: int = 128
     vision_hidden: int = 64
     vocab: int = 512
     seed: int = 0
+
+
+def split_steps(cfg: SpindleMeasureConfig) -> tuple[list[int], list[int]]:
+    """(calibration steps, evaluation steps) after the warm-up: alternating, calibration first, the surplus of
+    either at the end."""
+    calib, evals = [], []
+    for k in range(cfg.warmup, cfg.warmup + cfg.calibrate + cfg.evaluate):
+        turn = (k - cfg.warmup) % 2 == 1
+        (evals if (turn and len(evals) < cfg.evaluate) or len(calib) >= cfg.calibrate else calib).append(k)
+    return calib, evals
 
 
 def step_samples(cfg: SpindleMeasureConfig, graph, step: int):
@@ -133,7 +144,8 @@ class ComponentRow:
     """One component over the evaluation steps: its group size, simulated and measured busy seconds of the
     heaviest rank (summed over the steps), their ratio, the median over the steps of each step's ratio
     (``median_ratio``: less moved by one step's outlier, e.g. a page-faulting allocation), and the calibration
-    steps' MAPE per micro-batch (of the predictions before each refit)."""
+    steps' MAPE per micro-batch (of the predictions before each refit); ``simulated_total_s`` /
+    ``measured_total_s``: the seconds of all its micro-batches on all its ranks (`total_ratio`)."""
 
     component: str
     ranks: int
@@ -141,6 +153,14 @@ class ComponentRow:
     measured_s: float
     calibration_mape: float
     median_ratio: float = float("nan")
+    simulated_total_s: float = float("nan")
+    measured_total_s: float = float("nan")
+
+    @property
+    def total_ratio(self) -> float:
+        """Simulated over measured seconds of all the component's micro-batches (every rank of its group): the
+        work, without the heaviest rank's pick (a maximum over noisy ranks sits above its mean)."""
+        return self.simulated_total_s / self.measured_total_s if self.measured_total_s > 0 else float("nan")
 
     @property
     def ratio(self) -> float:
@@ -166,13 +186,17 @@ class SpindleMeasurement:
     def format(self) -> str:
         """The table as text."""
         lines = [f"simulated vs measured per-component compute seconds (heaviest rank of each group, CPU seconds of "
-                 f"its thread; {self.config.evaluate} evaluation steps after {self.config.calibrate} calibration steps; "
+                 f"its thread; {self.config.evaluate} evaluation steps, interleaved with {self.config.calibrate} "
+                 f"calibration steps; "
                  f"{self.config.world} gloo ranks on CPU, load {self.load[0]:.1f} {self.load[1]:.1f} {self.load[2]:.1f})",
                  f"{'component':<14}{'ranks':>6}{'simulated s':>13}{'measured s':>12}{'sim/meas':>10}"
-                 f"{'median step':>13}{'calib MAPE':>12}"]
+                 f"{'median step':>13}{'all ranks':>11}{'calib MAPE':>12}"]
         for r in self.rows:
             lines.append(f"{r.component:<14}{r.ranks:>6}{r.simulated_s:>13.4f}{r.measured_s:>12.4f}{r.ratio:>10.3f}"
-                         f"{r.median_ratio:>13.3f}{100 * r.calibration_mape:>11.1f}%")
+                         f"{r.median_ratio:>13.3f}{r.total_ratio:>11.3f}{100 * r.calibration_mape:>11.1f}%")
+        lines.append("sim/meas: heaviest rank's seconds summed over the evaluation steps; median step: of each step's "
+                     "ratio; all ranks: every micro-batch of the component (the work); calib MAPE: per micro-batch, "
+                     "before each refit")
         lines.append("placements: " + "; ".join(f"{c} ranks {list(rk)} wave {w}" for c, rk, _, w in self.placements))
         worst = max(self.rows, key=lambda r: abs(r.ratio - 1.0))
         lines.append(f"target: every component within 15% (ratio of the sums) -> {'met' if self.within_15 else 'missed'}"
@@ -217,7 +241,8 @@ def measure_spindle(config: SpindleMeasureConfig = SpindleMeasureConfig(), *,
 
 def compare(cfg: SpindleMeasureConfig, graph, costs, samples, alloc, measured, payload) -> tuple[ComponentRow, ...]:
     """The rows of the measurement: ``measured[k][rank]`` is rank's step-``k`` result (component -> {micro-batch:
-    seconds}); the calibration steps refit ``costs`` (in place), the evaluation steps are compared."""
+    seconds}); the calibration steps of `split_steps` refit ``costs`` (in place), its evaluation steps are
+    compared."""
     from ..core.multitask.routing import route
 
     per_step = []  # (component -> per micro-batch measured seconds, component -> rank -> busy seconds)
@@ -230,25 +255,30 @@ def compare(cfg: SpindleMeasureConfig, graph, costs, samples, alloc, measured, p
                     mb[c][int(j)] = sec
                 busy[c][rank] = sum(per.values())
         per_step.append((mb, busy))
-    calib = cfg.warmup + cfg.calibrate
+    calib, evals = split_steps(cfg)
     mape = {c: [] for c in graph.names}
-    for k in range(cfg.warmup, calib):
+    for k in calib:
         w = costs.workload(samples[k])
         for c, e in costs.observe(w, per_step[k][0]).items():
             mape[c].append(e)
         costs.refit()
     sim = {c: [] for c in graph.names}
     meas = {c: [] for c in graph.names}
-    for k in range(calib, len(measured)):
+    sim_all = {c: 0.0 for c in graph.names}
+    meas_all = {c: 0.0 for c in graph.names}
+    for k in evals:
         w = costs.workload(samples[k])
         routes = route(alloc, graph, samples[k].microbatch_tasks, cost_s=payload["steps"][k]["cost_s"])
         for c in graph.names:
             t = w.time_s[w.row(c)]
             sim[c].append(max((float(t[list(mbs)].sum()) for mbs in routes[c]), default=0.0))
             meas[c].append(_heaviest(per_step[k][1][c]))
+            ran = np.isfinite(per_step[k][0][c])
+            sim_all[c] += float(t[ran].sum())
+            meas_all[c] += float(np.nansum(per_step[k][0][c]))
     return tuple(ComponentRow(c, len(alloc.placement(c).ranks), float(np.sum(sim[c])), float(np.sum(meas[c])),
                               float(np.mean(mape[c])) if mape[c] else float("nan"),
-                              float(np.median(np.array(sim[c]) / np.maximum(meas[c], 1e-12))))
+                              float(np.median(np.array(sim[c]) / np.maximum(meas[c], 1e-12))), sim_all[c], meas_all[c])
                  for c in graph.order())
 
 
@@ -257,4 +287,4 @@ def _jsonable(x):
 
 
 __all__ = ["ComponentRow", "SpindleMeasureConfig", "SpindleMeasurement", "measure_rank", "measure_spindle",
-           "microbatches", "step_samples"]
+           "microbatches", "split_steps", "step_samples"]
