@@ -15,7 +15,8 @@ micro-batches. Every rank walks one global order of work items, ``(wave, topolog
 
 Sends are asynchronous and each rank waits only for receives whose senders come earlier in the one global
 order, so no rank waits on a rank that waits on it. Each message has its own tag (edge x micro-batch x
-direction). A micro-batch never touches a component its task skips: no compute, no message, and a
+direction): two ranks may post their messages to each other in different orders, so the executor runs on
+gloo, which matches by tag (NCCL, which does not, is refused). A micro-batch never touches a component its task skips: no compute, no message, and a
 component no micro-batch of the step reaches does no all-reduce either (its gradients stay None).
 
 Then the gradients of each component are summed over its group (one flat all-reduce per component group;
@@ -122,6 +123,11 @@ class SpindleExecutor:
                  optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         check_allocation(ctx.allocation, graph, ctx.world_size)
+        if ctx.dist.backend != "gloo":
+            # two ranks may exchange several messages whose posting orders differ at the two ends (a rank's
+            # components run in wave order at each end); gloo matches them by tag, NCCL ignores tags
+            raise NotImplementedError(f"the multi-task executor runs on gloo (its messages are matched by tag, which "
+                                      f"{ctx.dist.backend} ignores); init_spindle(..., backend='gloo')")
         for c in graph.names:
             model.component(c)
         self.model, self.graph, self.ctx, self.clock = model, graph, ctx, clock

@@ -6,6 +6,7 @@ the component), created by every rank in the allocation's order under the failur
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -103,15 +104,14 @@ class SpindleContext:
 
 def init_spindle(allocation: Allocation, graph: ComponentGraph, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
-                 backend: str | None = None, device=None, timeout_s: float = 120.0,
+                 backend: str = "gloo", device=None, timeout_s: float = 120.0,
                  abort_after_s: float | None = 5.0) -> SpindleContext:
     """Start ``torch.distributed`` for running ``allocation`` (`init_pipeline`'s arguments: the ``RANK``/
-    ``WORLD_SIZE``/``MASTER_*`` environment by default, ``timeout_s`` seconds of no progress is a stall) and
+    ``WORLD_SIZE``/``MASTER_*`` environment by default, ``timeout_s`` seconds of no progress is a stall; the
+    backend is gloo: `SpindleExecutor` matches its messages by tag, which NCCL ignores) and
     create the component groups' process groups (`attach_allocation`). The allocation is checked first
     (`check_allocation`), on every rank before it connects: a wrong allocation fails each rank alone with the
     same `AllocationError`."""
-    import os
-
     world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
     check_allocation(allocation, graph, world)
     ctx = init_pipeline(1, rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
