@@ -13,13 +13,15 @@ from dynabatch.bench.trainer import TrainerBenchConfig, assemble, format_table  
 from dynabatch.cli import main  # noqa: E402
 
 
-def _records(rank: int, target: int, walls, forward_s, mape=None):
-    """One rank's records of one run: steps ending ``walls`` seconds apart (the first untimed)."""
-    out, end = [], 100.0
+def _records(rank: int, target: int, walls, forward_s, mape=None, cpu=None):
+    """One rank's records of one run: steps ending ``walls`` seconds apart (the first untimed), having
+    used ``cpu`` CPU seconds each (default: half their wall seconds)."""
+    out, end, used = [], 100.0, 5.0
     for i, (w, f) in enumerate(zip(walls, forward_s)):
         end += w
+        used += 0.5 * w if cpu is None else cpu[i]
         rec = {"target": target, "real": 2 * target, "computed": 4 * target, "microbatches": 2, "step": i + 1,
-               "end": end, "forward_s": f, "round": 0, "timed": i > 0}
+               "end": end, "cpu_end": used, "forward_s": f, "round": 0, "timed": i > 0}
         if mape is not None:
             rec.update(mape=mape[i], obs=[[[1.0] * 10, [2.0] * 10, [1.0] * 10], [1.0, 1.5, 2.0]])
         out.append(rec)
@@ -30,7 +32,7 @@ def test_the_document_and_table_from_the_ranks_records():
     cfg = TrainerBenchConfig(models=("llama",), methods=("dp", "group_by_length", "trl_bfd"), steps=3, rounds=1,
                              batch_size={"llama": 4})
     ranks = [{"results": {"llama/dp": _records(r, 100, [9, 1.0, 1.0], [0.2, 0.3 + 0.1 * r, 0.3],
-                                                mape=[0.9, 0.5, 0.05]),
+                                                mape=[0.9, 0.5, 0.05], cpu=[3.0, 0.25 + 0.25 * r, 0.5]),
                           "llama/group_by_length": _records(r, 100, [9, 2.0, 2.0], [0.2, 0.4, 0.4])},
               "cpu_s": 1.0} for r in range(2)]
     doc = assemble(cfg, ranks, "test data")
@@ -41,12 +43,16 @@ def test_the_document_and_table_from_the_ranks_records():
     assert dp["eval_loss"] == 3.0 and dp["train_loss"] == 3.5  # rank 0's
     assert dp["mape_start"] == pytest.approx(0.7) and dp["mape_end"] == pytest.approx((0.9 + 0.5 + 0.05) / 3)
     assert "mape_start" not in gbl
+    # per CPU second of each step's slowest rank: dp (0.5 + 0.5) s, group_by_length (1.0 + 1.0) s
+    assert dp["cpu_tokens_per_s"] == pytest.approx(400 / 1.0) and gbl["cpu_tokens_per_s"] == pytest.approx(400 / 2.0)
+    assert doc["ratios"]["llama"]["cpu_dp_vs_best"] == pytest.approx(2.0)
     assert doc["ratios"]["llama"]["dp_vs_best"] == pytest.approx(2.0) and doc["targets"]["llama"]["throughput"]
     assert not doc["targets"]["llama"]["mape"]  # 48% after feedback: the 10% target is missed, and said so
     assert doc["skipped"] == {"llama/trl_bfd": "trl is not installed (pip install trl to compare its BFD packing)"}
     table = format_table(doc)
     assert "llama  dp" in table and "skipped llama/trl_bfd: trl is not installed" in table
     assert "dp 2.00x the best other (group_by_length" in table and "target 10% MISSED" in table
+    assert "per CPU second of the slowest rank, dp 2.00x the best other (group_by_length" in table
 
 
 def test_the_fit_floor_is_what_a_linear_fit_in_sample_reaches():

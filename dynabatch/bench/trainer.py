@@ -8,7 +8,9 @@ steps for every method; the steps hold ``global_batch_tokens`` tokens (dp: its b
 batch size in samples with that many tokens on average); methods interleaved in rounds.
 
 Reported per model and method (`format_table`): target tokens/s (real loss tokens over the wall
-seconds of the timed steps, the slowest rank's), real tokens/s (all unpadded tokens), padding
+seconds of the timed steps, the slowest rank's), real tokens/s (all unpadded tokens), target
+tokens per CPU second (each step's slowest rank's process CPU seconds: what the steps cost,
+whatever else a shared machine ran; the targets are on the wall time), padding
 efficiency, tokens per step, the held-out loss after the last step (the same normalization for
 every method: summed token cross-entropy / target tokens), the rank spread (max/mean over ranks of
 each step's forward seconds, median over the steps), the round spread (how much the method's
@@ -139,13 +141,21 @@ def _summary(per_rank: list[dict], cfg: TrainerBenchConfig) -> dict:
         return rank_recs[i]["end"] - rank_recs[i - 1]["end"]
 
     wall = np.array([max(interval(r, i) for r in recs) for i in timed])
+    # the slowest rank's CPU seconds per step: the step's cost without what else the machine ran
+    has_cpu = all("cpu_end" in r[i] for r in recs for i in range(n))
+    cpu = np.array([max(r[i]["cpu_end"] - r[i - 1]["cpu_end"] for r in recs) for i in timed]) if has_cpu else None
     total = {k: np.array([sum(r[i][k] for r in recs) for i in range(n)]) for k in ("target", "real", "computed")}
     spread = [max(r[i]["forward_s"] for r in recs) / np.mean([r[i]["forward_s"] for r in recs]) for i in timed]
     rounds = sorted({recs[0][i]["round"] for i in timed})
     per_round = [float(sum(total["target"][i] for i in timed if recs[0][i]["round"] == k)
                        / sum(w for i, w in zip(timed, wall) if recs[0][i]["round"] == k)) for k in rounds]
+    per_round_cpu = [float(sum(total["target"][i] for i in timed if recs[0][i]["round"] == k)
+                           / sum(c for i, c in zip(timed, cpu) if recs[0][i]["round"] == k))
+                     for k in rounds] if cpu is not None else []
     out = {
         "steps": n, "timed_steps": len(timed), "wall_s": float(wall.sum()),
+        "cpu_tokens_per_s": float(total["target"][timed].sum() / cpu.sum()) if cpu is not None else float("nan"),
+        "round_cpu_tokens_per_s": per_round_cpu,
         "tokens_per_s": float(total["target"][timed].sum() / wall.sum()),
         "real_tokens_per_s": float(total["real"][timed].sum() / wall.sum()),
         "padding_efficiency": float(total["real"].sum() / total["computed"].sum()),
@@ -204,7 +214,12 @@ def assemble(cfg: TrainerBenchConfig, ranks: list[dict], data: str) -> dict:
             continue
         best = max(others, key=lambda k: others[k]["tokens_per_s"])
         rounds = [a / b for a, b in zip(dp["round_tokens_per_s"], others[best]["round_tokens_per_s"])]
+        cpu_best = max(others, key=lambda k: others[k]["cpu_tokens_per_s"])
         ratios[m] = {"best_other": best.split("/", 1)[1], "dp_vs_best": dp["tokens_per_s"] / others[best]["tokens_per_s"],
+                     "cpu_best_other": cpu_best.split("/", 1)[1],
+                     "cpu_dp_vs_best": dp["cpu_tokens_per_s"] / others[cpu_best]["cpu_tokens_per_s"],
+                     "cpu_per_round": [a / b for a, b in zip(dp["round_cpu_tokens_per_s"],
+                                                             others[cpu_best]["round_cpu_tokens_per_s"])],
                      "per_round": rounds, **{f"dp_vs_{k.split('/', 1)[1]}": dp["tokens_per_s"] / v["tokens_per_s"]
                                              for k, v in others.items()}}
         targets[m] = {"throughput": ratios[m]["dp_vs_best"] >= THROUGHPUT_TARGET,
@@ -248,16 +263,19 @@ def format_table(doc: dict) -> str:
     lines = [f"dynabatch bench trainer: transformers.Trainer on {c['world_size']} {c['backend']} DDP ranks (CPU), "
              f"{c['steps']} steps in {c['rounds']} interleaved rounds, {c['global_batch_tokens']} tokens/step, "
              f"max_len {c['max_len']}; data: {c['data']}",
-             f"{'model':<6} {'method':<16} {'tgt tok/s':>9} {'real tok/s':>10} {'vs dp':>6} {'pad eff':>7} "
+             f"{'model':<6} {'method':<16} {'tgt tok/s':>9} {'real tok/s':>10} {'vs dp':>6} {'cpu tok/s':>9} "
+             f"{'vs dp':>6} {'pad eff':>7} "
              f"{'tok/step':>8} {'mb/step':>7} {'rank spread':>11} {'round spread':>12} {'eval loss':>9} "
              f"{'MAPE start':>10} {'MAPE end':>8} {'noise':>6} {'floor':>6}"]
     for key, v in doc["methods"].items():
         model, method = key.split("/", 1)
         dp = doc["methods"].get(f"{model}/dp")
         vs = dp["tokens_per_s"] / v["tokens_per_s"] if dp else float("nan")
+        cpu = v.get("cpu_tokens_per_s", float("nan"))
+        vs_cpu = dp.get("cpu_tokens_per_s", float("nan")) / cpu if dp else float("nan")
         loss = "-" if v["eval_loss"] is None else f"{v['eval_loss']:.3f}"
         lines.append(f"{model:<6} {method:<16} {v['tokens_per_s']:>9.0f} {v['real_tokens_per_s']:>10.0f} {vs:>5.2f}x "
-                     f"{v['padding_efficiency']:>7.2f} {v['tokens_per_step']:>8.0f} {v['microbatches_per_step']:>7.1f} "
+                     f"{cpu:>9.0f} {vs_cpu:>5.2f}x {v['padding_efficiency']:>7.2f} {v['tokens_per_step']:>8.0f} {v['microbatches_per_step']:>7.1f} "
                      f"{v['rank_spread']:>11.3f} {_pct(v['round_spread']):>12} {loss:>9} "
                      f"{_pct(v.get('mape_start')):>10} {_pct(v.get('mape_end')):>8} {_pct(v.get('mape_noise')):>6} "
                      f"{_pct(v.get('mape_fit_floor')):>6}")
@@ -271,7 +289,13 @@ def format_table(doc: dict) -> str:
                      f"target {t['throughput_vs_best']}x {'met' if ok['throughput'] else 'MISSED'}; dp MAPE after "
                      f"feedback {_pct(doc['methods'][f'{m}/dp'].get('mape_end'))}: target "
                      f"{t['mape_after_feedback']:.0%} {'met' if ok['mape'] else 'MISSED'}")
-    lines.append("vs dp: dp's target tokens/s over the row's; rank spread: max/mean over ranks of each step's forward "
+        if r.get("cpu_per_round"):
+            cpu_round = ", ".join(f"{x:.2f}" for x in r["cpu_per_round"])
+            lines.append(f"{m}: per CPU second of the slowest rank, dp {r['cpu_dp_vs_best']:.2f}x the best other "
+                         f"({r['cpu_best_other']}; per round {cpu_round})")
+    lines.append("vs dp: dp's target tokens/s over the row's; cpu tok/s: target tokens per CPU second of each step's "
+                 "slowest rank (the steps' cost without what else the machine ran: steadier than the wall time on a "
+                 "shared machine; the targets stay on the wall time); rank spread: max/mean over ranks of each step's forward "
                  "seconds (median over steps); round spread: (max - min) / median of the rounds' tokens/s (timer and "
                  "load noise); MAPE: dp's planned vs measured seconds per micro-batch, before the first refit / over "
                  "the last steps; noise: the spread of identical micro-batch shapes (the floor a MAPE can reach here); "

@@ -25,7 +25,8 @@ turn (rotating which goes first), resumed from its own checkpoint of the round b
 step after each resume is not timed (it pays for the Trainer's start).
 
 What each rank records per timed step: the wall seconds since its previous step ended (data,
-forward, backward, all-reduce and optimizer: what a user waits for), its target (loss) tokens,
+forward, backward, all-reduce and optimizer: what a user waits for), the CPU seconds its process
+used in that time (what the step cost it, whatever else the machine ran), its target (loss) tokens,
 real and computed tokens, and the seconds its model's forward calls took (`ForwardClock`: clean of
 the gradient all-reduce, which holds the backward of a step's last micro-batch).
 """
@@ -152,7 +153,7 @@ def _recording(base):
 
         def _record_step_end(self):
             self.records.append(dict(self.pending, step=int(self.state.global_step), end=time.perf_counter(),
-                                     forward_s=self.forward_clock.take()))
+                                     cpu_end=time.process_time(), forward_s=self.forward_clock.take()))
             if int(os.environ.get("RANK", "0")) == 0:
                 rank_tick()
 

@@ -21,6 +21,8 @@ columns:
   tgt tok/s     real target (loss) tokens over the wall seconds of the timed steps (the slowest rank's
                 intervals between step ends: data, forward, backward, all-reduce, optimizer)
   real tok/s    the same with every unpadded token
+  cpu tok/s     target tokens per CPU second of each step's slowest rank (its process's CPU time: what the
+                steps cost, whatever else the machine ran; steadier than the wall time on a shared machine)
   vs dp         dp's tgt tok/s over the row's
   pad eff       real tokens / computed tokens
   tok/step      real tokens per step (all ranks): the budget every method trains on
