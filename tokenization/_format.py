@@ -130,8 +130,9 @@ def _keep_counts(
 
 
 @dataclass
-class _BatchPlan:
-    """Per kept sample counts plus the segment table (ids already cut) of one batch."""
+class _TokenizedBatch:
+    """One tokenized batch (not a plan: the planners' records are in dynabatch): per kept sample counts plus
+    the segment table (ids already cut)."""
 
     index: np.ndarray  # positions of the kept samples in the batch
     sample_id: np.ndarray
@@ -147,7 +148,7 @@ class _BatchPlan:
     seg_labels: list[np.ndarray | None]  # given labels of pre-tokenized pieces (cut like seg_ids)
 
 
-def plan_batch(
+def tokenize_batch(
     samples: Sequence[dict],
     tokenizer: Tokenizer,
     cfg: FormatConfig,
@@ -155,7 +156,7 @@ def plan_batch(
     on_error: OnError = "raise",
     with_ids: bool = True,
     chat: ChatRenderer | None = None,
-) -> _BatchPlan:
+) -> _TokenizedBatch:
     """Tokenize and truncate a batch; the shared core of `Formatter` and `scan_shapes`. ``chat``: how
     conversations are rendered (default: `resolve_chat` of ``cfg.chat_template``)."""
     if on_error not in ("raise", "skip"):
@@ -223,7 +224,7 @@ def plan_batch(
         # Rare: plan the batch again without them (their positions join the skipped ones).
         drop = {i for i, _ in errors}
         rest = [i for i in range(len(samples)) if i not in drop]
-        sub = plan_batch([samples[i] for i in rest], tokenizer, cfg, vision, on_error, with_ids, chat)
+        sub = tokenize_batch([samples[i] for i in rest], tokenizer, cfg, vision, on_error, with_ids, chat)
         sub.index = np.asarray(rest, np.int64)[sub.index]
         sub.skipped = sorted([(rest[i], e) for i, e in sub.skipped] + errors, key=lambda e: e[0])
         return sub
@@ -248,7 +249,7 @@ def plan_batch(
             cut = slice(len(piece) - k, None) if from_end[j] else slice(0, k)
             seg_ids.append(piece[cut])
             seg_labels.append(None if seg.labels[j] is None else seg.labels[j][cut])
-    return _BatchPlan(
+    return _TokenizedBatch(
         index=np.asarray(kept, dtype=np.int64),
         sample_id=np.asarray(sample_ids, dtype=np.int64),
         input_tokens=inp,
@@ -295,7 +296,7 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int32, copy=False) if parts else np.zeros(0, np.int32)
 
 
-def _labels(plan: _BatchPlan, j: int) -> np.ndarray:
+def _labels(plan: _TokenizedBatch, j: int) -> np.ndarray:
     """Decoder-only labels of segment ``j``: given ones, else its ids when trained, else -100."""
     if plan.seg_labels[j] is not None:
         return plan.seg_labels[j]
@@ -367,7 +368,7 @@ class Formatter:
         image) gives ``None`` at its position instead of failing the batch.
         """
         samples = list(samples)
-        plan = plan_batch(samples, self.tokenizer, self.config, self.vision, on_error, chat=self.chat)
+        plan = tokenize_batch(samples, self.tokenizer, self.config, self.vision, on_error, chat=self.chat)
         out: list[EncodedSample | None] = [None] * len(samples)
         bounds = np.searchsorted(plan.seg_sample, np.arange(len(plan.index) + 1))
         decoder = self.config.family == "decoder"

@@ -17,7 +17,7 @@ import pyarrow as pa
 from ._adapters import load_tokenizer
 from ._chat import ChatOption, ChatRenderer, resolve_chat
 from ._config import Family, FormatConfig, OnError
-from ._format import plan_batch
+from ._format import tokenize_batch
 from ._protocol import IGNORE_INDEX, Tokenizer
 from ._segments import PART_TARGET, sample_key
 from ._vision import VisionPolicy
@@ -166,7 +166,7 @@ def _trained_ids(batch: list[dict], plan, tok: Tokenizer, cfg: FormatConfig, lab
                                                       plan.vision_tokens))
     if label_cfg == cfg or not len(redo):
         return flat, refused, []
-    again_plan = plan_batch([batch[i] for i in plan.index[redo]], tok, label_cfg, vision, on_error, chat=chat)
+    again_plan = tokenize_batch([batch[i] for i in plan.index[redo]], tok, label_cfg, vision, on_error, chat=chat)
     errors = [(int(plan.index[redo[j]]), exc) for j, exc in again_plan.skipped]
     refused[redo[[j for j, _ in again_plan.skipped]]] = True
     redo = redo[again_plan.index]
@@ -310,7 +310,7 @@ def scan_shapes(
                    dynamic_ncols=True)
     try:
         for batch in _batches(samples, batch_size):
-            plan = plan_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None, chat=chat)
+            plan = tokenize_batch(batch, tok, cfg, vision, on_error, with_ids=label_config is not None, chat=chat)
             refused, errors = np.zeros(len(plan.index), bool), []
             if label_config is not None:
                 ids, refused, errors = _trained_ids(batch, plan, tok, cfg, label_config, vision, on_error, chat)

@@ -1,4 +1,4 @@
-"""A batch's samples laid out as a segment table, the pieces `plan_batch` tokenizes and cuts.
+"""A batch's samples laid out as a segment table, the pieces `tokenize_batch` tokenizes and cuts.
 
 One row per piece of a sample's sequence, in order: a text (prompt, response, conversation turns
 rendered with the plain `ChatTemplate`), given ids (pre-tokenized rows, or conversations a Jinja chat

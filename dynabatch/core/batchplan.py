@@ -6,6 +6,22 @@ micro-batches by `mb_offsets`, and per-micro-batch arrays (rank, position within
 shape, predicted time and memory). Micro-batches are stored rank by rank in execution order.
 Its on-disk form (one row per sample placement) is the plan-file format of `dynabatch.planfile`
 (`plan_to_arrow`, `plan_from_arrow`, `plans_to_arrow`); `core` itself never reads or writes files.
+
+The plan records, each carrying something the others do not (none is a copy of another):
+
+* `BatchPlan` (here): one global batch planned over all ranks and stages, columnar: what
+  `plan_microbatches` returns and a plan file's step reads back as.
+* `MicroBatch` (here): one micro-batch of a `BatchPlan`, as a row (`BatchPlan.microbatch`).
+* `dynabatch.planfile.RunPlan`: a whole run's plan file: every step's placement rows plus the
+  run's metadata (options, data fingerprints, epochs), validated when read.
+* `dynabatch.offline.runplan.RunPlanConfig`: what to plan offline (the `PlanOptions`, epochs, how
+  the index was tokenized): the request `plan_run` turns into a `RunPlan`, not a plan.
+* `dynabatch.loader.records.StepPlan` / `MicroBatchPlan`: one rank's share of one optimizer step as
+  the DataLoader runs it: its `MicroBatch` es in execution order under the loader's collation
+  (`MicroBatchPlan.of`), zero-token placeholders up to the step's count, the step's counters and
+  the all-rank token totals the loss is normalized by.
+* ``tokenization._format._TokenizedBatch`` is a tokenized batch, not a plan (renamed from
+  ``_BatchPlan``).
 """
 
 from __future__ import annotations
@@ -166,22 +182,23 @@ class BatchPlan:
         idx = np.flatnonzero(self.mb_rank == rank)
         return idx[np.argsort(self.mb_order[idx], kind="stable")]
 
+    def microbatch(self, k: int) -> MicroBatch:
+        """Micro-batch ``k`` (an index into the ``mb_*`` columns) as a `MicroBatch`."""
+        a, b = self.mb_offsets[k], self.mb_offsets[k + 1]
+        return MicroBatch(
+            step=self.step, rank=int(self.mb_rank[k]), index=int(self.mb_order[k]),
+            sample_ids=self.sample_ids[a:b], sample_row=self.sample_row[a:b],
+            rows=int(self.mb_rows[k]), input_len=int(self.mb_input_len[k]),
+            target_len=int(self.mb_target_len[k]), vision_tiles=int(self.mb_vision_tiles[k]),
+            tokens=int(self.mb_tokens[k]), real_tokens=int(self.mb_real_tokens[k]),
+            target_tokens=int(self.mb_target_tokens[k]),
+            time_s=float(self.mb_time_s[k]), memory_bytes=float(self.mb_memory_bytes[k]),
+        )
+
     def microbatches(self, rank: int | None = None) -> list[MicroBatch]:
         """The micro-batches of ``rank`` (all ranks if None) in execution order."""
         idx = np.arange(self.num_microbatches) if rank is None else np.flatnonzero(self.mb_rank == rank)
-        out = []
-        for k in idx:
-            a, b = self.mb_offsets[k], self.mb_offsets[k + 1]
-            out.append(MicroBatch(
-                step=self.step, rank=int(self.mb_rank[k]), index=int(self.mb_order[k]),
-                sample_ids=self.sample_ids[a:b], sample_row=self.sample_row[a:b],
-                rows=int(self.mb_rows[k]), input_len=int(self.mb_input_len[k]),
-                target_len=int(self.mb_target_len[k]), vision_tiles=int(self.mb_vision_tiles[k]),
-                tokens=int(self.mb_tokens[k]), real_tokens=int(self.mb_real_tokens[k]),
-                target_tokens=int(self.mb_target_tokens[k]),
-                time_s=float(self.mb_time_s[k]), memory_bytes=float(self.mb_memory_bytes[k]),
-            ))
-        return out
+        return [self.microbatch(k) for k in idx]
 
     def fingerprint(self) -> str:
         """A stable hash of the placement and shapes (identical plans have identical fingerprints)."""

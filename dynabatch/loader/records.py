@@ -3,7 +3,9 @@ samples, and the step -> collated micro-batch dicts conversion.
 
 A `StepPlan` is what one rank runs in one optimizer step: its micro-batches in execution order
 (padded with zero-token placeholders up to the step's micro-batch count, which is the same on every
-rank) and the whole global batch's token and sample counts (all ranks), for loss normalization.
+rank) and the whole global batch's token and sample counts (all ranks), for loss normalization; a
+`MicroBatchPlan` is one planned `dynabatch.core.batchplan.MicroBatch` under the loader's collation
+(`MicroBatchPlan.of`). How these relate to the other plan records: `dynabatch.core.batchplan`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from . import pixels as _pixels
-from ..core.batchplan import BatchPlan
+from ..core.batchplan import BatchPlan, MicroBatch
 from .collate import IGNORE_INDEX, FlatIds, collate_packed, collate_padded, flat_ids, placeholder_batch
 
 
@@ -39,6 +41,20 @@ class MicroBatchPlan:
     predicted_time_s: float = 0.0
     predicted_memory_bytes: float = 0.0
     is_padding: bool = False
+
+    @classmethod
+    def of(cls, mb: MicroBatch, collation: str) -> "MicroBatchPlan":
+        """The loader's record of the planned micro-batch ``mb`` under ``collation``: per-sample rows only for
+        ``packed_rows``, no padded lengths for ``packed`` (the samples' own are used)."""
+        lengths = collation != "packed"
+        return cls(sample_ids=mb.sample_ids.copy(), rows=mb.sample_row.copy() if collation == "packed_rows" else None,
+                   input_len=mb.input_len if lengths else 0, target_len=mb.target_len if lengths else 0,
+                   real_tokens=mb.real_tokens, predicted_time_s=mb.time_s, predicted_memory_bytes=mb.memory_bytes)
+
+    @classmethod
+    def placeholder(cls) -> "MicroBatchPlan":
+        """A zero-token micro-batch that fills a rank's step up to the step's micro-batch count."""
+        return cls(np.zeros(0, np.int64), is_padding=True)
 
 
 @dataclass(frozen=True)
@@ -157,20 +173,8 @@ def rank_step(plan: BatchPlan, rank: int, *, epoch: int, step_in_epoch: int, ste
     K = int(counts.max(initial=0))
     mine = np.flatnonzero(mb_rank == rank)
     mine = mine[np.argsort(plan.mb_order[mine], kind="stable")]
-    packed_rows = plan.collation == "packed_rows"
-    mbs = []
-    for k in mine:
-        a, b = plan.mb_offsets[k], plan.mb_offsets[k + 1]
-        mbs.append(MicroBatchPlan(
-            sample_ids=plan.sample_ids[a:b].copy(),
-            rows=plan.sample_row[a:b].copy() if packed_rows else None,
-            input_len=int(plan.mb_input_len[k]) if plan.collation != "packed" else 0,
-            target_len=int(plan.mb_target_len[k]) if plan.collation != "packed" else 0,
-            real_tokens=int(plan.mb_real_tokens[k]),
-            predicted_time_s=float(plan.mb_time_s[k]),
-            predicted_memory_bytes=float(plan.mb_memory_bytes[k]),
-        ))
-    mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
+    mbs = [MicroBatchPlan.of(plan.microbatch(k), plan.collation) for k in mine]
+    mbs += [MicroBatchPlan.placeholder()] * (K - len(mbs))
     return StepPlan(step=int(plan.step), epoch=epoch, step_in_epoch=step_in_epoch, collation=plan.collation,
                     microbatches=tuple(mbs), step_real_tokens=int(plan.mb_real_tokens.sum()),
                     step_target_tokens=int(step_target_tokens), step_samples=len(plan.sample_ids),

@@ -10,6 +10,9 @@ exactly what it would have planned itself:
 * step ``k`` is `plan_step(shapes, cost, options, batch_k, k)`; global batches are independent, so
   they are planned in parallel (`engines.map_parts`) and the result does not depend on the number
   of workers or the engine.
+
+`RunPlanConfig` is what to plan (the request), `dynabatch.planfile.RunPlan` the plan file it becomes;
+the other plan records: `dynabatch.core.batchplan`.
 """
 
 from __future__ import annotations

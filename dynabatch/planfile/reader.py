@@ -1,5 +1,7 @@
 """`RunPlan` and `load_run_plan`: the one reader of plan files (the format is in
 `dynabatch.planfile.format`), used by ``dynabatch inspect`` and by ``DataLoader(source=DataSource(plan=...))``.
+A `RunPlan` is a whole run's plan; each of its steps reads back as a `dynabatch.core.batchplan.BatchPlan`
+(the plan records and what each holds: `dynabatch.core.batchplan`).
 
 Reading a plan::
 

@@ -365,17 +365,8 @@ class StreamingPlanner:
                 real = int(plan.mb_real_tokens.sum()) if plan is not None else 0
                 g2 = self.coll.all_gather(np.array([float(k_r), float(real), float(lab), float(n)]))
                 K = int(g2[:, 0].max())
-                mbs = []
-                if plan is not None:
-                    for mb in plan.microbatches(0):
-                        mbs.append(MicroBatchPlan(
-                            sample_ids=mb.sample_ids.copy(),
-                            rows=mb.sample_row.copy() if plan.collation == "packed_rows" else None,
-                            input_len=mb.input_len if plan.collation != "packed" else 0,
-                            target_len=mb.target_len if plan.collation != "packed" else 0,
-                            real_tokens=mb.real_tokens, predicted_time_s=mb.time_s,
-                            predicted_memory_bytes=mb.memory_bytes))
-                mbs += [MicroBatchPlan(np.zeros(0, np.int64), is_padding=True)] * (K - len(mbs))
+                mbs = [MicroBatchPlan.of(mb, plan.collation) for mb in plan.microbatches(0)] if plan is not None else []
+                mbs += [MicroBatchPlan.placeholder()] * (K - len(mbs))
                 collation = plan.collation if plan is not None else self.collate.collation
                 sp = StepPlan(step=step, epoch=epoch, step_in_epoch=step_in_epoch, collation=collation,
                               microbatches=tuple(mbs), step_real_tokens=int(round(g2[:, 1].sum())),
