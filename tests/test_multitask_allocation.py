@@ -11,12 +11,13 @@ import pytest
 from dynabatch.core.cost.model import CostModel
 from dynabatch.core.cost.presets import ModelConfig, device_preset, model_preset
 from dynabatch.core.kernels import allocation as K
+from dynabatch.core.kernels import allocation_stream as KS
 from dynabatch.core.kernels.cost import FEATURES
 from dynabatch.core.kernels.simulate import makespan_kernel
 from dynabatch.core.multitask import (Allocation, Component, ComponentCosts, ComponentGraph, Placement, StepSamples,
                                       Task, graph_from_configs, mtmm_graph, mtmm_tiny_graph, plan_allocation, route,
                                       vision_language_graph)
-from dynabatch.core.multitask.allocation import component_options
+from dynabatch.core.multitask.allocation import StreamModel, component_options, simulate_stream
 from dynabatch.core.multitask.baselines import LayerTable, lower_bound, one_pipeline, pipeline_time, uniform_bounds
 
 DEV = device_preset("a100-80gb")
@@ -227,6 +228,86 @@ def test_plan_allocation_kernel_matches_reference_on_random_graphs():
         assert a.placements == r.placements and a.waves == r.waves
 
 
+def _random_allocation(rng, g, N):
+    """A random valid allocation of ``g`` on ``N`` devices: each dependency level a wave, components of a wave
+    on disjoint contiguous ranks from a random first rank (waves may share devices or not), random stages."""
+    depth = {}
+    for c in g.order():
+        depth[c] = 1 + max((depth[i] for i in g.component(c).inputs), default=-1)
+    placements, waves = [], []
+    for lv in range(max(depth.values()) + 1):
+        names = [c for c in g.order() if depth[c] == lv]
+        at = int(rng.integers(0, N - len(names) + 1))
+        for c in names:
+            room = N - at - (len(names) - 1 - names.index(c))
+            n = int(rng.integers(1, room + 1))
+            divs = [x for x in range(1, min(n, g.component(c).layers) + 1) if n % x == 0]
+            placements.append(Placement(c, tuple(range(at, at + n)), int(rng.choice(divs)), lv))
+            at += n
+        waves.append(tuple(names))
+    return Allocation(tuple(placements), tuple(waves), N, 0.0, {})
+
+
+def test_stream_kernel_matches_reference_on_random_allocations():
+    rng = np.random.default_rng(9)
+    for trial in range(10):
+        g = _random_graph(rng, encoders=2 + trial % 2)
+        costs = ComponentCosts(g, DEV)
+        w = costs.workload(_random_step(rng, g, n=int(rng.integers(3, 12))))
+        N = int(rng.integers(4, 9))
+        model = StreamModel(costs, w)
+        for _ in range(3):
+            a = _random_allocation(rng, g, N)
+            got, want = model.run(a), model.run(a, "reference")
+            assert got[0] == pytest.approx(want[0], rel=1e-12)
+            assert got[1] == pytest.approx(want[1], rel=1e-12)
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-12)
+
+
+def test_stream_follows_the_executors_order_on_a_hand_example():
+    """Producer a (rank 0) feeds consumer b (rank 1), two micro-batches, one stage each, no transfers: every
+    forward/backward end worked out by hand."""
+    t = np.array([[4.0, 2.0], [6.0, 6.0]])       # forward share 1/2: a's F 2, 1; b's F 3, 3
+    z = np.zeros((2, 2))
+    prod = np.array([[False, False], [True, False]])
+    one = np.ones(2, np.int64)
+    args = (t, z, z, z, prod, one, one, np.array([0, 1], np.int64), np.array([0, 1], np.int64),
+            np.array([0.5, 0.5]), 0.0, np.zeros(2), np.zeros(2), 2)
+    # a: F0 0-2, F1 2-3; b: F0 2-5, F1 5-8, then backward last first: B1 8-11, B0 11-14;
+    # a's backward waits for b's: B1 (needs b's B1, ends 11) 11-12, B0 (b's B0 ends 14) 14-16
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        step, busy, mem = fn(*args)
+        assert step == 16.0 and list(busy) == [6.0, 12.0] and list(mem) == [0.0, 0.0]
+    # on one rank the same work runs back to back: all forwards (a, then b), then all backwards (b, then a)
+    same = args[:7] + (np.array([0, 0], np.int64),) + args[8:]
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        assert fn(*same)[0] == 18.0
+    # a barrier between the waves (the waves model) would take a's F+B then b's F+B on rank 1: longer than streamed
+    ar = np.array([0.0, 1.5])  # b's group all-reduce, after its rank's last backward (11 + 3 = 14)
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        assert fn(*(args[:12] + (ar, 2)))[0] == 16.0
+        assert fn(*(args[:12] + (np.array([0.0, 2.5]), 2)))[0] == 16.5
+
+
+def test_stream_pipeline_inside_a_group_is_gpipe():
+    """One component on s stages of one replica, micro-batches streamed stage to stage: the simulator's GPipe
+    with the executor's reversed backward order, checked against the pipeline simulator's makespan."""
+    rng = np.random.default_rng(10)
+    for _ in range(10):
+        s, m = int(rng.integers(2, 5)), int(rng.integers(1, 6))
+        t = rng.random((1, m)) + 0.1
+        p2p = rng.random((1, m)) * 0.05
+        ff = float(rng.uniform(0.2, 0.5))
+        args = (t, np.zeros((1, m)), p2p, np.zeros((1, m)), np.zeros((1, 1), np.bool_), np.ones(1, np.int64),
+                np.array([s], np.int64), np.arange(s, dtype=np.int64), np.zeros(1, np.int64), np.array([ff]), 0.0,
+                np.zeros(1), np.zeros(1), s)
+        st = t[0] / s
+        codes = np.array([list(range(1, m + 1)) + [-k for k in range(m, 0, -1)]] * s, np.int32)
+        want = makespan_kernel(np.tile(st * ff, (s, 1)), np.tile(st * (1 - ff), (s, 1)), p2p[0], codes)
+        for fn in (KS.stream_kernel, KS.stream_reference):
+            assert fn(*args)[0] == pytest.approx(want, rel=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------- planner
 
 
@@ -270,9 +351,13 @@ def test_plan_allocation_is_optimal_against_brute_force():
     for limit in (80e9, 3.0e9):
         costs = ComponentCosts(g, DEV)
         w = costs.workload(_random_step(rng, g, n=8))
-        a = plan_allocation(costs, w, 4, memory_limit=limit)
+        a = plan_allocation(costs, w, 4, memory_limit=limit, model="waves")
         assert a.step_seconds == pytest.approx(_brute_force(costs, w, 4, limit), rel=1e-12)
         assert max(a.memory_bytes) <= limit
+        # the streamed search scores that same one-block allocation too, so it is never slower than its stream
+        streamed = plan_allocation(costs, w, 4, memory_limit=limit)
+        assert streamed.step_seconds <= simulate_stream(costs, w, a)[0] + 1e-12
+        assert max(streamed.memory_bytes) <= limit
 
 
 def test_allocation_respects_dependencies_memory_and_devices():
@@ -284,14 +369,21 @@ def test_allocation_respects_dependencies_memory_and_devices():
     vision = [256 * int(rng.integers(1, 7)) if t == "image_text" else 0 for t in tasks]
     audio = [750 if t == "audio_text" else 0 for t in tasks]
     w = costs.workload(StepSamples.pack(g, tasks, rng.integers(100, 1500, n), vision, audio, microbatch_tokens=4096))
-    a = plan_allocation(costs, w, 16)
     limit = DEV.memory_bytes * DEV.usable_memory_fraction
+    waves = plan_allocation(costs, w, 16, model="waves")
+    assert waves.step_seconds == pytest.approx(sum(max(waves.component_seconds[c] for c in wave)
+                                                   for wave in waves.waves))
+    a = plan_allocation(costs, w, 16)
     assert len(a.memory_bytes) == 16 and max(a.memory_bytes) <= limit
     for p in a.placements:
         for i in g.component(p.component).inputs:
             assert a.placement(i).wave < p.wave
-    assert a.step_seconds == pytest.approx(sum(max(a.component_seconds[c] for c in wave) for wave in a.waves))
+    step, busy, mem = simulate_stream(costs, w, a)
+    assert a.step_seconds == step and dict(a.component_seconds) == busy and a.memory_bytes == mem
+    assert a.step_seconds <= simulate_stream(costs, w, waves)[0] + 1e-12
     assert a.step_seconds >= lower_bound(w, 16)
+    with pytest.raises(ValueError, match="model="):
+        plan_allocation(costs, w, 16, model="barrier")
     with pytest.raises(ValueError, match="fits on none"):
         plan_allocation(costs, w, 2)
 

@@ -80,6 +80,8 @@ module                kernel                          reference
                       `min_sum_kernel`                `min_sum_reference`
                       `_lpt_ordered`, `_pareto`,      helpers, covered by their callers'
                       `_undominated`, `stage_time`    references
+`.allocation_stream`  `stream_kernel`                 `stream_reference` (compared in
+                                                      ``tests/test_multitask_allocation.py``)
 ====================  ==============================  ==========================================
 
 The token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the

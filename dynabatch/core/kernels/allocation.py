@@ -434,3 +434,4 @@ def min_sum_reference(t1, m1, t2, m2, limit):
         return -1, -1
     _, _, a, b = min(pts)
     return a, b
+

@@ -2,9 +2,12 @@
 and in which wavefront (dependency-ordered wave) it runs.
 
 `Placement` and `Allocation` are the records the planner (`plan_allocation`) returns and the torch.distributed
-executor (`dynabatch.pipeline.multitask`) reads: component groups become process groups, waves run in order
-(forward waves first to last, backward waves last to first), and `dynabatch.core.multitask.routing.route`
-says which rank of a group runs which micro-batch. Torch-free.
+executor (`dynabatch.pipeline.multitask`) reads: component groups become process groups, and
+`dynabatch.core.multitask.routing.route` says which rank of a group runs which micro-batch. The executor
+has no barrier between waves: each rank runs its forward items in (wave, topological, micro-batch) order,
+then its backward items in the reverse order, each as soon as its inputs arrive, so a consumer group works
+on micro-batch k while its producer computes k + 1. `simulate_stream` (`StreamModel`) simulates exactly that
+and scores the planner's candidates. Torch-free.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ class Allocation:
     """A planned step: one `Placement` per component, the components of each wave (``waves[w]``, dependency
     order: every input of a component sits in an earlier wave), the device count, the simulated step time
     (``step_seconds``, seconds) and each component's simulated busy seconds per device of its group
-    (``component_seconds``). ``memory_bytes``: the simulated peak bytes of each device (empty when not
-    computed); ``method``: the search that produced it."""
+    (``component_seconds``: `plan_allocation`'s default model gives the most compute seconds one device of
+    the group spends on it; ``model="waves"`` its wave time, receives and all-reduce included).
+    ``memory_bytes``: the simulated peak bytes of each device (empty when not computed); ``method``: the
+    search that produced it."""
 
     placements: tuple[Placement, ...]
     waves: tuple[tuple[str, ...], ...]
@@ -188,22 +193,87 @@ def component_options(costs, workload, name: str, num_devices: int, memory_limit
                             tuple(float(x) for x in m))
 
 
+def _level_frontier(level, opts, N: int, limit: float, frontier, psum):
+    """One dependency level on ``N`` devices: its frontier (seconds, bytes) and per point the waves it runs as
+    (every partition of the level into consecutive waves; a wave's components side by side)."""
+    lt, lm, lw = [], [], []
+    for part in _set_partitions(level):
+        pt, pm, pw = np.zeros(1), np.zeros(1), [[]]
+        for block in part:
+            flat_n = np.concatenate([np.array(opts[c].n, np.int64) for c in block])
+            flat_t = np.concatenate([np.array(opts[c].seconds) for c in block])
+            flat_m = np.concatenate([np.array(opts[c].bytes) for c in block])
+            starts = np.cumsum([0] + [len(opts[c].n) for c in block]).astype(np.int64)
+            bt, bm, bc = frontier(flat_n, flat_t, flat_m, starts, N)
+            if len(bt) == 0:
+                pt = np.zeros(0)
+                break
+            st, sm, ia, ib = psum(pt, pm, np.asarray(bt), np.asarray(bm), limit)
+            pw = [pw[a] + [(tuple(block), tuple(int(bc[b][k] - starts[k]) for k in range(len(block))))]
+                  for a, b in zip(ia.tolist(), ib.tolist())]
+            pt, pm = st, sm
+        lt.extend(np.asarray(pt).tolist())
+        lm.extend(np.asarray(pm).tolist())
+        lw.extend(pw[:len(pt)])
+    return np.array(lt), np.array(lm), lw
+
+
+def _best_waves(levels, limit: float, psum, min_sum):
+    """The least summed seconds over the levels' frontiers (run one after another on the same devices, bytes
+    summed within ``limit``): (seconds, waves) or None when nothing fits. A running point is dropped once its
+    bytes leave no room for the least bytes each later level needs (exact)."""
+    need = [float(m.min()) if len(m) else math.inf for _, m, _ in levels]
+    run_t, run_m, run_w = np.zeros(1), np.zeros(1), [[]]
+    for k, (lt, lm, lw) in enumerate(levels[:-1]):
+        room = limit - sum(need[k + 1:])
+        st, sm, ia, ib = psum(run_t, run_m, lt, lm, room) if room >= 0 else (np.zeros(0),) * 4
+        run_w = [run_w[a] + lw[b] for a, b in zip(np.asarray(ia).tolist(), np.asarray(ib).tolist())]
+        run_t, run_m = st, sm
+        if len(run_t) == 0:
+            return None
+    lt, lm, lw = levels[-1]
+    if len(lt) == 0:
+        return None
+    a, b = min_sum(run_t, run_m, lt, lm, limit)
+    if a < 0:
+        return None
+    return float(run_t[a] + lt[b]), run_w[a] + lw[b]
+
+
+#: `plan_allocation` ``model`` values: ``stream`` (what the executor does: micro-batches stream between
+#: component groups) or ``waves`` (a barrier after every wave; the step is the sum of the waves).
+MODELS = ("stream", "waves")
+
+
 def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | None = None,
-                    allreduce_bandwidth: float | None = None, method: str = "kernel") -> Allocation:
-    """The allocation of minimal simulated step time: every component gets a device count and a pipeline
-    depth inside them (`component_options`), components run in waves (each dependency level of the graph
-    either as one wave, its components side by side on disjoint devices, or split into consecutive waves;
-    every partition of a level is tried), a wave lasts as long as its slowest component (forward+backward),
-    and the step is the sum of its waves. ``costs``: the `dynabatch.core.multitask.workload.ComponentCosts`
-    that priced ``workload``. Memory: a device holds one component per wave, and the search keeps the sum over
-    waves of each wave's largest per-device bytes within ``memory_limit`` (default: the device's usable
-    memory), which the placement (each wave's components from rank 0, largest first) meets on every device.
-    Exact over this space: per-wave Pareto frontiers of (seconds, bytes) summed wave by wave. ValueError when
-    no allocation fits."""
+                    allreduce_bandwidth: float | None = None, method: str = "kernel",
+                    model: str = "stream") -> Allocation:
+    """The allocation of least simulated step time: every component gets a device count and a pipeline
+    depth inside them (`component_options`) and a wave (dependency order: its inputs in earlier waves).
+    ``costs``: the `dynabatch.core.multitask.workload.ComponentCosts` that priced ``workload``.
+
+    The space searched: the graph's dependency levels, in order, cut into at most two consecutive segments,
+    each on its own block of devices (the first segment on ranks ``0 .. N_A - 1``, the second on the rest;
+    one segment: every device). Inside a block each level is one wave with its components side by side on
+    disjoint devices, or split into consecutive waves (every partition of the level is tried), the waves
+    stacked on the block's devices (each wave's components from the block's first rank, largest bytes first:
+    a device holds one component per wave). Each block's options are chosen exactly for the block's sum of
+    wave times (per-wave Pareto frontiers of (seconds, bytes): a wave lasts as long as its slowest component,
+    bytes summed over the waves a device holds within ``memory_limit``, default the device's usable memory).
+
+    ``model="stream"`` (default) scores every candidate (one block; two blocks at each cut, ``N_A`` searched
+    from the blocks' share of the work) by `simulate_stream`, the executor's own order: micro-batches flow
+    from a producer group to its consumer groups as each is done, so blocks (and the groups of one block's
+    waves on different devices) work at once; ``step_seconds``, ``component_seconds`` and ``memory_bytes``
+    are that simulation's. ``model="waves"``: one block, and a barrier after every wave (the step is the sum
+    of its waves, each its slowest component's seconds); exact over its space. ValueError when no allocation
+    fits."""
     from ..kernels import allocation as K
 
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {METHODS}")
+    if model not in MODELS:
+        raise ValueError(f"model={model!r}: expected one of {MODELS}")
     ref = method == "reference"
     graph, dev = costs.graph, costs.device
     N = int(num_devices)
@@ -219,63 +289,141 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
                              f"use more devices, a larger memory_limit or smaller micro-batches")
     frontier = K.block_frontier_reference if ref else K.block_frontier_kernel
     psum = K.pareto_sum_reference if ref else K.pareto_sum_kernel
+    min_sum = K.min_sum_reference if ref else K.min_sum_kernel
+    levels = [tuple(level) for level in _levels(graph)]
+    fronts: dict = {}
 
-    levels = []  # per level: its frontier (seconds, bytes) and per point the waves it runs as
-    for level in _levels(graph):
-        lt, lm, lw = [], [], []
-        for part in _set_partitions(level):
-            pt, pm, pw = np.zeros(1), np.zeros(1), [[]]
-            for block in part:
-                flat_n = np.concatenate([np.array(opts[c].n, np.int64) for c in block])
-                flat_t = np.concatenate([np.array(opts[c].seconds) for c in block])
-                flat_m = np.concatenate([np.array(opts[c].bytes) for c in block])
-                starts = np.cumsum([0] + [len(opts[c].n) for c in block]).astype(np.int64)
-                bt, bm, bc = frontier(flat_n, flat_t, flat_m, starts, N)
-                if len(bt) == 0:
-                    pt = np.zeros(0)
-                    break
-                st, sm, ia, ib = psum(pt, pm, np.asarray(bt), np.asarray(bm), limit)
-                pw = [pw[a] + [(tuple(block), tuple(int(bc[b][k] - starts[k]) for k in range(len(block))))]
-                      for a, b in zip(ia.tolist(), ib.tolist())]
-                pt, pm = st, sm
-            lt.extend(np.asarray(pt).tolist())
-            lm.extend(np.asarray(pm).tolist())
-            lw.extend(pw[:len(pt)])
-        levels.append((np.array(lt), np.array(lm), lw))
-    # the levels' frontiers summed in order (running frontier: seconds, bytes, the waves of each point); a
-    # point is dropped once its bytes leave no room for the least bytes each later level needs (exact)
-    need = [float(m.min()) if len(m) else math.inf for _, m, _ in levels]
-    run_t, run_m, run_w = np.zeros(1), np.zeros(1), [[]]
-    for k, (lt, lm, lw) in enumerate(levels[:-1]):
-        room = limit - sum(need[k + 1:])
-        st, sm, ia, ib = psum(run_t, run_m, lt, lm, room) if room >= 0 else (np.zeros(0),) * 4
-        run_w = [run_w[a] + lw[b] for a, b in zip(np.asarray(ia).tolist(), np.asarray(ib).tolist())]
-        run_t, run_m = st, sm
-        if len(run_t) == 0:
+    def block(lo: int, hi: int, n: int):
+        """The best waves of levels ``lo..hi-1`` on ``n`` devices (cached): (seconds, waves) or None."""
+        for lv in levels[lo:hi]:
+            if (lv, n) not in fronts:
+                fronts[(lv, n)] = _level_frontier(list(lv), opts, n, limit, frontier, psum)
+        return _best_waves([fronts[(lv, n)] for lv in levels[lo:hi]], limit, psum, min_sum)
+
+    whole = block(0, len(levels), N)
+    if model == "waves":
+        if whole is None:
+            raise ValueError(_no_fit(N, limit))
+        return _placed([(0, whole[1])], opts, N, whole[0], method)
+    sim = StreamModel(costs, workload, allreduce_bandwidth)
+    best = None  # (seconds, allocation)
+
+    def consider(blocks):
+        nonlocal best
+        alloc = _placed(blocks, opts, N, 0.0, method)
+        step, busy, mem = sim.run(alloc, method)
+        if max(mem) > limit * (1 + 1e-12):  # cannot happen: each block's waves sum their peaks
+            raise RuntimeError(f"allocation search: a placement exceeds {limit:.4g} bytes per device ({max(mem):.4g})")
+        if best is None or step < best[0]:
+            best = (step, Allocation(alloc.placements, alloc.waves, N, step, busy, mem, method))
+        return step
+
+    if whole is not None:
+        consider([(0, whole[1])])
+    work = workload.time_s.sum(axis=1)
+    level_work = [sum(float(work[workload.row(c)]) for c in lv) for lv in levels]
+    for cut in range(1, len(levels)):
+        seen: dict[int, float] = {}
+
+        def score(na: int) -> float:
+            if na not in seen:
+                a, b = block(0, cut, na), block(cut, len(levels), N - na)
+                seen[na] = math.inf if a is None or b is None else consider([(0, a[1]), (na, b[1])])
+            return seen[na]
+
+        if N < 2:
             break
-    lt, lm, lw = levels[-1]
-    a, b = (K.min_sum_reference if ref else K.min_sum_kernel)(run_t, run_m, lt, lm, limit)
-    if a < 0:
-        raise ValueError(f"no allocation of the components on {N} devices keeps every device within "
-                         f"{limit / 2 ** 30:.1f} GiB (each device holds one component per wave); use more "
-                         f"devices, a larger memory_limit or smaller micro-batches")
-    return _placed(run_w[a] + lw[b], opts, N, float(run_t[a] + lt[b]), method)
+        share = sum(level_work[:cut]) / max(sum(level_work), 1e-300)
+        na = min(N - 1, max(1, int(round(share * N))))
+        # descend on N_A from the work's share, one device at a time, both ways
+        while True:
+            here = score(na)
+            moves = [m for m in (na - 1, na + 1) if 1 <= m <= N - 1]
+            nxt = min(moves, key=score, default=na)
+            if score(nxt) >= here:
+                break
+            na = nxt
+    if best is None:
+        raise ValueError(_no_fit(N, limit))
+    return best[1]
 
 
-def _placed(waves, opts, N: int, step_s: float, method: str) -> Allocation:
-    """Placements of the chosen waves: in each wave the components from rank 0 on, most bytes first."""
+def _no_fit(N: int, limit: float) -> str:
+    return (f"no allocation of the components on {N} devices keeps every device within {limit / 2 ** 30:.1f} GiB "
+            f"(each device holds one component per wave); use more devices, a larger memory_limit or smaller "
+            f"micro-batches")
+
+
+class StreamModel:
+    """`simulate_stream`'s inputs that do not depend on the allocation, for one step's ``workload`` priced by
+    ``costs`` (per-component arrays in topological order, built once; `run` simulates an `Allocation`)."""
+
+    def __init__(self, costs, workload, allreduce_bandwidth: float | None = None):
+        graph, dev = costs.graph, costs.device
+        self.costs, self.workload = costs, workload
+        self.names = graph.order()
+        self.topo = {n: i for i, n in enumerate(self.names)}
+        ins = [component_inputs(costs, workload, n, allreduce_bandwidth) for n in self.names]
+        self.t = np.array([a["t"] for a in ins])
+        self.mem = np.array([a["mem"] for a in ins])
+        self.p2p = np.array([a["p2p"] for a in ins])
+        rows = [workload.row(n) for n in self.names]
+        sent = workload.send_bytes[rows] * workload.reaches[rows]
+        # a micro-batch's output to a consumer on another rank (its gradient comes back the same size)
+        self.xfer = np.where(sent > 0, sent / dev.p2p_bandwidth + dev.p2p_latency_s, 0.0)
+        self.prod = np.array([[p in graph.component(n).inputs for p in self.names] for n in self.names], np.bool_)
+        self.ff = np.array([a["ff"] for a in ins])
+        self.grad = np.array([a["grad_bytes"] / a["ar_bw"] for a in ins])
+        self.active = (self.t >= 0).any(axis=1)
+        self.ar_lat, self.ovh = float(dev.p2p_latency_s), float(dev.overhead_s)
+
+    def run(self, allocation: "Allocation", method: str = "kernel"):
+        """(step seconds, component -> busy seconds, bytes per device) of ``allocation``
+        (`dynabatch.core.kernels.allocation_stream.stream_kernel`, or its reference with ``method="reference"``)."""
+        from ..kernels.allocation_stream import stream_kernel, stream_reference
+
+        N = int(allocation.num_devices)
+        pl = [allocation.placement(n) for n in self.names]
+        perm = np.array(sorted(range(len(pl)), key=lambda k: (pl[k].wave, k)), np.int64)
+        d = np.array([pl[k].replicas for k in perm], np.int64)
+        s = np.array([pl[k].stages for k in perm], np.int64)
+        sizes = np.array([len(pl[k].ranks) for k in perm], np.int64)
+        off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        ranks = np.array([r for k in perm for r in pl[k].ranks], np.int64)
+        state = np.array([self.costs.state_table(self.names[k], N)[pl[k].replicas] / pl[k].stages for k in perm])
+        ar = np.where(self.active[perm] & (d > 1), 2.0 * (d - 1) / d * self.grad[perm] / s
+                      + 2.0 * (d - 1) * self.ar_lat, 0.0)
+        fn = stream_reference if method == "reference" else stream_kernel
+        step, busy, byts = fn(self.t[perm], self.mem[perm], self.p2p[perm], self.xfer[perm],
+                              np.ascontiguousarray(self.prod[perm][:, perm]), d, s, ranks, off, self.ff[perm],
+                              self.ovh, state, ar, N)
+        return float(step), {self.names[k]: float(busy[i]) for i, k in enumerate(perm)}, tuple(float(b) for b in byts)
+
+
+def simulate_stream(costs, workload, allocation: "Allocation", *, allreduce_bandwidth: float | None = None,
+                    method: str = "kernel"):
+    """The simulated step of ``allocation`` as the multi-task executor runs it
+    (`dynabatch.core.kernels.allocation_stream.stream_kernel`): (step seconds, component -> the most compute seconds
+    one device of its group spends on it, bytes per device)."""
+    return StreamModel(costs, workload, allreduce_bandwidth).run(allocation, method)
+
+
+def _placed(blocks, opts, N: int, step_s: float, method: str) -> Allocation:
+    """Placements of the chosen blocks ``[(first rank, waves)]``: waves numbered across the blocks in order, in
+    each wave the components from the block's first rank on, most bytes first; ``component_seconds``: each
+    option's (barrier-model) seconds, ``memory_bytes``: the options' bytes summed over each device's waves."""
     placements, names, secs = [], [], {}
     mem = np.zeros(N)
-    for w, (block, choice) in enumerate(waves):
-        order = sorted(range(len(block)), key=lambda k: (-opts[block[k]].bytes[choice[k]], k))
-        at = 0
-        wave_mem = np.zeros(N)
-        for k in order:
-            o, i = opts[block[k]], choice[k]
-            placements.append(Placement(block[k], tuple(range(at, at + o.n[i])), o.s[i], w))
-            wave_mem[at:at + o.n[i]] = o.bytes[i]
-            secs[block[k]] = o.seconds[i]
-            at += o.n[i]
-        mem += wave_mem
-        names.append(tuple(block[k] for k in sorted(range(len(block)))))
+    for first, waves in blocks:
+        for block, choice in waves:
+            w = len(names)
+            order = sorted(range(len(block)), key=lambda k: (-opts[block[k]].bytes[choice[k]], k))
+            at = first
+            for k in order:
+                o, i = opts[block[k]], choice[k]
+                placements.append(Placement(block[k], tuple(range(at, at + o.n[i])), o.s[i], w))
+                mem[at:at + o.n[i]] += o.bytes[i]
+                secs[block[k]] = o.seconds[i]
+                at += o.n[i]
+            names.append(tuple(block))
     return Allocation(tuple(placements), tuple(names), N, step_s, secs, tuple(mem.tolist()), method)

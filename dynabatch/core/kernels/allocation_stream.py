@@ -1,0 +1,223 @@
+"""The streamed step of a per-component allocation (`dynabatch.core.multitask.allocation.simulate_stream`): how
+the multi-task executor (`dynabatch.pipeline.multitask.SpindleExecutor`) runs a step, micro-batch by
+micro-batch, across component groups. `stream_kernel` (numba) beside `stream_reference` (plain Python, an
+explicit op graph resolved by recursion), which ``tests/test_multitask_allocation.py`` compares on random
+graphs and allocations. Times are seconds, memory bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .allocation import _lpt_ordered, lpt_reference, stage_time
+
+@njit(cache=True)
+def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N):
+    """Simulated step of an allocation as the multi-task executor runs it (streaming micro-batches between
+    component groups). Components ``k`` are listed in the executor's order (wave, then topological); every
+    rank runs its forward items in that order (component by component, micro-batches ascending), then its
+    backward items in the reverse order, each op as soon as its rank is free and its inputs have arrived:
+
+    * the forward of micro-batch ``j`` in component ``k`` (stage 0) waits for the forward of ``j`` in every
+      producer ``p`` of ``k`` on ``j``'s path (its last stage), plus ``xfer[p, j]`` seconds when on another
+      rank; stage ``q > 0`` waits for stage ``q - 1`` of ``j`` plus ``p2p[k, j]``;
+    * the backward of ``j`` in ``k``'s last stage waits for the backward of ``j`` in every consumer (its
+      stage 0; a component no consumer of ``j`` reads, a head, starts it at once), plus ``xfer[k, j]`` when
+      on another rank; stage ``q < s - 1`` waits for stage ``q + 1`` plus ``p2p[k, j]``;
+    * a group's gradient all-reduce (``ar[k]`` seconds) starts when every rank of the group finished all its
+      backward ops (the executor posts them after its backward loop); the step ends with the last one.
+
+    ``t`` [C, M]: forward+backward seconds of ``j`` on one device holding all of ``k`` (< 0: ``j`` does not
+    reach ``k``); ``mem`` [C, M] activation bytes kept for backward; ``prod`` [C, C] bool: ``prod[k, p]``, ``p``
+    feeds ``k``; ``d`` / ``s`` / ``off`` [C]: replicas, stages and where ``k``'s ranks start in ``ranks`` (int64:
+    the groups' global ranks, `Placement.ranks` one after another; replica ``a``'s stage ``q`` is
+    ``ranks[off + a * s + q]``); ``ff`` [C]: forward share; ``ovh``: per-stage launch seconds (each stage's
+    time is `stage_time`'s); ``state`` [C]: model-state bytes per device of ``k``'s group. Micro-batches go
+    to replicas by `lpt_kernel` on ``t`` (`route`'s rule). Returns (step seconds, busy [C]: the most compute
+    seconds one device of ``k``'s group spends on ``k``, bytes [N]: each device's model state + every
+    activation it keeps, since a rank holds all its forwards' activations until its backward loop)."""
+    C, M = t.shape
+    assign = np.empty((C, M), np.int64)
+    loads = np.zeros(N + 1)
+    free = np.zeros(N)
+    bytes_ = np.zeros(N)
+    cb = np.zeros((C, N))
+    fend = np.zeros((C, M))   # forward end of j in k's last stage
+    bfirst = np.zeros((C, M))  # backward end of j in k's stage 0
+    cur = np.zeros(M)
+    stt = np.zeros((C, M))
+    for k in range(C):
+        if d[k] == 0:
+            for j in range(M):
+                assign[k, j] = -1
+            continue
+        row = np.empty(M, np.int64)
+        _lpt_ordered(t[k], np.argsort(-t[k], kind="mergesort"), d[k], row, loads)
+        assign[k] = row
+        stt[k] = stage_time(t[k], ovh, s[k])
+        for q in range(s[k]):
+            for a in range(d[k]):
+                bytes_[ranks[off[k] + a * s[k] + q]] += state[k]
+        for j in range(M):
+            if row[j] >= 0:
+                for q in range(s[k]):
+                    bytes_[ranks[off[k] + row[j] * s[k] + q]] += mem[k, j] / s[k]
+    # forward, in the executor's order
+    for k in range(C):
+        if d[k] == 0:
+            continue
+        sk = s[k]
+        for j in range(M):
+            a = assign[k, j]
+            if a < 0:
+                continue
+            r0 = ranks[off[k] + a * sk]
+            ready = 0.0
+            for p in range(C):
+                if prod[k, p] and assign[p, j] >= 0:
+                    rp = ranks[off[p] + assign[p, j] * s[p] + s[p] - 1]
+                    x = fend[p, j] + (xfer[p, j] if rp != r0 else 0.0)
+                    if x > ready:
+                        ready = x
+            cur[j] = ready
+        _stage_pass(k, True, assign, ranks, off, s, p2p, stt, ff[k], free, cb, cur)
+        for j in range(M):
+            fend[k, j] = cur[j]
+    # backward, in the reverse order
+    for k in range(C - 1, -1, -1):
+        if d[k] == 0:
+            continue
+        sk = s[k]
+        for j in range(M):
+            a = assign[k, j]
+            if a < 0:
+                continue
+            rl = ranks[off[k] + a * sk + sk - 1]
+            ready = 0.0
+            for c in range(C):
+                if prod[c, k] and assign[c, j] >= 0:
+                    rc = ranks[off[c] + assign[c, j] * s[c]]
+                    x = bfirst[c, j] + (xfer[k, j] if rc != rl else 0.0)
+                    if x > ready:
+                        ready = x
+            cur[j] = ready
+        _stage_pass(k, False, assign, ranks, off, s, p2p, stt, 1.0 - ff[k], free, cb, cur)
+        for j in range(M):
+            bfirst[k, j] = cur[j]
+    step = 0.0
+    busy = np.zeros(C)
+    for r in range(N):
+        if free[r] > step:
+            step = free[r]
+    for k in range(C):
+        if d[k] == 0:
+            continue
+        done = 0.0
+        for x in range(d[k] * s[k]):
+            r = ranks[off[k] + x]
+            if free[r] > done:
+                done = free[r]
+            if cb[k, r] > busy[k]:
+                busy[k] = cb[k, r]
+        if done + ar[k] > step:
+            step = done + ar[k]
+    return step, busy, bytes_
+
+
+@njit(cache=True)
+def _stage_pass(k, forward, assign, ranks, off, s, p2p, stt, share, free, cb, cur):
+    """Component ``k``'s forward (stages and micro-batches ascending) or backward ops (both descending): each
+    op, ``share`` of its stage time, starts when its rank is free and ``cur[j]`` (its input's arrival; then
+    ``p2p`` per stage hop) has come; ``cur[j]`` ends as the micro-batch's end on the last stage visited."""
+    sk, M = s[k], cur.shape[0]
+    for qq in range(sk):
+        q = qq if forward else sk - 1 - qq
+        for jj in range(M):
+            j = jj if forward else M - 1 - jj
+            a = assign[k, j]
+            if a < 0:
+                continue
+            r = ranks[off[k] + a * sk + q]
+            ready = cur[j] + (p2p[k, j] if qq > 0 else 0.0)
+            st = free[r] if free[r] > ready else ready
+            dur = stt[k, j] * share
+            free[r] = st + dur
+            cb[k, r] += dur
+            cur[j] = free[r]
+
+
+def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N):
+    """Plain-Python `stream_kernel` (same arguments and result), written as an explicit op graph: each rank's
+    op list in the executor's order, each op's end = its duration after the later of its rank's previous op
+    and its inputs' arrival, resolved by memoized recursion (an independent formulation of the same rules)."""
+    import functools
+
+    C, M = len(t), len(t[0])
+    assign = [list(lpt_reference(t[k], int(d[k]))[0]) if d[k] else [-1] * M for k in range(C)]
+
+    def stage(k, j):
+        tk, o = float(t[k][j]), min(float(ovh), float(t[k][j]))
+        return (tk - o) / int(s[k]) + o if tk > 0 else 0.0
+
+    def rank(k, j, q):
+        return int(ranks[int(off[k]) + assign[k][j] * int(s[k]) + q])
+
+    seq = {r: [] for r in range(int(N))}  # rank -> ops ("F"/"B", k, q, j) in the rank's order
+    for k in range(C):
+        for q in range(int(s[k]) if d[k] else 0):
+            for j in range(M):
+                if assign[k][j] >= 0:
+                    seq[rank(k, j, q)].append(("F", k, q, j))
+    for r in seq:
+        seq[r] += [("B", k, q, j) for (_, k, q, j) in reversed(seq[r])]
+    prev = {}
+    for r, ops in seq.items():
+        for a, b in zip([None] + ops, ops):
+            prev[b] = (a, r)
+
+    @functools.lru_cache(maxsize=None)
+    def end(op):
+        kind, k, q, j = op
+        before, r = prev[op]
+        deps = []  # (op, seconds it travels)
+        if kind == "F":
+            if q > 0:
+                deps.append((("F", k, q - 1, j), float(p2p[k][j])))
+            else:
+                for p in range(C):
+                    if prod[k][p] and assign[p][j] >= 0:
+                        last = int(s[p]) - 1
+                        deps.append((("F", p, last, j), float(xfer[p][j]) if rank(p, j, last) != r else 0.0))
+            dur = stage(k, j) * float(ff[k])
+        else:
+            if q < int(s[k]) - 1:
+                deps.append((("B", k, q + 1, j), float(p2p[k][j])))
+            else:
+                for c in range(C):
+                    if prod[c][k] and assign[c][j] >= 0:
+                        deps.append((("B", c, 0, j), float(xfer[k][j]) if rank(c, j, 0) != r else 0.0))
+            dur = stage(k, j) * (1.0 - float(ff[k]))
+        begin = max([end(before) if before else 0.0] + [end(o) + x for o, x in deps])
+        return begin + dur
+
+    import sys
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10000 + 8 * sum(len(v) for v in seq.values())))
+    try:
+        finish = {r: (end(ops[-1]) if ops else 0.0) for r, ops in seq.items()}
+        busy, bytes_ = np.zeros(C), np.zeros(int(N))
+        step = max(finish.values(), default=0.0)
+        for k in range(C):
+            if not d[k]:
+                continue
+            group = [int(ranks[int(off[k]) + x]) for x in range(int(d[k]) * int(s[k]))]
+            step = max(step, max(finish[r] for r in group) + float(ar[k]))
+            for r in group:
+                mine = [op for op in seq[r] if op[1] == k]
+                busy[k] = max(busy[k], sum(stage(k, op[3]) * (float(ff[k]) if op[0] == "F" else 1.0 - float(ff[k]))
+                                           for op in mine))
+                bytes_[r] += float(state[k]) + sum(float(mem[k][op[3]]) for op in mine if op[0] == "F") / int(s[k])
+    finally:
+        sys.setrecursionlimit(old)
+    return step, busy, bytes_
