@@ -66,6 +66,15 @@ class CostModel(StageCosts):
     Build one with `CostModel.preset` (``"gpt"``, ``"t5"``, ``"vlm"`` on a device preset), with
     `CostModel.analytic` from a `ModelConfig` and `DeviceProfile`, or with `CostModel.profiled`
     from a measured `ProfiledTable`. All cost methods are vectorized over micro-batches.
+
+    Keywords: ``time_coef``/``mem_coef`` (seconds / bytes per feature unit, `FEATURES`; default the analytic
+    ones), ``table`` (a `ProfiledTable` deciding padded costs), ``pad_multiple`` (tokens padded lengths round
+    up to), ``forgetting`` and ``prior_strength`` (the deprecated `observe`/`refit`'s per-call decay and
+    ridge), ``packed_attention`` (`PACKED_ATTENTION`: how a packed row is attended).
+
+    Jobs: pricing is here; the coefficients, their version and sharing are its `coefficients` store
+    (`dynabatch.core.cost.coefficients`), the file format `dynabatch.core.cost.fileformat`, the deprecated
+    refit `dynabatch.core.cost.legacy_refit`.
     """
 
     stage_memory_model = None  # see __init__ (a class default, for models unpickled from older releases)
