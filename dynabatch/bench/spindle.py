@@ -10,9 +10,10 @@ shape records of OmniBal, COCO 2017 val captions with each image's InternVL tili
 (`dynabatch.shape_sources.synthetic_shapes`), which the output says.
 
 For every step and device count the same micro-batches (`StepSamples.pack`, one task each) are priced by the
-same per-component cost models and simulated four ways plus the allocation: one pipeline cut uniformly or by
-the partition search (`dynabatch.pipeline.balanced_partition`), each with and without the bypass of idle
-leading stages (`dynabatch.core.multitask.baselines`), interleaved step by step. ``plan ms`` is the wall time
+same per-component cost models and simulated four ways plus the allocation (its step as the multi-task
+executor runs it, micro-batches streaming between component groups: `simulate_stream`): one pipeline cut
+uniformly or by the partition search (`dynabatch.pipeline.balanced_partition`), each with and without the
+bypass of idle leading stages (`dynabatch.core.multitask.baselines`), interleaved step by step. ``plan ms`` is the wall time
 of pricing the step and searching the allocation (`plan_allocation`, numba kernels, compiled before timing).
 """
 
@@ -187,7 +188,8 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
                     alloc = plan_allocation(costs, w, N)
                     a["alloc"].append(alloc.step_seconds)
                     a["layout"] = a["layout"] or ", ".join(
-                        f"{p.component} {len(p.ranks)}x{p.stages}@{p.wave}" for p in alloc.placements)
+                        f"{p.component} {len(p.ranks)}x{p.stages}@{p.wave}"
+                        + (f" from {p.ranks[0]}" if p.ranks[0] else "") for p in alloc.placements)
                 except ValueError:
                     a["alloc"].append(math.nan)
                 a["ms"].append(1e3 * (time.perf_counter() - t0))
@@ -224,7 +226,8 @@ def format_spindle(rows: list[SpindleRow]) -> str:
         lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {cells} {ratio} {r.lower_bound_s:>11.3f} "
                      f"{r.allocation_s / r.lower_bound_s:>10.2f}x {r.plan_ms:>8.1f}")
     lines.append("")
-    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave)" for r in rows]
+    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave [from its first "
+              f"rank, when not 0])" for r in rows]
     return "\n".join(lines)
 
 
