@@ -97,6 +97,31 @@ def feedback_loader(path: str, rank: int, world: int, *, global_batch_tokens: in
         runtime=Runtime(rank=rank, world_size=world, plan_ahead=0))
 
 
+def cuts(plan) -> str:
+    """A hash of which samples form each micro-batch and where it runs (not of the predicted times):
+    what the planner decided, whatever the cost model's coefficients."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for arr in (plan.sample_ids, plan.mb_offsets, plan.mb_rank, plan.mb_order):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:16]
+
+
+def prior_plans(path: str, world: int, steps: int) -> dict:
+    """Step number -> (fingerprint, `cuts`) of the first ``steps`` steps as the loader plans them with the
+    `PRIOR` alone (no feedback), epoch after epoch as the Trainer iterates them."""
+    loader = feedback_loader(path, 0, world, feedback=False)
+    out, epoch = {}, 0
+    while len(out) < steps:
+        loader.set_epoch(epoch)
+        for step in loader:
+            out[int(step.step)] = (step.plan.fingerprint(), cuts(step.plan))
+        epoch += 1
+    loader.close()
+    return {k: v for k, v in out.items() if k < steps}
+
+
 def _trainer_env(rank: int, world: int, port: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -114,7 +139,8 @@ def _trainer_run(path: str, out: str, rank: int, world: int, *, max_steps: int, 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
             loop = self.train_loader.feedback_loop
-            self.seen.append({"step": inputs.step, "plan": inputs.plan.fingerprint(), "version": inputs.cost_version,
+            self.seen.append({"step": inputs.step, "plan": inputs.plan.fingerprint(), "cuts": cuts(inputs.plan),
+                              "version": inputs.cost_version,
                               "microbatches": len(inputs), "coef": loop.cost_model.time_coef.tolist(),
                               "metrics": self.step_feedback.last.as_dict()})
             heartbeat()

@@ -209,6 +209,18 @@ def test_a_wrong_prior_is_refit_within_k_steps_under_the_trainer(two_ranks):
     assert ratio(seen[-1]["coef"]) > 2.5 * ratio(workers.PRIOR)
 
 
+def test_the_refit_changes_what_the_planner_plans(two_ranks, data_path):
+    """The refit reaches the plans: the steps planned before it are exactly the prior's plans of the
+    same global batches (planned here, in this process, without feedback), and most of those planned
+    after it group or place the samples otherwise (the long ones priced 3x dearer)."""
+    seen = two_ranks[0]["full"]["seen"]
+    prior = workers.prior_plans(data_path, 2, len(seen))
+    for s in seen[:K]:
+        assert (s["plan"], s["cuts"]) == prior[s["step"]], s["step"]
+    changed = [s["step"] for s in seen[K:] if s["cuts"] != prior[s["step"]][1]]
+    assert len(changed) >= (len(seen) - K) / 2, changed
+
+
 def test_both_ranks_plan_and_refit_alike_and_log_the_same_metrics(two_ranks):
     for run in ("full", "resumed"):
         a, b = (r[run] for r in two_ranks)
