@@ -11,6 +11,7 @@ _NAMES = {
     "mtmm_tiny_graph": "zoo", "vision_language_graph": "zoo", "route": "routing",
     "StepSamples": "workload", "Workload": "workload", "ComponentCosts": "workload",
     "ComponentOptions": "allocation", "component_options": "allocation", "plan_allocation": "allocation",
+    "simulate_stream": "allocation", "StreamModel": "allocation",
     "PipelineBaseline": "baselines", "one_pipeline": "baselines", "lower_bound": "baselines",
 }
 __all__ = sorted(_NAMES)
