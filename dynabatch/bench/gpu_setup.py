@@ -146,7 +146,8 @@ class ModelFactory:
 @contextlib.contextmanager
 def one_stage(device: str):
     """A one-stage, one-rank `dynabatch.pipeline.runtime.DistContext` in this process (NCCL on CUDA, gloo on CPU)."""
-    from ..pipeline import free_port, init_pipeline
+    from ..pipeline import init_pipeline
+    from ..pipeline.runtime import free_port
 
     os.environ.setdefault("LOCAL_RANK", "0")
     with init_pipeline(num_stages=1, rank=0, world_size=1, master_port=free_port(), device=device,

@@ -138,7 +138,8 @@ def train_section(ctx, cfg, factory, data, index, cost, *, tick=None) -> dict:
 def recompute_section(ctx, cfg, factory, data, index, cost, planned_peak: float, *, tick=None) -> dict:
     """``dp`` adaptive under an activation limit vs full recomputation (module docstring)."""
     from ..core.cost import CostModel
-    from ..pipeline import MicroBatchShape, measured_stage_memory
+    from ..pipeline import measured_stage_memory
+    from ..pipeline.models import MicroBatchShape
 
     limit = cfg.recompute_fraction * planned_peak
     cost = CostModel.from_dict(cost.to_dict())  # its own memory model; the training section's stays as it was

@@ -252,7 +252,8 @@ def worker(rank: int, world_size: int, port: int, payload: dict):
 def run_multimodel_bench(cfg: MultiBenchConfig, *, generated_samples: int = 2000, progress: bool = False) -> dict:
     """Run the benchmark on ``cfg.options.num_stages`` local processes; returns the JSON-able result.
     ``progress``: a bar of the steps trained (each K's) on stderr."""
-    from ..pipeline import count_parameters, launch_local, make_model
+    from ..pipeline import launch_local, make_model
+    from ..pipeline.models import count_parameters
     from .train import TrainBenchConfig, build_data
 
     bad = [K for K in cfg.ks if not 1 <= int(K) <= len(LR_FACTORS)]

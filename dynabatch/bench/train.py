@@ -140,7 +140,8 @@ class MethodRun:
 
         import dynabatch
         from ..core.plan.feedback import FeedbackLoop
-        from ..pipeline import PipelineRunner, RunnerConfig, representative, search_partition, stage_cost_model
+        from ..pipeline import PipelineRunner, RunnerConfig, search_partition, stage_cost_model
+        from ..pipeline.measure import representative
         from . import train_hf
         from ..pipeline.runtime.launch import heartbeat  # each set-up phase is progress (a minute each, loaded)
 
@@ -425,7 +426,8 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     ``"status": "running"``) and holding the final or stopped result at the end. A run that does
     not finish (SIGINT/SIGTERM, liveness timeout, ``max_wall_s``, a failed rank) raises
     `TrainBenchStopped` with the partial result of the steps done so far."""
-    from ..pipeline import count_parameters, launch_local
+    from ..pipeline import launch_local
+    from ..pipeline.models import count_parameters
 
     unknown = (set(cfg.methods) - set(TRAIN_METHODS) - set(RECOMPUTE_VARIANTS) - set(FLUSH_VARIANTS)
                - {"dp-blind", "group_by_length", "kk", "rebalance"})
