@@ -230,7 +230,8 @@ def test_plan_allocation_kernel_matches_reference_on_random_graphs():
 
 def _random_allocation(rng, g, N):
     """A random valid allocation of ``g`` on ``N`` devices: each dependency level a wave, components of a wave
-    on disjoint contiguous ranks from a random first rank (waves may share devices or not), random stages."""
+    on disjoint contiguous ranks from a random first rank (waves may share devices or not; ranks ascending or
+    descending), random stages."""
     depth = {}
     for c in g.order():
         depth[c] = 1 + max((depth[i] for i in g.component(c).inputs), default=-1)
@@ -242,7 +243,8 @@ def _random_allocation(rng, g, N):
             room = N - at - (len(names) - 1 - names.index(c))
             n = int(rng.integers(1, room + 1))
             divs = [x for x in range(1, min(n, g.component(c).layers) + 1) if n % x == 0]
-            placements.append(Placement(c, tuple(range(at, at + n)), int(rng.choice(divs)), lv))
+            ranks = tuple(range(at, at + n))[::int(rng.choice([1, -1]))]  # replica 0 first or last
+            placements.append(Placement(c, ranks, int(rng.choice(divs)), lv))
             at += n
         waves.append(tuple(names))
     return Allocation(tuple(placements), tuple(waves), N, 0.0, {})

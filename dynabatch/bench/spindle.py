@@ -189,7 +189,7 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
                     a["alloc"].append(alloc.step_seconds)
                     a["layout"] = a["layout"] or ", ".join(
                         f"{p.component} {len(p.ranks)}x{p.stages}@{p.wave}"
-                        + (f" from {p.ranks[0]}" if p.ranks[0] else "") for p in alloc.placements)
+                        + (f" on {p.ranks[0]}..{p.ranks[-1]}" if p.ranks[0] else "") for p in alloc.placements)
                 except ValueError:
                     a["alloc"].append(math.nan)
                 a["ms"].append(1e3 * (time.perf_counter() - t0))
@@ -226,8 +226,8 @@ def format_spindle(rows: list[SpindleRow]) -> str:
         lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {cells} {ratio} {r.lower_bound_s:>11.3f} "
                      f"{r.allocation_s / r.lower_bound_s:>10.2f}x {r.plan_ms:>8.1f}")
     lines.append("")
-    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave [from its first "
-              f"rank, when not 0])" for r in rows]
+    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave [on its ranks, "
+              f"replica 0's first, when not from rank 0])" for r in rows]
     return "\n".join(lines)
 
 

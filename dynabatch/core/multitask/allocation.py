@@ -304,22 +304,22 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
     if model == "waves":
         if whole is None:
             raise ValueError(_no_fit(N, limit))
-        return _placed([(0, whole[1])], opts, N, whole[0], method)
+        return _placed([(0, N, whole[1])], opts, N, whole[0], method)
     sim = StreamModel(costs, workload, allreduce_bandwidth)
     best = None  # (seconds, allocation)
 
-    def consider(blocks):
+    def consider(blocks, mirror=()):
         nonlocal best
-        alloc = _placed(blocks, opts, N, 0.0, method)
+        alloc = _placed(blocks, opts, N, 0.0, method, mirror)
         step, busy, mem = sim.run(alloc, method)
         if max(mem) > limit * (1 + 1e-12):  # cannot happen: each block's waves sum their peaks
             raise RuntimeError(f"allocation search: a placement exceeds {limit:.4g} bytes per device ({max(mem):.4g})")
         if best is None or step < best[0]:
-            best = (step, Allocation(alloc.placements, alloc.waves, N, step, busy, mem, method))
+            best = (step, Allocation(alloc.placements, alloc.waves, N, step, busy, mem, method), blocks, mirror)
         return step
 
     if whole is not None:
-        consider([(0, whole[1])])
+        consider([(0, N, whole[1])])
     work = workload.time_s.sum(axis=1)
     level_work = [sum(float(work[workload.row(c)]) for c in lv) for lv in levels]
     for cut in range(1, len(levels)):
@@ -328,7 +328,7 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
         def score(na: int) -> float:
             if na not in seen:
                 a, b = block(0, cut, na), block(cut, len(levels), N - na)
-                seen[na] = math.inf if a is None or b is None else consider([(0, a[1]), (na, b[1])])
+                seen[na] = math.inf if a is None or b is None else consider([(0, na, a[1]), (na, N - na, b[1])])
             return seen[na]
 
         if N < 2:
@@ -345,6 +345,18 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
             na = nxt
     if best is None:
         raise ValueError(_no_fit(N, limit))
+    # each wave's ranks from the block's first or from its last device: the longest-first balance gives every
+    # group's replica 0 its heaviest micro-batches, and a group's all-reduce waits for all its ranks, so
+    # mirroring a wave can keep the heaviest replicas of two waves off the same devices
+    blocks = best[2]
+    W = sum(len(b[2]) for b in blocks)
+    if W <= 4:
+        for mask in range(1, 2 ** W):
+            consider(blocks, tuple(w for w in range(W) if mask >> w & 1))
+    else:
+        for _ in range(2):
+            for w in range(W):
+                consider(blocks, tuple(sorted(set(best[3]) ^ {w})))
     return best[1]
 
 
@@ -408,21 +420,24 @@ def simulate_stream(costs, workload, allocation: "Allocation", *, allreduce_band
     return StreamModel(costs, workload, allreduce_bandwidth).run(allocation, method)
 
 
-def _placed(blocks, opts, N: int, step_s: float, method: str) -> Allocation:
-    """Placements of the chosen blocks ``[(first rank, waves)]``: waves numbered across the blocks in order, in
-    each wave the components from the block's first rank on, most bytes first; ``component_seconds``: each
-    option's (barrier-model) seconds, ``memory_bytes``: the options' bytes summed over each device's waves."""
+def _placed(blocks, opts, N: int, step_s: float, method: str, mirror=()) -> Allocation:
+    """Placements of the chosen blocks ``[(first rank, devices, waves)]``: waves numbered across the blocks in
+    order, in each wave the components from the block's first rank on, most bytes first; a wave in ``mirror``
+    is reflected inside its block (rank ``first + k`` becomes ``first + devices - 1 - k``: replica 0 on the
+    block's last devices). ``component_seconds``: each option's (barrier-model) seconds, ``memory_bytes``:
+    the options' bytes summed over each device's waves."""
     placements, names, secs = [], [], {}
     mem = np.zeros(N)
-    for first, waves in blocks:
+    for first, size, waves in blocks:
         for block, choice in waves:
             w = len(names)
             order = sorted(range(len(block)), key=lambda k: (-opts[block[k]].bytes[choice[k]], k))
-            at = first
+            at = 0
             for k in order:
                 o, i = opts[block[k]], choice[k]
-                placements.append(Placement(block[k], tuple(range(at, at + o.n[i])), o.s[i], w))
-                mem[at:at + o.n[i]] += o.bytes[i]
+                ranks = tuple(first + (size - 1 - x if w in mirror else x) for x in range(at, at + o.n[i]))
+                placements.append(Placement(block[k], ranks, o.s[i], w))
+                mem[list(ranks)] += o.bytes[i]
                 secs[block[k]] = o.seconds[i]
                 at += o.n[i]
             names.append(tuple(block))
