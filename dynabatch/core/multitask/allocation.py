@@ -265,7 +265,9 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
     from the blocks' share of the work) by `simulate_stream`, the executor's own order: micro-batches flow
     from a producer group to its consumer groups as each is done, so blocks (and the groups of one block's
     waves on different devices) work at once; ``step_seconds``, ``component_seconds`` and ``memory_bytes``
-    are that simulation's. ``model="waves"``: one block, and a barrier after every wave (the step is the sum
+    are that simulation's; the fastest candidate's waves may then each be mirrored inside their block (replica
+    0 on the block's last devices, so the heaviest replicas of two waves need not share devices and hold up
+    a group's all-reduce, which waits for all its ranks). ``model="waves"``: one block, and a barrier after every wave (the step is the sum
     of its waves, each its slowest component's seconds); exact over its space. ValueError when no allocation
     fits."""
     from ..kernels import allocation as K
