@@ -102,3 +102,17 @@ def test_a_bound_that_is_no_number_is_named(path, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_MAX_ENV, "lots")
     with pytest.raises(ValueError, match=r"\$DYNABATCH_CACHE_MAX_BYTES='lots' is not a number of bytes"):
         _loader(path)
+
+
+def test_a_token_file_removed_while_the_folder_is_counted_is_not_counted(tmp_path, monkeypatch):
+    """Loaders of several processes share the folder: a file listed and then removed by another one
+    before its size is read no longer holds bytes (before: FileNotFoundError out of the DataLoader's
+    start, seen when a test's threaded ranks started next to another test's loaders)."""
+    import dynabatch.index.token_file as token_file
+
+    (tmp_path / "tokens-a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "tokens-b.bin").write_bytes(b"y" * 7)
+    listed = list(os.scandir(tmp_path))  # the listing, taken before the other process's unlink
+    (tmp_path / "tokens-a.bin").unlink()
+    monkeypatch.setattr(token_file.os, "scandir", lambda folder: iter(listed))
+    assert token_file._folder_bytes(str(tmp_path)) == (7, 1)

@@ -86,8 +86,16 @@ def cache_max_bytes() -> int:
 
 
 def _folder_bytes(folder: str) -> tuple[int, int]:
-    """(bytes, number) of the files directly in ``folder``."""
-    sizes = [e.stat().st_size for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+    """(bytes, number) of the files directly in ``folder``. Other processes share the folder: a file
+    another loader removes between the listing and its ``stat`` (its own cache, or a dead one's
+    reclaimed) no longer holds bytes and is not counted."""
+    sizes = []
+    for e in os.scandir(folder):
+        try:
+            if e.is_file(follow_symlinks=False):
+                sizes.append(e.stat(follow_symlinks=False).st_size)
+        except FileNotFoundError:
+            continue
     return sum(sizes), len(sizes)
 
 
