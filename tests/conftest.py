@@ -7,6 +7,10 @@ import os
 
 os.environ.setdefault("DYNABATCH_LAUNCH_START", "forkserver")
 os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers")
+# Two xdist workers share two cores: a worker whose torch ran two intra-op threads oversubscribed them
+# (OpenMP's spinning threads: 24% more user CPU on the in-process model tests, no faster). Ranks get
+# their own count from launch_local's threads_per_proc; a run may still choose another.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
