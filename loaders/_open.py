@@ -12,7 +12,7 @@ from ._fs import Storage, is_url, local_form
 from ._hf import HFDatasetReader, HFIterableReader
 from ._jsonl import JsonArrayReader, JsonlReader
 from ._optional import optional_module
-from ._source import Source
+from ._source import Source, with_source_options
 from ._webdataset import TAR_SUFFIXES, WebDatasetReader
 
 _COMPRESSIONS = ("", *COMPRESSED_SUFFIXES)
@@ -38,6 +38,7 @@ class _FileSource(Source):
     _suffixes: tuple[str, ...]
     _columnar = False
 
+    @with_source_options
     def __init__(self, paths, storage_options: dict | None = None, cache_dir: str | None = None, **options):
         self._open(paths, None, storage_options, cache_dir, options)
 
@@ -67,6 +68,7 @@ class JsonSource(_FileSource):
 class _ColumnarSource(_FileSource):
     _columnar = True
 
+    @with_source_options
     def __init__(self, paths, columns: list[str] | None = None, storage_options: dict | None = None,
                  cache_dir: str | None = None, **options):
         self._open(paths, columns, storage_options, cache_dir, options)
@@ -90,6 +92,7 @@ class WebDatasetSource(Source):
     """webdataset tar shards, e.g. ``"data/shard-{000..009}.tar"`` or ``"s3://b/shard-{000..009}.tar"``;
     ``storage_options``/``cache_dir`` as for `JsonlSource`; see ``_webdataset``."""
 
+    @with_source_options
     def __init__(self, urls, storage_options: dict | None = None, cache_dir: str | None = None, **options):
         storage = Storage(storage_options, cache_dir)
         super().__init__(WebDatasetReader(expand_paths(urls, TAR_SUFFIXES, storage), storage), **options)
@@ -98,6 +101,7 @@ class WebDatasetSource(Source):
 class HFSource(Source):
     """A map-style ``datasets.Dataset``; ``sample_id`` is the row index."""
 
+    @with_source_options
     def __init__(self, dataset, **options):
         super().__init__(HFDatasetReader(dataset, options.get("name")), **options)
 
@@ -105,6 +109,7 @@ class HFSource(Source):
 class HFIterableSource(Source):
     """A streaming ``datasets.IterableDataset``, sharded by its ``n_shards``."""
 
+    @with_source_options
     def __init__(self, dataset, **options):
         super().__init__(HFIterableReader(dataset, options.get("name")), **options)
 
@@ -118,6 +123,7 @@ def _format_of(path: str) -> str | None:
     return next((kind for suffix, kind in _BY_SUFFIX.items() if low.endswith(suffix)), None)
 
 
+@with_source_options
 def open_source(data, split: str | None = None, *, storage_options: dict | None = None,
                 cache_dir: str | None = None, **options) -> Source:
     """Open files, a folder, a ``save_to_disk`` folder, URLs, a HF dataset or a list of records as a ``Source``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -61,15 +62,17 @@ class _Stateful(IterableDataset):
             self._access = open_access(self)
         return self._access.read(sample_ids)
 
-    def fresh(self, **options):
-        """A copy without a loaded state, positioned at the start of its epoch, with source
-        ``options`` changed (e.g. ``fresh(shuffle=False, shuffle_buffer=0)`` reads in file order)."""
+    def fresh(self, *, shuffle: bool | None = None, shuffle_buffer: int | None = None, seed: int | None = None,
+              max_samples_per_epoch: int | None = None, on_error: str | None = None):
+        """A copy without a loaded state, positioned at the start of its epoch, with the options given
+        changed (None: kept; e.g. ``fresh(shuffle=False, shuffle_buffer=0)`` reads in file order)."""
         other = copy.copy(self)
         other._pending, other._iterator = None, None
-        for key, value in options.items():
-            if key not in ("shuffle", "shuffle_buffer", "seed", "max_samples_per_epoch", "on_error"):
-                raise TypeError(f"fresh() cannot change {key!r}")
-            setattr(other, key, value)
+        changes = {"shuffle": shuffle, "shuffle_buffer": shuffle_buffer, "seed": seed,
+                   "max_samples_per_epoch": max_samples_per_epoch, "on_error": on_error}
+        for key, value in changes.items():
+            if value is not None:
+                setattr(other, key, value)
         return other
 
 
@@ -319,3 +322,18 @@ class Source(_Stateful):
         self.epoch = state["epoch"]
         self._pending = copy.deepcopy(state)
         self._iterator = None
+
+
+def with_source_options(fn):
+    """Give ``fn`` (a source's ``__init__`` or `loaders.open_source`, whose ``**options`` it hands to
+    `Source.__init__` unchanged) the signature a reader sees: its own parameters, then every
+    keyword-only option of `Source.__init__` by name, default and annotation. The options are
+    declared once, on `Source`; ``help()`` and ``inspect.signature`` show each one, and a keyword
+    `Source` does not take is still refused there by name."""
+    own = inspect.signature(fn)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in params}
+    params += [p for p in inspect.signature(Source.__init__).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in names]
+    fn.__signature__ = own.replace(parameters=params)
+    return fn

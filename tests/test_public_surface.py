@@ -87,3 +87,30 @@ def test_the_project_imports_no_moved_name_from_a_top_level(package, root):
     """The project's own code, examples and tests import a moved name from its module: a user running them sees no
     DeprecationWarning that the project caused (the bench train runs warned before)."""
     assert _moved_imports(root, package) == []
+
+
+def test_every_loaders_source_shows_its_options_by_name(tmp_path):
+    """The sources and `loaders.open_source` hand their options to `Source.__init__`, where they are declared once; each
+    one's signature names every option (no ``**options`` a reader must chase), and an unknown one is refused by name."""
+    import loaders
+
+    source_options = {p.name for p in inspect.signature(loaders.Source.__init__).parameters.values()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert {"shuffle", "seed", "on_error", "rank", "world_size"} <= source_options
+    for name in ("JsonlSource", "JsonSource", "ParquetSource", "ArrowSource", "WebDatasetSource", "HFSource",
+                 "HFIterableSource", "open_source"):
+        params = inspect.signature(getattr(loaders, name)).parameters
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), name
+        assert source_options <= set(params), (name, source_options - set(params))
+    for name in loaders.__all__:
+        obj = getattr(loaders, name)
+        if callable(obj) and not isinstance(obj, type(inspect)):
+            try:
+                params = inspect.signature(obj).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params), name
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(TypeError, match="shuffel"):
+        loaders.JsonlSource([str(path)], shuffel=True)
