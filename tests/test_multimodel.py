@@ -420,8 +420,9 @@ def soak_worker(rank, world, port, steps):
 def test_three_hundred_steps_do_not_hang():
     """300 small steps of three models over two shards, the update placement alternating: its length is
     the point. A spill that leaves a model's shard or a stale buffer behind shows only after many moves
-    (each step moves shards), and a hang of the schedule between two models only once their orders
-    drift; both ranks' losses stay finite and equal, and the resident bytes never pass the budget."""
+    of shards in and out of the budget, and a hang between the two ranks only once their step orders
+    have varied enough; both ranks' losses stay finite and equal, shards did spill, and the resident
+    bytes never passed the budget."""
     res = ok(launch_local(f"{__file__}:soak_worker", 2, args=(300,), idle_timeout_s=90))
     for r in res:
         assert len(r["losses"]) == 300 and np.all(np.isfinite(r["losses"]))
