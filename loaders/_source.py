@@ -25,6 +25,10 @@ logger = logging.getLogger("loaders")
 _FRESH, _REDEALT = 1, 2
 
 
+#: `Source.fresh`'s default: the option stays as it is (None is a value: no cap).
+KEEP = object()
+
+
 class _Stateful(IterableDataset):
     """What ``Source`` and ``Mixture`` share: layout arguments, epoch, pending state."""
 
@@ -62,18 +66,19 @@ class _Stateful(IterableDataset):
             self._access = open_access(self)
         return self._access.read(sample_ids)
 
-    def fresh(self, *, shuffle: bool | None = None, shuffle_buffer: int | None = None, seed: int | None = None,
-              max_samples_per_epoch: int | None = None, on_error: str | None = None):
+    def fresh(self, *, shuffle=KEEP, shuffle_buffer=KEEP, seed=KEEP, max_samples_per_epoch=KEEP, on_error=KEEP):
         """A copy without a loaded state, positioned at the start of its epoch, with the options given
-        changed (None: kept; e.g. ``fresh(shuffle=False, shuffle_buffer=0)`` reads in file order)."""
+        changed (`KEEP`, the default: as they are; ``max_samples_per_epoch=None`` lifts a cap; e.g.
+        ``fresh(shuffle=False, shuffle_buffer=0)`` reads in file order)."""
         other = copy.copy(self)
         other._pending, other._iterator = None, None
         changes = {"shuffle": shuffle, "shuffle_buffer": shuffle_buffer, "seed": seed,
                    "max_samples_per_epoch": max_samples_per_epoch, "on_error": on_error}
         for key, value in changes.items():
-            if value is not None:
+            if value is not KEEP:
                 setattr(other, key, value)
         return other
+
 
 
 class Source(_Stateful):

@@ -21,9 +21,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from suite_order import longest_first
+    from suite_order import longest_first  # beside this file: pytest puts its folder on sys.path
 
     items[:] = longest_first(items)

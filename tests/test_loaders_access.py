@@ -45,3 +45,9 @@ def test_fresh_copy_drops_loaded_state(tmp_path):
     src.load_state_dict(src.state_dict())
     ordered = src.fresh(shuffle=False)
     assert [s["sample_id"] for s in ordered] == sorted(s["sample_id"] for s in ordered.fresh())
+
+
+def test_fresh_keeps_what_it_is_not_given_and_none_lifts_a_cap(tmp_path):
+    src = loaders.open_source(write_jsonl(tmp_path / "d.jsonl", records(12)), max_samples_per_epoch=5, seed=3)
+    assert len(list(src.fresh())) == 5 and src.fresh().seed == 3
+    assert len(list(src.fresh(max_samples_per_epoch=None))) == 12
