@@ -146,6 +146,37 @@ def test_cpu_time_is_progress_outside_the_worker_function_only():
     assert f.timed_out and f.timeout_reason == "idle" and f.result is None and f.stdout == ""
 
 
+def compiling(rank, world, port, seconds):
+    """Print nothing; compile fresh numba functions (no cache) for ``seconds`` seconds, what a rank's
+    first planning step does on a cold numba cache."""
+    import numba
+
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        scope = {}
+        exec(f"def f{n}(k):\n    s = 0\n    for i in range(k):\n        s += i * {n + 1}\n    return s\n", scope)
+        assert numba.njit(cache=False)(scope[f"f{n}"])(10) == 45 * (n + 1)
+        n += 1
+    return n
+
+
+COMPILE_IDLE = 4.0
+
+
+def _compiling():
+    return launch_local(f"{__file__}:compiling", 1, args=(COMPILE_IDLE + 2,), idle_timeout_s=COMPILE_IDLE)
+
+
+@pytest.mark.slow
+@LAUNCHES.plan(lambda: [job("compiling", _compiling, weight=COMPILE_IDLE + 2)])
+def test_a_rank_compiling_numba_kernels_is_alive():
+    """Inside the worker function CPU time is no progress, but each numba compiler pass is a heartbeat:
+    a rank compiling silently for longer than the idle timeout (a cold cache's first steps) lives."""
+    (r,) = LAUNCHES.result(job("compiling", _compiling))
+    assert r.returncode == 0 and not r.timed_out, r.stderr[-2000:]
+    assert r.result >= 2 and r.wall_s > COMPILE_IDLE + 2 and r.stdout.startswith("DYNABATCH_RESULT")
+
+
 def _silent(idle):
     t0 = time.time()
     res = launch_local(f"{__file__}:silent", 2, args=(300,), idle_timeout_s=idle)

@@ -18,6 +18,7 @@ RESULT_PREFIX = "DYNABATCH_RESULT "
 HEARTBEAT_ENV = "DYNABATCH_HEARTBEAT"
 FAILED_SUFFIX = ".failed"  # beside a rank's heartbeat file: when its worker raised (time.monotonic)
 _last_beat = [0.0]
+_compile_beat: list = []  # the numba listener of `beat_while_compiling`, once registered
 
 
 def heartbeat(min_interval_s: float = 0.2) -> None:
@@ -35,6 +36,30 @@ def heartbeat(min_interval_s: float = 0.2) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def beat_while_compiling() -> None:
+    """Make every numba compiler pass a `heartbeat` in this process (once per process). A kernel's first
+    call compiles it when numba's on-disk cache is cold (a fresh clone or install: 65 s of CPU for the
+    kernels one ``bench train`` rank calls, measured), silently and inside the worker function where CPU
+    time is no progress; a pass is short (well under a second), so a rank that compiles stays alive
+    while a hung one (no pass, no step) is still killed."""
+    if _compile_beat:
+        return
+    try:
+        from numba.core import event
+    except ImportError:  # no numba: nothing compiles
+        return
+
+    class _Beat(event.Listener):
+        def on_start(self, ev):
+            heartbeat()
+
+        def on_end(self, ev):
+            heartbeat()
+
+    _compile_beat.append(_Beat())
+    event.register("numba:run_pass", _compile_beat[0])
 
 
 def mark_phase(path: str | None) -> None:
@@ -66,6 +91,7 @@ def rank_main(argv: list[str]) -> int:
     heartbeat(0.0)  # dynabatch (torch) imported
     fn = resolve_target(target)
     heartbeat(0.0)  # the target's module imported
+    beat_while_compiling()  # a cold numba cache compiles inside the worker: each pass is progress
     mark_phase(os.environ.get(HEARTBEAT_ENV))  # in the worker function: CPU time is no progress
     try:
         value = fn(int(rank), int(world), int(port), *json.loads(payload))
@@ -90,4 +116,4 @@ def rank_main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["FAILED_SUFFIX", "HEARTBEAT_ENV", "RESULT_PREFIX", "heartbeat", "mark_phase", "rank_main", "resolve_target"]
+__all__ = ["FAILED_SUFFIX", "HEARTBEAT_ENV", "RESULT_PREFIX", "beat_while_compiling", "heartbeat", "mark_phase", "rank_main", "resolve_target"]
