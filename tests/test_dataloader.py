@@ -43,14 +43,14 @@ def all_ids(path) -> list[int]:
 
 def run_indexed(path, world, **kw):
     """Every rank's micro-batches of one epoch (ranks run one after another: no communication)."""
-    return [list(DataLoader(path, **records_from_keywords(world_size=world, rank=r, **kw)).microbatches()) for r in range(world)]
+    return [list(DataLoader(path, **records_from_keywords(dict(world_size=world, rank=r, **kw))).microbatches()) for r in range(world)]
 
 
 # -- indexed mode ---------------------------------------------------------------------------------
 
 def test_indexed_four_ranks_with_workers_resume_on_two(data):
     kw = dict(global_batch_tokens=TOKENS, seed=5, index_cache=data["index"], **PLAN)
-    first = [DataLoader(data["parquet"], **records_from_keywords(world_size=4, rank=r, num_workers=2, **kw)) for r in range(4)]
+    first = [DataLoader(data["parquet"], **records_from_keywords(dict(world_size=4, rank=r, num_workers=2, **kw))) for r in range(4)]
     n_steps = len(first[0])
     assert n_steps >= 6 and all(len(dl) == n_steps for dl in first)
     stop = n_steps // 2
@@ -66,7 +66,7 @@ def test_indexed_four_ranks_with_workers_resume_on_two(data):
         seen.append(structure(got))
         delivered += ids_of(got)
     assert all(s == seen[0] for s in seen)  # same steps and micro-batch counts on every rank
-    second = [DataLoader(data["parquet"], **records_from_keywords(world_size=2, rank=r, num_workers=2, **kw)) for r in range(2)]
+    second = [DataLoader(data["parquet"], **records_from_keywords(dict(world_size=2, rank=r, num_workers=2, **kw))) for r in range(2)]
     rest = []
     for dl in second:
         dl.load_state_dict(states)  # the list of every rank's state: re-plans the rest for 2 ranks
@@ -82,14 +82,14 @@ def test_indexed_exact_resume_on_same_world(data):
     kw = dict(global_batch_tokens=TOKENS, seed=2, index_cache=data["index"], **PLAN)
     whole = [[(b["step"], b["sample_ids"].tolist()) for b in rank] for rank in run_indexed(data["parquet"], 2, **kw)]
     for r in range(2):
-        dl = DataLoader(data["parquet"], **records_from_keywords(world_size=2, rank=r, **kw))
+        dl = DataLoader(data["parquet"], **records_from_keywords(dict(world_size=2, rank=r, **kw)))
         head = []
         for b in dl.microbatches():
             head.append((b["step"], b["sample_ids"].tolist()))
             if len(head) == 7:
                 break
         state = dl.state_dict()
-        again = DataLoader(data["parquet"], **records_from_keywords(world_size=2, rank=r, **kw))
+        again = DataLoader(data["parquet"], **records_from_keywords(dict(world_size=2, rank=r, **kw)))
         again.load_state_dict(state)
         assert head + [(b["step"], b["sample_ids"].tolist()) for b in again.microbatches()] == whole[r]
 
@@ -101,11 +101,11 @@ def test_indexed_same_structure_on_every_rank(data, method):
     assert shapes[0] == shapes[1] == shapes[2]
     steps = sorted({s for s, _, _ in shapes[0]})
     assert steps == list(range(len(steps))) == list(range(len(DataLoader(data["parquet"],
-                                                                         **records_from_keywords(world_size=3, rank=0,
+                                                                         **records_from_keywords(dict(world_size=3, rank=0,
                                                                                                  global_batch_tokens=TOKENS,
                                                                                                  method=method,
                                                                                                  index_cache=data["index"],
-                                                                                                 **PLAN)))))
+                                                                                                 **PLAN))))))
     for s, m, k in shapes[0]:
         assert 0 <= m < k
     assert_exactly_once([i for r in ranks for i in ids_of(r)], all_ids(data["parquet"]))
@@ -181,9 +181,9 @@ def check_step_totals(ranks):
 
 def test_determinism_and_seed(data):
     kw = dict(world_size=2, rank=1, global_batch_tokens=TOKENS, index_cache=data["index"], **PLAN)
-    a = list(DataLoader(data["parquet"], **records_from_keywords(seed=11, **kw)).microbatches())
-    b = list(DataLoader(data["parquet"], **records_from_keywords(seed=11, **kw)).microbatches())
-    c = list(DataLoader(data["parquet"], **records_from_keywords(seed=12, **kw)).microbatches())
+    a = list(DataLoader(data["parquet"], **records_from_keywords(dict(seed=11, **kw))).microbatches())
+    b = list(DataLoader(data["parquet"], **records_from_keywords(dict(seed=11, **kw))).microbatches())
+    c = list(DataLoader(data["parquet"], **records_from_keywords(dict(seed=12, **kw))).microbatches())
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
@@ -195,10 +195,10 @@ def test_determinism_and_seed(data):
 @pytest.mark.parametrize("kw", [dict(global_batch_tokens=TOKENS), dict(global_batch_tokens=TOKENS, drop_last=True),
                                 dict(global_batch_size=40), dict(global_batch_size=40, drop_last=True)])
 def test_len_is_the_number_of_steps(data, kw):
-    dl = DataLoader(data["parquet"], **records_from_keywords(index_cache=data["index"], **kw, **PLAN))
+    dl = DataLoader(data["parquet"], **records_from_keywords(dict(index_cache=data["index"], **kw, **PLAN)))
     steps = list(dl.steps())
     assert len(steps) == len(DataLoader(data["parquet"],
-                                        **records_from_keywords(index_cache=data["index"], **kw, **PLAN))) > 0
+                                        **records_from_keywords(dict(index_cache=data["index"], **kw, **PLAN)))) > 0
     assert [s[0]["step"] for s in steps] == list(range(len(steps)))
     assert all(len(s) == s[0]["num_microbatches"] for s in steps)
     if "batch_size" in kw:
@@ -213,9 +213,9 @@ def test_hf_dataset_jsonl_index_and_epochs(data, tmp_path):
 
     recs = records(90, seed=4)
     ds = datasets.Dataset.from_list(recs)
-    dl = DataLoader(ds, **records_from_keywords(global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN))
+    dl = DataLoader(ds, **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)))
     assert dl.mode == "indexed"
-    other = DataLoader(ds, **records_from_keywords(global_batch_tokens=TOKENS, world_size=2, rank=1, **PLAN))
+    other = DataLoader(ds, **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=2, rank=1, **PLAN)))
     e0 = ids_of(list(dl.microbatches())) + ids_of(list(other.microbatches()))
     assert_exactly_once(e0, range(90))
     e1 = ids_of(list(dl.microbatches())) + ids_of(list(other.microbatches()))  # the next epoch: another order, the same samples
@@ -231,7 +231,7 @@ def test_hf_dataset_jsonl_index_and_epochs(data, tmp_path):
 
 def test_scan_shapes_index_works_and_warns_on_lm_labels(data, caplog):
     table = tokenization.scan_shapes(loaders.open_source(data["parquet"]), "bytes")
-    dl = DataLoader(data["parquet"], **records_from_keywords(index=table, global_batch_tokens=TOKENS, **PLAN))
+    dl = DataLoader(data["parquet"], **records_from_keywords(dict(index=table, global_batch_tokens=TOKENS, **PLAN)))
     assert not dl.index.exact_labels
     with caplog.at_level("WARNING", logger="dynabatch"):
         assert_exactly_once(ids_of(list(dl.microbatches())), all_ids(data["parquet"]))
@@ -264,8 +264,8 @@ def test_replay_yields_exactly_the_planned_ids(data, tmp_path):
     got = {0: [], 1: []}
     for r in range(2):
         dl = DataLoader(data["parquet"],
-                        **records_from_keywords(plan=plan_path, world_size=2, rank=r, index_cache=data["index"],
-                                                **PLAN))
+                        **records_from_keywords(dict(plan=plan_path, world_size=2, rank=r, index_cache=data["index"],
+                                                **PLAN)))
         assert dl.method == "pad" and dl.collation == "padded"
         for epoch in range(2):
             dl.set_epoch(epoch)
@@ -286,14 +286,14 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     write_plan(plan_path, data["parquet"], world=2, epochs=1)
     kw = dict(index_cache=data["index"], **PLAN)
     with pytest.raises(PlanMismatchError, match=r"world size \(data-parallel ranks\) is 2 in the plan but 4 here"):
-        DataLoader(data["parquet"], **records_from_keywords(plan=plan_path, world_size=4, rank=0, **kw))
+        DataLoader(data["parquet"], **records_from_keywords(dict(plan=plan_path, world_size=4, rank=0, **kw)))
     table = pq.read_table(plan_path)
     meta = dict(table.schema.metadata)
     meta[b"dynabatch.dataset_fingerprint"] = b"0123456789abcdef"
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "tampered.parquet")
     with pytest.raises(PlanMismatchError, match="metadata entry dynabatch.dataset_fingerprint does not match"):
         DataLoader(data["parquet"],  # edited after writing: its integrity record refuses it
-                   **records_from_keywords(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw))
+                   **records_from_keywords(dict(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw)))
 
     def written(meta, path):  # the plan a writer would have written for another dataset (a fresh record)
         from dynabatch.planfile import format as fmt
@@ -306,11 +306,11 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     written(meta, tmp_path / "tampered.parquet")
     with pytest.raises(PlanMismatchError, match="dataset fingerprint is 0123456789abcdef in the plan.*another dataset"):
         DataLoader(data["parquet"],
-                   **records_from_keywords(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw))
+                   **records_from_keywords(dict(plan=str(tmp_path / "tampered.parquet"), world_size=2, rank=0, **kw)))
     del meta[b"dynabatch.dataset_fingerprint"]
     written(meta, tmp_path / "nofp.parquet")
     with pytest.raises(PlanMismatchError, match="records no dynabatch.dataset_fingerprint"):
-        DataLoader(data["parquet"], **records_from_keywords(plan=str(tmp_path / "nofp.parquet"), world_size=2, rank=0, **kw))
+        DataLoader(data["parquet"], **records_from_keywords(dict(plan=str(tmp_path / "nofp.parquet"), world_size=2, rank=0, **kw)))
     with pytest.raises(PlanMismatchError, match="pipeline stages are 2 in the plan but 4 here"):
         DataLoader(data["parquet"], options=PlanOptions(num_stages=4),
                    source=DataSource(plan=plan_path, index_cache=data["index"]),
@@ -318,7 +318,7 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     with pytest.raises(PlanMismatchError, match=f"option 'global_batch_tokens' is {TOKENS} in the plan but "
                                                 f"{2 * TOKENS} here"):
         DataLoader(data["parquet"],
-                   **records_from_keywords(plan=plan_path, world_size=2, rank=0, global_batch_tokens=2 * TOKENS, **kw))
+                   **records_from_keywords(dict(plan=plan_path, world_size=2, rank=0, global_batch_tokens=2 * TOKENS, **kw)))
     # an edited plan: a row duplicated places its sample twice in one epoch
     import pyarrow as pa
 
@@ -327,14 +327,14 @@ def test_replay_refuses_a_foreign_or_tampered_plan(data, tmp_path):
     step, rank, mb, sid = (table.column(c)[4].as_py() for c in ("step", "rank", "microbatch", "sample_id"))
     with pytest.raises(PlanMismatchError, match=f"sample id {sid} appears 2 times in epoch 0 "
                                                 rf"\(step {step} rank {rank} micro-batch {mb} and step {step}"):
-        DataLoader(data["parquet"], **records_from_keywords(plan=edited, world_size=2, rank=0, **kw))  # a pyarrow.Table works as well as a path
+        DataLoader(data["parquet"], **records_from_keywords(dict(plan=edited, world_size=2, rank=0, **kw)))  # a pyarrow.Table works as well as a path
     with pytest.raises(PlanMismatchError, match=f"step {step} rank {rank} holds"):
         DataLoader(data["parquet"],
-                   **records_from_keywords(plan=table.take(pa.array(rows[:4] + rows[5:])), world_size=2, rank=0, **kw))
+                   **records_from_keywords(dict(plan=table.take(pa.array(rows[:4] + rows[5:])), world_size=2, rank=0, **kw)))
     # other data: the fingerprint of its index differs
     other = write_parquet(tmp_path / "other.parquet", records(50, seed=9))
     with pytest.raises(PlanMismatchError, match="another dataset"):
-        DataLoader(other, **records_from_keywords(plan=plan_path, world_size=2, rank=0, **PLAN))
+        DataLoader(other, **records_from_keywords(dict(plan=plan_path, world_size=2, rank=0, **PLAN)))
 
 
 # -- streaming mode -------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def streaming(path, world, rank, coll, **kw):
     src = loaders.JsonlSource(path, shuffle=True, shuffle_buffer=8, seed=3)
     opts = dict(global_batch_tokens=TOKENS, chunk_size=16, **PLAN)
     opts.update(kw)
-    return DataLoader(src, **records_from_keywords(world_size=world, rank=rank, collective=coll, **opts))
+    return DataLoader(src, **records_from_keywords(dict(world_size=world, rank=rank, collective=coll, **opts)))
 
 
 def test_streaming_four_ranks_with_workers_resume_on_two(data):
@@ -416,7 +416,7 @@ def test_streaming_deterministic_and_exact_resume_same_layout(data):
 
 
 def test_streaming_single_rank_packed_and_samples_mode(data):
-    dl = DataLoader(data["jsonl"], **records_from_keywords(global_batch_size=32, collate="packed", **PLAN))
+    dl = DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_size=32, collate="packed", **PLAN)))
     assert dl.mode == "streaming" and dl.method == "dp_varlen"
     with pytest.raises(TypeError):
         len(dl)
@@ -448,7 +448,7 @@ def test_vision_tiles_and_pixels(tmp_path):
             for i in range(12)]
     tiling = tokenization.DynamicTiling(tile_size=28, patch_size=14, tokens_per_tile=16)
     dl = DataLoader(datasets.Dataset.from_list(rows),
-                    **records_from_keywords(global_batch_tokens=400, vision=tiling, load_pixels=True, **PLAN))
+                    **records_from_keywords(dict(global_batch_tokens=400, vision=tiling, load_pixels=True, **PLAN)))
     want = {i: int(tiling.num_tiles(*sizes[i % 4])) for i in range(12)}
     seen = 0
     for b in dl.microbatches():
@@ -461,29 +461,29 @@ def test_vision_tiles_and_pixels(tmp_path):
 
 def test_argument_errors(data):
     with pytest.raises(ValueError, match=r"give the global batch size: options=PlanOptions\(global_batch_tokens="):
-        DataLoader(data["parquet"], **records_from_keywords(**PLAN))
+        DataLoader(data["parquet"], **records_from_keywords(dict(**PLAN)))
     # a method other than PlanOptions' default must agree with the collation (the default follows it)
     with pytest.raises(ValueError, match="method 'pack' plans 'packed_rows' micro-batches, but collate='packed'"):
         DataLoader(data["parquet"],
-                   **records_from_keywords(global_batch_tokens=TOKENS, method="pack", collate="packed", **PLAN))
+                   **records_from_keywords(dict(global_batch_tokens=TOKENS, method="pack", collate="packed", **PLAN)))
     with pytest.raises(ValueError, match="torch.distributed"):
-        DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN))
+        DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=2, rank=0, **PLAN)))
     dl = DataLoader(data["parquet"],
-                    **records_from_keywords(global_batch_tokens=TOKENS, world_size=2, rank=0,
-                                            index_cache=data["index"], **PLAN))
+                    **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=2, rank=0,
+                                            index_cache=data["index"], **PLAN)))
     it = iter(dl)
     next(it)
     next(it)
     mid = dl.state_dict()
     other = DataLoader(data["parquet"],
-                       **records_from_keywords(global_batch_tokens=TOKENS, world_size=3, rank=0,
-                                               index_cache=data["index"], **PLAN))
+                       **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=3, rank=0,
+                                               index_cache=data["index"], **PLAN)))
     if mid["indexed"]["microbatch"]:
         with pytest.raises(LoaderStateError, match="list of every rank"):
             other.load_state_dict(mid)
     seeded = DataLoader(data["parquet"],
-                        **records_from_keywords(global_batch_tokens=TOKENS, world_size=2, rank=0, seed=1,
-                                                index_cache=data["index"], **PLAN))
+                        **records_from_keywords(dict(global_batch_tokens=TOKENS, world_size=2, rank=0, seed=1,
+                                                index_cache=data["index"], **PLAN)))
     with pytest.raises(LoaderStateError, match="seed"):
         seeded.load_state_dict(mid)
 
@@ -522,8 +522,8 @@ def test_plan_files_of_dynabatch_plan_replay_and_match_online_plans(data, tmp_pa
                 [mb.sample_ids.tolist() for mb in step.plan.microbatches(1)]
     # the online indexed mode plans exactly what `dynabatch plan` planned for the same settings
     online = DataLoader(data["parquet"],
-                        **records_from_keywords(world_size=2, rank=1, global_batch_tokens=TOKENS, seed=4,
-                                                drop_last=True, max_len=256, **PLAN))
+                        **records_from_keywords(dict(world_size=2, rank=1, global_batch_tokens=TOKENS, seed=4,
+                                                drop_last=True, max_len=256, **PLAN)))
     got = [b["sample_ids"].tolist() for b in online.microbatches() if not b["is_padding"]]
     steps0 = run.steps_per_epoch[0]
     assert got == [mb.sample_ids.tolist() for k in range(steps0) for mb in run.step(k).microbatches(1)]

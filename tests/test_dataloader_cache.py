@@ -44,20 +44,20 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['cost_model']}-{c['method']}-{c.get('max_len')}")
 def test_cached_and_uncached_batches_are_identical(path, case):
     kw = dict(global_batch_tokens=1500, world_size=2, rank=1, seed=3, **case)
-    ref = DataLoader(path, **records_from_keywords(cache_tokens=False, plan_processes=0, **kw))
+    ref = DataLoader(path, **records_from_keywords(dict(cache_tokens=False, plan_processes=0, **kw)))
     assert ref.token_cache is None
     want = list(ref.microbatches())
-    cached = DataLoader(path, **records_from_keywords(cache_tokens=True, **kw))  # its own scan keeps the ids
+    cached = DataLoader(path, **records_from_keywords(dict(cache_tokens=True, **kw)))  # its own scan keeps the ids
     assert cached.token_cache is not None
     assert_same(want, list(cached.microbatches()))
     family = "encoder_decoder" if case["cost_model"] == "t5" else "decoder"
     lens = dict(family=family, max_len=case.get("max_len"), max_target_len=case.get("max_target_len"))
     table = build_index(path, cache_tokens=True, **lens)
     assert all(c in table.column_names for c in TOKEN_COLUMNS)
-    assert_same(want, list(DataLoader(path, **records_from_keywords(index=table, **kw)).microbatches()))
+    assert_same(want, list(DataLoader(path, **records_from_keywords(dict(index=table, **kw))).microbatches()))
     plain = build_index(path, **lens)  # no ids in the index: the loader tokenizes once when built
     assert not any(c in plain.column_names for c in TOKEN_COLUMNS)
-    dl = DataLoader(path, **records_from_keywords(index=plain, **kw))
+    dl = DataLoader(path, **records_from_keywords(dict(index=plain, **kw)))
     assert dl.token_cache is not None
     assert_same(want, list(dl.microbatches()))
 
@@ -101,25 +101,25 @@ def test_disk_space_turns_the_default_off(path, monkeypatch):
 
 def test_planning_processes_workers_and_threads_agree(path):
     kw = dict(global_batch_tokens=1200, method="dp", seed=1)
-    ref = list(DataLoader(path, **records_from_keywords(plan_processes=0, cache_tokens=False, **kw)).microbatches())
-    assert_same(ref, list(DataLoader(path, **records_from_keywords(plan_processes=2, **kw)).microbatches()))
-    assert_same(ref, list(DataLoader(path, **records_from_keywords(plan_processes=1, plan_ahead=1, **kw)).microbatches()))
-    assert_same(ref, list(DataLoader(path, **records_from_keywords(num_workers=2, **kw)).microbatches()))
-    steps = list(DataLoader(path, **records_from_keywords(num_workers=2, **kw)).steps())
+    ref = list(DataLoader(path, **records_from_keywords(dict(plan_processes=0, cache_tokens=False, **kw))).microbatches())
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(dict(plan_processes=2, **kw))).microbatches()))
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(dict(plan_processes=1, plan_ahead=1, **kw))).microbatches()))
+    assert_same(ref, list(DataLoader(path, **records_from_keywords(dict(num_workers=2, **kw))).microbatches()))
+    steps = list(DataLoader(path, **records_from_keywords(dict(num_workers=2, **kw))).steps())
     assert sum(len(s) for s in steps) == len(ref)
     with pytest.raises(ValueError, match="plan_processes"):
-        DataLoader(path, **records_from_keywords(plan_processes=-1, **kw))
+        DataLoader(path, **records_from_keywords(dict(plan_processes=-1, **kw)))
 
 
 def test_resume_with_planning_processes(path):
     kw = dict(global_batch_tokens=1200, seed=2, plan_processes=2)
-    full = list(DataLoader(path, **records_from_keywords(**kw)).microbatches())
-    dl = DataLoader(path, **records_from_keywords(**kw))
+    full = list(DataLoader(path, **records_from_keywords(dict(**kw))).microbatches())
+    dl = DataLoader(path, **records_from_keywords(dict(**kw)))
     it = dl.microbatches()
     head = [next(it) for _ in range(5)]
     state = dl.state_dict()
     dl.close()
-    again = DataLoader(path, **records_from_keywords(**kw))
+    again = DataLoader(path, **records_from_keywords(dict(**kw)))
     again.load_state_dict(state)
     assert_same(full, head + list(again.microbatches()))
 

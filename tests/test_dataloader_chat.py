@@ -95,10 +95,10 @@ def test_dataloader_chat_template_delivers_assistant_only_labels(tmp_path, mode)
     samples = loaded_samples(path)
     own = make_tokenizer(GEN)
     want = expected_batches(samples, Formatter(own, FormatConfig(max_total_tokens=40)), 40)
-    dl = dynabatch.DataLoader(path, **records_from_keywords(tokenizer=own, global_batch_tokens=200, max_len=40, collate="padded", mode=mode, **PLAN))
+    dl = dynabatch.DataLoader(path, **records_from_keywords(dict(tokenizer=own, global_batch_tokens=200, max_len=40, collate="padded", mode=mode, **PLAN)))
     assert delivered(dl) == want
     # the same template given as text to a tokenizer without one (rendered-prefix diff): the same batches
-    given = dynabatch.DataLoader(path, **records_from_keywords(tokenizer=make_tokenizer(None), chat_template=NO_GEN, global_batch_tokens=200, max_len=40, collate="padded", mode=mode, **PLAN))
+    given = dynabatch.DataLoader(path, **records_from_keywords(dict(tokenizer=make_tokenizer(None), chat_template=NO_GEN, global_batch_tokens=200, max_len=40, collate="padded", mode=mode, **PLAN)))
     assert delivered(given) == want
 
 
@@ -107,10 +107,10 @@ def test_dataloader_plain_fallback_warns_and_options_conflict(tmp_path):
 
     path = write_jsonl(tmp_path / "chat.jsonl", [r for r in records(8) if "tools" not in r])
     with pytest.warns(ChatTemplateWarning, match="has no chat template"):
-        dl = dynabatch.DataLoader(path, **records_from_keywords(tokenizer=make_tokenizer(None), global_batch_tokens=300, mode="indexed", **PLAN))
+        dl = dynabatch.DataLoader(path, **records_from_keywords(dict(tokenizer=make_tokenizer(None), global_batch_tokens=300, mode="indexed", **PLAN)))
         next(iter(dl.steps()))
     with pytest.raises(TypeError, match="chat_template= in format_config or as a keyword, not both"):
-        dynabatch.DataLoader(path, **records_from_keywords(global_batch_tokens=300, chat_template="plain", format_config=FormatConfig(), **PLAN))
+        dynabatch.DataLoader(path, **records_from_keywords(dict(global_batch_tokens=300, chat_template="plain", format_config=FormatConfig(), **PLAN)))
 
 
 def test_build_index_records_the_rendering_and_counts_what_is_encoded(tmp_path):

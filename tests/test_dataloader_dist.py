@@ -28,7 +28,7 @@ def _rank_main(rank, world, phase, tmp, pattern):
     try:
         # rank and world size come from torch.distributed; the collective is a gloo all_reduce
         dl = DataLoader(_source(pattern),
-                        **records_from_keywords(global_batch_tokens=2000, num_workers=2, chunk_size=16, **PLAN))
+                        **records_from_keywords(dict(global_batch_tokens=2000, num_workers=2, chunk_size=16, **PLAN)))
         assert (dl.rank, dl.world_size) == (rank, world) and dl.mode == "streaming"
         out = {"ids": [], "structure": []}
         if phase == 2:

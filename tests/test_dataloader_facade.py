@@ -37,27 +37,27 @@ def _same(a, b):
 def test_deprecated_keyword_warns_and_gives_the_same_batches(data, old, new, value):
     kw = dict(index_cache=data["index"], **PLAN)
     with pytest.warns(DeprecationWarning, match=f"{old}= is deprecated, use {new}="):
-        before = list(DataLoader(data["parquet"], **records_from_keywords(**{old: value}, **kw)))
+        before = list(DataLoader(data["parquet"], **records_from_keywords(dict(**{old: value}, **kw))))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        after = list(DataLoader(data["parquet"], **records_from_keywords(**{new: value}, **kw)))
+        after = list(DataLoader(data["parquet"], **records_from_keywords(dict(**{new: value}, **kw))))
     assert before and _same(before, after)
     with pytest.raises(TypeError, match="deprecated name"):
-        DataLoader(data["parquet"], **records_from_keywords(**{old: value, new: value}, **kw))
+        DataLoader(data["parquet"], **records_from_keywords(dict(**{old: value, new: value}, **kw)))
 
 
 def test_options_record_equals_the_keywords(data):
     kw = dict(index_cache=data["index"], cost_model="gpt", device="cpu")
     opts = PlanOptions(global_batch_tokens=TOKENS, num_stages=2, seed=3, max_len=300)
-    a = DataLoader(data["parquet"], **records_from_keywords(options=opts, **kw))
+    a = DataLoader(data["parquet"], **records_from_keywords(dict(options=opts, **kw)))
     b = DataLoader(data["parquet"],
-                   **records_from_keywords(global_batch_tokens=TOKENS, num_stages=2, seed=3, max_len=300, **kw))
+                   **records_from_keywords(dict(global_batch_tokens=TOKENS, num_stages=2, seed=3, max_len=300, **kw)))
     assert a.options == b.options and a.options.num_ranks == 1
     assert _same(list(a), list(b))
     with pytest.raises(TypeError, match=r"in options= only, not also \['seed'\]"):
-        DataLoader(data["parquet"], **records_from_keywords(options=opts, seed=4, **kw))
+        DataLoader(data["parquet"], **records_from_keywords(dict(options=opts, seed=4, **kw)))
     with pytest.raises(TypeError, match="unexpected keyword"):
-        DataLoader(data["parquet"], **records_from_keywords(global_batch_tokens=TOKENS, num_stagez=2, **kw))
+        DataLoader(data["parquet"], **records_from_keywords(dict(global_batch_tokens=TOKENS, num_stagez=2, **kw)))
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -65,7 +65,7 @@ def test_state_nests_the_mode_state_and_a_mode_alone_round_trips(data, fmt):
     kw = dict(global_batch_tokens=TOKENS, **PLAN)
     if fmt == "parquet":
         kw["index_cache"] = data["index"]
-    dl = DataLoader(data[fmt], **records_from_keywords(**kw))
+    dl = DataLoader(data[fmt], **records_from_keywords(dict(**kw)))
     name = dl.mode
     assert name == ("indexed" if fmt == "parquet" else "streaming")
     it = iter(dl)
@@ -83,14 +83,14 @@ def test_state_nests_the_mode_state_and_a_mode_alone_round_trips(data, fmt):
     dl.close()
 
     # a mode object alone: whole steps, each consumed once yielded; its state round-trips
-    full = DataLoader(data[fmt], **records_from_keywords(**kw)).mode_object
+    full = DataLoader(data[fmt], **records_from_keywords(dict(**kw))).mode_object
     want = [ids_of(r.batches) for r in full]
-    m1 = DataLoader(data[fmt], **records_from_keywords(**kw)).mode_object
+    m1 = DataLoader(data[fmt], **records_from_keywords(dict(**kw))).mode_object
     it1 = iter(m1)
     head = [ids_of(next(it1).batches) for _ in range(2)]
     ms = json.loads(json.dumps(m1.state_dict()))
     m1.close()
-    m2 = DataLoader(data[fmt], **records_from_keywords(**kw)).mode_object
+    m2 = DataLoader(data[fmt], **records_from_keywords(dict(**kw))).mode_object
     m2.load_state_dict(ms)
     assert m2.state_dict() == ms
     assert head + [ids_of(r.batches) for r in m2] == want
@@ -98,8 +98,8 @@ def test_state_nests_the_mode_state_and_a_mode_alone_round_trips(data, fmt):
 
 def test_steps_yield_step_objects_with_the_plan(data):
     dl = DataLoader(data["parquet"],
-                    **records_from_keywords(global_batch_tokens=TOKENS, index_cache=data["index"], world_size=2,
-                                            rank=1, **PLAN))
+                    **records_from_keywords(dict(global_batch_tokens=TOKENS, index_cache=data["index"], world_size=2,
+                                            rank=1, **PLAN)))
     steps = list(dl.steps())
     assert steps and all(isinstance(s, Step) and isinstance(s, list) for s in steps)
     for k, s in enumerate(steps):
@@ -112,7 +112,7 @@ def test_steps_yield_step_objects_with_the_plan(data):
             if s.plan.num_ranks == 2 else None
         if mine is not None:
             assert set(ids_of(list(s))) == mine
-    stream = next(iter(DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=TOKENS, **PLAN)).steps()))
+    stream = next(iter(DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=TOKENS, **PLAN))).steps()))
     assert stream.plan is not None and len(stream.shapes) == len(stream.plan.sample_ids)
 
 
@@ -131,14 +131,14 @@ class _Loop:
 def test_feedback_hook_and_its_errors(data):
     cost = CostModel.preset("gpt", "cpu", num_stages=2)
     kw = dict(global_batch_tokens=TOKENS, index_cache=data["index"], cost_model=cost, device="cpu", num_stages=2)
-    plain = DataLoader(data["parquet"], **records_from_keywords(**kw))
+    plain = DataLoader(data["parquet"], **records_from_keywords(dict(**kw)))
     with pytest.raises(RuntimeError, match="no FeedbackLoop"):
         plain.feedback({})
     with pytest.raises(ValueError, match="cost model object"):
         DataLoader(data["parquet"],
-                   **records_from_keywords(feedback=_Loop(CostModel.preset("gpt", "cpu", num_stages=2)), **kw))
+                   **records_from_keywords(dict(feedback=_Loop(CostModel.preset("gpt", "cpu", num_stages=2)), **kw)))
     loop = _Loop(cost)
-    dl = DataLoader(data["parquet"], **records_from_keywords(feedback=loop, plan_ahead=0, **kw))
+    dl = DataLoader(data["parquet"], **records_from_keywords(dict(feedback=loop, plan_ahead=0, **kw)))
     with pytest.raises(RuntimeError, match="after DataLoader.steps"):
         dl.feedback({})
     it = dl.steps()

@@ -71,9 +71,9 @@ def test_records_and_the_migration_helper_give_the_same_loader(parquet):
     new = DataLoader(parquet, options=PlanOptions(global_batch_tokens=1500, num_stages=2, seed=3, max_len=300),
                      tokenization=Tokenization(tokenizer="bytes"), source=DataSource(mode="indexed"),
                      costing=Costing(cost_model="gpt", device="cpu"), runtime=Runtime(rank=1, world_size=2))
-    old = DataLoader(parquet, **records_from_keywords(global_batch_tokens=1500, num_stages=2, seed=3, max_len=300,
+    old = DataLoader(parquet, **records_from_keywords(dict(global_batch_tokens=1500, num_stages=2, seed=3, max_len=300,
                                                       tokenizer="bytes", mode="indexed", cost_model="gpt",
-                                                      device="cpu", rank=1, world_size=2))
+                                                      device="cpu", rank=1, world_size=2)))
     ids = [[b["sample_ids"].tolist() for b in step] for step in new]
     assert ids and ids == [[b["sample_ids"].tolist() for b in step] for step in old]
 

@@ -35,7 +35,7 @@ def test_iterating_yields_len_steps_on_every_rank(data, world, batch):
     per_rank = []
     for r in range(world):
         dl = DataLoader(data["parquet"],
-                        **records_from_keywords(index_cache=data["index"], world_size=world, rank=r, **batch, **PLAN))
+                        **records_from_keywords(dict(index_cache=data["index"], world_size=world, rank=r, **batch, **PLAN)))
         steps = list(dl)
         assert len(steps) == len(dl) > 1
         assert all(isinstance(s, Step) and len(s) >= 1 and isinstance(s[0], dict) for s in steps)
@@ -52,7 +52,7 @@ def test_iterating_yields_len_steps_on_every_rank(data, world, batch):
 
 def test_torch_positional_signature_batch_size_is_per_rank(data):
     # torch: DataLoader(dataset, batch_size, shuffle); the planning options beside them in options=
-    dl = DataLoader(data["parquet"], 8, **records_from_keywords(index_cache=data["index"], **PLAN))
+    dl = DataLoader(data["parquet"], 8, **records_from_keywords(dict(index_cache=data["index"], **PLAN)))
     assert dl.global_batch_size == 8
     assert len(dl) == int(np.ceil(data["n"] / 8)) == len(list(dl))
     two = [DataLoader(data["parquet"], 8, False, options=PlanOptions(num_stages=2, shuffle=False),
@@ -72,11 +72,11 @@ def test_torch_positional_signature_batch_size_is_per_rank(data):
 
 def test_shuffle_false_forms_steps_in_sample_order(data):
     kw = dict(index_cache=data["index"], global_batch_size=10, **PLAN)
-    ordered = [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(shuffle=False, **kw))]
+    ordered = [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(dict(shuffle=False, **kw)))]
     assert ordered == [list(range(k, min(k + 10, data["n"]))) for k in range(0, data["n"], 10)]
-    shuffled = [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(shuffle=True, **kw))]
+    shuffled = [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(dict(shuffle=True, **kw)))]
     assert shuffled != ordered
-    assert shuffled == [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(**kw))]  # True is the default
+    assert shuffled == [sorted(_ids(s)) for s in DataLoader(data["parquet"], **records_from_keywords(dict(**kw)))]  # True is the default
     with pytest.raises(ValueError, match="shuffle=True needs the indexed mode"):
         DataLoader(data["jsonl"], 10, shuffle=True, source=DataSource(mode="streaming"))
 
@@ -89,7 +89,7 @@ def test_shuffle_false_forms_steps_in_sample_order(data):
 ])
 def test_torch_arguments_dynabatch_does_itself_are_refused_with_what_to_use(data, name, value, hint):
     with pytest.raises(TypeError, match=f"does not take {name}=") as e:
-        DataLoader(data["parquet"], **records_from_keywords(global_batch_size=8, **{name: value}))
+        DataLoader(data["parquet"], **records_from_keywords(dict(global_batch_size=8, **{name: value})))
     assert hint in str(e.value)
 
 
@@ -111,13 +111,13 @@ def _mark_worker(worker_id):  # module level: picklable for any start method
 def test_worker_init_fn_and_persistent_workers_reach_the_workers(data, tmp_path, monkeypatch):
     monkeypatch.setenv("DYNABATCH_TEST_MARKS", str(tmp_path))
     dl = DataLoader(data["parquet"],
-                    **records_from_keywords(index_cache=data["index"], global_batch_size=40, num_workers=2,
-                                            worker_init_fn=_mark_worker, persistent_workers=True, **PLAN))
+                    **records_from_keywords(dict(index_cache=data["index"], global_batch_size=40, num_workers=2,
+                                            worker_init_fn=_mark_worker, persistent_workers=True, **PLAN)))
     first = [_ids(s) for s in dl]
     assert sorted(os.listdir(tmp_path)) == ["w0", "w1"]
     assert first == [_ids(s) for s in DataLoader(data["parquet"],
-                                                 **records_from_keywords(index_cache=data["index"],
-                                                                         global_batch_size=40, **PLAN))]
+                                                 **records_from_keywords(dict(index_cache=data["index"],
+                                                                         global_batch_size=40, **PLAN)))]
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -142,7 +142,7 @@ def test_worker_init_fn_and_persistent_workers_reach_the_workers(data, tmp_path,
 ])
 def test_bad_arguments_fail_at_construction_with_a_clear_message(data, kwargs, error, message):
     with pytest.raises(error, match=message):
-        DataLoader(data["parquet"], **records_from_keywords(index_cache=data["index"], **kwargs))
+        DataLoader(data["parquet"], **records_from_keywords(dict(index_cache=data["index"], **kwargs)))
 
 
 def test_too_many_positional_arguments(data):

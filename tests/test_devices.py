@@ -135,13 +135,13 @@ def test_the_loader_warns_about_an_explicit_mismatch_but_offline_planning_does_n
     mock_cuda(monkeypatch, None)
     kw = dict(global_batch_tokens=8192, tokenizer="bytes", max_len=512)
     with pytest.warns(DeviceMismatchWarning, match="device='h100'"):
-        loader = DataLoader(flan_like, **records_from_keywords(device="h100", **kw))
+        loader = DataLoader(flan_like, **records_from_keywords(dict(device="h100", **kw)))
     assert (loader.cost.model.name, loader.cost.device.name) == ("gpt", "h100")  # still planned as asked
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         CostModel.preset("gpt", "h100")  # planning for other hardware is the point offline
         CostModel.preset("t5")
-        DataLoader(flan_like, **records_from_keywords(cost_model=CostModel.preset("gpt", "h200"), **kw))  # a CostModel: its own device
+        DataLoader(flan_like, **records_from_keywords(dict(cost_model=CostModel.preset("gpt", "h200"), **kw)))  # a CostModel: its own device
     assert not device_warnings(record)
 
 
@@ -215,8 +215,8 @@ def test_cpu_plans_batch_several_rows_on_flan_like_text(flan_like, cost_model, m
     default gpt, and 3.8 / 1.4 rows for gpt-tiny / t5-tiny."""
     kw = {} if cost_model is None else {"cost_model": cost_model}
     loader = DataLoader(flan_like,
-                        **records_from_keywords(device="cpu", global_batch_tokens=16384, tokenizer="bytes",
-                                                max_len=512, max_target_len=256, **kw))
+                        **records_from_keywords(dict(device="cpu", global_batch_tokens=16384, tokenizer="bytes",
+                                                max_len=512, max_target_len=256, **kw)))
     mean_rows, padding_efficiency = _plan_stats(loader)
     assert mean_rows >= min_rows
     assert padding_efficiency >= 0.85

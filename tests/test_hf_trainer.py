@@ -42,9 +42,9 @@ def data_path(tmp_path_factory):
 
 def make_loader(path, collate="padded", **kw):
     return dynabatch.DataLoader(path,
-                                **records_from_keywords(tokenizer="bytes", global_batch_tokens=GBT, device="cpu",
+                                **records_from_keywords(dict(tokenizer="bytes", global_batch_tokens=GBT, device="cpu",
                                                         collate=collate, cost_model="gpt", num_stages=2, max_len=128,
-                                                        **kw))
+                                                        **kw)))
 
 
 def tiny_llama(seed=0):

@@ -47,44 +47,44 @@ def test_local_parquet_rewritten_with_the_same_token_counts_is_refused(tmp_path)
     assert main(["plan", str(index), "--out", str(plan), "--model", "gpt", "--device", "cpu", "--ranks", "1",
                  "--stages", "2", "--global-batch-tokens", str(TOKENS), "--tokenizer", "bytes", "--workers", "1",
                  "--no-progress"]) == 0
-    state = _state_after(DataLoader(data, **records_from_keywords(index=str(index), global_batch_tokens=TOKENS, **PLAN)), steps=1)
+    state = _state_after(DataLoader(data, **records_from_keywords(dict(index=str(index), global_batch_tokens=TOKENS, **PLAN))), steps=1)
 
     write_parquet(data, _same_counts(recs), row_group_size=20)  # same rows, same token counts, other text
     changed = f"{data} changed (size "
     with pytest.raises(LengthIndexError) as e:
-        DataLoader(data, **records_from_keywords(index=str(index), global_batch_tokens=TOKENS, **PLAN))
+        DataLoader(data, **records_from_keywords(dict(index=str(index), global_batch_tokens=TOKENS, **PLAN)))
     assert str(e.value).startswith(f"{index} was made from other data than is read now: {changed}"), str(e.value)
     assert "re-scan the data (dynabatch scan)" in str(e.value)
     with pytest.raises(PlanMismatchError, match=rf"{plan} was made from other data than is read now: .*train.parquet "
                                                 r"changed"):
-        DataLoader(data, **records_from_keywords(plan=str(plan), index=str(index), global_batch_tokens=TOKENS, **PLAN))
+        DataLoader(data, **records_from_keywords(dict(plan=str(plan), index=str(index), global_batch_tokens=TOKENS, **PLAN)))
     # a loader that scans the new data itself is fine, but the state saved over the old data is refused
-    fresh = DataLoader(data, **records_from_keywords(global_batch_tokens=TOKENS, **PLAN))
+    fresh = DataLoader(data, **records_from_keywords(dict(global_batch_tokens=TOKENS, **PLAN)))
     with pytest.raises(LoaderStateError, match="the DataLoader state was made from other data than is read now: "
                                                + re.escape(changed)):
         fresh.load_state_dict(state)
     # the data as it was resumes again
     write_parquet(data, recs, row_group_size=20)
-    DataLoader(data, **records_from_keywords(index=str(index), global_batch_tokens=TOKENS, **PLAN)).load_state_dict(state)
+    DataLoader(data, **records_from_keywords(dict(index=str(index), global_batch_tokens=TOKENS, **PLAN))).load_state_dict(state)
 
 
 def test_same_size_edit_of_a_jsonl_and_a_gz_stream_names_the_file(tmp_path):
     recs = records(80, seed=9)
     data = write_jsonl(tmp_path / "train.jsonl", recs)
-    state = _state_after(DataLoader(data, **records_from_keywords(global_batch_tokens=TOKENS, mode="indexed", **PLAN)))
+    state = _state_after(DataLoader(data, **records_from_keywords(dict(global_batch_tokens=TOKENS, mode="indexed", **PLAN))))
     size = (tmp_path / "train.jsonl").stat().st_size
     write_jsonl(data, _same_counts(recs))
     assert (tmp_path / "train.jsonl").stat().st_size == size  # same size: only the content tells
     same_size = re.escape(f"{data} changed (size {size} -> {size} bytes, version sha256:")
     with pytest.raises(LoaderStateError, match=same_size):
-        DataLoader(data, **records_from_keywords(global_batch_tokens=TOKENS, mode="indexed", **PLAN)).load_state_dict(state)
+        DataLoader(data, **records_from_keywords(dict(global_batch_tokens=TOKENS, mode="indexed", **PLAN))).load_state_dict(state)
 
     gz = tmp_path / "stream.jsonl.gz"
     gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in recs).encode(), mtime=0))
-    state = _state_after(DataLoader(str(gz), **records_from_keywords(global_batch_tokens=TOKENS, mode="streaming", **PLAN)))
+    state = _state_after(DataLoader(str(gz), **records_from_keywords(dict(global_batch_tokens=TOKENS, mode="streaming", **PLAN))))
     gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in _same_counts(recs)).encode(), mtime=0))
     with pytest.raises(LoaderStateError, match=rf"{gz} changed"):
-        DataLoader(str(gz), **records_from_keywords(global_batch_tokens=TOKENS, mode="streaming", **PLAN)).load_state_dict(state)
+        DataLoader(str(gz), **records_from_keywords(dict(global_batch_tokens=TOKENS, mode="streaming", **PLAN))).load_state_dict(state)
     # a loaders Source names the file too (not only a fingerprint)
     src = loaders.JsonlSource(str(gz))
     saved = src.state_dict()
@@ -97,11 +97,11 @@ def test_copied_or_touched_data_still_resumes(tmp_path):
     recs = records(60, seed=10)
     (tmp_path / "a").mkdir()
     data = write_parquet(tmp_path / "a" / "train.parquet", recs)
-    state = _state_after(DataLoader(data, **records_from_keywords(global_batch_tokens=TOKENS, **PLAN)), steps=1)
+    state = _state_after(DataLoader(data, **records_from_keywords(dict(global_batch_tokens=TOKENS, **PLAN))), steps=1)
     copy = tmp_path / "b"
     copy.mkdir()
     (copy / "train.parquet").write_bytes((tmp_path / "a" / "train.parquet").read_bytes())  # a copy elsewhere
-    DataLoader(str(copy / "train.parquet"), **records_from_keywords(global_batch_tokens=TOKENS, **PLAN)).load_state_dict(state)
+    DataLoader(str(copy / "train.parquet"), **records_from_keywords(dict(global_batch_tokens=TOKENS, **PLAN))).load_state_dict(state)
     assert loaders.file_fingerprints(loaders.open_source(data)) == \
         loaders.file_fingerprints(loaders.open_source(str(copy / "train.parquet")))
 
@@ -115,12 +115,12 @@ def test_s3_object_rewritten_with_the_same_token_counts_is_refused(s3, tmp_path)
     build_index(url, path=index, source_options=opts)
     recorded = json.loads(pq.read_schema(index).metadata[b"dynabatch.data_files"])
     assert recorded[0][0] == "part.parquet" and recorded[0][2]  # the object's ETag
-    state = _state_after(DataLoader(url, **records_from_keywords(index=str(index), source_options=opts, global_batch_tokens=TOKENS, **PLAN)))
+    state = _state_after(DataLoader(url, **records_from_keywords(dict(index=str(index), source_options=opts, global_batch_tokens=TOKENS, **PLAN))))
 
     write_parquet(local, _same_counts(recs), row_group_size=16)
     s3.upload("replaced/part.parquet", local)  # another ETag
     with pytest.raises(LengthIndexError, match=rf"{index} was made from other data than is read now: {url} changed"):
-        DataLoader(url, **records_from_keywords(index=str(index), source_options=opts, global_batch_tokens=TOKENS, **PLAN))
+        DataLoader(url, **records_from_keywords(dict(index=str(index), source_options=opts, global_batch_tokens=TOKENS, **PLAN)))
     with pytest.raises(LoaderStateError, match=rf"the DataLoader state was made from other data than is read now: "
                                                rf"{url} changed"):
-        DataLoader(url, **records_from_keywords(source_options=opts, global_batch_tokens=TOKENS, **PLAN)).load_state_dict(state)
+        DataLoader(url, **records_from_keywords(dict(source_options=opts, global_batch_tokens=TOKENS, **PLAN))).load_state_dict(state)

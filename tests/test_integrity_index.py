@@ -86,7 +86,7 @@ def test_edited_column_is_refused_by_reader_loader_and_plan(built, tmp_path, cap
         assert msg.startswith(f"{bad}: column {column} does not match the integrity record"), msg
         assert "re-scan the data (dynabatch scan)" in msg
     with pytest.raises(LengthIndexError, match=rf"edited.parquet: column {column} does not match"):
-        DataLoader(built["data"], **records_from_keywords(index=str(bad), global_batch_tokens=2000, **PLAN))
+        DataLoader(built["data"], **records_from_keywords(dict(index=str(bad), global_batch_tokens=2000, **PLAN)))
     capsys.readouterr()
     assert main(plan_argv(bad, tmp_path)) == 1
     err = capsys.readouterr().err.strip()
@@ -113,9 +113,9 @@ def test_edited_metadata_and_dropped_column_are_refused(built, tmp_path):
 def test_edited_index_cache_is_rebuilt_with_a_warning(built, tmp_path, caplog):
     cache = tmp_path / "cache.parquet"
     kw = dict(index_cache=str(cache), global_batch_tokens=2000, mode="indexed", **PLAN)
-    want = [s.plan.fingerprint() for s in DataLoader(built["data"], **records_from_keywords(**kw)).steps()]
+    want = [s.plan.fingerprint() for s in DataLoader(built["data"], **records_from_keywords(dict(**kw))).steps()]
     tampered(cache, cache, _scale("input_tokens"))
     with caplog.at_level("WARNING", logger="dynabatch"):
-        again = [s.plan.fingerprint() for s in DataLoader(built["data"], **records_from_keywords(**kw)).steps()]
+        again = [s.plan.fingerprint() for s in DataLoader(built["data"], **records_from_keywords(dict(**kw))).steps()]
     assert f"{cache}: column input_tokens does not match" in caplog.text and "rebuilding the index cache" in caplog.text
     assert again == want and len(read_index_table(cache)) == 150  # the cache is whole again

@@ -102,7 +102,7 @@ def test_edited_column_is_refused_by_reader_inspect_and_replay(planned, tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"column {column} does not match" in err and "edited.parquet" in err
     with pytest.raises(PlanMismatchError, match=f"column {column} does not match"):
-        DataLoader(planned["data"], **records_from_keywords(plan=str(bad), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN))
+        DataLoader(planned["data"], **records_from_keywords(dict(plan=str(bad), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN)))
 
 
 def test_edited_metadata_is_refused_and_the_plan_as_written_replays(planned, tmp_path):
@@ -118,5 +118,5 @@ def test_edited_metadata_is_refused_and_the_plan_as_written_replays(planned, tmp
     meta[b"dynabatch.rank_time_s"] = b"{}"
     with pytest.raises(PlanMismatchError, match="metadata entry dynabatch.rank_time_s does not match"):
         load_run_plan(_write(planned, tmp_path, "times.parquet", meta=meta))
-    steps = list(DataLoader(planned["data"], **records_from_keywords(plan=str(planned["plan"]), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN)))
+    steps = list(DataLoader(planned["data"], **records_from_keywords(dict(plan=str(planned["plan"]), index=str(planned["index"]), global_batch_tokens=TOKENS, **PLAN))))
     assert len(steps) == load_run_plan(planned["plan"]).num_steps

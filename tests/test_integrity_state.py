@@ -20,7 +20,7 @@ def _loader(data, fmt):
     kw = dict(global_batch_tokens=TOKENS, **PLAN)
     if fmt == "parquet":
         kw["index_cache"] = data["index"]
-    return DataLoader(data[fmt], **records_from_keywords(**kw))
+    return DataLoader(data[fmt], **records_from_keywords(dict(**kw)))
 
 
 def _saved(data, fmt, tmp_path, steps=2):

@@ -53,7 +53,7 @@ def test_tokenizer_replaced_at_the_same_path_is_refused_and_the_cache_rebuilt(da
     index = tmp_path / "index.parquet"
     build_index(data, tokenizer=path, cache_tokens=True, path=index)  # token-cached index
     kw = dict(tokenizer=path, global_batch_tokens=TOKENS, cache_tokens=True, **PLAN)
-    state = DataLoader(data, **records_from_keywords(index=str(index), **kw))
+    state = DataLoader(data, **records_from_keywords(dict(index=str(index), **kw)))
     it = iter(state)
     next(it)
     saved = json.loads(json.dumps(state.state_dict()))
@@ -61,20 +61,20 @@ def test_tokenizer_replaced_at_the_same_path_is_refused_and_the_cache_rebuilt(da
 
     _char_tokenizer(tmp_path / "tokenizer.json", reverse=True)  # same path, same vocabulary size, other ids
     with pytest.raises(LengthIndexError) as e:
-        DataLoader(data, **records_from_keywords(index=str(index), **kw))
+        DataLoader(data, **records_from_keywords(dict(index=str(index), **kw)))
     msg = str(e.value)
     assert msg.startswith(f"{index} was made with the tokenizer tokenizers:{path} (content sha256:"), msg
     assert f"but the one in use is tokenizers:{path} (content sha256:" in msg and "re-scan the data" in msg
     with pytest.raises(LoaderStateError, match=rf"the DataLoader state was made with a tokenizer of content "
                                                rf"sha256:\w+, but the one in use is tokenizers:{path}"):
-        DataLoader(data, **records_from_keywords(mode="indexed", **kw)).load_state_dict(saved)
+        DataLoader(data, **records_from_keywords(dict(mode="indexed", **kw))).load_state_dict(saved)
     # a loader with an index cache rebuilds it, and its batches carry the new tokenizer's ids
     cache = tmp_path / "cache.parquet"
     _char_tokenizer(tmp_path / "tokenizer.json")
-    list(DataLoader(data, **records_from_keywords(index_cache=str(cache), **kw)))
+    list(DataLoader(data, **records_from_keywords(dict(index_cache=str(cache), **kw))))
     _char_tokenizer(tmp_path / "tokenizer.json", reverse=True)
     new = load_tokenizer(path)
-    dl = DataLoader(data, **records_from_keywords(index_cache=str(cache), **kw))
+    dl = DataLoader(data, **records_from_keywords(dict(index_cache=str(cache), **kw)))
     mb = next(iter(dl))[0]
     import loaders
 
@@ -94,8 +94,8 @@ def test_bytes_plan_replayed_with_another_tokenizer_is_refused(data, tmp_path):
     other = _char_tokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(PlanMismatchError, match=rf"{plan} was made with a tokenizer of content bytes-v1, but "
                                                 rf"the one in use is tokenizers:{other} \(content sha256:"):
-        DataLoader(data, **records_from_keywords(plan=str(plan), index=str(index), tokenizer=other, global_batch_tokens=TOKENS, **PLAN))
+        DataLoader(data, **records_from_keywords(dict(plan=str(plan), index=str(index), tokenizer=other, global_batch_tokens=TOKENS, **PLAN)))
     with pytest.raises(LengthIndexError, match=r"was made with the tokenizer bytes \(content bytes-v1\)"):
-        DataLoader(data, **records_from_keywords(index=str(index), tokenizer=other, global_batch_tokens=TOKENS, **PLAN))
-    steps = list(DataLoader(data, **records_from_keywords(plan=str(plan), index=str(index), global_batch_tokens=TOKENS, **PLAN)))
+        DataLoader(data, **records_from_keywords(dict(index=str(index), tokenizer=other, global_batch_tokens=TOKENS, **PLAN)))
+    steps = list(DataLoader(data, **records_from_keywords(dict(plan=str(plan), index=str(index), global_batch_tokens=TOKENS, **PLAN))))
     assert steps

@@ -69,8 +69,8 @@ def _stress(data: str, index: str, world: int, steps: int) -> None:
     def rank(r: int) -> None:
         try:
             dl = DataLoader(data,
-                            **records_from_keywords(index=index, world_size=world, rank=r, num_workers=2,
-                                                    global_batch_tokens=TOKENS, seed=r, **PLAN))
+                            **records_from_keywords(dict(index=index, world_size=world, rank=r, num_workers=2,
+                                                    global_batch_tokens=TOKENS, seed=r, **PLAN)))
             for b in dl.microbatches():
                 _say("batch", r, b["step"], b["microbatch"])
                 if b["step"] >= steps:
@@ -103,11 +103,11 @@ def _orphan(mode: str, data: str, index: str) -> None:
     if mode.endswith("_forkserver"):  # workers are children of the fork server, not of this process
         mode, kw["multiprocessing_context"] = mode[:-len("_forkserver")], "forkserver"
     if mode == "indexed":
-        dl = DataLoader(data, **records_from_keywords(index=index, num_workers=2, **kw))
+        dl = DataLoader(data, **records_from_keywords(dict(index=index, num_workers=2, **kw)))
     elif mode == "plan_processes":
-        dl = DataLoader(data, **records_from_keywords(index=index, num_workers=0, plan_processes=2, **kw))
+        dl = DataLoader(data, **records_from_keywords(dict(index=index, num_workers=0, plan_processes=2, **kw)))
     else:
-        dl = DataLoader(data, **records_from_keywords(mode="streaming", num_workers=2, chunk_size=64, **kw))
+        dl = DataLoader(data, **records_from_keywords(dict(mode="streaming", num_workers=2, chunk_size=64, **kw)))
     it = iter(dl)
     next(it)
     _say("ready", os.getpid())
@@ -215,7 +215,7 @@ def data(tmp_path_factory):
     parquet = write_parquet(d / "train.parquet", recs, row_group_size=24)
     jsonl = write_jsonl(d / "train.jsonl", recs)
     index = str(d / "index.parquet")
-    DataLoader(parquet, **records_from_keywords(index_cache=index, global_batch_tokens=TOKENS, **PLAN))  # writes the length index once
+    DataLoader(parquet, **records_from_keywords(dict(index_cache=index, global_batch_tokens=TOKENS, **PLAN)))  # writes the length index once
     return {"parquet": parquet, "jsonl": jsonl, "index": index}
 
 

@@ -65,18 +65,18 @@ def data(tmp_path_factory):
 
 def _loader(data, mode: str, **kw):
     if mode == "indexed":
-        return DataLoader(data["parquet"], **records_from_keywords(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw))
+        return DataLoader(data["parquet"], **records_from_keywords(dict(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw)))
     if mode == "dataset":
         import datasets
 
         return DataLoader(datasets.Dataset.from_list(data["records"]),
-                          **records_from_keywords(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw))
+                          **records_from_keywords(dict(global_batch_tokens=TOKENS, seed=3, **PLAN, **kw)))
     if mode == "replay":
         return DataLoader(data["parquet"],
-                          **records_from_keywords(plan=data["plan"], cost_model="gpt", device="cpu", **kw))
+                          **records_from_keywords(dict(plan=data["plan"], cost_model="gpt", device="cpu", **kw)))
     return DataLoader(data["jsonl"],
-                      **records_from_keywords(mode="streaming", global_batch_tokens=TOKENS, chunk_size=8, **PLAN,
-                                              **kw))
+                      **records_from_keywords(dict(mode="streaming", global_batch_tokens=TOKENS, chunk_size=8, **PLAN,
+                                              **kw)))
 
 
 def _ids(batches) -> list[list[int]]:

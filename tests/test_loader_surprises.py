@@ -30,7 +30,7 @@ def data(tmp_path_factory):
 
 def test_a_global_batch_smaller_than_a_sample_is_warned_about(data, tmp_path, capsys):
     with pytest.warns(UserWarning, match=r"global_batch_tokens=8 is smaller than \d+ of 40 samples"):
-        dl = DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=8, mode="indexed", **PLAN))
+        dl = DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=8, mode="indexed", **PLAN)))
     assert len(dl) == 40  # one sample per step: what the warning says
     out = tmp_path / "plan.parquet"
     assert main(["plan", data["jsonl"], "--out", str(out), "--model", "gpt-tiny", "--device", "cpu", "--ranks", "1",
@@ -68,24 +68,24 @@ def test_image_text_records_without_a_vision_policy_are_warned_about(tmp_path):
 @pytest.mark.parametrize("mode", ["indexed", "streaming"])
 def test_world_size_without_rank_is_refused_the_same_way_in_every_mode(data, mode):
     with pytest.raises(ValueError, match=r"world_size=2 without rank=: say which rank this process is \(rank=0..1\)"):
-        DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=500, world_size=2, mode=mode, **PLAN))
+        DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=500, world_size=2, mode=mode, **PLAN)))
     with pytest.raises(ValueError, match=r"rank=2 is not a rank of world_size=2"):
-        DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=500, world_size=2, rank=2, mode=mode,
-                                                          **PLAN))
+        DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=500, world_size=2, rank=2, mode=mode,
+                                                          **PLAN)))
 
 
 def test_empty_data_is_an_error_in_the_indexed_mode_and_a_warning_when_streamed(data):
     with pytest.raises(ValueError, match="holds no samples"):
-        DataLoader(data["empty"], **records_from_keywords(global_batch_tokens=500, mode="indexed", **PLAN))
-    dl = DataLoader(data["empty"], **records_from_keywords(global_batch_tokens=500, mode="streaming", **PLAN))
+        DataLoader(data["empty"], **records_from_keywords(dict(global_batch_tokens=500, mode="indexed", **PLAN)))
+    dl = DataLoader(data["empty"], **records_from_keywords(dict(global_batch_tokens=500, mode="streaming", **PLAN)))
     with pytest.warns(UserWarning, match="epoch 0 of the streaming mode gave no step: the data holds no samples"):
         assert list(dl) == []
 
 
 def test_drop_last_with_less_than_one_global_batch_is_an_error(data):
     with pytest.raises(ValueError, match="less than one full global batch .* drop_last=True"):
-        DataLoader(data["jsonl"], **records_from_keywords(global_batch_tokens=10**7, drop_last=True, mode="indexed",
-                                                          **PLAN))
+        DataLoader(data["jsonl"], **records_from_keywords(dict(global_batch_tokens=10**7, drop_last=True, mode="indexed",
+                                                          **PLAN)))
 
 
 def test_scan_of_empty_data_fails(data, tmp_path, capsys):
@@ -98,13 +98,13 @@ def test_missing_text_fields_name_the_mapping_fix(tmp_path):
     path = tmp_path / "own.jsonl"
     path.write_text("".join(json.dumps({"prompt": "a question", "response": "an answer"}) + "\n" for _ in range(3)))
     with pytest.raises(Exception, match=r"missing field 'instruction'.*fields \['prompt', 'response'\].*mapping="):
-        list(DataLoader(str(path), **records_from_keywords(global_batch_tokens=500, **PLAN)))
+        list(DataLoader(str(path), **records_from_keywords(dict(global_batch_tokens=500, **PLAN))))
     path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     with pytest.raises(Exception, match=r"no text fields.*fields \['answer', 'question'\].*mapping="):
-        list(DataLoader(str(path), **records_from_keywords(global_batch_tokens=500, **PLAN)))
+        list(DataLoader(str(path), **records_from_keywords(dict(global_batch_tokens=500, **PLAN))))
     # and the fix it names works
-    dl = DataLoader(str(path), **records_from_keywords(global_batch_tokens=500,
+    dl = DataLoader(str(path), **records_from_keywords(dict(global_batch_tokens=500,
                                                        source_options={"mapping": {"inputs": "question",
                                                                                 "targets": "answer"}},
-                                                       **PLAN))
+                                                       **PLAN)))
     assert sum(len(step) for step in dl) == 1

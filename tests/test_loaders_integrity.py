@@ -203,12 +203,12 @@ def test_indexed_dataloader_skips_damaged_compressed_shard(tmp_path):
     gz, _ = _damaged_files(tmp_path)
     opts = dict(tokenizer="bytes", mode="indexed", global_batch_tokens=4096, max_len=256, seed=0)
     loader = dynabatch.DataLoader(str(gz),
-                                  **records_from_keywords(on_error="skip", source_options={"on_error": "skip"},
-                                                          **opts))
+                                  **records_from_keywords(dict(on_error="skip", source_options={"on_error": "skip"},
+                                                          **opts)))
     steps = list(loader.steps())
     assert steps and loader.source.error_counts == {"corrupt_file": 1}
     with pytest.raises(loaders.CorruptFileError, match=r"m\.jsonl\.gz:101"):
-        dynabatch.DataLoader(str(gz), **records_from_keywords(**opts))
+        dynabatch.DataLoader(str(gz), **records_from_keywords(dict(**opts)))
 
 
 # -- 4. webdataset errors name the tar ---------------------------------------------------------------

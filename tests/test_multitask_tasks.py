@@ -32,7 +32,7 @@ def _mixture(tmp_path, seed=5):
 
 
 def _loader(mix):
-    return DataLoader(mix, **records_from_keywords(tokenizer="bytes", global_batch_tokens=600))
+    return DataLoader(mix, **records_from_keywords(dict(tokenizer="bytes", global_batch_tokens=600)))
 
 
 def _tags(steps):

@@ -74,8 +74,8 @@ def test_run_ranks_names_the_rank_that_failed_first_by_time(tmp_path, monkeypatc
 
 def test_data_whose_records_were_all_skipped_names_its_files_and_the_count(tmp_path):
     bad = write_parquet(tmp_path / "bad.parquet", [{"inputs": None, "targets": "y", "task": "t"}] * 10)
-    kw = records_from_keywords(global_batch_tokens=500, mode="indexed", cache_tokens=False,
-                               source_options={"on_error": "skip"}, **PLAN)
+    kw = records_from_keywords(dict(global_batch_tokens=500, mode="indexed", cache_tokens=False,
+                               source_options={"on_error": "skip"}, **PLAN))
     with pytest.raises(ValueError) as e:
         DataLoader(bad, **kw)
     assert str(e.value).startswith(f"the data 'parquet' ({bad}) holds no samples: all 10 of its records were "
@@ -86,6 +86,6 @@ def test_data_whose_records_were_all_skipped_names_its_files_and_the_count(tmp_p
 def test_empty_data_names_its_files(tmp_path):
     files = [write_jsonl(tmp_path / f"part{i}.jsonl", []) for i in range(5)]
     with pytest.raises(ValueError) as e:
-        DataLoader(str(tmp_path / "*.jsonl"), **records_from_keywords(global_batch_tokens=500, mode="indexed", **PLAN))
+        DataLoader(str(tmp_path / "*.jsonl"), **records_from_keywords(dict(global_batch_tokens=500, mode="indexed", **PLAN)))
     assert str(e.value) == (f"the data 'jsonl' ({', '.join(files[:3])} and 2 more) holds no samples: nothing to "
                             "train on; check the paths/split"), str(e.value)

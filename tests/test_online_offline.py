@@ -191,9 +191,9 @@ def test_a_last_step_smaller_than_the_world_is_written_and_replayed(datasets, tm
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             replay = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
-                      for step in DataLoader(ds["data"], **records_from_keywords(plan=str(out), rank=r, **kw))]
+                      for step in DataLoader(ds["data"], **records_from_keywords(dict(plan=str(out), rank=r, **kw)))]
             online = [[(mb["step"], mb["sample_ids"].tolist(), mb["is_padding"]) for mb in step]
-                      for step in DataLoader(ds["data"], **records_from_keywords(global_batch_size=53, rank=r, **kw))]
+                      for step in DataLoader(ds["data"], **records_from_keywords(dict(global_batch_size=53, rank=r, **kw)))]
         assert replay == online
         counts.append([len(s) for s in replay])
         seen += [i for s in replay for _, ids, pad in s if not pad for i in ids]

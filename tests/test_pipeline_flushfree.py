@@ -297,12 +297,12 @@ def test_loader_resume_is_exact_when_steps_are_taken_by_windows():
     records = datagen.text_records(200, seed=7)
     kw = dict(tokenizer="bytes", global_batch_tokens=3000, max_len=256, num_stages=2, rank=0, world_size=1,
               seed=3, cost_model="gpt-tiny", progress=False)
-    loader = DataLoader(records, **records_from_keywords(**kw))
+    loader = DataLoader(records, **records_from_keywords(dict(**kw)))
     it = iter(loader)
     windows = [[next(it) for _ in range(3)] for _ in range(2)]
     state = loader.state_dict()
     rest = [next(it) for _ in range(3)]
-    again = DataLoader(records, **records_from_keywords(**kw))
+    again = DataLoader(records, **records_from_keywords(dict(**kw)))
     again.load_state_dict(state)
     resumed = [s for _, s in zip(range(3), again)]
     ids = lambda steps: [[b["sample_ids"].tolist() for b in s] for s in steps]  # noqa: E731

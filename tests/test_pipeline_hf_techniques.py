@@ -193,9 +193,9 @@ def test_dataloader_and_planner_read_the_profile_file(llama_profile):
     records = datagen.text_records(40, seed=3)
     seen = {"packed": 0, "padded": 0}
     for collate in seen:
-        loader = DataLoader(records, **records_from_keywords(tokenizer="bytes", collate=collate, global_batch_tokens=100,
+        loader = DataLoader(records, **records_from_keywords(dict(tokenizer="bytes", collate=collate, global_batch_tokens=100,
                                                              max_len=16, num_stages=1, cost_model=cost, rank=0,
-                                                             world_size=1, seed=0, progress=False))
+                                                             world_size=1, seed=0, progress=False)))
         for step in list(loader)[:3]:
             for mb in step:
                 if collate == "packed":
@@ -287,13 +287,13 @@ def _recompute_case(ctx, fractions=(0.5,)) -> dict:
     records = datagen.text_records(32, seed=3)
     common = dict(tokenizer="bytes", collate="padded", global_batch_tokens=2000, max_len=128, num_stages=2,
                   cost_model=cost, rank=0, world_size=1, seed=0, progress=False)
-    base = list(DataLoader(records, **records_from_keywords(**common, device_memory_limit=1e15)))[:2]
+    base = list(DataLoader(records, **records_from_keywords(dict(**common, device_memory_limit=1e15))))[:2]
     top = max(max(s.plan.options["stage_peak_bytes"]) for s in base)
     runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule="1f1b"))
     out = []
     for frac in fractions:
         limit = frac * top
-        loader = DataLoader(records, **records_from_keywords(**common, recompute="adaptive", device_memory_limit=limit))
+        loader = DataLoader(records, **records_from_keywords(dict(**common, recompute="adaptive", device_memory_limit=limit)))
         for step in list(loader)[:2]:
             _zero(runner)
             ada = runner.step(step.plan, list(step))

@@ -139,9 +139,9 @@ def _loader_steps(tmp_path):
     text = [{"inputs": f"say {i} words", "targets": "words " * (i + 1), "image": None} for i in range(4)]
     common = dict(vision=policy, load_pixels=True, cost_model=stage_cost_model(model, 2, "cpu"), num_stages=2, seed=0)
     mixed = DataLoader(datasets.Dataset.from_list(imgs + text),
-                       **records_from_keywords(global_batch_tokens=120, **common))
+                       **records_from_keywords(dict(global_batch_tokens=120, **common)))
     text_only = DataLoader(datasets.Dataset.from_list(text),
-                           **records_from_keywords(global_batch_tokens=60, **common))
+                           **records_from_keywords(dict(global_batch_tokens=60, **common)))
     return model, policy, [b for s in mixed.steps() for b in s] + [b for s in text_only.steps() for b in s]
 
 

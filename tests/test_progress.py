@@ -27,7 +27,7 @@ def _bars(err: str) -> dict[str, str]:
 
 def test_dataloader_index_build_shows_a_bar_of_every_sample(tmp_path, capsys):
     path = write_parquet(tmp_path / "t.parquet", records(300, seed=1))
-    dl = DataLoader(path, **records_from_keywords(global_batch_tokens=2000, progress=True, **PLAN))
+    dl = DataLoader(path, **records_from_keywords(dict(global_batch_tokens=2000, progress=True, **PLAN)))
     assert len(dl) > 1
     bars = _bars(capsys.readouterr().err)
     assert "300/300" in bars["dynabatch: length index"]  # the token ids are kept by the same pass
@@ -38,8 +38,8 @@ def test_token_cache_pass_has_a_bar(tmp_path, capsys):
     index = build_index(path, max_len=None)  # an index without token columns: the loader tokenizes once more
     capsys.readouterr()
     DataLoader(path,
-               **records_from_keywords(index=index, global_batch_tokens=2000, cache_tokens=True, progress=True,
-                                       **PLAN))
+               **records_from_keywords(dict(index=index, global_batch_tokens=2000, cache_tokens=True, progress=True,
+                                       **PLAN)))
     assert "120/120" in _bars(capsys.readouterr().err)["dynabatch: tokenize (token cache)"]
 
 
@@ -48,7 +48,7 @@ def test_build_index_bar_and_quiet_when_not_a_terminal(tmp_path, capsys):
     build_index(path, progress=True)
     assert "90/90" in _bars(capsys.readouterr().err)["dynabatch: length index"]
     build_index(path)  # default: a bar only on a terminal; pytest's captured stderr is not one
-    DataLoader(path, **records_from_keywords(global_batch_tokens=2000, **PLAN))
+    DataLoader(path, **records_from_keywords(dict(global_batch_tokens=2000, **PLAN)))
     assert "dynabatch:" not in capsys.readouterr().err
 
 

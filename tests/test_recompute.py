@@ -241,14 +241,14 @@ def memory_worker(rank, world, port, fractions):
         records = datagen.text_records(48, seed=3)
         common = dict(tokenizer="bytes", collate="padded", global_batch_tokens=3000, max_len=256, num_stages=2,
                       cost_model=cost, rank=0, world_size=1, seed=0, progress=False)
-        base = DataLoader(records, **records_from_keywords(**common, device_memory_limit=1e15))
+        base = DataLoader(records, **records_from_keywords(dict(**common, device_memory_limit=1e15)))
         steps = list(base)[:3]
         top = max(max(s.plan.options["stage_peak_bytes"]) for s in steps)
         runner = PipelineRunner.from_model(model, ctx, bounds, RunnerConfig(schedule="1f1b"))
         for frac in fractions:
             limit = frac * top
             loader = DataLoader(records,
-                                **records_from_keywords(**common, recompute="adaptive", device_memory_limit=limit))
+                                **records_from_keywords(dict(**common, recompute="adaptive", device_memory_limit=limit)))
             level = {"limit": limit, "steps": []}
             for step, none_step in zip(list(loader)[:3], steps):
                 res = runner.step(step.plan, list(step))

@@ -26,7 +26,7 @@ def path(tmp_path_factory):
 
 
 def _loader(path):
-    return DataLoader(path, **records_from_keywords(global_batch_tokens=1500, cache_tokens=True, mode="indexed"))
+    return DataLoader(path, **records_from_keywords(dict(global_batch_tokens=1500, cache_tokens=True, mode="indexed")))
 
 
 def _dead_pid() -> int:

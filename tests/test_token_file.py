@@ -41,11 +41,11 @@ def word_tokenizer(path, shift: int = 0) -> str:
 
 def test_the_cache_is_memory_mapped_and_its_private_file_goes_with_the_loader(path, tmp_path, monkeypatch):
     monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
-    dl = DataLoader(path, **records_from_keywords(global_batch_tokens=1500, cache_tokens=True))
+    dl = DataLoader(path, **records_from_keywords(dict(global_batch_tokens=1500, cache_tokens=True)))
     tc = dl.token_cache
     assert isinstance(tc.input_ids, np.memmap) and isinstance(tc.second, np.memmap)
     assert os.path.dirname(tc.path) == str(tmp_path / "cache") and os.path.exists(tc.path)
-    ref = list(DataLoader(path, **records_from_keywords(global_batch_tokens=1500, cache_tokens=False)).microbatches())
+    ref = list(DataLoader(path, **records_from_keywords(dict(global_batch_tokens=1500, cache_tokens=False))).microbatches())
     got = list(dl.microbatches())
     assert [m["input_ids"].tolist() for m in got] == [m["input_ids"].tolist() for m in ref]
     clone = pickle.loads(pickle.dumps(tc))  # spawned workers: the path travels, not the ids
@@ -60,7 +60,7 @@ def test_the_cache_is_memory_mapped_and_its_private_file_goes_with_the_loader(pa
 
 def test_an_edited_or_truncated_file_is_refused(path, tmp_path):
     cache = tmp_path / "index.parquet"
-    first = DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
+    first = DataLoader(path, **records_from_keywords(dict(index_cache=cache, global_batch_tokens=1500)))
     tokens = f"{cache}.tokens"
     assert first.token_cache.path == tokens
     del first
@@ -70,11 +70,11 @@ def test_an_edited_or_truncated_file_is_refused(path, tmp_path):
         f.seek(40)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(TokenFileError, match=f"token cache {tokens}: its content does not match"):
-        DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
+        DataLoader(path, **records_from_keywords(dict(index_cache=cache, global_batch_tokens=1500)))
     with open(tokens, "r+b") as f:
         f.truncate(os.path.getsize(tokens) - 3)
     with pytest.raises(TokenFileError, match=f"token cache {tokens}: not a dynabatch token-cache file"):
-        DataLoader(path, **records_from_keywords(index_cache=cache, global_batch_tokens=1500))
+        DataLoader(path, **records_from_keywords(dict(index_cache=cache, global_batch_tokens=1500)))
 
 
 def test_a_replaced_tokenizer_is_not_reused(path, tmp_path):
@@ -84,11 +84,11 @@ def test_a_replaced_tokenizer_is_not_reused(path, tmp_path):
     tok = word_tokenizer(tmp_path / "tokenizer.json")
     cache = tmp_path / "index.parquet"
     kw = dict(tokenizer=tok, index_cache=cache, global_batch_tokens=1500)
-    old = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
+    old = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(dict(**kw))).microbatches()]
     word_tokenizer(tmp_path / "tokenizer.json", shift=5)
-    new = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
+    new = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(dict(**kw))).microbatches()]
     assert len(new) == len(old) and new != old
-    again = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(**kw)).microbatches()]
+    again = [m["input_ids"].tolist() for m in DataLoader(path, **records_from_keywords(dict(**kw))).microbatches()]
     assert again == new
 
 
@@ -150,7 +150,7 @@ def test_the_caches_file_pages_never_count_in_the_process_over_an_epoch(tmp_path
     data = write_jsonl(tmp_path / "long.jsonl", recs)
     monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
     kw = dict(global_batch_tokens=65536, max_len=4096, mode="indexed")
-    dl = DataLoader(data, **records_from_keywords(**kw, cache_tokens=True))
+    dl = DataLoader(data, **records_from_keywords(dict(**kw, cache_tokens=True)))
     tc = dl.token_cache
     assert os.path.getsize(tc.path) > 20 << 20
     peak, seen, batches = 0, 0, []
@@ -159,6 +159,6 @@ def test_the_caches_file_pages_never_count_in_the_process_over_an_epoch(tmp_path
         batches += [mb["input_ids"].numpy().tobytes() for mb in step]
         peak = max(peak, _mapped_bytes(tc.path))
     assert seen == len(recs) and peak == 0, peak
-    in_memory = DataLoader(data, **records_from_keywords(**kw, cache_tokens=False))
+    in_memory = DataLoader(data, **records_from_keywords(dict(**kw, cache_tokens=False)))
     assert batches == [mb["input_ids"].numpy().tobytes() for step in in_memory.steps() for mb in step]
     assert int(tc.input_ids[: 1 << 20].sum()) and _mapped_bytes(tc.path) >= 1 << 20  # what reads map is seen

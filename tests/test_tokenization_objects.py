@@ -191,8 +191,8 @@ def test_dataloader_with_tokenizer_object(kind_obj, num_workers, tmp_path):
     kind, obj = kind_obj
     recs = write_records(tmp_path / "d.jsonl")
     dl = dynabatch.DataLoader(str(tmp_path / "d.jsonl"),
-                              **records_from_keywords(tokenizer=obj, global_batch_tokens=160, collate="packed",
-                                                      mode="indexed", num_workers=num_workers, **PLAN))
+                              **records_from_keywords(dict(tokenizer=obj, global_batch_tokens=160, collate="packed",
+                                                      mode="indexed", num_workers=num_workers, **PLAN)))
     assert type(dl.tokenizer) is KINDS[kind][0]
     check_loader_tokens(dl, recs, kind, obj, KINDS[kind][1][2])
 
@@ -202,9 +202,9 @@ def test_dataloader_spawned_worker_gets_a_transformers_object(fast, tmp_path):
 
     recs = write_records(tmp_path / "d.jsonl", n=10)
     dl = dynabatch.DataLoader(str(tmp_path / "d.jsonl"),
-                              **records_from_keywords(tokenizer=fast, global_batch_tokens=400, collate="packed",
+                              **records_from_keywords(dict(tokenizer=fast, global_batch_tokens=400, collate="packed",
                                                       mode="streaming", num_workers=1,
-                                                      multiprocessing_context="spawn", **PLAN))
+                                                      multiprocessing_context="spawn", **PLAN)))
     check_loader_tokens(dl, recs, "transformers", fast, 2)
 
 

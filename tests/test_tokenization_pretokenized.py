@@ -215,8 +215,8 @@ def test_dataloader_delivers_the_given_ids_and_labels(tmp_path, collate, mode, c
 
     rows = make_rows()
     dl = dynabatch.DataLoader(write_jsonl(tmp_path / "tok.jsonl", rows),
-                              **records_from_keywords(global_batch_tokens=300, max_len=24, collate=collate, mode=mode,
-                                                      **PLAN))
+                              **records_from_keywords(dict(global_batch_tokens=300, max_len=24, collate=collate, mode=mode,
+                                                      **PLAN)))
     check_run(dl, rows, collate, "decoder", 24, caplog=caplog)
 
 
@@ -240,8 +240,8 @@ def test_dataloader_hf_dataset_from_dict(tmp_path):
     ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
                                      "labels": [r["labels"] for r in rows]})
     dl = dynabatch.DataLoader(ds,
-                              **records_from_keywords(global_batch_tokens=250, collate="packed", num_workers=1,
-                                                      **PLAN))
+                              **records_from_keywords(dict(global_batch_tokens=250, collate="packed", num_workers=1,
+                                                      **PLAN)))
     assert dl.mode == "indexed"
     check_run(dl, rows, "packed", "decoder", None)
 
@@ -257,13 +257,13 @@ def test_dataloader_pretokenized_keyword_prefers_the_ids_beside_a_text_column(tm
                                      "input_ids": [r["input_ids"] for r in rows],
                                      "labels": [r["labels"] for r in rows]})
     dl = dynabatch.DataLoader(ds,
-                              **records_from_keywords(global_batch_tokens=250, collate="padded", pretokenized=True,
-                                                      **PLAN))
+                              **records_from_keywords(dict(global_batch_tokens=250, collate="padded", pretokenized=True,
+                                                      **PLAN)))
     check_run(dl, rows, "padded", "decoder", None)
-    from_text = dynabatch.DataLoader(ds, **records_from_keywords(global_batch_tokens=250, collate="padded", **PLAN))
+    from_text = dynabatch.DataLoader(ds, **records_from_keywords(dict(global_batch_tokens=250, collate="padded", **PLAN)))
     with pytest.raises(AssertionError):
         check_run(from_text, rows, "padded", "decoder", None)
     with pytest.raises(TypeError, match="not both"):
         dynabatch.DataLoader(ds,
-                             **records_from_keywords(global_batch_tokens=250, pretokenized=True,
-                                                     format_config=FormatConfig(), **PLAN))
+                             **records_from_keywords(dict(global_batch_tokens=250, pretokenized=True,
+                                                     format_config=FormatConfig(), **PLAN)))

@@ -245,7 +245,7 @@ def test_index_settings_record_image_token_id_and_vision(tmp_path):
                   global_batch_tokens=200, max_len=40, index_cache=str(cache), mode="indexed")
 
     def run():
-        loader = DataLoader(data, **records_from_keywords(**common))
+        loader = DataLoader(data, **records_from_keywords(dict(**common)))
         next(iter(loader.steps()))  # the index is built (or read) when the loader starts
         loader.close()
 
@@ -288,13 +288,13 @@ def test_offline_scan_and_plan_take_image_token_id(tmp_path, capsys):
     assert main(["plan", data, "--image-token-id", str(IMG), *opts]) == 0
     assert load_run_plan(plan).dataset_fingerprint == want
     kw = dict(vision=DynamicTiling(), cost_model="vlm", device="h200", num_stages=4, seed=0, plan=str(plan))
-    loader = DataLoader(data, **records_from_keywords(image_token_id=IMG, **kw))
+    loader = DataLoader(data, **records_from_keywords(dict(image_token_id=IMG, **kw)))
     ids = sorted(i for step in loader.steps() for mb in step if not mb["is_padding"]
                  for i in mb["sample_ids"].tolist())
     loader.close()
     assert ids == sorted(loader_index.column("sample_id").to_pylist())
     with pytest.raises(PlanMismatchError, match="dataset fingerprint"):
-        DataLoader(data, **records_from_keywords(**kw))  # without placeholders the marker text is counted: other data
+        DataLoader(data, **records_from_keywords(dict(**kw)))  # without placeholders the marker text is counted: other data
 
     assert main(["plan", str(ph), "--image-token-id", str(IMG), *opts]) == 0  # the index's own id: fine
     capsys.readouterr()

@@ -318,9 +318,9 @@ def _loaders(markers: bool, n_img: int = 5, tokens: int = 120):
                   seed=0, global_batch_tokens=tokens)
     out = []
     for tid in (IMG, None):
-        mixed = DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=tid, **common))
+        mixed = DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(dict(image_token_id=tid, **common)))
         alone = DataLoader(datasets.Dataset.from_list(text),
-                           **records_from_keywords(image_token_id=tid, **{**common, "global_batch_tokens": 60}))
+                           **records_from_keywords(dict(image_token_id=tid, **{**common, "global_batch_tokens": 60})))
         out.append([b for s in mixed.steps() for b in s] + [b for s in alone.steps() for b in s])
     return tuple(out)
 
@@ -555,13 +555,13 @@ def test_index_cache_is_tied_to_image_token_id(tmp_path):
         t = pq.read_table(path)
         return json.loads(t.schema.metadata[b"dynabatch.index_settings"]), t.column("input_tokens").to_pylist()
 
-    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=IMG, **common))
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(dict(image_token_id=IMG, **common)))
     settings, with_ph = index()
     assert settings["image_token_id"] == IMG
     stamp = path.stat().st_mtime_ns
-    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(image_token_id=IMG, **common))  # reused as it is
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(dict(image_token_id=IMG, **common)))  # reused as it is
     assert index() == (settings, with_ph) and path.stat().st_mtime_ns == stamp
-    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(**common))
+    DataLoader(datasets.Dataset.from_list(rows), **records_from_keywords(dict(**common)))
     settings, without = index()
     assert "image_token_id" not in settings
     assert [b - a for a, b in zip(with_ph, without)] == [len("<image>")] * 3

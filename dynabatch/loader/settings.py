@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.options import DEPRECATED_NAMES, PlanOptions, check_int, renamed
@@ -262,14 +263,14 @@ DIRECT = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "c
           "pin_memory_device", "in_order", "options", "feedback", *RECORDS)
 
 
-def records_from_keywords(**loose) -> dict:
-    """Migration from earlier releases: the loose keywords of a ``DataLoader(...)`` call (any of them:
-    that call's keywords are passed here as they were written) -> the
-    keywords it takes now (``options=PlanOptions(...)`` and the settings records), so that
-    ``DataLoader(data, **records_from_keywords(tokenizer=t, global_batch_tokens=n))`` is the old
+def records_from_keywords(old: Mapping[str, Any]) -> dict:
+    """Migration from earlier releases: the loose keywords of a ``DataLoader(...)`` call, as one mapping
+    (any of them, as that call wrote them) -> the keywords it takes now (``options=PlanOptions(...)`` and
+    the settings records), so that
+    ``DataLoader(data, **records_from_keywords(dict(tokenizer=t, global_batch_tokens=n)))`` is the old
     call. Planning keywords (deprecated names too, with a warning) go into one `PlanOptions`
     (with ``shuffle``/``drop_last`` when any goes there); torch's arguments stay as they are."""
-    loose = dict(loose)
+    loose = dict(old)
     out = {k: loose.pop(k) for k in list(loose) if k in DIRECT}
     loose = renamed(loose, where="records_from_keywords", stacklevel=3)
     plan_fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"num_ranks"}
