@@ -3,6 +3,7 @@ records (figures computed by hand here), the refused configurations, and one tin
 gloo ranks (generated data: the shared FLAN sample is not needed) whose document holds every method
 that runs, the skipped ones with their reason, and the same token budget per step for each."""
 
+import importlib.util
 import math
 
 import pytest
@@ -55,6 +56,77 @@ def test_the_document_and_table_from_the_ranks_records():
     assert "per CPU second of the slowest rank, dp 2.00x the best other (group_by_length" in table
 
 
+TRL = importlib.util.find_spec("trl") is not None
+
+
+def _samples_and_model():
+    """Nine random decoder samples (a prompt of 1-2 tokens, labels -100 on it) and the bench's Llama (float64)."""
+    import numpy as np
+
+    from dynabatch.bench.trainer_rank import build_model
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(9):
+        n, prompt = int(rng.integers(3, 20)), int(rng.integers(1, 3))
+        ids = rng.integers(3, 250, n).tolist()
+        samples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return samples, build_model("llama", 0).double()
+
+
+def _summed_loss(model, ids, labels, position_ids=None):
+    """Summed next-token cross-entropy over the labels that are not -100 (written here, not the library's)."""
+    import torch
+
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    logits = model(input_ids=ids, **extra).logits[0, :-1]
+    target = labels[0, 1:]
+    keep = target != -100
+    return float(torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum"))
+
+
+def _alone(model, samples):
+    import torch
+
+    return sum(_summed_loss(model, torch.tensor([s["input_ids"]]), torch.tensor([s["labels"]])) for s in samples)
+
+
+def test_the_flattening_baseline_trains_on_the_loss_of_the_samples_one_by_one():
+    """DataCollatorWithFlattening's one row through the bench's Llama, in train mode as the Trainer runs
+    it: its summed loss equals the sum of each sample's own loss computed alone (no attention across
+    the samples of the row: the bench's model has no KV cache, without which it reads the row's
+    restarting position_ids)."""
+    import torch
+    import transformers
+
+    samples, model = _samples_and_model()
+    batch = transformers.DataCollatorWithFlattening(separator_id=-100)(samples)
+    with torch.no_grad():
+        packed = _summed_loss(model.train(), batch["input_ids"], batch["labels"], batch["position_ids"])
+        assert packed == pytest.approx(_alone(model.eval(), samples), rel=1e-9)
+
+
+@pytest.mark.skipif(not TRL, reason="trl is not installed: the bench skips trl_bfd with a line")
+def test_bfd_rows_train_on_the_loss_of_the_samples_one_by_one():
+    """TRL's BFD rows through its padding-free collator: every sample exactly once, rows within the
+    length, and the bench's Llama's summed loss on the packed batch (train mode) equals the sum of each
+    sample's own loss computed alone: no attention and no target across the samples of a row."""
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from dynabatch.bench.trainer_rank import bfd_rows
+
+    samples, model = _samples_and_model()
+    rows = bfd_rows(samples, 24)
+    assert all(len(r) <= 24 for r in rows["input_ids"]) and len(rows) < len(samples)
+    assert [sum(ls) for ls in rows["seq_lengths"]] == [len(r) for r in rows["input_ids"]]
+    assert sorted(x for r in rows["input_ids"] for x in r) == sorted(x for s in samples for x in s["input_ids"])
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows.to_list())
+    with torch.no_grad():
+        packed = _summed_loss(model.train(), batch["input_ids"], batch["labels"], batch["position_ids"])
+        assert packed == pytest.approx(_alone(model.eval(), samples), rel=1e-9)
+
+
 def test_the_fit_floor_is_what_a_linear_fit_in_sample_reaches():
     """Times linear in the features: 0; the same times with one in ten doubled: above 0 and below the
     MAPE of the prices that made them (which miss the doubled ones by 50%); too few observations: nan."""
@@ -96,8 +168,12 @@ def test_a_tiny_run_on_two_gloo_ranks(tmp_path, capsys):
 
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc["methods"]) == {"llama/dp", "llama/group_by_length", "llama/flattening"}
-    assert "trl" in doc["skipped"]["llama/trl_bfd"]
+    ran = {"llama/dp", "llama/group_by_length", "llama/flattening"}
+    if TRL:  # packed padding-free rows: no padding at all
+        assert set(doc["methods"]) == ran | {"llama/trl_bfd"} and not doc["skipped"]
+        assert doc["methods"]["llama/trl_bfd"]["padding_efficiency"] == 1.0
+    else:
+        assert set(doc["methods"]) == ran and "trl is not installed" in doc["skipped"]["llama/trl_bfd"]
     for key, m in doc["methods"].items():
         assert m["steps"] == 2 and m["timed_steps"] == 1 and m["tokens_per_s"] > 0, key
         assert 0 < m["padding_efficiency"] <= 1 and math.isfinite(m["eval_loss"]), key

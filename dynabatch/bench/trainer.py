@@ -5,7 +5,9 @@ the CPU, dynabatch's DP with feedback against what a Hugging Face user would oth
 Both tiny random models (a Llama and a T5), the same samples (the shared FLAN sample when present,
 else generated FLAN-like text), the same bytes tokenization, initial weights, AdamW and number of
 steps for every method; the steps hold ``global_batch_tokens`` tokens (dp: its budget; the others: a
-batch size in samples with that many tokens on average); methods interleaved in rounds.
+batch size in samples, or for trl_bfd in BFD-packed rows, with that many tokens on average); methods
+interleaved in rounds. trl_bfd (TRL's best-fit-decreasing packing) runs when ``trl`` is installed, on
+the decoder-only model.
 
 Reported per model and method (`format_table`): target tokens/s (real loss tokens over the wall
 seconds of the timed steps, the slowest rank's), real tokens/s (all unpadded tokens), target
@@ -56,6 +58,7 @@ class TrainerBenchConfig:
     timeout_s: float = 600.0
     max_wall_s: float | None = None
     batch_size: dict = field(default_factory=dict)  # per model: the HF methods' samples per rank (set by the run)
+    bfd_batch_size: dict = field(default_factory=dict)  # per model: trl_bfd's packed rows per rank (set by the run)
     trl_installed: bool = False  # set by the run
 
     def __post_init__(self):
@@ -115,18 +118,23 @@ def prepare_data(cfg: TrainerBenchConfig, tmp: str) -> tuple[dict, str]:
     return paths, f"{what}: {cfg.samples} samples drawn (seed {cfg.seed}), {cfg.eval_samples} held out"
 
 
-def batch_sizes(cfg: TrainerBenchConfig, paths: dict, world: int) -> dict:
+def batch_sizes(cfg: TrainerBenchConfig, paths: dict, world: int, trl_installed: bool) -> tuple[dict, dict]:
     """Per model, the HF methods' samples per rank and step that hold ``global_batch_tokens`` tokens on
-    average (as dp's budget counts them: input + target tokens after truncation)."""
-    from .trainer_rank import tokenize
+    average (as dp's budget counts them: input + target tokens after truncation), and trl_bfd's packed
+    rows per rank and step that hold as many (its rows' mean length after packing; models it runs only)."""
+    from .trainer_rank import bfd_rows, tokenize
 
-    out = {}
+    per_step = cfg.global_batch_tokens / world
+    samples_per_rank, rows_per_rank = {}, {}
     for m in cfg.models:
         samples = tokenize(paths[m]["train"], m, cfg.max_len, cfg.max_target_len)
         mean = np.mean([len(s["input_ids"]) + (len(s["labels"]) if family(m) == "encoder_decoder" else 0)
                         for s in samples])
-        out[m] = max(1, int(round(cfg.global_batch_tokens / (world * mean))))
-    return out
+        samples_per_rank[m] = max(1, int(round(per_step / mean)))
+        if "trl_bfd" in cfg.methods and unsupported(m, "trl_bfd", trl_installed) is None:
+            row = np.mean([len(r) for r in bfd_rows(samples, cfg.max_len)["input_ids"]])
+            rows_per_rank[m] = max(1, int(round(per_step / row)))
+    return samples_per_rank, rows_per_rank
 
 
 def _summary(per_rank: list[dict], cfg: TrainerBenchConfig) -> dict:
@@ -240,7 +248,8 @@ def run_trainer_bench(cfg: TrainerBenchConfig, progress: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="dynabatch-bench-trainer-") as tmp:
         paths, data = prepare_data(cfg, tmp)
         trl = importlib.util.find_spec("trl") is not None
-        cfg = replace(cfg, batch_size=batch_sizes(cfg, paths, 2), trl_installed=trl)
+        samples_per_rank, rows_per_rank = batch_sizes(cfg, paths, 2, trl)
+        cfg = replace(cfg, batch_size=samples_per_rank, bfd_batch_size=rows_per_rank, trl_installed=trl)
         payload = {**asdict(cfg), "steps_per_round": cfg.steps_per_round}
         runs = sum(unsupported(m, k, trl) is None for m in cfg.models for k in cfg.methods)
         with watch_ticks(os.path.join(tmp, "progress"), cfg.steps * runs, "bench trainer", "step", progress) as env:

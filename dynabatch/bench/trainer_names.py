@@ -20,7 +20,9 @@ def unsupported(model: str, method: str, trl_installed: bool) -> str | None:
     if method == "trl_bfd":
         if not trl_installed:
             return "trl is not installed (pip install trl to compare its BFD packing)"
-        return "TRL's BFD packing (SFTTrainer) is not wired into this bench yet"
+        if model == "t5":
+            return ("TRL's BFD packing makes padding-free decoder-only rows; Hugging Face's T5 would attend across "
+                    "the samples of a packed row")
     return None
 
 

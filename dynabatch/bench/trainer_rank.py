@@ -18,7 +18,11 @@ Methods (`METHODS`):
 * ``flattening``: ``transformers.Trainer`` with ``DataCollatorWithFlattening``: the batch's samples in
   one padding-free row with restarting ``position_ids`` (decoder-only models; the model's SDPA
   attention then builds the packed row's block-diagonal mask and computes it densely on a CPU).
-* ``trl_bfd``: TRL's best-fit-decreasing packing: not run (`unsupported` says why).
+* ``trl_bfd`` (when ``trl`` is installed; decoder-only): TRL's best-fit-decreasing packing
+  (``trl.pack_dataset(..., strategy="bfd")``, what ``SFTTrainer(packing=True)`` runs) of the samples
+  into rows of at most ``max_len`` tokens, a batch size in packed rows that gives the same tokens per
+  step on average, and TRL's padding-free collator (the batch's rows in one row, ``position_ids``
+  restarting at each sample, so the model's SDPA attention keeps samples apart); see `bfd_rows`.
 
 Methods are interleaved: ``rounds`` rounds, each training every method ``steps / rounds`` steps in
 turn (rotating which goes first), resumed from its own checkpoint of the round before; the first
@@ -59,6 +63,10 @@ def build_model(model: str, seed: int):
         return transformers.T5ForConditionalGeneration(transformers.T5Config(**T5))
     config = transformers.LlamaConfig(**LLAMA)
     config._attn_implementation = "sdpa"
+    # training needs no KV cache, and with one (config.use_cache, the default, builds it even in train
+    # mode) the model does not read packed rows' restarting position_ids: flattening's and trl_bfd's
+    # samples would attend to each other (see dynabatch.loader.collate.model_inputs)
+    config.use_cache = False
     return transformers.LlamaForCausalLM(config)
 
 
@@ -93,6 +101,24 @@ def byte_tokenizer():
 
     vocab = tokenizers.models.WordLevel({f"<{i}>": i for i in range(VOCAB)}, unk_token="<1>")
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(vocab), pad_token="<0>")
+
+
+def bfd_rows(samples: list[dict], seq_length: int) -> "datasets.Dataset":
+    """``samples`` (``input_ids``, ``labels``) packed by TRL's best-fit decreasing into rows of at most
+    ``seq_length`` tokens, with their ``seq_lengths``. Each sample's first label is masked (-100): a
+    causal LM never predicts it from inside its own sample, and in a packed row it would otherwise be
+    predicted from the previous sample's last token (what ``DataCollatorWithFlattening`` masks too)."""
+    import datasets
+    from trl import pack_dataset
+
+    rows = [{"input_ids": s["input_ids"], "labels": [-100, *s["labels"][1:]]} for s in samples]
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bar per map() in the ranks' logs says nothing here
+    try:
+        return pack_dataset(datasets.Dataset.from_list(rows), seq_length, strategy="bfd")
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def counts(inputs: dict, seq2seq: bool) -> tuple[int, int, int]:
@@ -212,12 +238,19 @@ def make_trainer(method: str, model_name: str, cfg: dict, paths: dict, rank: int
         import datasets
 
         data = datasets.Dataset.from_list(paths["samples"])
+        batch = cfg["batch_size"][model_name]
         if method == "flattening":
             collator = transformers.DataCollatorWithFlattening(separator_id=-100)
+        elif method == "trl_bfd":
+            from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+            data, batch = bfd_rows(paths["samples"], cfg["max_len"]), cfg["bfd_batch_size"][model_name]
+            collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+            args.update(remove_unused_columns=False)  # the collator needs seq_lengths, which the model does not take
         else:
             collator = transformers.DataCollatorForSeq2Seq(byte_tokenizer(), model=model if seq2seq else None,
                                                            label_pad_token_id=-100)
-        args.update(per_device_train_batch_size=cfg["batch_size"][model_name],
+        args.update(per_device_train_batch_size=batch,
                     train_sampling_strategy=method if method in ("group_by_length", "batch_rebalance") else "random")
         trainer = _recording(transformers.Trainer)(model=model, args=transformers.TrainingArguments(**args),
                                                    train_dataset=data, data_collator=collator, callbacks=[callback])
@@ -281,5 +314,5 @@ def bench_rank(rank: int, world: int, port: int, cfg: dict, paths: dict) -> dict
     return {"results": results, "cpu_s": time.process_time()}
 
 
-__all__ = ["METHODS", "MODELS", "bench_rank", "build_model", "counts", "eval_loss", "family", "make_trainer",
+__all__ = ["METHODS", "MODELS", "bench_rank", "bfd_rows", "build_model", "counts", "eval_loss", "family", "make_trainer",
            "tokenize", "unsupported"]

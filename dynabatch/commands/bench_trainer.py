@@ -15,7 +15,8 @@ methods:
   group_by_length   transformers.Trainer, DataCollatorForSeq2Seq, train_sampling_strategy="group_by_length"
   batch_rebalance   the same with train_sampling_strategy="batch_rebalance" (transformers' own rank balancing)
   flattening        transformers.Trainer with DataCollatorWithFlattening (padding-free rows; decoder-only)
-  trl_bfd           TRL's best-fit-decreasing packing: skipped with the reason (trl absent, or not wired in)
+  trl_bfd           TRL's best-fit-decreasing packing (trl.pack_dataset, padding-free collator; decoder-only):
+                    when trl is installed, else skipped with the reason
 
 columns:
   tgt tok/s     real target (loss) tokens over the wall seconds of the timed steps (the slowest rank's
