@@ -291,6 +291,28 @@ def test_stream_follows_the_executors_order_on_a_hand_example():
         assert fn(*(args[:12] + (np.array([0.0, 2.5]), 2)))[0] == 16.5
 
 
+def test_stream_allreduce_overlaps_the_other_components_backward():
+    """Producer a and consumer b on the same rank 0: a rank posts b's all-reduce when its backward of b is done
+    and goes on with a's backward, the all-reduce on the link meanwhile; two all-reduces on one device's link
+    run one after the other, in the order they became ready. Worked out by hand."""
+    t = np.array([[4.0, 2.0], [6.0, 6.0]])
+    z = np.zeros((2, 2))
+    prod = np.array([[False, False], [True, False]])
+    one = np.ones(2, np.int64)
+
+    def run(fn, ar):
+        return fn(t, z, z, z, prod, one, one, np.array([0, 0], np.int64), np.array([0, 1], np.int64),
+                  np.array([0.5, 0.5]), 0.0, np.zeros(2), np.asarray(ar, np.float64), 2)[0]
+
+    # rank 0: a F0 0-2, F1 2-3, b F0 3-6, F1 6-9, b B1 9-12, B0 12-15, a B1 15-16, B0 16-18
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        assert run(fn, [0.0, 0.0]) == 18.0
+        assert run(fn, [0.0, 2.5]) == 18.0   # b's all-reduce 15-17.5, hidden behind a's backward
+        assert run(fn, [1.0, 2.5]) == 19.0   # a's posted at 18: 18-19 (after the rank's whole loop: 20.5)
+        assert run(fn, [1.0, 4.0]) == 20.0   # b's holds the link 15-19, so a's waits: 19-20
+        assert run(fn, [4.0, 1.0]) == 22.0   # b's 15-16, a's 18-22
+
+
 def test_stream_pipeline_inside_a_group_is_gpipe():
     """One component on s stages of one replica, micro-batches streamed stage to stage: the simulator's GPipe
     with the executor's reversed backward order, checked against the pipeline simulator's makespan."""
@@ -429,3 +451,36 @@ def test_one_pipeline_on_one_stage_is_the_summed_work():
     work = w.time_s.sum() - (w.time_s > 0).sum() * DEV.overhead_s
     assert lower_bound(w, 4) == pytest.approx(work / 4, rel=1e-9)
     assert full.step_seconds >= lower_bound(w, 4)
+
+
+def test_one_pipeline_overlaps_each_stage_allreduce_with_the_earlier_stages_backward():
+    """The one-pipeline baseline posts each stage's gradient all-reduce when that stage's last backward (over
+    the copies) ends (Megatron's overlap-grad-reduce): recomputed here from the pipeline simulator's 1F1B ends
+    per copy and the ring all-reduce of each stage's parameter bytes over the copies."""
+    from dynabatch.core.simulate.pipeline import simulate_pipeline
+
+    rng = np.random.default_rng(11)
+    g = _random_graph(rng)
+    costs = ComponentCosts(g, DEV)
+    w = costs.workload(_random_step(rng, g, n=10))
+    table = LayerTable(costs, w)
+    S, N, bw_link = 2, 4, 5e9
+    D = N // S
+    bounds = uniform_bounds(table.num_layers, S)
+    got, _ = pipeline_time(table, bounds, N, bypass=False, allreduce_bandwidth=bw_link)
+    o = DEV.overhead_s
+    f = np.array([table.forward_s[a:b].sum(0) for a, b in zip(bounds, bounds[1:])]) + o / 3
+    bwd = np.array([table.backward_s[a:b].sum(0) for a, b in zip(bounds, bounds[1:])]) + 2 * o / 3
+    assign, _ = K.lpt_reference((f + bwd).sum(0), D)
+    done = np.zeros(S)
+    for d in range(D):
+        sel = [j for j in range(w.num_microbatches) if assign[j] == d]
+        sim = simulate_pipeline(f[:, sel], bwd[:, sel], schedule="1f1b", p2p_s=table.p2p_s[sel])
+        done = np.maximum(done, sim.end_s[:, :, 1].max(axis=1))
+    params = [sum(table.share[i] * w.params[table.component[i]] * w.dtype_bytes[table.component[i]]
+                  for i in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    ar = [2 * (D - 1) / D * p / bw_link + 2 * (D - 1) * DEV.p2p_latency_s for p in params]
+    assert got == pytest.approx(max(d + a for d, a in zip(done, ar)), rel=1e-12)
+    # stage 0's backward ends last: a later stage's all-reduce overlaps it, so the step is shorter than
+    # adding the largest all-reduce after the whole pipeline
+    assert done[0] == done.max() and got < done.max() + max(ar)

@@ -305,6 +305,29 @@ def test_llava_as_two_components_on_four_ranks(launched):
         assert not [e for e in c["events"] if e[1] == "vit" and e[2] in text]
 
 
+def test_each_allreduce_is_posted_when_its_components_backward_ends(launched):
+    """On every rank, the backward computes and all-reduce posts come in the plan's order: each held component's
+    backward items (last micro-batch first), its group's all-reduce right after them (groups of two or more
+    ranks), then the next component's backward, as the stream model assumes. On MIXED, rank 0 posts the LM
+    head's all-reduce (group 0, 2) before its backbone backward and the backbone's (all four) before its vit
+    backward: an all-reduce is in flight while another component's backward runs."""
+    groups = {c: ranks for c, ranks, _ in MIXED}
+    overlapped = 0
+    for rank, cases in enumerate(launched[0]):
+        c = cases[0]
+        seen = [(e[0], e[1], e[2]) for e in map(tuple, c["events"])
+                if (e[0] == "compute" and e[3] == "backward") or e[0] == "all_reduce"]
+        want = []
+        for comp in reversed(c["held"]):
+            want += [("compute", comp, mb) for mb in reversed(c["microbatches"][comp])]
+            if len(groups[comp]) > 1:
+                want.append(("all_reduce", comp, -1))
+        assert seen == want, (rank, seen)
+        kinds = [k for k, _, _ in seen]
+        overlapped += sum(1 for x, k in enumerate(kinds) if k == "all_reduce" and "compute" in kinds[x + 1:])
+    assert overlapped >= 3, overlapped  # rank 0: head_caption's and backbone's; rank 1: backbone's, at least
+
+
 def test_wrong_allocations_are_refused_by_name():
     """A component without ranks, ranks outside the world, a pipeline inside a component, an input in a later
     wave, or a device count other than the world's: `AllocationError` naming the component."""

@@ -25,8 +25,12 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     * the backward of ``j`` in ``k``'s last stage waits for the backward of ``j`` in every consumer (its
       stage 0; a component no consumer of ``j`` reads, a head, starts it at once), plus ``xfer[k, j]`` when
       on another rank; stage ``q < s - 1`` waits for stage ``q + 1`` plus ``p2p[k, j]``;
-    * a group's gradient all-reduce (``ar[k]`` seconds) starts when every rank of the group finished all its
-      backward ops (the executor posts them after its backward loop); the step ends with the last one.
+    * a rank posts group ``k``'s gradient all-reduce (``ar[k]`` seconds) as soon as it has finished its
+      backward ops of ``k`` (where its backward loop passes ``k``), while it goes on with the backward of the
+      components before ``k``: the all-reduce takes no compute, it starts once every rank of the group has
+      posted it and the links of all of them are free, and holds those links for ``ar[k]`` seconds (a
+      device's link carries one all-reduce at a time, in the order they became ready; ties: lower ``k``);
+      the step ends with the last compute op or all-reduce.
 
     ``t`` [C, M]: forward+backward seconds of ``j`` on one device holding all of ``k`` (< 0: ``j`` does not
     reach ``k``); ``mem`` [C, M] activation bytes kept for backward; ``prod`` [C, C] bool: ``prod[k, p]``, ``p``
@@ -47,6 +51,7 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     bfirst = np.zeros((C, M))  # backward end of j in k's stage 0
     cur = np.zeros(M)
     stt = np.zeros((C, M))
+    posted = np.zeros(C)  # when the group's last rank posted k's all-reduce
     for k in range(C):
         if d[k] == 0:
             for j in range(M):
@@ -67,62 +72,76 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     for k in range(C):
         if d[k] == 0:
             continue
-        sk = s[k]
-        for j in range(M):
-            a = assign[k, j]
-            if a < 0:
-                continue
-            r0 = ranks[off[k] + a * sk]
-            ready = 0.0
-            for p in range(C):
-                if prod[k, p] and assign[p, j] >= 0:
-                    rp = ranks[off[p] + assign[p, j] * s[p] + s[p] - 1]
-                    x = fend[p, j] + (xfer[p, j] if rp != r0 else 0.0)
-                    if x > ready:
-                        ready = x
-            cur[j] = ready
+        _arrivals(k, True, prod, assign, ranks, off, s, xfer, fend, cur)
         _stage_pass(k, True, assign, ranks, off, s, p2p, stt, ff[k], free, cb, cur)
-        for j in range(M):
-            fend[k, j] = cur[j]
-    # backward, in the reverse order
+        fend[k] = cur
+    # backward, in the reverse order; each rank posts k's all-reduce once past k
     for k in range(C - 1, -1, -1):
         if d[k] == 0:
             continue
-        sk = s[k]
-        for j in range(M):
-            a = assign[k, j]
-            if a < 0:
-                continue
-            rl = ranks[off[k] + a * sk + sk - 1]
-            ready = 0.0
-            for c in range(C):
-                if prod[c, k] and assign[c, j] >= 0:
-                    rc = ranks[off[c] + assign[c, j] * s[c]]
-                    x = bfirst[c, j] + (xfer[k, j] if rc != rl else 0.0)
-                    if x > ready:
-                        ready = x
-            cur[j] = ready
+        _arrivals(k, False, prod, assign, ranks, off, s, xfer, bfirst, cur)
         _stage_pass(k, False, assign, ranks, off, s, p2p, stt, 1.0 - ff[k], free, cb, cur)
-        for j in range(M):
-            bfirst[k, j] = cur[j]
+        bfirst[k] = cur
+        for x in range(d[k] * s[k]):
+            r = ranks[off[k] + x]
+            if free[r] > posted[k]:
+                posted[k] = free[r]
     step = 0.0
     busy = np.zeros(C)
     for r in range(N):
         if free[r] > step:
             step = free[r]
     for k in range(C):
-        if d[k] == 0:
-            continue
-        done = 0.0
         for x in range(d[k] * s[k]):
             r = ranks[off[k] + x]
-            if free[r] > done:
-                done = free[r]
             if cb[k, r] > busy[k]:
                 busy[k] = cb[k, r]
-        if done + ar[k] > step:
-            step = done + ar[k]
+    # the all-reduces on the devices' links, in the order they became ready
+    link = np.zeros(N)
+    done = np.zeros(C, np.bool_)
+    for _ in range(C):
+        k = -1
+        for c in range(C):
+            if not done[c] and d[c] > 0 and ar[c] > 0 and (k < 0 or posted[c] < posted[k]):
+                k = c
+        if k < 0:
+            break
+        done[k] = True
+        st = posted[k]
+        for x in range(d[k] * s[k]):
+            r = ranks[off[k] + x]
+            if link[r] > st:
+                st = link[r]
+        for x in range(d[k] * s[k]):
+            link[ranks[off[k] + x]] = st + ar[k]
+        if st + ar[k] > step:
+            step = st + ar[k]
     return step, busy, bytes_
+
+
+@njit(cache=True)
+def _arrivals(k, forward, prod, assign, ranks, off, s, xfer, done, cur):
+    """Into ``cur[j]``: when micro-batch ``j``'s inputs reach component ``k``: forward, the latest forward end
+    (``done`` = the forward ends, last stage) of ``j`` in a producer of ``k``; backward, the latest backward
+    end (``done`` = the backward ends, stage 0) of ``j`` in a consumer of ``k``; each plus the transfer
+    (``xfer`` of the producer's output) when the two ops sit on different ranks."""
+    C, M = assign.shape
+    sk = s[k]
+    for j in range(M):
+        a = assign[k, j]
+        if a < 0:
+            continue
+        mine = ranks[off[k] + a * sk + (0 if forward else sk - 1)]
+        ready = 0.0
+        for o in range(C):
+            if (prod[k, o] if forward else prod[o, k]) and assign[o, j] >= 0:
+                ro = ranks[off[o] + assign[o, j] * s[o] + (s[o] - 1 if forward else 0)]
+                x = done[o, j]
+                if ro != mine:
+                    x += xfer[o, j] if forward else xfer[k, j]
+                if x > ready:
+                    ready = x
+        cur[j] = ready
 
 
 @njit(cache=True)
@@ -150,7 +169,9 @@ def _stage_pass(k, forward, assign, ranks, off, s, p2p, stt, share, free, cb, cu
 def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N):
     """Plain-Python `stream_kernel` (same arguments and result), written as an explicit op graph: each rank's
     op list in the executor's order, each op's end = its duration after the later of its rank's previous op
-    and its inputs' arrival, resolved by memoized recursion (an independent formulation of the same rules)."""
+    and its inputs' arrival, resolved by memoized recursion (an independent formulation of the same rules);
+    a group's all-reduce is ready when its last rank reaches the end of its backward ops of the component,
+    then waits for its ranks' links."""
     import functools
 
     C, M = len(t), len(t[0])
@@ -208,11 +229,23 @@ def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, 
         finish = {r: (end(ops[-1]) if ops else 0.0) for r, ops in seq.items()}
         busy, bytes_ = np.zeros(C), np.zeros(int(N))
         step = max(finish.values(), default=0.0)
-        for k in range(C):
-            if not d[k]:
-                continue
-            group = [int(ranks[int(off[k]) + x]) for x in range(int(d[k]) * int(s[k]))]
-            step = max(step, max(finish[r] for r in group) + float(ar[k]))
+        groups = {k: [int(ranks[int(off[k]) + x]) for x in range(int(d[k]) * int(s[k]))] for k in range(C) if d[k]}
+
+        def post(k, r):
+            """When rank r posts k's all-reduce: the end of its last op up to its backward of k (every forward,
+            the backwards of k and of the components after it)."""
+            upto = [op for op in seq[r] if op[0] == "F" or op[1] >= k]
+            return end(upto[-1]) if upto else 0.0
+
+        # each device's link carries one all-reduce at a time, taken in the order they became ready
+        ready = sorted((max(post(k, r) for r in g), k) for k, g in groups.items() if float(ar[k]) > 0)
+        link = [0.0] * int(N)
+        for at, k in ready:
+            begin = max([at] + [link[r] for r in groups[k]])
+            for r in groups[k]:
+                link[r] = begin + float(ar[k])
+            step = max(step, begin + float(ar[k]))
+        for k, group in groups.items():
             for r in group:
                 mine = [op for op in seq[r] if op[1] == k]
                 busy[k] = max(busy[k], sum(stage(k, op[3]) * (float(ff[k]) if op[0] == "F" else 1.0 - float(ff[k]))

@@ -4,7 +4,9 @@ Every component's layers, in the graph's topological order, form one layer list,
 stages (uniformly by layer count, or by a given partition search); the ``N`` devices hold ``N / S``
 data-parallel copies of that pipeline, the step's micro-batches balanced over them (the same longest-first
 rule as the allocation), each copy run in 1F1B order and simulated by the pipeline simulator
-(`dynabatch.core.simulate.pipeline.makespan`), then the gradient all-reduce of each stage over the copies.
+(`dynabatch.core.simulate.pipeline.simulate_kernel`), and the gradient all-reduce of each stage over the
+copies, started as soon as that stage's last backward is done (Megatron's overlap-grad-reduce: a later stage's
+all-reduce runs while the stages before it still work through their backward).
 Every micro-batch passes every stage, paying each stage's launch overhead and the activation transfer, even
 where it has no work; with ``bypass`` (`RunnerConfig(bypass_idle_stages=True)`) it skips the stages before
 the first one that computes for it (a text-only micro-batch skips the encoder stages). The number of stages
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.allocation import lpt_kernel
-from ..simulate.pipeline import makespan, pipeline_schedule
+from ..simulate.pipeline import pipeline_schedule, simulate_kernel
 
 #: a partition search: (forward seconds [L, M], backward seconds [L, M], stages S) -> layer offsets (S + 1)
 Partition = Callable[[np.ndarray, np.ndarray, int], Sequence[int]]
@@ -86,7 +88,9 @@ class LayerTable:
 def pipeline_time(table: LayerTable, bounds: Sequence[int], num_devices: int, *, bypass: bool,
                   allreduce_bandwidth: float | None = None) -> tuple[float, float]:
     """(simulated step seconds, largest per-device bytes) of one pipeline cut at ``bounds`` on
-    ``num_devices`` devices (``len(bounds) - 1`` stages times ``num_devices / stages`` copies)."""
+    ``num_devices`` devices (``len(bounds) - 1`` stages times ``num_devices / stages`` copies). The step ends
+    with the last stage all-reduce: stage ``s``'s starts when its last backward (over the copies) ends and
+    takes the ring all-reduce of its parameters' gradients over the copies."""
     costs, w = table.costs, table.workload
     dev = costs.device
     b = np.asarray(bounds, np.int64)
@@ -121,20 +125,25 @@ def pipeline_time(table: LayerTable, bounds: Sequence[int], num_devices: int, *,
                 state[s] += share * cm.state_bytes(D)
     assign = np.empty(M, np.int64)
     lpt_kernel(np.ascontiguousarray((f + bw).sum(axis=0)), D, assign)
-    worst, held = 0.0, np.zeros(S)
+    done, held = np.zeros(S), np.zeros(S)  # per stage: its last backward's end over the copies
     for d in range(D):
         sel = np.flatnonzero(assign == d)
         if len(sel) == 0:
             continue
         fs, bs = np.ascontiguousarray(f[:, sel]), np.ascontiguousarray(bw[:, sel])
         p2p = np.ascontiguousarray(table.p2p_s[sel])
-        worst = max(worst, makespan(fs, bs, pipeline_schedule(S, len(sel), "1f1b"), p2p))
+        start, end = np.empty((S, len(sel), 2)), np.empty((S, len(sel), 2))
+        if simulate_kernel(fs, bs, p2p, pipeline_schedule(S, len(sel), "1f1b"), start, end) != 0:
+            raise RuntimeError(f"1F1B on {S} stages and {len(sel)} micro-batches did not finish in the simulator")
+        done = np.maximum(done, end.max(axis=(1, 2)))
         # 1F1B: stage s holds at most S - s micro-batches' activations at once
         for s in range(S):
             held[s] = max(held[s], np.sort(mem[s, sel])[::-1][:S - s].sum())
+    # each stage's gradient all-reduce over the copies starts once the stage's last backward is done
+    # (Megatron's overlap-grad-reduce), on that stage's devices' links, while earlier stages still compute
     ar_bw = float(allreduce_bandwidth) if allreduce_bandwidth else float(dev.p2p_bandwidth)
-    ar = (2.0 * (D - 1) / D * params.max() / ar_bw + 2.0 * (D - 1) * dev.p2p_latency_s) if D > 1 else 0.0
-    return worst + ar, float((state + held).max())
+    ar = (2.0 * (D - 1) / D * params / ar_bw + 2.0 * (D - 1) * dev.p2p_latency_s) if D > 1 else np.zeros(S)
+    return float((done + ar).max()), float((state + held).max())
 
 
 def one_pipeline(costs, workload, num_devices: int, *, bypass: bool, partition: Partition | None = None,

@@ -19,9 +19,14 @@ direction): two ranks may post their messages to each other in different orders,
 gloo, which matches by tag (NCCL, which does not, is refused). A micro-batch never touches a component its task skips: no compute, no message, and a
 component no micro-batch of the step reaches does no all-reduce either (its gradients stay None).
 
-Then the gradients of each component are summed over its group (one flat all-reduce per component group;
+The gradients of each component are summed over its group (one flat all-reduce per component group;
 every rank of a group holds the same weights, broadcast from the group's first rank when the executor is
-built) and scaled by ``1 / N`` (``N``: the step's target tokens, the heads' `ComponentModel.targets` summed
+built). A rank posts a component's all-reduce (asynchronously, on the group's own process group) as soon
+as its last backward item of that component is done, and goes on with the backward of the components before
+it while the all-reduce runs (as DDP's gradient buckets and Megatron's overlap-grad-reduce do); the handles
+are waited before the optimizer step. That is sound because a component's backward touches only its own
+parameters (its inputs are detached leaves; a parameter shared by two components is refused). Then they are
+scaled by ``1 / N`` (``N``: the step's target tokens, the heads' `ComponentModel.targets` summed
 over the step's micro-batches, known before any forward; scaling after the sums, as the pipeline runner
 does, keeps the result one process's ``d(sum of losses) / N`` also where a model computes a part in lower
 precision, e.g. a float32 softmax), so every parameter's gradient equals one process's; one optimizer step per
@@ -128,8 +133,15 @@ class SpindleExecutor:
             # components run in wave order at each end); gloo matches them by tag, NCCL ignores tags
             raise NotImplementedError(f"the multi-task executor runs on gloo (its messages are matched by tag, which "
                                       f"{ctx.dist.backend} ignores); init_spindle(..., backend='gloo')")
+        owner: dict[int, str] = {}
         for c in graph.names:
-            model.component(c)
+            for name, prm in model.component(c).named_parameters():
+                other = owner.setdefault(id(prm), c)
+                if other != c:
+                    # each group all-reduces its own component's gradients, as soon as its backward is done
+                    raise ValueError(f"parameter {name!r} of component {c!r} is also a parameter of {other!r}: the "
+                                     f"multi-task executor reduces each component's gradients in its own group; "
+                                     f"untie it or make the two one component")
         self.model, self.graph, self.ctx, self.clock = model, graph, ctx, clock
         self.allocation = ctx.allocation
         topo = {n: i for i, n in enumerate(graph.order())}
@@ -274,9 +286,18 @@ class SpindleExecutor:
         waited += self.guard.wait(sends, f"for the forward sends of step {k}", self._peers(owners))
         sends = []
 
-        # backward, last to first
+        # backward, last to first, component by component; a component's gradient all-reduce is posted as soon
+        # as this rank's last backward of it is done and runs while the rank goes on with the components before
+        # it (their backward touches none of its parameters: inputs arrive as detached leaves)
         consumed = {}  # (producer, mb) -> [grad tensors from local consumers]
-        for it in reversed(items):
+        reduce = _Reduction({c for t in tasks for c in graph.reaches(t)})
+        mine = {c: [it for it in items if it.component == c] for c in self.held}
+        # the walk: each held component's items, last to first, then its name: where its all-reduce is posted
+        walk = [x for c in reversed(self.held) for x in (*reversed(mine[c]), c)]
+        for it in walk:
+            if isinstance(it, str):
+                self._post_reduce(it, reduce, events)
+                continue
             c, i = it.component, it.mb
             if not consumers(c, i):
                 grad_out, target = None, it.out
@@ -314,8 +335,8 @@ class SpindleExecutor:
                     events.append(SpindleEvent("send", p, i, "backward", src, (p, c)))
         waited += self.guard.wait(sends, f"for the backward sends of step {k}", self._peers(owners))
 
-        # data parallel inside each component group; the world's loss
-        waited += self._reduce_gradients(tasks, k, events, 1.0 / total)
+        # data parallel inside each component group (posted above); the world's loss
+        waited += self._finish_reduce(reduce, k, 1.0 / total)
         totals = torch.stack([loss_sum, torch.tensor(float(counted), dtype=torch.float64)])
         waited += self.guard.all_reduce(totals, f"for the loss sum of step {k}", self.guard.everyone())
         if int(round(float(totals[1]))) != total:
@@ -332,36 +353,51 @@ class SpindleExecutor:
     def _peers(self, owners) -> list[int]:
         return sorted({r for per in owners.values() for r in per.values()} - {self.ctx.rank})
 
-    def _reduce_gradients(self, tasks: list[str], k: int, events: list, scale: float) -> float:
-        """Sum each held component's gradients over its group (one flat all-reduce per component that some
-        micro-batch of the step reached, posted together, waited once) and multiply them by ``scale``; seconds
-        waited."""
-        reached = {c for t in tasks for c in self.graph.reaches(t)}
-        works, flats, peers = [], [], set()
-        for c in self.held:
-            g = self.ctx.groups.get(c)
-            params = [p for p in self.model.component(c).parameters() if p.requires_grad]
-            if g is None:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-                continue
-            if c not in reached:
-                continue
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            works.append(dist.all_reduce(flat, group=g, async_op=True))
-            flats.append((params, flat))
-            peers |= set(self.allocation.placement(c).ranks)
-            events.append(SpindleEvent("all_reduce", c, -1, "backward"))
-        waited = self.guard.wait(works, f"for the component groups' gradient all-reduce of step {k}",
-                                 sorted(peers - {self.ctx.rank}))
-        for params, flat in flats:
+    def _post_reduce(self, c: str, reduce: "_Reduction", events: list) -> None:
+        """Post held component ``c``'s gradient all-reduce over its group (one flat tensor; asynchronous), or
+        nothing when the step reached no micro-batch of it or its group is this rank alone."""
+        g = self.ctx.groups.get(c)
+        params = [p for p in self.model.component(c).parameters() if p.requires_grad]
+        if g is None:
+            reduce.alone.append(params)
+            return
+        if c not in reduce.reached:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        reduce.works.append(dist.all_reduce(flat, group=g, async_op=True))
+        reduce.flats.append((params, flat))
+        reduce.peers |= set(self.allocation.placement(c).ranks)
+        events.append(SpindleEvent("all_reduce", c, -1, "backward"))
+
+    def _finish_reduce(self, reduce: "_Reduction", k: int, scale: float) -> float:
+        """Wait for the posted all-reduces (once, before the optimizer step), put each component's summed
+        gradients back into its parameters and multiply every held gradient by ``scale``; seconds waited."""
+        waited = self.guard.wait(reduce.works, f"for the component groups' gradient all-reduce of step {k}",
+                                 sorted(reduce.peers - {self.ctx.rank}))
+        for params in reduce.alone:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        for params, flat in reduce.flats:
             at = 0
             for p in params:
                 n = p.numel()
                 p.grad = flat[at:at + n].view_as(p) * scale
                 at += n
         return waited
+
+
+@dataclass
+class _Reduction:
+    """The gradient all-reduces one step posts: ``reached`` (components some micro-batch of the step reaches),
+    ``works`` (their async handles), ``flats`` ((parameters, flat gradient) of each), ``peers`` (ranks they
+    involve) and ``alone`` (parameters of held components whose group is this rank alone: only scaled)."""
+
+    reached: set
+    works: list = field(default_factory=list)
+    flats: list = field(default_factory=list)
+    peers: set = field(default_factory=set)
+    alone: list = field(default_factory=list)
 
 
 __all__ = ["SpindleEvent", "SpindleExecutor", "SpindleStep", "task_of"]
