@@ -18,7 +18,8 @@ from dynabatch.core.multitask import (Allocation, Component, ComponentCosts, Com
                                       Task, graph_from_configs, mtmm_graph, mtmm_tiny_graph, plan_allocation, route,
                                       vision_language_graph)
 from dynabatch.core.multitask.allocation import StreamModel, component_options, simulate_stream
-from dynabatch.core.multitask.baselines import LayerTable, lower_bound, one_pipeline, pipeline_time, uniform_bounds
+from dynabatch.core.multitask.baselines import (LayerTable, chain_bound, lower_bound, one_pipeline, pipeline_time,
+                                               uniform_bounds)
 
 DEV = device_preset("a100-80gb")
 
@@ -313,6 +314,26 @@ def test_stream_allreduce_overlaps_the_other_components_backward():
         assert run(fn, [4.0, 1.0]) == 22.0   # b's 15-16, a's 18-22
 
 
+def test_stream_allreduce_per_pipeline_stage():
+    """Inside a group of two stages each stage's all-reduce starts when that stage's backward is done (as the
+    baselines' stages do): b on 2 stages (stage 0 on rank 0, stage 1 on rank 1), its producer a on rank 1; one
+    micro-batch, worked out by hand."""
+    t = np.array([[2.0], [8.0]])  # a: F 1, B 1; b: per stage F 2, B 2
+    z = np.zeros((2, 1))
+    prod = np.array([[False, False], [True, False]])
+    # a F 0-1 (r1), b F stage 0 1-3 (r0), stage 1 3-5 (r1), b B stage 1 5-7 (r1), stage 0 7-9 (r0), a B 9-10 (r1)
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        def run(ar):
+            return fn(t, z, z, z, prod, np.ones(2, np.int64), np.array([1, 2], np.int64),
+                      np.array([1, 0, 1], np.int64), np.array([0, 1], np.int64), np.array([0.5, 0.5]), 0.0,
+                      np.zeros(2), np.array(ar), 2)[0]
+        assert run([0.0, 0.0]) == 10.0
+        # b's stage 1 all-reduce 7-10 on rank 1's link, stage 0's 9-12 on rank 0's; a's 10-11 on rank 1's
+        # (one all-reduce over the whole group, 9-12 on both links, would push a's to 12-13)
+        assert run([1.0, 3.0]) == 12.0
+        assert run([1.0, 1.5]) == 11.0  # b's 7-8.5 and 9-10.5, a's 10-11
+
+
 def test_stream_pipeline_inside_a_group_is_gpipe():
     """One component on s stages of one replica, micro-batches streamed stage to stage: the simulator's GPipe
     with the executor's reversed backward order, checked against the pipeline simulator's makespan."""
@@ -484,3 +505,22 @@ def test_one_pipeline_overlaps_each_stage_allreduce_with_the_earlier_stages_back
     # stage 0's backward ends last: a later stage's all-reduce overlaps it, so the step is shorter than
     # adding the largest all-reduce after the whole pipeline
     assert done[0] == done.max() and got < done.max() + max(ar)
+
+
+def test_chain_bound_is_the_heaviest_path_and_bounds_every_layout():
+    """`chain_bound`: per micro-batch, the heaviest path through the components its task reaches (summed
+    one-device seconds less the launch overhead), written here as a sum over the task's path (each task of
+    `_random_graph` is one chain); the allocation and every one-pipeline layout take at least that long."""
+    rng = np.random.default_rng(12)
+    for _ in range(4):
+        g = _random_graph(rng)
+        costs = ComponentCosts(g, DEV)
+        w = costs.workload(_random_step(rng, g, n=int(rng.integers(3, 9))))
+        want = 0.0
+        for j, task in enumerate(w.microbatch_tasks):
+            path = sum(max(0.0, float(w.time_s[w.row(c), j]) - DEV.overhead_s) for c in g.reaches(task))
+            want = max(want, path)
+        assert chain_bound(g, w) == pytest.approx(want, rel=1e-12)
+        for N in (4, 8):
+            assert plan_allocation(costs, w, N).step_seconds >= want
+            assert one_pipeline(costs, w, N, bypass=True).step_seconds >= want

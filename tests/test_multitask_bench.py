@@ -10,10 +10,10 @@ def test_bench_rows_are_consistent():
     pools = generated_pools(0, n=2000)
     rows = run_spindle_bench(pools, dict(MIX), (8, 16), 1, 16384, 2048, "a100-80gb", 0)
     for r in rows:
-        assert r.allocation_s >= r.lower_bound_s > 0
+        assert r.allocation_s >= r.bound_s == max(r.lower_bound_s, r.chain_bound_s) and r.chain_bound_s > 0
         fits = {k: v for k, v in r.baselines_s.items() if not math.isnan(v)}
         for k, v in fits.items():
-            assert v >= r.lower_bound_s
+            assert v >= r.bound_s
         if fits:
             assert r.speedup == min(fits.values()) / r.allocation_s
     assert "allocation at 16" in format_spindle(rows)
@@ -30,4 +30,5 @@ def test_command_says_when_the_data_is_generated(capsys, tmp_path):
 
     assert bench_spindle_command(Args()) == 0
     out = capsys.readouterr().out
-    assert "GENERATED data" in out and "best/alloc" in out
+    assert "GENERATED data" in out and "best/alloc" in out and "chain bound" in out
+    assert "overlap-grad-reduce" in out  # what each side overlaps is said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 from ..progress import add_progress_option, show_progress
 from . import add_subcommand
@@ -20,7 +21,14 @@ columns:
   uniform ...      one pipeline's simulated step seconds ((no fit): no stage count fits the memory)
   best/alloc       the best one-pipeline baseline over the allocation (> 1: the allocation is faster)
   lower bound      all the step's work over all devices, no communication
+  chain bound      the heaviest micro-batch's forward + backward through its components, one after another
+                   (data and pipeline parallelism never run one micro-batch's layers side by side)
+  alloc/bound      the allocation over the larger of the two bounds
   plan ms          pricing the step + the allocation search (median; see the load line)
+
+both sides overlap their gradient all-reduces with the backward: the allocation posts each component
+group's all-reduce when that component's last backward on the rank ends (as the executor does), one pipeline
+each stage's when that stage's last backward ends (Megatron's overlap-grad-reduce).
 
 examples:
   dynabatch bench spindle                                  # shared data if found, 8 16 32 64 devices
@@ -83,12 +91,13 @@ def bench_spindle_command(args) -> int:
     if args.json:
         print(json.dumps({"shared_data": shared, "pools": [p.origin for p in pools], "weights": weights,
                           "device": args.device, "step_tokens": args.step_tokens,
-                          "microbatch_tokens": args.microbatch_tokens, "load": B.load_text(),
+                          "microbatch_tokens": args.microbatch_tokens, "load": B.load_text(), "overlap": B.OVERLAP,
                           "rows": [r.to_dict() for r in rows]}, indent=1))
     else:
         print(B.describe(pools, weights, shared))
         print(f"model mtmm on {args.device}; {args.steps} steps of {args.step_tokens} backbone tokens, micro-batches "
               f"of <= {args.microbatch_tokens} tokens (one task each), the same for every method\n")
         print(B.format_spindle(rows))
+        print(f"\n{textwrap.fill(B.OVERLAP, 116)}")
         print(f"\n{B.load_text()}")
     return 0

@@ -25,12 +25,13 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     * the backward of ``j`` in ``k``'s last stage waits for the backward of ``j`` in every consumer (its
       stage 0; a component no consumer of ``j`` reads, a head, starts it at once), plus ``xfer[k, j]`` when
       on another rank; stage ``q < s - 1`` waits for stage ``q + 1`` plus ``p2p[k, j]``;
-    * a rank posts group ``k``'s gradient all-reduce (``ar[k]`` seconds) as soon as it has finished its
-      backward ops of ``k`` (where its backward loop passes ``k``), while it goes on with the backward of the
-      components before ``k``: the all-reduce takes no compute, it starts once every rank of the group has
-      posted it and the links of all of them are free, and holds those links for ``ar[k]`` seconds (a
-      device's link carries one all-reduce at a time, in the order they became ready; ties: lower ``k``);
-      the step ends with the last compute op or all-reduce.
+    * a rank posts its stage's gradient all-reduce of group ``k`` (over the replicas' ranks of that stage,
+      ``ar[k]`` seconds) as soon as it has finished its backward ops of ``k`` (where its backward loop passes
+      ``k``), while it goes on with the backward of the components before ``k``: the all-reduce takes no
+      compute, it starts once every rank of it has posted it and the links of all of them are free, and holds
+      those links for ``ar[k]`` seconds (a device's link carries one all-reduce at a time, in the order they
+      became ready; ties: lower ``k``, then lower stage); the step ends with the last compute op or
+      all-reduce.
 
     ``t`` [C, M]: forward+backward seconds of ``j`` on one device holding all of ``k`` (< 0: ``j`` does not
     reach ``k``); ``mem`` [C, M] activation bytes kept for backward; ``prod`` [C, C] bool: ``prod[k, p]``, ``p``
@@ -51,7 +52,11 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     bfirst = np.zeros((C, M))  # backward end of j in k's stage 0
     cur = np.zeros(M)
     stt = np.zeros((C, M))
-    posted = np.zeros(C)  # when the group's last rank posted k's all-reduce
+    smax = 1
+    for k in range(C):
+        if s[k] > smax:
+            smax = s[k]
+    posted = np.zeros((C, smax))  # when the last rank of k's stage q posted its all-reduce
     for k in range(C):
         if d[k] == 0:
             for j in range(M):
@@ -84,8 +89,8 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
         bfirst[k] = cur
         for x in range(d[k] * s[k]):
             r = ranks[off[k] + x]
-            if free[r] > posted[k]:
-                posted[k] = free[r]
+            if free[r] > posted[k, x % s[k]]:
+                posted[k, x % s[k]] = free[r]
     step = 0.0
     busy = np.zeros(C)
     for r in range(N):
@@ -96,24 +101,27 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
             r = ranks[off[k] + x]
             if cb[k, r] > busy[k]:
                 busy[k] = cb[k, r]
-    # the all-reduces on the devices' links, in the order they became ready
+    # the all-reduces (one per component and stage) on the devices' links, in the order they became ready
     link = np.zeros(N)
-    done = np.zeros(C, np.bool_)
-    for _ in range(C):
-        k = -1
+    done = np.zeros((C, smax), np.bool_)
+    for _ in range(C * smax):
+        k, q = -1, -1
         for c in range(C):
-            if not done[c] and d[c] > 0 and ar[c] > 0 and (k < 0 or posted[c] < posted[k]):
-                k = c
+            if d[c] == 0 or ar[c] <= 0:
+                continue
+            for y in range(s[c]):
+                if not done[c, y] and (k < 0 or posted[c, y] < posted[k, q]):
+                    k, q = c, y
         if k < 0:
             break
-        done[k] = True
-        st = posted[k]
-        for x in range(d[k] * s[k]):
-            r = ranks[off[k] + x]
+        done[k, q] = True
+        st = posted[k, q]
+        for a in range(d[k]):
+            r = ranks[off[k] + a * s[k] + q]
             if link[r] > st:
                 st = link[r]
-        for x in range(d[k] * s[k]):
-            link[ranks[off[k] + x]] = st + ar[k]
+        for a in range(d[k]):
+            link[ranks[off[k] + a * s[k] + q]] = st + ar[k]
         if st + ar[k] > step:
             step = st + ar[k]
     return step, busy, bytes_
@@ -170,8 +178,8 @@ def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, 
     """Plain-Python `stream_kernel` (same arguments and result), written as an explicit op graph: each rank's
     op list in the executor's order, each op's end = its duration after the later of its rank's previous op
     and its inputs' arrival, resolved by memoized recursion (an independent formulation of the same rules);
-    a group's all-reduce is ready when its last rank reaches the end of its backward ops of the component,
-    then waits for its ranks' links."""
+    a stage's all-reduce of a group is ready when the last of its ranks reaches the end of its backward ops
+    of the component, then waits for its ranks' links."""
     import functools
 
     C, M = len(t), len(t[0])
@@ -237,12 +245,14 @@ def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, 
             upto = [op for op in seq[r] if op[0] == "F" or op[1] >= k]
             return end(upto[-1]) if upto else 0.0
 
-        # each device's link carries one all-reduce at a time, taken in the order they became ready
-        ready = sorted((max(post(k, r) for r in g), k) for k, g in groups.items() if float(ar[k]) > 0)
+        # one all-reduce per component and stage, over that stage's ranks of every replica; each device's link
+        # carries one at a time, taken in the order they became ready
+        stage_ranks = {(k, q): g[q::int(s[k])] for k, g in groups.items() for q in range(int(s[k]))}
+        ready = sorted((max(post(k, r) for r in g), k, q) for (k, q), g in stage_ranks.items() if float(ar[k]) > 0)
         link = [0.0] * int(N)
-        for at, k in ready:
-            begin = max([at] + [link[r] for r in groups[k]])
-            for r in groups[k]:
+        for at, k, q in ready:
+            begin = max([at] + [link[r] for r in stage_ranks[(k, q)]])
+            for r in stage_ranks[(k, q)]:
                 link[r] = begin + float(ar[k])
             step = max(step, begin + float(ar[k]))
         for k, group in groups.items():

@@ -10,8 +10,9 @@ all-reduce runs while the stages before it still work through their backward).
 Every micro-batch passes every stage, paying each stage's launch overhead and the activation transfer, even
 where it has no work; with ``bypass`` (`RunnerConfig(bypass_idle_stages=True)`) it skips the stages before
 the first one that computes for it (a text-only micro-batch skips the encoder stages). The number of stages
-is searched over the divisors of ``N`` whose memory fits. Also the iteration lower bound: all the step's
-work over all devices. Torch-free.
+is searched over the divisors of ``N`` whose memory fits. Also two lower bounds of any step of these
+micro-batches: all the step's work over all devices (`lower_bound`), and the heaviest micro-batch's path
+through its components, forward and back (`chain_bound`). Torch-free.
 """
 
 from __future__ import annotations
@@ -184,3 +185,22 @@ def lower_bound(workload, num_devices: int) -> float:
     t = workload.time_s
     work = np.where(t > 0, t - np.minimum(workload.overhead_s[:, None], t), 0.0)
     return float(work.sum()) / int(num_devices)
+
+
+def chain_bound(graph, workload) -> float:
+    """The longest micro-batch's chain (seconds): a micro-batch's forward runs through the components on its
+    task's path one after another (a consumer waits for its producer) and its backward back the same way, and
+    data or pipeline parallelism never runs one micro-batch's layers side by side; so no step of these
+    micro-batches, under a per-component allocation or one pipeline, is shorter than the heaviest path's
+    forward + backward (every component at its one-device time, without the per-stage launch overhead, no
+    communication): the longest path of `Workload.time_s` weights through ``graph`` over the components the
+    micro-batch reaches, the largest over the micro-batches."""
+    t = workload.time_s
+    work = np.where(t > 0, t - np.minimum(workload.overhead_s[:, None], t), 0.0)
+    longest = np.zeros_like(work)  # the heaviest path ending in each component, per micro-batch
+    for r, name in enumerate(workload.components):
+        before = np.zeros(workload.num_microbatches)
+        for i in graph.component(name).inputs:
+            before = np.maximum(before, longest[workload.row(i)])
+        longest[r] = np.where(workload.reaches[r], before + work[r], 0.0)
+    return float(longest.max()) if longest.size else 0.0
