@@ -29,8 +29,9 @@ def _cfg(name, hidden, layers, ffn=None):
                        layers=layers)
 
 
-def _random_graph(rng, encoders=2):
-    """Encoders e0.. -> projector -> backbone -> heads h0, h1; random widths and layer counts."""
+def _random_graph(rng, encoders=2, seq_len=None):
+    """Encoders e0.. -> projector -> backbone -> heads h0, h1; random widths and layer counts; ``seq_len``:
+    e0 attends its tokens in independent sequences of this many (a ViT's tiles)."""
     configs, kinds, inputs, tokens, tasks = {}, {}, {}, {}, {}
     enc = [f"e{k}" for k in range(encoders)]
     for k, e in enumerate(enc):
@@ -46,7 +47,8 @@ def _random_graph(rng, encoders=2):
     tasks["text"] = ("bb", "h0")
     for k, e in enumerate(enc):
         tasks[f"t{k}"] = (e, "proj", "bb", ("h0", "h1")[k % 2])
-    return graph_from_configs(configs, kinds, inputs, tasks, tokens=tokens)
+    return graph_from_configs(configs, kinds, inputs, tasks, tokens=tokens,
+                              seq_len={"e0": seq_len} if seq_len else None)
 
 
 def _random_step(rng, graph, n=12, microbatch_tokens=2048):
@@ -267,6 +269,85 @@ def test_stream_kernel_matches_reference_on_random_allocations():
             np.testing.assert_allclose(got[2], want[2], rtol=1e-12)
 
 
+def _mtmm_step(rng, tiles, text, n=40):
+    """The full-size mtmm graph, its costs and the workload of ``n`` random samples (image samples of
+    ``tiles`` 256-token tiles, audio samples of 750 tokens, ``text`` token counts), micro-batches of 4096."""
+    g = mtmm_graph()
+    costs = ComponentCosts(g, DEV)
+    tasks = [str(t) for t in rng.choice(g.task_names, n)]
+    vision = [256 * int(rng.integers(*tiles)) if t == "image_text" else 0 for t in tasks]
+    audio = [750 if t == "audio_text" else 0 for t in tasks]
+    return g, costs, costs.workload(StepSamples.pack(g, tasks, rng.integers(*text, n), vision, audio,
+                                                     microbatch_tokens=4096))
+
+
+def _pieced(rng, a):
+    """``a`` with random pieces on its e0 (which attends independent sequences)."""
+    import dataclasses
+
+    return Allocation(tuple(dataclasses.replace(p, pieces=int(rng.integers(1, 5))) if p.component == "e0" else p
+                            for p in a.placements), a.waves, a.num_devices, 0.0, {})
+
+
+def test_stream_kernel_matches_reference_with_split_microbatches():
+    """e0 attends sequences of 256 tokens: its micro-batches split into pieces (columns of one micro-batch),
+    the consumer waiting for every piece and each piece's backward for the consumer: kernel = reference."""
+    rng = np.random.default_rng(13)
+    split = 0
+    for trial in range(8):
+        g = _random_graph(rng, encoders=2, seq_len=256)
+        costs = ComponentCosts(g, DEV)
+        w = costs.workload(_random_step(rng, g, n=int(rng.integers(4, 12))))
+        model = StreamModel(costs, w)
+        for _ in range(3):
+            a = _pieced(rng, _random_allocation(rng, g, int(rng.integers(4, 9))))
+            got, want = model.run(a), model.run(a, "reference")
+            split += model.columns(tuple(a.placement(n).pieces for n in model.names))[0].shape[1] > w.num_microbatches
+            assert got[0] == pytest.approx(want[0], rel=1e-12)
+            assert got[1] == pytest.approx(want[1], rel=1e-12)
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-12)
+    assert split >= 5  # most cases did split some micro-batch
+
+
+def test_stream_split_microbatch_on_a_hand_example():
+    """Producer a splits the one micro-batch into two pieces on its two replicas (ranks 0, 1), consumer b on
+    rank 0 waits for both; each piece's backward waits for b's. Worked out by hand."""
+    t = np.array([[2.0, 2.0], [6.0, -1.0]])  # a's pieces: F 1, B 1 each; b: F 3, B 3 (column 0 only)
+    z = np.zeros((2, 2))
+    xfer = np.array([[0.5, 0.5], [0.0, 0.0]])
+    prod = np.array([[False, False], [True, False]])
+    args = (t, z, z, xfer, prod, np.array([2, 1], np.int64), np.ones(2, np.int64), np.array([0, 1, 0], np.int64),
+            np.array([0, 2], np.int64), np.array([0.5, 0.5]), 0.0, np.zeros(2), np.zeros(2), 2,
+            np.array([0, 0], np.int64))
+    # a piece 0 on r0 0-1, piece 1 on r1 0-1; b F on r0 after piece 1 arrives (1.5) 1.5-4.5, B 4.5-7.5;
+    # a piece 0 B on r0 7.5-8.5, piece 1 B on r1 after b's gradient arrives (8) 8-9
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        step, busy, _ = fn(*args)
+        assert step == 9.0 and list(busy) == [2.0, 6.0]
+    # whole (one column of 4 s on rank 0): a F 0-2, b F 2-5, b B 5-8, a B 8-10
+    whole = (np.array([[4.0], [6.0]]), np.zeros((2, 1)), np.zeros((2, 1)), np.array([[0.5], [0.0]]), prod,
+             np.array([1, 1], np.int64), np.ones(2, np.int64), np.array([0, 0], np.int64), np.array([0, 1], np.int64),
+             np.array([0.5, 0.5]), 0.0, np.zeros(2), np.zeros(2), 2, np.array([0], np.int64))
+    for fn in (KS.stream_kernel, KS.stream_reference):
+        assert fn(*whole)[0] == 10.0
+
+
+def test_split_sequences_splits_only_sequence_components_and_is_refused_by_route():
+    """`plan_allocation(split_sequences=True)` is never slower than whole micro-batches, splits only a
+    component of independent sequences (the full-size ViT here), and such a plan is simulated only: `route`
+    refuses it by name."""
+    g, costs, w = _mtmm_step(np.random.default_rng(14), tiles=(4, 14), text=(100, 800))
+    whole = plan_allocation(costs, w, 32)
+    split = plan_allocation(costs, w, 32, split_sequences=True)
+    assert all(p.pieces == 1 for p in whole.placements)
+    assert split.step_seconds < whole.step_seconds
+    assert {p.component for p in split.placements if p.pieces > 1} == {"vit"}
+    assert split.step_seconds == simulate_stream(costs, w, split)[0]
+    assert split.step_seconds >= chain_bound(g, w)
+    with pytest.raises(ValueError, match="'vit' splits each micro-batch"):
+        route(split, g, w.microbatch_tasks)
+
+
 def test_stream_follows_the_executors_order_on_a_hand_example():
     """Producer a (rank 0) feeds consumer b (rank 1), two micro-batches, one stage each, no transfers: every
     forward/backward end worked out by hand."""
@@ -275,7 +356,7 @@ def test_stream_follows_the_executors_order_on_a_hand_example():
     prod = np.array([[False, False], [True, False]])
     one = np.ones(2, np.int64)
     args = (t, z, z, z, prod, one, one, np.array([0, 1], np.int64), np.array([0, 1], np.int64),
-            np.array([0.5, 0.5]), 0.0, np.zeros(2), np.zeros(2), 2)
+            np.array([0.5, 0.5]), 0.0, np.zeros(2), np.zeros(2), 2, np.arange(2))
     # a: F0 0-2, F1 2-3; b: F0 2-5, F1 5-8, then backward last first: B1 8-11, B0 11-14;
     # a's backward waits for b's: B1 (needs b's B1, ends 11) 11-12, B0 (b's B0 ends 14) 14-16
     for fn in (KS.stream_kernel, KS.stream_reference):
@@ -288,8 +369,8 @@ def test_stream_follows_the_executors_order_on_a_hand_example():
     # a barrier between the waves (the waves model) would take a's F+B then b's F+B on rank 1: longer than streamed
     ar = np.array([0.0, 1.5])  # b's group all-reduce, after its rank's last backward (11 + 3 = 14)
     for fn in (KS.stream_kernel, KS.stream_reference):
-        assert fn(*(args[:12] + (ar, 2)))[0] == 16.0
-        assert fn(*(args[:12] + (np.array([0.0, 2.5]), 2)))[0] == 16.5
+        assert fn(*(args[:12] + (ar, 2, np.arange(2))))[0] == 16.0
+        assert fn(*(args[:12] + (np.array([0.0, 2.5]), 2, np.arange(2))))[0] == 16.5
 
 
 def test_stream_allreduce_overlaps_the_other_components_backward():
@@ -303,7 +384,7 @@ def test_stream_allreduce_overlaps_the_other_components_backward():
 
     def run(fn, ar):
         return fn(t, z, z, z, prod, one, one, np.array([0, 0], np.int64), np.array([0, 1], np.int64),
-                  np.array([0.5, 0.5]), 0.0, np.zeros(2), np.asarray(ar, np.float64), 2)[0]
+                  np.array([0.5, 0.5]), 0.0, np.zeros(2), np.asarray(ar, np.float64), 2, np.arange(2))[0]
 
     # rank 0: a F0 0-2, F1 2-3, b F0 3-6, F1 6-9, b B1 9-12, B0 12-15, a B1 15-16, B0 16-18
     for fn in (KS.stream_kernel, KS.stream_reference):
@@ -326,7 +407,7 @@ def test_stream_allreduce_per_pipeline_stage():
         def run(ar):
             return fn(t, z, z, z, prod, np.ones(2, np.int64), np.array([1, 2], np.int64),
                       np.array([1, 0, 1], np.int64), np.array([0, 1], np.int64), np.array([0.5, 0.5]), 0.0,
-                      np.zeros(2), np.array(ar), 2)[0]
+                      np.zeros(2), np.array(ar), 2, np.arange(1))[0]
         assert run([0.0, 0.0]) == 10.0
         # b's stage 1 all-reduce 7-10 on rank 1's link, stage 0's 9-12 on rank 0's; a's 10-11 on rank 1's
         # (one all-reduce over the whole group, 9-12 on both links, would push a's to 12-13)
@@ -345,7 +426,7 @@ def test_stream_pipeline_inside_a_group_is_gpipe():
         ff = float(rng.uniform(0.2, 0.5))
         args = (t, np.zeros((1, m)), p2p, np.zeros((1, m)), np.zeros((1, 1), np.bool_), np.ones(1, np.int64),
                 np.array([s], np.int64), np.arange(s, dtype=np.int64), np.zeros(1, np.int64), np.array([ff]), 0.0,
-                np.zeros(1), np.zeros(1), s)
+                np.zeros(1), np.zeros(1), s, np.arange(m))
         st = t[0] / s
         codes = np.array([list(range(1, m + 1)) + [-k for k in range(m, 0, -1)]] * s, np.int32)
         want = makespan_kernel(np.tile(st * ff, (s, 1)), np.tile(st * (1 - ff), (s, 1)), p2p[0], codes)
@@ -406,14 +487,7 @@ def test_plan_allocation_is_optimal_against_brute_force():
 
 
 def test_allocation_respects_dependencies_memory_and_devices():
-    rng = np.random.default_rng(7)
-    g = mtmm_graph()
-    costs = ComponentCosts(g, DEV)
-    n = 40
-    tasks = [str(t) for t in rng.choice(g.task_names, n)]
-    vision = [256 * int(rng.integers(1, 7)) if t == "image_text" else 0 for t in tasks]
-    audio = [750 if t == "audio_text" else 0 for t in tasks]
-    w = costs.workload(StepSamples.pack(g, tasks, rng.integers(100, 1500, n), vision, audio, microbatch_tokens=4096))
+    g, costs, w = _mtmm_step(np.random.default_rng(7), tiles=(1, 7), text=(100, 1500))
     limit = DEV.memory_bytes * DEV.usable_memory_fraction
     waves = plan_allocation(costs, w, 16, model="waves")
     assert waves.step_seconds == pytest.approx(sum(max(waves.component_seconds[c] for c in wave)
@@ -524,3 +598,18 @@ def test_chain_bound_is_the_heaviest_path_and_bounds_every_layout():
         for N in (4, 8):
             assert plan_allocation(costs, w, N).step_seconds >= want
             assert one_pipeline(costs, w, N, bypass=True).step_seconds >= want
+    # a component of independent sequences counts one sequence's share: its sequences may be split
+    g = _random_graph(rng, seq_len=128)
+    costs = ComponentCosts(g, DEV)
+    w = costs.workload(_random_step(rng, g, n=8))
+    want = 0.0
+    for j, task in enumerate(w.microbatch_tasks):
+        path = 0.0
+        for c in g.reaches(task):
+            x = max(0.0, float(w.time_s[w.row(c), j]) - DEV.overhead_s)
+            if c == "e0":
+                x /= max(1, round(w.features[w.row(c)][j, FEATURES.index("n_main")] / 128))
+            path += x
+        want = max(want, path)
+    assert chain_bound(g, w) == pytest.approx(want, rel=1e-12)
+    assert plan_allocation(costs, w, 8, split_sequences=True).step_seconds >= want

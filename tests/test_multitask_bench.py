@@ -11,6 +11,7 @@ def test_bench_rows_are_consistent():
     rows = run_spindle_bench(pools, dict(MIX), (8, 16), 1, 16384, 2048, "a100-80gb", 0)
     for r in rows:
         assert r.allocation_s >= r.bound_s == max(r.lower_bound_s, r.chain_bound_s) and r.chain_bound_s > 0
+        assert r.allocation_s <= r.whole_s  # splitting the ViT's tiles is kept only where it is shorter
         fits = {k: v for k, v in r.baselines_s.items() if not math.isnan(v)}
         for k, v in fits.items():
             assert v >= r.bound_s
@@ -30,5 +31,5 @@ def test_command_says_when_the_data_is_generated(capsys, tmp_path):
 
     assert bench_spindle_command(Args()) == 0
     out = capsys.readouterr().out
-    assert "GENERATED data" in out and "best/alloc" in out and "chain bound" in out
+    assert "GENERATED data" in out and "best/alloc" in out and "chain bound" in out and "whole-mb s" in out
     assert "overlap-grad-reduce" in out  # what each side overlaps is said

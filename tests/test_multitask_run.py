@@ -329,8 +329,9 @@ def test_each_allreduce_is_posted_when_its_components_backward_ends(launched):
 
 
 def test_wrong_allocations_are_refused_by_name():
-    """A component without ranks, ranks outside the world, a pipeline inside a component, an input in a later
-    wave, or a device count other than the world's: `AllocationError` naming the component."""
+    """A component without ranks, ranks outside the world, a pipeline inside a component, split micro-batches,
+    an input in a later wave, or a device count other than the world's: `AllocationError` naming the
+    component."""
     graph = mtmm_tiny_graph()
     check_allocation(allocation(MIXED), graph, 4)
     with pytest.raises(AllocationError, match="component 'audio' no ranks"):
@@ -343,6 +344,11 @@ def test_wrong_allocations_are_refused_by_name():
                              for p in piped.placements), piped.waves, 4, 0.0, {})
     with pytest.raises(AllocationError, match="'backbone' is placed with stages=2"):
         check_allocation(piped, graph, 4)
+    split = allocation(MIXED)
+    split = Allocation(tuple(Placement(p.component, p.ranks, 1, p.wave, 2 if p.component == "vit" else 1)
+                             for p in split.placements), split.waves, 4, 0.0, {})
+    with pytest.raises(AllocationError, match="'vit' is placed with pieces=2.*whole micro-batches"):
+        check_allocation(split, graph, 4)
     late = [(c, (3,), 0) if c == "projector" else (c, r, w) for c, r, w in MIXED]
     with pytest.raises(AllocationError, match="'projector' \\(wave 0\\) reads 'vit'"):
         check_allocation(allocation(late), graph, 4)

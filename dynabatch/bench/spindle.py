@@ -13,7 +13,9 @@ For every step and device count the same micro-batches (`StepSamples.pack`, one 
 same per-component cost models and simulated four ways plus the allocation (its step as the multi-task
 executor runs it, micro-batches streaming between component groups: `simulate_stream`): one pipeline cut
 uniformly or by the partition search (`dynabatch.pipeline.balanced_partition`), each with and without the
-bypass of idle leading stages (`dynabatch.core.multitask.baselines`), interleaved step by step. Both sides
+bypass of idle leading stages (`dynabatch.core.multitask.baselines`), interleaved step by step; the
+allocation is planned twice, with a ViT's tiles split over its replicas where that is shorter (`SPLIT`,
+simulated only) and with whole micro-batches (what the executor runs). Both sides
 overlap their gradient all-reduces with the backward the same way (`OVERLAP`). Two lower bounds of any plan
 of these micro-batches: all the work over all devices, and the heaviest micro-batch's path through its
 components (`chain_bound`). ``plan ms`` is the wall time of pricing the step and searching the allocation
@@ -134,14 +136,17 @@ def draw_step(pools: list[TaskPool], weights: dict[str, float], step_tokens: int
 
 @dataclass(frozen=True)
 class SpindleRow:
-    """One device count, means over the steps: the allocation's simulated step seconds, each baseline's (NaN:
-    no layout fits), the best baseline, speed-up (best baseline over the allocation), the lower bound (all the
-    work over all devices, `lower_bound`), the chain bound (the heaviest micro-batch's path, `chain_bound`; it
-    does not depend on the device count), planning ms (median), and the first step's allocation (component:
-    devices x stages @ wave)."""
+    """One device count, means over the steps: the allocation's simulated step seconds (a ViT's tiles split
+    over its replicas where that is shorter: `plan_allocation(split_sequences=True)`), the allocation's with
+    whole micro-batches (``whole_s``, what the executor runs), each baseline's (NaN: no layout fits), the best
+    baseline, speed-up (best baseline over the allocation), the lower bound (all the work over all devices,
+    `lower_bound`), the chain bound (the heaviest micro-batch's path, `chain_bound`; it does not depend on the
+    device count), planning ms (median, the split search included), and the first step's allocation
+    (component: devices x stages @ wave, / pieces)."""
 
     devices: int
     allocation_s: float
+    whole_s: float
     baselines_s: dict
     best_baseline: str
     speedup: float
@@ -187,8 +192,8 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
     # compile the kernels before anything is timed
     first = StepSamples.pack(graph, *drawn[0], microbatch_tokens=microbatch_tokens)
     plan_allocation(costs, costs.workload(first), max(devices))
-    acc = {N: {"alloc": [], "lb": [], "chain": [], "ms": [], "layout": "", **{b: [] for b in BASELINES}}
-           for N in devices}
+    acc = {N: {"alloc": [], "whole": [], "lb": [], "chain": [], "ms": [], "layout": "",
+               **{b: [] for b in BASELINES}} for N in devices}
     with progress_bar(steps * len(devices), "bench spindle", "plan", progress) as bar:
         for tasks, text, vision, audio in drawn:
             for N in devices:
@@ -197,14 +202,18 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
                 samples = StepSamples.pack(graph, tasks, text, vision, audio, microbatch_tokens=microbatch_tokens)
                 w = costs.workload(samples)
                 try:
-                    alloc = plan_allocation(costs, w, N)
+                    alloc = plan_allocation(costs, w, N, split_sequences=True)
                     a["alloc"].append(alloc.step_seconds)
                     a["layout"] = a["layout"] or ", ".join(
-                        f"{p.component} {len(p.ranks)}x{p.stages}@{p.wave}"
+                        f"{p.component} {len(p.ranks)}x{p.stages}@{p.wave}" + (f"/{p.pieces}" if p.pieces > 1 else "")
                         + (f" on {p.ranks[0]}..{p.ranks[-1]}" if p.ranks[0] else "") for p in alloc.placements)
                 except ValueError:
                     a["alloc"].append(math.nan)
                 a["ms"].append(1e3 * (time.perf_counter() - t0))
+                try:  # whole micro-batches (what the executor runs), not timed
+                    a["whole"].append(plan_allocation(costs, w, N).step_seconds)
+                except ValueError:
+                    a["whole"].append(math.nan)
                 a["lb"].append(lower_bound(w, N))
                 a["chain"].append(chain_bound(graph, w))
                 for name in BASELINES:
@@ -222,7 +231,7 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
         fits = {b: v for b, v in base.items() if not math.isnan(v)}
         best = min(fits, key=fits.get) if fits else "-"
         alloc_s = float(np.mean(a["alloc"]))
-        rows.append(SpindleRow(N, alloc_s, base, best, fits[best] / alloc_s if fits else math.nan,
+        rows.append(SpindleRow(N, alloc_s, float(np.mean(a["whole"])), base, best, fits[best] / alloc_s if fits else math.nan,
                                float(np.mean(a["lb"])), float(np.mean(a["chain"])), float(np.median(a["ms"])),
                                a["layout"]))
     return rows
@@ -230,18 +239,22 @@ def run_spindle_bench(pools: list[TaskPool], weights: dict[str, float], devices:
 
 def format_spindle(rows: list[SpindleRow]) -> str:
     """The table as text."""
-    head = (f"{'devices':>7} {'allocation s':>12} " + " ".join(f"{b:>15}" for b in BASELINES)
-            + f" {'best/alloc':>10} {'lower bound':>11} {'chain bound':>11} {'alloc/bound':>11} {'plan ms':>8}")
+    head = (f"{'devices':>7} {'allocation s':>12} {'whole-mb s':>10} " + " ".join(f"{b:>15}" for b in BASELINES)
+            + f" {'best/alloc':>10} {'best/whole':>10} {'lower bound':>11} {'chain bound':>11} {'alloc/bound':>11}"
+              f" {'plan ms':>8}")
     lines = [head]
     for r in rows:
         cells = " ".join(f"{r.baselines_s[b]:>15.3f}" if not math.isnan(r.baselines_s[b]) else f"{'(no fit)':>15}"
                          for b in BASELINES)
         ratio = f"{'-':>10}" if math.isnan(r.speedup) else f"{r.speedup:>9.2f}x"
-        lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {cells} {ratio} {r.lower_bound_s:>11.3f} "
+        whole = f"{'-':>10}" if math.isnan(r.speedup) else f"{r.speedup * r.allocation_s / r.whole_s:>9.2f}x"
+        lines.append(f"{r.devices:>7} {r.allocation_s:>12.3f} {r.whole_s:>10.3f} {cells} {ratio} {whole} "
+                     f"{r.lower_bound_s:>11.3f} "
                      f"{r.chain_bound_s:>11.3f} {r.allocation_s / r.bound_s:>10.2f}x {r.plan_ms:>8.1f}")
     lines.append("")
-    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave [on its ranks, "
-              f"replica 0's first, when not from rank 0])" for r in rows]
+    lines += [f"allocation at {r.devices}: {r.layout}  (component devices x pipeline stages @ wave [/ pieces each "
+              f"micro-batch's tiles are split into] [on its ranks, replica 0's first, when not from rank 0])"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -252,6 +265,13 @@ OVERLAP = ("gradient all-reduce, both sides overlapped the same way: the allocat
            "stage's last backward ends (Megatron's overlap-grad-reduce), while the earlier stages go on. An "
            "all-reduce takes no compute; a device's link carries one at a time. Neither side splits a stage's or "
            "a component's all-reduce into buckets overlapping its own last backward.")
+
+
+#: what the allocation column may do that the whole-micro-batch column and the executor do not
+SPLIT = ("allocation s splits a micro-batch's image tiles over the vit group's replicas where that shortens the step "
+         "(/pieces in the layout; plan_allocation(split_sequences=True)): simulated only, like the pipeline stages "
+         "inside a group; the executor (SpindleExecutor) runs whole micro-batches on one stage per group. "
+         "whole-mb s: the same search with whole micro-batches. One pipeline runs whole micro-batches.")
 
 
 def describe(pools: list[TaskPool], weights: dict[str, float], shared: bool) -> str:
@@ -281,5 +301,5 @@ def load_text() -> str:
     return f"load average {a:.1f} {b:.1f} {c:.1f} on {os.cpu_count()} cores"
 
 
-__all__ = ["MIX", "BASELINES", "OVERLAP", "DEFAULT_SHARED", "TaskPool", "SpindleRow", "shared_pools", "generated_pools", "draw_step",
+__all__ = ["MIX", "BASELINES", "OVERLAP", "SPLIT", "DEFAULT_SHARED", "TaskPool", "SpindleRow", "shared_pools", "generated_pools", "draw_step",
            "run_spindle_bench", "format_spindle", "describe", "jsonable", "load_text"]

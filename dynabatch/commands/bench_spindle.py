@@ -17,9 +17,12 @@ dependency-ordered waves (Spindle) and one pipeline over the whole model, cut un
 search, each with and without the bypass of idle leading stages.
 
 columns:
-  allocation s     simulated step seconds of the per-component allocation (mean over the steps)
+  allocation s     simulated step seconds of the per-component allocation (mean over the steps), a
+                   micro-batch's image tiles split over the vit's replicas where shorter (simulated only)
+  whole-mb s       the same with whole micro-batches (what the multi-task executor runs)
   uniform ...      one pipeline's simulated step seconds ((no fit): no stage count fits the memory)
   best/alloc       the best one-pipeline baseline over the allocation (> 1: the allocation is faster)
+  best/whole       the same over the whole-micro-batch allocation
   lower bound      all the step's work over all devices, no communication
   chain bound      the heaviest micro-batch's forward + backward through its components, one after another
                    (data and pipeline parallelism never run one micro-batch's layers side by side)
@@ -92,6 +95,7 @@ def bench_spindle_command(args) -> int:
         print(json.dumps({"shared_data": shared, "pools": [p.origin for p in pools], "weights": weights,
                           "device": args.device, "step_tokens": args.step_tokens,
                           "microbatch_tokens": args.microbatch_tokens, "load": B.load_text(), "overlap": B.OVERLAP,
+                          "split": B.SPLIT,
                           "rows": [r.to_dict() for r in rows]}, indent=1))
     else:
         print(B.describe(pools, weights, shared))
@@ -99,5 +103,6 @@ def bench_spindle_command(args) -> int:
               f"of <= {args.microbatch_tokens} tokens (one task each), the same for every method\n")
         print(B.format_spindle(rows))
         print(f"\n{textwrap.fill(B.OVERLAP, 116)}")
+        print(textwrap.fill(B.SPLIT, 116))
         print(f"\n{B.load_text()}")
     return 0

@@ -13,7 +13,7 @@ from numba import njit
 from .allocation import _lpt_ordered, lpt_reference, stage_time
 
 @njit(cache=True)
-def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N):
+def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N, parent):
     """Simulated step of an allocation as the multi-task executor runs it (streaming micro-batches between
     component groups). Components ``k`` are listed in the executor's order (wave, then topological); every
     rank runs its forward items in that order (component by component, micro-batches ascending), then its
@@ -32,6 +32,13 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
       those links for ``ar[k]`` seconds (a device's link carries one all-reduce at a time, in the order they
       became ready; ties: lower ``k``, then lower stage); the step ends with the last compute op or
       all-reduce.
+
+    Columns ``j`` are work items: micro-batch ``parent[j]`` (int64 [M], ascending: a micro-batch's columns
+    side by side), whole or one piece of it. A component that splits a micro-batch into pieces (whole
+    sequences of it, e.g. a ViT's tiles, each piece a column of its own, balanced over its replicas like
+    micro-batches) runs each piece as an op; a consumer's op of micro-batch ``i`` waits for every column of
+    ``i`` of its producers, a producer's backward of a column for every column of ``i`` of its consumers
+    (without pieces: one column per micro-batch, ``parent[j] = j``).
 
     ``t`` [C, M]: forward+backward seconds of ``j`` on one device holding all of ``k`` (< 0: ``j`` does not
     reach ``k``); ``mem`` [C, M] activation bytes kept for backward; ``prod`` [C, C] bool: ``prod[k, p]``, ``p``
@@ -52,6 +59,12 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     bfirst = np.zeros((C, M))  # backward end of j in k's stage 0
     cur = np.zeros(M)
     stt = np.zeros((C, M))
+    first = np.zeros(parent[M - 1] + 2 if M else 1, np.int64)  # micro-batch i's columns: first[i]..first[i+1]-1
+    for j in range(M):
+        first[parent[j] + 1] = j + 1
+    for i in range(1, first.shape[0]):
+        if first[i] < first[i - 1]:
+            first[i] = first[i - 1]
     smax = 1
     for k in range(C):
         if s[k] > smax:
@@ -77,14 +90,14 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     for k in range(C):
         if d[k] == 0:
             continue
-        _arrivals(k, True, prod, assign, ranks, off, s, xfer, fend, cur)
+        _arrivals(k, True, prod, assign, ranks, off, s, xfer, fend, parent, first, cur)
         _stage_pass(k, True, assign, ranks, off, s, p2p, stt, ff[k], free, cb, cur)
         fend[k] = cur
     # backward, in the reverse order; each rank posts k's all-reduce once past k
     for k in range(C - 1, -1, -1):
         if d[k] == 0:
             continue
-        _arrivals(k, False, prod, assign, ranks, off, s, xfer, bfirst, cur)
+        _arrivals(k, False, prod, assign, ranks, off, s, xfer, bfirst, parent, first, cur)
         _stage_pass(k, False, assign, ranks, off, s, p2p, stt, 1.0 - ff[k], free, cb, cur)
         bfirst[k] = cur
         for x in range(d[k] * s[k]):
@@ -128,11 +141,12 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
 
 
 @njit(cache=True)
-def _arrivals(k, forward, prod, assign, ranks, off, s, xfer, done, cur):
-    """Into ``cur[j]``: when micro-batch ``j``'s inputs reach component ``k``: forward, the latest forward end
-    (``done`` = the forward ends, last stage) of ``j`` in a producer of ``k``; backward, the latest backward
-    end (``done`` = the backward ends, stage 0) of ``j`` in a consumer of ``k``; each plus the transfer
-    (``xfer`` of the producer's output) when the two ops sit on different ranks."""
+def _arrivals(k, forward, prod, assign, ranks, off, s, xfer, done, parent, first, cur):
+    """Into ``cur[j]``: when column ``j``'s inputs reach component ``k``: forward, the latest forward end
+    (``done`` = the forward ends, last stage) of a column of the same micro-batch in a producer of ``k``;
+    backward, the latest backward end (``done`` = the backward ends, stage 0) of such a column in a consumer
+    of ``k``; each plus the transfer (``xfer`` of the producer's output) when the two ops sit on different
+    ranks."""
     C, M = assign.shape
     sk = s[k]
     for j in range(M):
@@ -142,11 +156,15 @@ def _arrivals(k, forward, prod, assign, ranks, off, s, xfer, done, cur):
         mine = ranks[off[k] + a * sk + (0 if forward else sk - 1)]
         ready = 0.0
         for o in range(C):
-            if (prod[k, o] if forward else prod[o, k]) and assign[o, j] >= 0:
-                ro = ranks[off[o] + assign[o, j] * s[o] + (s[o] - 1 if forward else 0)]
-                x = done[o, j]
+            if not (prod[k, o] if forward else prod[o, k]):
+                continue
+            for c in range(first[parent[j]], first[parent[j] + 1]):
+                if assign[o, c] < 0:
+                    continue
+                ro = ranks[off[o] + assign[o, c] * s[o] + (s[o] - 1 if forward else 0)]
+                x = done[o, c]
                 if ro != mine:
-                    x += xfer[o, j] if forward else xfer[k, j]
+                    x += xfer[o, c] if forward else xfer[k, j]
                 if x > ready:
                     ready = x
         cur[j] = ready
@@ -174,7 +192,7 @@ def _stage_pass(k, forward, assign, ranks, off, s, p2p, stt, share, free, cb, cu
             cur[j] = free[r]
 
 
-def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N):
+def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N, parent):
     """Plain-Python `stream_kernel` (same arguments and result), written as an explicit op graph: each rank's
     op list in the executor's order, each op's end = its duration after the later of its rank's previous op
     and its inputs' arrival, resolved by memoized recursion (an independent formulation of the same rules);
@@ -183,6 +201,7 @@ def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, 
     import functools
 
     C, M = len(t), len(t[0])
+    same = {j: [c for c in range(M) if int(parent[c]) == int(parent[j])] for j in range(M)}  # a micro-batch's columns
     assign = [list(lpt_reference(t[k], int(d[k]))[0]) if d[k] else [-1] * M for k in range(C)]
 
     def stage(k, j):
@@ -215,17 +234,19 @@ def stream_reference(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, 
                 deps.append((("F", k, q - 1, j), float(p2p[k][j])))
             else:
                 for p in range(C):
-                    if prod[k][p] and assign[p][j] >= 0:
-                        last = int(s[p]) - 1
-                        deps.append((("F", p, last, j), float(xfer[p][j]) if rank(p, j, last) != r else 0.0))
+                    for c in same[j]:
+                        if prod[k][p] and assign[p][c] >= 0:
+                            last = int(s[p]) - 1
+                            deps.append((("F", p, last, c), float(xfer[p][c]) if rank(p, c, last) != r else 0.0))
             dur = stage(k, j) * float(ff[k])
         else:
             if q < int(s[k]) - 1:
                 deps.append((("B", k, q + 1, j), float(p2p[k][j])))
             else:
                 for c in range(C):
-                    if prod[c][k] and assign[c][j] >= 0:
-                        deps.append((("B", c, 0, j), float(xfer[k][j]) if rank(c, j, 0) != r else 0.0))
+                    for col in same[j]:
+                        if prod[c][k] and assign[c][col] >= 0:
+                            deps.append((("B", c, 0, col), float(xfer[k][j]) if rank(c, col, 0) != r else 0.0))
             dur = stage(k, j) * (1.0 - float(ff[k]))
         begin = max([end(before) if before else 0.0] + [end(o) + x for o, x in deps])
         return begin + dur

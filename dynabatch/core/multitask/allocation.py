@@ -18,17 +18,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..kernels.cost import FEATURES
+
+_N_MAIN, _ONE = FEATURES.index("n_main"), FEATURES.index("one")
 
 @dataclass(frozen=True)
 class Placement:
     """Where one component runs: ``ranks`` (global ranks of its device group; data parallel inside it),
     ``stages`` (pipeline depth inside the group; ``len(ranks) % stages == 0``, ranks ``[d * stages + s]`` are
-    data-parallel replica ``d``'s stage ``s``) and ``wave`` (its wavefront index, dependency order)."""
+    data-parallel replica ``d``'s stage ``s``), ``wave`` (its wavefront index, dependency order) and
+    ``pieces``: each micro-batch reaching the component is split into up to this many pieces of whole
+    sequences (a component attending independent sequences, `Component.seq_len` > 0: a ViT's tiles), each
+    piece balanced over the replicas like a micro-batch (1: whole micro-batches; more is simulated only, the
+    executor and `route` run whole micro-batches)."""
 
     component: str
     ranks: tuple[int, ...]
     stages: int = 1
     wave: int = 0
+    pieces: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
@@ -39,6 +47,8 @@ class Placement:
                              f"{self.stages} pipeline stages")
         if self.wave < 0:
             raise ValueError(f"Placement {self.component!r}: wave must be >= 0, got {self.wave}")
+        if self.pieces < 1:
+            raise ValueError(f"Placement {self.component!r}: pieces must be >= 1, got {self.pieces}")
 
     @property
     def replicas(self) -> int:
@@ -247,7 +257,7 @@ MODELS = ("stream", "waves")
 
 def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | None = None,
                     allreduce_bandwidth: float | None = None, method: str = "kernel",
-                    model: str = "stream") -> Allocation:
+                    model: str = "stream", split_sequences: bool = False) -> Allocation:
     """The allocation of least simulated step time: every component gets a device count and a pipeline
     depth inside them (`component_options`) and a wave (dependency order: its inputs in earlier waves).
     ``costs``: the `dynabatch.core.multitask.workload.ComponentCosts` that priced ``workload``.
@@ -267,9 +277,14 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
     waves on different devices) work at once; ``step_seconds``, ``component_seconds`` and ``memory_bytes``
     are that simulation's; the fastest candidate's waves may then each be mirrored inside their block (replica
     0 on the block's last devices, so the heaviest replicas of two waves need not share devices and hold up
-    a group's all-reduce, which waits for all its ranks). ``model="waves"``: one block, and a barrier after every wave (the step is the sum
-    of its waves, each its slowest component's seconds); exact over its space. ValueError when no allocation
-    fits."""
+    a group's all-reduce, which waits for all its ranks). ``split_sequences`` (stream model only; simulated:
+    the executor runs whole micro-batches) then lets each component that attends independent sequences (a
+    ViT's tiles) split every micro-batch into pieces of whole sequences over its replicas, the piece count
+    chosen for its group (powers of two up to its replica count, and the count itself; kept where the
+    streamed step gets shorter within the memory limit): a micro-batch of one many-tile image no longer
+    waits for one replica to encode all its tiles. ``model="waves"``: one block, and a barrier after every
+    wave (the step is the sum of its waves, each its slowest component's seconds); exact over its space.
+    ValueError when no allocation fits."""
     from ..kernels import allocation as K
 
     if method not in METHODS:
@@ -359,7 +374,27 @@ def plan_allocation(costs, workload, num_devices: int, *, memory_limit: float | 
         for _ in range(2):
             for w in range(W):
                 consider(blocks, tuple(sorted(set(best[3]) ^ {w})))
-    return best[1]
+    alloc = best[1]
+    if split_sequences:
+        for name in graph.order():
+            reps = alloc.placement(name).replicas
+            if not sim.splittable(name) or reps < 2:
+                continue
+            for pieces in sorted({2 ** e for e in range(1, reps.bit_length()) if 2 ** e <= reps} | {reps}):
+                cand = _with_pieces(alloc, name, pieces)
+                step, busy, mem = sim.run(cand, method)
+                if step < alloc.step_seconds and max(mem) <= limit * (1 + 1e-12):
+                    alloc = Allocation(cand.placements, cand.waves, N, step, busy, mem, method)
+    return alloc
+
+
+def _with_pieces(alloc: Allocation, name: str, pieces: int) -> Allocation:
+    """``alloc`` with component ``name`` splitting its micro-batches into up to ``pieces`` pieces."""
+    import dataclasses
+
+    placements = tuple(dataclasses.replace(p, pieces=pieces) if p.component == name else p for p in alloc.placements)
+    return Allocation(placements, alloc.waves, alloc.num_devices, alloc.step_seconds, alloc.component_seconds,
+                      alloc.memory_bytes, alloc.method)
 
 
 def _no_fit(N: int, limit: float) -> str:
@@ -390,6 +425,62 @@ class StreamModel:
         self.grad = np.array([a["grad_bytes"] / a["ar_bw"] for a in ins])
         self.active = (self.t >= 0).any(axis=1)
         self.ar_lat, self.ovh = float(dev.p2p_latency_s), float(dev.overhead_s)
+        self._pieces: dict = {}  # (component row, pieces) -> per micro-batch its pieces' arrays
+        self._columns: dict = {}  # pieces per component (topological order) -> the expanded arrays
+
+    def splittable(self, name: str) -> bool:
+        """Whether component ``name`` attends independent sequences (`Component.seq_len` > 0), so that a
+        micro-batch's sequences can be split into pieces over its replicas."""
+        return self.costs.graph.component(name).seq_len > 0
+
+    def _split(self, k: int, pieces: int):
+        """Component row ``k``'s micro-batches each in up to ``pieces`` pieces of whole sequences (sizes as even
+        as can be, larger first; a micro-batch of fewer sequences gives one piece each), priced by its cost model
+        on the pieces' features (the sequences' share of the micro-batch's, one launch each): (pieces per
+        micro-batch [M], 0 where it stays whole; then the pieces' seconds, bytes, stage transfer seconds and
+        output transfer seconds, one after another in micro-batch order)."""
+        key = (k, pieces)
+        if key not in self._pieces:
+            name, w, dev = self.names[k], self.workload, self.costs.device
+            comp, cm, r = self.costs.graph.component(name), self.costs.models[name], w.row(name)
+            phi = w.features[r]
+            seqs = np.rint(phi[:, _N_MAIN] / comp.seq_len).astype(np.int64)
+            m = np.where((self.t[k] >= 0) & (seqs > 1), np.minimum(pieces, seqs), 0)
+            j = np.repeat(np.arange(len(m)), m)                       # each piece's micro-batch
+            at = np.arange(len(j)) - np.repeat(np.cumsum(m) - m, m)   # its index among the micro-batch's pieces
+            size = seqs[j] // m[j] + (at < seqs[j] % m[j])
+            frac = size / seqs[j]
+            f = phi[j] * frac[:, None]
+            f[:, _ONE] = 1.0
+            sent = w.send_bytes[r, j] * frac
+            self._pieces[key] = (m, cm.time(f), cm.memory(f), cm.transfer_time(f[:, 0]),
+                                 np.where(sent > 0, sent / dev.p2p_bandwidth + dev.p2p_latency_s, 0.0))
+        return self._pieces[key]
+
+    def columns(self, pieces: tuple[int, ...]):
+        """The kernel's per-column arrays (t, mem, p2p, xfer, parent) when component ``k`` (topological order)
+        splits each micro-batch into up to ``pieces[k]`` pieces: micro-batch ``j``'s columns side by side, as
+        many as its most pieces; a component that does not split it runs it whole in its first column."""
+        pieces = tuple(int(x) for x in pieces)
+        if all(x == 1 for x in pieces):
+            return self.t, self.mem, self.p2p, self.xfer, np.arange(self.t.shape[1], dtype=np.int64)
+        if pieces not in self._columns:
+            C, M = self.t.shape
+            split = {k: self._split(k, x) for k, x in enumerate(pieces) if x > 1}
+            width = np.ones(M, np.int64)
+            for m, *_ in split.values():
+                width = np.maximum(width, m)
+            U = int(width.sum())
+            first = np.cumsum(width) - width
+            out = [np.full((C, U), -1.0), np.zeros((C, U)), np.zeros((C, U)), np.zeros((C, U))]
+            for a, whole in zip(out, (self.t, self.mem, self.p2p, self.xfer)):
+                a[:, first] = whole
+            for k, (m, *parts) in split.items():
+                cols = np.repeat(first, m) + np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+                for a, part in zip(out, parts):
+                    a[k, cols] = part  # piece 0 in the micro-batch's first column, over its whole value
+            self._columns[pieces] = (*out, np.repeat(np.arange(M, dtype=np.int64), width))
+        return self._columns[pieces]
 
     def run(self, allocation: "Allocation", method: str = "kernel"):
         """(step seconds, component -> busy seconds, bytes per device) of ``allocation``
@@ -407,10 +498,11 @@ class StreamModel:
         state = np.array([self.costs.state_table(self.names[k], N)[pl[k].replicas] / pl[k].stages for k in perm])
         ar = np.where(self.active[perm] & (d > 1), 2.0 * (d - 1) / d * self.grad[perm] / s
                       + 2.0 * (d - 1) * self.ar_lat, 0.0)
+        t, mem, p2p, xfer, parent = self.columns(tuple(p.pieces for p in pl))
         fn = stream_reference if method == "reference" else stream_kernel
-        step, busy, byts = fn(self.t[perm], self.mem[perm], self.p2p[perm], self.xfer[perm],
+        step, busy, byts = fn(t[perm], mem[perm], p2p[perm], xfer[perm],
                               np.ascontiguousarray(self.prod[perm][:, perm]), d, s, ranks, off, self.ff[perm],
-                              self.ovh, state, ar, N)
+                              self.ovh, state, ar, N, parent)
         return float(step), {self.names[k]: float(busy[i]) for i, k in enumerate(perm)}, tuple(float(b) for b in byts)
 
 

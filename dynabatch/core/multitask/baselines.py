@@ -23,7 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.allocation import lpt_kernel
+from ..kernels.cost import FEATURES
 from ..simulate.pipeline import pipeline_schedule, simulate_kernel
+
+_N_MAIN = FEATURES.index("n_main")
 
 #: a partition search: (forward seconds [L, M], backward seconds [L, M], stages S) -> layer offsets (S + 1)
 Partition = Callable[[np.ndarray, np.ndarray, int], Sequence[int]]
@@ -190,17 +193,23 @@ def lower_bound(workload, num_devices: int) -> float:
 def chain_bound(graph, workload) -> float:
     """The longest micro-batch's chain (seconds): a micro-batch's forward runs through the components on its
     task's path one after another (a consumer waits for its producer) and its backward back the same way, and
-    data or pipeline parallelism never runs one micro-batch's layers side by side; so no step of these
+    data or pipeline parallelism never runs one sequence's layers side by side; so no step of these
     micro-batches, under a per-component allocation or one pipeline, is shorter than the heaviest path's
-    forward + backward (every component at its one-device time, without the per-stage launch overhead, no
-    communication): the longest path of `Workload.time_s` weights through ``graph`` over the components the
-    micro-batch reaches, the largest over the micro-batches."""
+    forward + backward (each component at its one-device time, without the per-stage launch overhead, no
+    communication; a component attending independent sequences, `Component.seq_len` > 0, at one sequence's
+    share, since its sequences may be split over replicas: `plan_allocation(split_sequences=True)`): the
+    longest path of these weights through ``graph`` over the components the micro-batch reaches, the largest
+    over the micro-batches."""
     t = workload.time_s
     work = np.where(t > 0, t - np.minimum(workload.overhead_s[:, None], t), 0.0)
     longest = np.zeros_like(work)  # the heaviest path ending in each component, per micro-batch
     for r, name in enumerate(workload.components):
+        comp = graph.component(name)
+        if comp.seq_len > 0:
+            seqs = np.maximum(np.rint(workload.features[r][:, _N_MAIN] / comp.seq_len), 1.0)
+            work[r] = work[r] / seqs
         before = np.zeros(workload.num_microbatches)
-        for i in graph.component(name).inputs:
+        for i in comp.inputs:
             before = np.maximum(before, longest[workload.row(i)])
         longest[r] = np.where(workload.reaches[r], before + work[r], 0.0)
     return float(longest.max()) if longest.size else 0.0

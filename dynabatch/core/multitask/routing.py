@@ -30,6 +30,10 @@ def route(allocation: Allocation, graph: ComponentGraph, tasks_of_microbatches: 
     out: dict[str, tuple[tuple[int, ...], ...]] = {}
     for name in graph.order():
         p = allocation.placement(name)
+        if p.pieces != 1:
+            raise ValueError(f"route: component {name!r} splits each micro-batch into {p.pieces} pieces "
+                             f"(plan_allocation(split_sequences=True)), which is simulated only; routes give whole "
+                             f"micro-batches: plan with split_sequences=False to run the allocation")
         reach = [name in graph.reaches(t) for t in tasks]
         if cost_s is not None and name in cost_s:
             given = [float(c) for c in cost_s[name]]

@@ -27,7 +27,7 @@ def check_allocation(allocation: Allocation, graph: ComponentGraph, world_size: 
     ranks ``0 .. world_size - 1``, for exactly ``world_size`` devices, each component in a later wave than every
     component it reads, and with one pipeline stage per group (``stages=1``: a pipeline inside a component is not
     run by this executor; plan with one stage per component, or use `dynabatch.pipeline.PipelineRunner` for
-    one model cut into stages)."""
+    one model cut into stages) and whole micro-batches (``pieces=1``)."""
     placed = {p.component for p in allocation.placements}
     for c in graph.names:
         if c not in placed:
@@ -47,6 +47,10 @@ def check_allocation(allocation: Allocation, graph: ComponentGraph, world_size: 
                                   f"executor runs each component data-parallel inside its group (stages=1), a pipeline "
                                   f"inside a component is not implemented; plan it with one stage (more devices or "
                                   f"memory per device)")
+        if p.pieces != 1:
+            raise AllocationError(f"component {p.component!r} is placed with pieces={p.pieces}: the multi-task "
+                                  f"executor runs whole micro-batches (splitting a micro-batch's sequences over a "
+                                  f"group's replicas is simulated only); plan with split_sequences=False")
         for i in graph.component(p.component).inputs:
             if allocation.placement(i).wave >= p.wave:
                 raise AllocationError(f"component {p.component!r} (wave {p.wave}) reads {i!r}, which runs in wave "
