@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .progress import progress_bar
-from .shape_sources import _TEXT_TASKS, _VL_TASKS, synthetic_shapes
+from .shape_sources import TEXT_TASKS, VISION_TASKS, synthetic_shapes  # noqa: F401  (the generated data's tasks)
 
 TEXT_FORMATS = ("jsonl", "jsonl.gz", "parquet")
 #: Rows per Parquet row group: small enough that one file still splits over several workers.
@@ -271,8 +271,9 @@ def _image_size(rng: np.random.Generator, tiles: int) -> tuple[int, int]:
     return w, h
 
 
-def _image_bytes(rng: np.random.Generator, width: int, height: int, fmt: str) -> bytes:
-    """A cheap drawing (two gradients, a flat channel, a few shapes) encoded as JPEG or PNG."""
+def image_bytes(rng: np.random.Generator, width: int, height: int, fmt: str) -> bytes:
+    """A cheap ``width`` x ``height`` pixel drawing (two gradients, a flat channel, a few shapes), encoded as
+    ``fmt`` (``"jpg"`` or ``"png"``): the file's bytes."""
     from PIL import Image, ImageDraw
 
     grad = Image.linear_gradient("L")
@@ -337,7 +338,7 @@ def image_text_samples(num_samples: int, seed: int = 0):
         w, h = _image_size(rng, int(tiles[i]) + nudge)
         # A few small images as PNG, as real mixes have both.
         ext = "png" if max(w, h) <= TILE_PX and rng.random() < 0.25 else "jpg"
-        data = _image_bytes(rng, w, h, ext)
+        data = image_bytes(rng, w, h, ext)
         key = f"sample-{i:08d}"
         record = {"id": f"gen{seed}-vl-{i:08d}", "task": family, "image": f"{key}.{ext}",
                   "conversations": _conversation(rng, family, int(shapes.input_tokens[i]))}
@@ -376,11 +377,6 @@ def write_image_text_shards(out_dir, num_samples: int, num_shards: int = 1, seed
                     bar.update(1)
             paths.append(path)
     return paths
-
-
-#: Task family names of the generated data (as `synthetic_shapes` names them).
-TEXT_TASKS = tuple(t[0] for t in _TEXT_TASKS)
-VISION_TASKS = tuple(t[0] for t in _VL_TASKS)
 
 
 # ----------------------------------------------------------------------------------------

@@ -168,6 +168,9 @@ _VL_TASKS = (
     ("chart_qa", 0.2, (5, 7), (0.7, 0.3), 90, 0.5),
     ("conversation", 0.2, (0, 1, 5), (0.2, 0.4, 0.4), 450, 0.8),
 )
+#: Task family names of `synthetic_shapes` (``text``, ``vision``), in the order of their task ids.
+TEXT_TASKS = tuple(t[0] for t in _TEXT_TASKS)
+VISION_TASKS = tuple(t[0] for t in _VL_TASKS)
 
 
 def synthetic_shapes(kind: str = "text", num_samples: int = 20000, seed: int = 0) -> tuple[Shapes, list[str]]:

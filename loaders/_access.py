@@ -35,7 +35,7 @@ from ._errors import CorruptFileError, InvalidJSONError
 from ._files import decompression_errors, is_compressed, open_binary, stream_error
 from ._fs import LOCAL
 from ._hf import HFDatasetReader
-from ._iterator import _clusters, normalized_sample
+from ._iterator import reread_runs, normalized_sample
 from ._jsonl import JsonlReader, parse_json_object
 from ._sharding import POSITION_BITS, split_sample_ids
 from ._types import RawRecord
@@ -103,7 +103,7 @@ class GenericAccess(SampleAccess):
 
     def _read_shard(self, shard, positions):
         got = {}
-        clusters = _clusters(positions.tolist())
+        clusters = reread_runs(positions.tolist())
         wanted = set(positions.tolist())
         for a, b in clusters:
             for raw in self.reader.read(shard, a, b + 1):

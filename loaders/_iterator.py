@@ -126,7 +126,7 @@ class SlotIterator:
         for shard in sorted({s for s, _ in refs}):
             positions = sorted(p for s, p in refs if s == shard)
             wanted = set(positions)
-            for lo, hi in _clusters(positions):
+            for lo, hi in reread_runs(positions):
                 for raw in self._reader.read(shard, lo, hi + 1):
                     if raw.position in wanted:
                         try:
@@ -143,7 +143,9 @@ class SlotIterator:
 _LIVE_KEYS = ("units", "cursor", "buffer", "buffer_samples", "rng", "yielded", "errors", "finished")
 
 
-def _clusters(positions: list[int]) -> list[tuple[int, int]]:
+def reread_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """``(first, last)`` record positions (inclusive) of the runs to read again for the sorted ``positions``:
+    neighbours at most ``_REREAD_GAP`` records apart share a run (one read instead of many seeks)."""
     out = []
     for p in positions:
         if out and p - out[-1][1] <= _REREAD_GAP:

@@ -12,7 +12,7 @@ from ._errors import StateError
 from ._iterator import SlotIterator
 from ._sharding import Layout
 from ._shuffle import make_rng, rng_from_state
-from ._source import Source, _Stateful
+from ._source import Source, StatefulDataset
 from ._state import STATE_VERSION, check_layout
 
 logger = logging.getLogger("loaders")
@@ -20,7 +20,7 @@ logger = logging.getLogger("loaders")
 _MIX_TAG, _MIX_REDEALT_TAG = 3, 4
 
 
-class Mixture(_Stateful):
+class Mixture(StatefulDataset):
     """Interleave named sources: each next sample comes from source ``n`` with probability
     ``weights[n] / sum(weights of sources not yet exhausted)``.
 

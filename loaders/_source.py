@@ -29,7 +29,7 @@ _FRESH, _REDEALT = 1, 2
 KEEP = object()
 
 
-class _Stateful(IterableDataset):
+class StatefulDataset(IterableDataset):
     """What ``Source`` and ``Mixture`` share: layout arguments, epoch, pending state."""
 
     _layout_args: tuple = (None, None, None, None)
@@ -81,7 +81,7 @@ class _Stateful(IterableDataset):
 
 
 
-class Source(_Stateful):
+class Source(StatefulDataset):
     """Iterable of normalized sample dicts read from one ``ShardReader``.
 
     Each iterator covers one slot (rank x DataLoader worker) for the current epoch;

@@ -112,9 +112,9 @@ def test_missing_file_and_bad_options(capsys, tmp_path):
 
 
 def test_quotas_split_a_limit_by_file_size():
-    assert bl._quotas([100, 300], 40) == [10, 30]
-    assert sum(bl._quotas([7, 5, 3], 10)) == 10
-    assert bl._quotas([5, 5], 50) == [5, 5]
+    assert bl.file_quotas([100, 300], 40) == [10, 30]
+    assert sum(bl.file_quotas([7, 5, 3], 10)) == 10
+    assert bl.file_quotas([5, 5], 50) == [5, 5]
 
 
 def test_default_data_is_the_shared_flan_sample():

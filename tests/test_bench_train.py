@@ -225,7 +225,7 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
         (payload,) = args
         seen.update(idle=idle_timeout_s, max_wall=max_wall_s)
         row = {"steps": 3, "tokens_per_s": 1000.0, "per_step": [{"step": k} for k in range(3)]}
-        train._write_json(payload["_partial"], train.assemble_result(payload["_config"], {"dp": row}, status="running"))
+        train.write_json(payload["_partial"], train.assemble_result(payload["_config"], {"dp": row}, status="running"))
         return [ProcResult(r, None, "", f"rank {r} silent", 40.0, True, None, "idle") for r in range(nprocs)]
 
     monkeypatch.setattr(pipeline, "launch_local", stalled_launch)

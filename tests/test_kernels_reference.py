@@ -34,7 +34,7 @@ from dynabatch.core.kernels.cost import (
     profiled_lookup_reference,
 )
 from dynabatch.core.kernels.bounds import capped_partition_cost, capped_partition_cost_reference
-from dynabatch.core.kernels.caps import _pick_caps, _pick_caps_between, pick_caps_reference
+from dynabatch.core.kernels.caps import pick_caps, pick_caps_between, pick_caps_reference
 from dynabatch.core.kernels.packing import budget_cuts, budget_cuts_reference, pack_rows, pack_rows_reference
 from dynabatch.core.kernels.rows import pad_rows, pad_rows_reference
 from dynabatch.core.kernels.objective import objective_kernel, objective_reference
@@ -272,22 +272,22 @@ def test_profiled_lookup_matches_reference(gr, gl, gd, rows, main_len, dec_len, 
 def test_pick_caps_matches_reference(values, lo, count):
     v = np.unique(np.array(values))
     lo = min(lo, len(v) - 1)
-    assert _pick_caps(v, lo, count).tolist() == pick_caps_reference(v, lo, count)
+    assert pick_caps(v, lo, count).tolist() == pick_caps_reference(v, lo, count)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(time_st, min_size=1, max_size=300), st.integers(0, 400), st.integers(0, 400), st.integers(2, 64))
 def test_pick_caps_between_matches_pick_caps_of_the_sorted_times(times, a, b, count):
-    """The DP's caps without sorting its segment times: the same picks as `_pick_caps` (and so as
+    """The DP's caps without sorting its segment times: the same picks as `pick_caps` (and so as
     its reference) over the sorted distinct times between two of them, repeats included."""
     t = np.array(times)
     v = np.unique(t)
     lo, hi = sorted((v[a % len(v)], v[b % len(v)]))
     window = v[(v >= lo) & (v <= hi)]
-    got = _pick_caps_between(t, lo, hi, count).tolist()
-    assert got == _pick_caps(window, 0, count).tolist() == pick_caps_reference(window, 0, count)
+    got = pick_caps_between(t, lo, hi, count).tolist()
+    assert got == pick_caps(window, 0, count).tolist() == pick_caps_reference(window, 0, count)
     lo_index = int(np.searchsorted(v, lo))
-    assert _pick_caps_between(t, lo, v[-1], count).tolist() == pick_caps_reference(v, lo_index, count)
+    assert pick_caps_between(t, lo, v[-1], count).tolist() == pick_caps_reference(v, lo_index, count)
 
 
 @settings(max_examples=150, deadline=None)

@@ -101,7 +101,7 @@ def test_a_fork_server_started_by_other_code_does_not_stop_ranks_forking(pkg):
     DataLoader with forkserver workers does): ranks still fork, from launch_local's own server."""
     from multiprocessing import forkserver
 
-    from dynabatch.pipeline.runtime import launch
+    from dynabatch.pipeline.runtime import forked_ranks
 
     other = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
     other.start()
@@ -109,14 +109,14 @@ def test_a_fork_server_started_by_other_code_does_not_stop_ranks_forking(pkg):
     assert other.exitcode == 0 and forkserver._forkserver._forkserver_pid is not None
     (res,) = _launch(pkg, "forkserver", nprocs=1)
     assert res.returncode == 0 and res.result["forked"] is True
-    ours = {e["pid"] for e in launch._servers.values()}
+    ours = {e["pid"] for e in forked_ranks._servers.values()}
     assert res.result["ppid"] in ours and res.result["ppid"] != forkserver._forkserver._forkserver_pid
 
 
 def test_an_environment_changed_since_the_server_started_gets_its_own_server(pkg, monkeypatch):
     """A variable read at import time set in this process after an earlier launch started its server
     (as `map_parts` sets TOKENIZERS_PARALLELISM): ranks still fork, from a server started with it."""
-    from dynabatch.pipeline.runtime import launch
+    from dynabatch.pipeline.runtime import forked_ranks
 
     (first,) = _launch(pkg, "forkserver", nprocs=1)
     monkeypatch.setenv("TOKENIZERS_LAUNCH_TEST", "changed")
@@ -125,4 +125,4 @@ def test_an_environment_changed_since_the_server_started_gets_its_own_server(pkg
     assert "TOKENIZERS_LAUNCH_TEST" not in first.result["env"]
     assert second.result["env"]["TOKENIZERS_LAUNCH_TEST"] == "changed"
     assert first.result["ppid"] != second.result["ppid"]
-    assert {first.result["ppid"], second.result["ppid"]} <= {e["pid"] for e in launch._servers.values()}
+    assert {first.result["ppid"], second.result["ppid"]} <= {e["pid"] for e in forked_ranks._servers.values()}

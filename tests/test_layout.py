@@ -146,6 +146,100 @@ def test_the_circle_finder_finds_a_circle(tmp_path, monkeypatch):
     assert _file_cycles("pkg") == [["pkg.a", "pkg.b"]]
 
 
+# The private names one module may import from another, each with why (a name made public or moved to where
+# it is used needs no entry; an entry no import needs any more fails the test below, so the list stays short).
+PRIVATE_IMPORTS = {
+    ("dynabatch.pipeline.runtime.tied", "_flatten_dense_tensors"):
+        "torch's own flattening of a tensor list into one buffer (DDP's bucketing); torch has no public one",
+    ("dynabatch.pipeline.runtime.update", "_flatten_dense_tensors"):
+        "torch's own flattening of a tensor list into one buffer (DDP's bucketing); torch has no public one",
+    ("dynabatch.pipeline.runtime.update", "_unflatten_dense_tensors"):
+        "the inverse of _flatten_dense_tensors (views of the buffer shaped as the tensors); torch has no public one",
+    ("dynabatch.core.kernels.allocation_stream", "_lpt_ordered"): "owned by the Spindle work this round",
+    ("dynabatch.core.kernels.schedules", "_candidate_orders"): "owned by the kernel-signature work this round",
+    ("dynabatch.core.kernels.spill", "_sweep"): "owned by the kernel-signature work this round (simulate.py)",
+}
+
+
+def _private_imports(package: str) -> set[tuple[str, str]]:
+    """``(importing module, name)`` of every private name (one leading underscore, not a dunder) that a module
+    of ``package`` imports from another module with ``from m import _name`` (also inside functions); a
+    private submodule (``from . import _x``) is a module, not a name, and ``import x as _x`` is not counted."""
+    mods = dict(_modules(package))
+    out = set()
+    for name, path in mods.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            stem = base[: len(base) - node.level + 1] if node.level else []
+            mod = ".".join(stem + ([node.module] if node.module else []))
+            out.update((name, a.name) for a in node.names
+                       if a.name.startswith("_") and not a.name.startswith("__") and f"{mod}.{a.name}" not in mods)
+    return out
+
+
+def test_private_names_cross_modules_only_where_allowed():
+    """A private name stays in its module: one another module needs is public (with a docstring) or lives where
+    it is used; the few exceptions are `PRIVATE_IMPORTS`, each with its reason."""
+    found = set().union(*(_private_imports(pkg) for pkg in ("dynabatch", "loaders", "tokenization")))
+    new = sorted(found - PRIVATE_IMPORTS.keys())
+    assert not new, f"private names imported from another module (make them public or move them where used): {new}"
+    stale = sorted(PRIVATE_IMPORTS.keys() - found)
+    assert not stale, f"allowed but no longer imported (drop them from PRIVATE_IMPORTS): {stale}"
+    assert all(len(why) > 20 for why in PRIVATE_IMPORTS.values())
+
+
+def test_the_private_import_finder_finds_one(tmp_path, monkeypatch):
+    """The check above can fail: ``from .b import _x`` (also inside a function) is found, a private submodule,
+    a public name and an ``as _alias`` of one are not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import _impl\n")
+    (pkg / "_impl.py").write_text("_x = 1\ny = 2\n")
+    (pkg / "a.py").write_text("from ._impl import y as _y\n\ndef f():\n    from pkg._impl import _x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _private_imports("pkg") == {("pkg.a", "_x")}
+
+
+JIT_DECORATORS = {"njit", "jit", "vectorize", "guvectorize", "cfunc", "stencil"}
+# where numba kernels live: every planning kernel in dynabatch/core/kernels/ (beside its reference); the token
+# cache's file-read kernel in dynabatch/index/reads.py (reading files is the loader's job, not planning)
+KERNEL_HOMES = ("dynabatch/core/kernels/", "dynabatch/index/reads.py")
+
+
+def _jit_uses(path: Path) -> list[int]:
+    """Lines of ``path`` that compile a function with numba: a decorator ``@njit``/``@numba.njit(...)`` (or
+    another of `JIT_DECORATORS`) or a call of one (``njit(f)``)."""
+    def jit(node) -> bool:
+        node = node.func if isinstance(node, ast.Call) else node
+        return (isinstance(node, ast.Name) and node.id in JIT_DECORATORS) or \
+            (isinstance(node, ast.Attribute) and node.attr in JIT_DECORATORS)
+
+    tree = ast.parse(path.read_text())
+    lines = {d.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+             for d in n.decorator_list if jit(d)}
+    lines.update(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and jit(n.func))
+    return sorted(lines)
+
+
+def test_numba_kernels_live_in_kernels():
+    """Every numba kernel of dynabatch is in `dynabatch.core.kernels` (the token-cache read kernel in
+    `dynabatch.index.reads`); a kernel elsewhere is moved there, beside its plain-Python reference."""
+    stray = [f"{p.relative_to(ROOT)}:{n}" for _, p in _modules("dynabatch")
+             if not str(p.relative_to(ROOT)).startswith(KERNEL_HOMES) for n in _jit_uses(p)]
+    assert not stray, f"numba kernels outside dynabatch/core/kernels/ (move them there): {stray}"
+    assert _jit_uses(ROOT / "dynabatch/index/reads.py")  # the finder sees a kernel where one is
+
+
+def test_the_kernel_finder_finds_each_form(tmp_path):
+    """``@njit``, ``@numba.njit(cache=True)`` and ``njit(f)`` are found; a function named ``jitter`` is not."""
+    f = tmp_path / "m.py"
+    f.write_text("import numba\nfrom numba import njit\n\n@njit\ndef a(): pass\n\n@numba.njit(cache=True)\n"
+                 "def b(): pass\n\nc = njit(a)\n\ndef jitter(): pass\n")
+    assert _jit_uses(f) == [4, 7, 10]
+
+
 def test_modules_stay_readable():
     """Modules are cut where their jobs part, not at a line count: a module over `MAX_LINES` lines is
     reported (a warning, so that a cohesive module may stay whole), never a failure."""

@@ -17,7 +17,7 @@ from dynabatch import Shapes
 from dynabatch.core.plan.bounds import objective_lower_bound
 from dynabatch.core.cost.model import CostModel
 from dynabatch.core.options import PlanOptions
-from dynabatch.core.plan.planner import _decoder_classes, _ordering, plan_microbatches
+from dynabatch.core.plan.planner import _decoder_classes, plan_microbatches, sample_order
 from dynabatch.shape_sources import synthetic_shapes
 from dynabatch.core.plan.steps import global_batches
 
@@ -102,10 +102,10 @@ def test_ordering_groups_decoder_classes_for_padded_t5_only():
     cost = CostModel.preset("t5")
     shapes = readme_shapes(500, seed=1)
     main, dec, tiles = cost.sample_dims(shapes, 2048, 512)
-    padded = _ordering(cost, main, dec, tiles)
+    padded = sample_order(cost, main, dec, tiles)
     assert sorted(padded.tolist()) == list(range(len(main)))
     assert np.all(np.diff(_decoder_classes(dec[padded], cost.pad_multiple)) >= 0)
-    packed = _ordering(cost, main, dec, tiles, padded=False)
+    packed = sample_order(cost, main, dec, tiles, padded=False)
     own, _ = cost.padded(1, main, dec, tiles)
     assert np.all(np.diff(own[packed]) >= 0)
 

@@ -32,7 +32,7 @@ from ._adapters import load_tokenizer
 from ._chat import ChatOption, ChatRenderer, resolve_chat
 from ._config import Family, FormatConfig, OnError
 from ._protocol import IGNORE_INDEX, SampleError, Tokenizer
-from ._segments import (PART_INPUT, PART_TARGET, PART_VISION, _add_sample, _Images, _Segments, is_conversation,
+from ._segments import (PART_INPUT, PART_TARGET, PART_VISION, ImageRuns, SegmentTable, add_sample, is_conversation,
                         sample_key)
 from ._vision import VisionPolicy, image_tokens_batch
 
@@ -172,7 +172,7 @@ def tokenize_batch(
         chat.announce()
     # A Jinja template renders and tokenizes whole conversations (one apply_chat_template call per batch).
     rendered = dict(zip(talks, chat.render([samples[i] for i in talks], tokenizer))) if talks and chat.jinja else {}
-    seg = _Segments()
+    seg = SegmentTable()
     kept: list[int] = []
     sample_ids: list[int] = []
     conv: list[bool] = []
@@ -183,7 +183,7 @@ def tokenize_batch(
         mark, text_mark = len(seg.sample), len(seg.texts)
         try:
             sid = _sample_id(s)
-            c, given = _add_sample(seg, len(kept), s, cfg, tokenizer, _Images(s, per_image[i], cfg.image_token_id),
+            c, given = add_sample(seg, len(kept), s, cfg, tokenizer, ImageRuns(s, per_image[i], cfg.image_token_id),
                                    chat.plain, rendered.get(i))
         except SampleError as exc:
             if on_error != "skip":
@@ -249,20 +249,11 @@ def tokenize_batch(
             cut = slice(len(piece) - k, None) if from_end[j] else slice(0, k)
             seg_ids.append(piece[cut])
             seg_labels.append(None if seg.labels[j] is None else seg.labels[j][cut])
-    return _TokenizedBatch(
-        index=np.asarray(kept, dtype=np.int64),
-        sample_id=np.asarray(sample_ids, dtype=np.int64),
-        input_tokens=inp,
-        target_tokens=tgt,
-        vision_tokens=kept_vis,
-        truncated=truncated,
-        skipped=skipped,
-        seg_sample=sample,
-        seg_ids=seg_ids,
-        seg_trained=np.asarray(seg.trained, dtype=bool),
-        seg_part=part,
-        seg_labels=seg_labels,
-    )
+    return _TokenizedBatch(  # per kept sample, then the segment table
+        index=np.asarray(kept, dtype=np.int64), sample_id=np.asarray(sample_ids, dtype=np.int64),
+        input_tokens=inp, target_tokens=tgt, vision_tokens=kept_vis, truncated=truncated, skipped=skipped,
+        seg_sample=sample, seg_ids=seg_ids, seg_trained=np.asarray(seg.trained, dtype=bool), seg_part=part,
+        seg_labels=seg_labels)
 
 
 def _refusals(samples: Sequence[dict], kept: list[int], encoded: list[np.ndarray], text_sample: np.ndarray,

@@ -7,7 +7,7 @@ token (BOS/EOS) or an image's placeholder run. Each row says which length-table 
 count towards (``PART_*``) and whether they are trained. Nothing here tokenizes or truncates: a
 text's length (tokens) is only known after the batch's one ``encode_batch`` call.
 
-Image placeholders (opt-in: ``FormatConfig.image_token_id``): `_Images` puts one run of
+Image placeholders (opt-in: ``FormatConfig.image_token_id``): `ImageRuns` puts one run of
 ``image_token_id`` copies per image, as long as the image's vision tokens, at the image's
 `IMAGE_MARKER` (``"<image>"``) in the prompt, or (no marker) all runs right after BOS, before the
 text. The runs are `PART_VISION` rows: vision tokens, never cut, -100 in the labels.
@@ -55,7 +55,10 @@ def _text_field(sample: dict, name: str, required: bool) -> str:
 PART_INPUT, PART_TARGET, PART_VISION = 0, 1, 2
 
 
-class _Segments:
+class SegmentTable:
+    """A batch's segment table (see the module docstring): entry ``k`` of each list describes piece ``k``;
+    ``text[k]`` indexes ``texts`` (the texts to encode, once each) or is -1."""
+
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.sample: list[int] = []
@@ -67,10 +70,13 @@ class _Segments:
         self.labels: list[np.ndarray | None] = []
 
     def lists(self) -> tuple[list, ...]:
+        """The per-piece lists: sample, text, special, part, trained, ids, labels."""
         return self.sample, self.text, self.special, self.part, self.trained, self.ids, self.labels
 
     def add(self, sample: int, part: int, trained: bool, text: str | None = None, special: int = -1,
             ids: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
+        """Append one piece of sample ``sample`` (its batch position): a text, a special token id or given ids
+        (with their labels), counted towards column ``part`` (``PART_*``)."""
         self.sample.append(sample)
         self.part.append(part)
         self.trained.append(trained)
@@ -88,7 +94,7 @@ def _render_history(msgs: list[tuple[str, str]], t: ChatTemplate) -> str:
     return "".join(t.prefix(role) + content + t.turn_suffix for role, content in msgs)
 
 
-class _Images:
+class ImageRuns:
     """One sample's image placeholder runs (`FormatConfig.image_token_id`), handed out in image order:
     one at each `IMAGE_MARKER` of the prompt texts (``in_place``), else all before the text. Inert
     (``on`` False) without ``image_token_id``."""
@@ -99,6 +105,7 @@ class _Images:
 
     @property
     def on(self) -> bool:
+        """True with an ``image_token_id`` (placeholders are inserted)."""
         return self.id is not None
 
     def check_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> None:
@@ -120,19 +127,19 @@ class _Images:
                                         "per image (in image order) or none (the images then go before the text)")
         self.in_place = markers > 0
 
-    def add_run(self, seg: _Segments, i: int) -> None:
+    def add_run(self, seg: SegmentTable, i: int) -> None:
         """Append the next image's run: its vision tokens' count of ``image_token_id``."""
         n = int(self.tokens[self.next])
         self.next += 1
         seg.add(i, PART_VISION, False, ids=np.full(n, self.id, np.int32))
 
-    def add_leading(self, seg: _Segments, i: int) -> None:
+    def add_leading(self, seg: SegmentTable, i: int) -> None:
         """Every run, for a sample without markers (called where its text starts, after BOS)."""
         if self.on and not self.in_place:
             while self.next < len(self.tokens):
                 self.add_run(seg, i)
 
-    def add_text(self, seg: _Segments, i: int, part: int, trained: bool, text: str) -> None:
+    def add_text(self, seg: SegmentTable, i: int, part: int, trained: bool, text: str) -> None:
         """Append a prompt-side text, with the next image's run in place of each marker."""
         if not self.in_place:
             seg.add(i, part, trained, text=text)
@@ -143,8 +150,8 @@ class _Images:
             seg.add(i, part, trained, text=piece)
 
 
-def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConfig, tok: Tokenizer,
-             images: _Images) -> bool:
+def _add_ids(seg: SegmentTable, i: int, holder: dict, sample: dict, cfg: FormatConfig, tok: Tokenizer,
+             images: ImageRuns) -> bool:
     """Append a pre-tokenized sample's segments (no special tokens); True: cut it by position. With
     placeholders each ``image_token_id`` in the ids marks an image and becomes that image's run."""
     ids, labels = pretokenized_ids(holder, sample, cfg.family, tok, image_token_id=cfg.image_token_id)
@@ -167,7 +174,7 @@ def _add_ids(seg: _Segments, i: int, holder: dict, sample: dict, cfg: FormatConf
     return decoder
 
 
-def _add_id_pieces(seg: _Segments, i: int, ids: np.ndarray, marks: np.ndarray, images: _Images, add) -> None:
+def _add_id_pieces(seg: SegmentTable, i: int, ids: np.ndarray, marks: np.ndarray, images: ImageRuns, add) -> None:
     """The runs before the ids (no marks), then ``add(start, stop)`` for each piece of ``ids`` between the
     image marks (positions ``marks``), each mark replaced by that image's placeholder run."""
     images.add_leading(seg, i)
@@ -180,15 +187,15 @@ def _add_id_pieces(seg: _Segments, i: int, ids: np.ndarray, marks: np.ndarray, i
             add(a, b)
 
 
-def _add_runs(seg: _Segments, i: int, ids: np.ndarray, trained: np.ndarray, labels: np.ndarray | None) -> None:
+def _add_runs(seg: SegmentTable, i: int, ids: np.ndarray, trained: np.ndarray, labels: np.ndarray | None) -> None:
     """One id segment per run of trained (`PART_TARGET`) and masked (`PART_INPUT`) tokens; ``labels``:
     the given labels of a pre-tokenized row (None: the ids where trained)."""
     for c, d, t in label_runs(np.where(trained, 0, IGNORE_INDEX)):  # runs of the trained flags
         seg.add(i, PART_TARGET if t else PART_INPUT, t, ids=ids[c:d], labels=None if labels is None else labels[c:d])
 
 
-def _add_rendered(seg: _Segments, i: int, sample: dict, rendered: tuple[np.ndarray, np.ndarray], cfg: FormatConfig,
-                  tok: Tokenizer, images: _Images) -> None:
+def _add_rendered(seg: SegmentTable, i: int, sample: dict, rendered: tuple[np.ndarray, np.ndarray], cfg: FormatConfig,
+                  tok: Tokenizer, images: ImageRuns) -> None:
     """Append a decoder-only conversation that a Jinja chat template rendered: its ids in runs of
     trained (assistant) and masked tokens. With image placeholders each ``image_token_id`` in the ids
     (the tokenizer's encoding of an ``<image>`` marker) becomes that image's run."""
@@ -221,11 +228,11 @@ def is_conversation(sample: dict, pretokenized: bool | None) -> bool:
         return False
     try:
         return ids_holder(sample, pretokenized) is None
-    except SampleError:  # pretokenized=True and no ids: _add_sample names it
+    except SampleError:  # pretokenized=True and no ids: add_sample names it
         return False
 
 
-def _add_sample(seg: _Segments, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer, images: _Images,
+def add_sample(seg: SegmentTable, i: int, sample: dict, cfg: FormatConfig, tok: Tokenizer, images: ImageRuns,
                 t: ChatTemplate | None, rendered: tuple[np.ndarray, np.ndarray] | SampleError | None = None,
                 ) -> tuple[bool, bool]:
     """Append sample ``i``'s segments; returns (cut by position, pre-tokenized): the first is True

@@ -49,10 +49,11 @@ def _mape(pred, meas) -> float:
 def cost_section(cfg, factory, data, index, out_dir: str) -> tuple[dict, object]:
     """Run the section (module docstring); returns (its result, the profiled `CostModel`)."""
     from ..pipeline import batch_shapes, profile_layers, stage_cost_model
-    from ..pipeline.measure.profile import _device_profile, profile_cost_model  # the one device -> preset mapping
+    # closest_device_profile: the one device -> preset mapping
+    from ..pipeline.measure.profile import closest_device_profile, profile_cost_model
 
     model = factory.fresh()
-    preset = _device_profile(cfg.device).name
+    preset = closest_device_profile(cfg.device).name
     t0 = time.perf_counter()
     profiled = profile_cost_model(model, device=cfg.device, rows=cfg.profile_rows, lengths=cfg.profile_lengths,
                                   repeats=cfg.profile_repeats, device_profile=preset)

@@ -30,14 +30,14 @@ from .load_common import run_command
 from .load_config import (BASELINE_PATHS, BASELINE_TEXT_COLUMNS, DEFAULT_TEXT_DATA, DYNABATCH_PATHS,
                           GENERATED_IMAGE_TEXT_SAMPLES, GENERATED_SHARDS, GENERATED_TEXT_SAMPLES, METHODS, SOURCES,
                           TEXT_SOURCES, LoadBenchConfig, LoadBenchError)
-from .load_data import _quotas, default_text_data, prepare, repo_root, resolve_text
+from .load_data import file_quotas, default_text_data, prepare, repo_root, resolve_text
 from .load_dynabatch import run_dynabatch
 from .load_run import run_load_bench
 
 __all__ = [
     "BASELINE_PATHS", "BASELINE_TEXT_COLUMNS", "DEFAULT_TEXT_DATA", "DYNABATCH_PATHS",
     "GENERATED_IMAGE_TEXT_SAMPLES", "GENERATED_SHARDS", "GENERATED_TEXT_SAMPLES", "METHODS", "SOURCES",
-    "TEXT_SOURCES", "LoadBenchConfig", "LoadBenchError", "_quotas", "bench_load_command", "default_text_data",
+    "TEXT_SOURCES", "LoadBenchConfig", "LoadBenchError", "file_quotas", "bench_load_command", "default_text_data",
     "format_table", "prepare", "repo_root", "resolve_text", "run_baseline_text", "run_baseline_webdataset",
     "run_dynabatch", "run_load_bench",
 ]

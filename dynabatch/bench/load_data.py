@@ -59,7 +59,7 @@ def _count_records(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _quotas(counts: list[int], limit: int) -> list[int]:
+def file_quotas(counts: list[int], limit: int) -> list[int]:
     """Split ``limit`` samples over files in proportion to their sizes (largest remainders)."""
     total = sum(counts)
     if limit >= total:
@@ -116,7 +116,7 @@ def resolve_text(cfg: LoadBenchConfig, tmp: Path, progress: bool) -> tuple[list[
             return files, f"generated FLAN-like text ({n} samples, {len(files)} shards)"
     if cfg.limit is not None:
         counts = [_count_records(p) for p in files]
-        quotas = _quotas(counts, cfg.limit)
+        quotas = file_quotas(counts, cfg.limit)
         if quotas != counts:
             out = tmp / "limited"
             out.mkdir(exist_ok=True)
@@ -163,7 +163,7 @@ def _resolve_image_text(cfg: LoadBenchConfig, tmp: Path, progress: bool) -> tupl
         import loaders
 
         counts = [loaders.WebDatasetSource(str(q)).num_rows for q in files]
-        quotas = _quotas(counts, cfg.limit)
+        quotas = file_quotas(counts, cfg.limit)
         if quotas != counts:
             out = tmp / "limited_tar"
             out.mkdir(exist_ok=True)

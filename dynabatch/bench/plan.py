@@ -18,7 +18,7 @@ from ..core.kernels.dp import DPSearch, dp_kernel, dp_reference, segment_cost
 from ..core.plan.bounds import iteration_lower_bound, objective_bound_kind, objective_lower_bound
 from ..core.cost.model import CostModel
 from ..core.options import METHODS, PlanOptions, method_collation
-from ..core.plan.planner import _ordering
+from ..core.plan.planner import sample_order
 from ..core.shapes import Shapes
 from ..core.plan.stage_plan import evaluate_plan
 from ..core.plan.steps import global_batches, plan_step
@@ -195,7 +195,7 @@ def time_reference(batch: Shapes, cost: CostModel, cfg: PlanBenchConfig) -> dict
     that they reach the same objective."""
     o = cfg.options
     main, dec, tiles = cost.sample_dims(batch, o.max_len, o.max_target_len)
-    order = _ordering(cost, main, dec, tiles)
+    order = sample_order(cost, main, dec, tiles)
     main, dec, tiles = main[order], dec[order], tiles[order]
     limit = _limit(cost, o)
     ranks = min(o.num_ranks, len(batch))

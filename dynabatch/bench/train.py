@@ -48,8 +48,8 @@ import numpy as np
 from ..core.options import PlanOptions
 from .payload import config_from_payload, config_payload
 from .progress import rank_note, rank_tick, watch_ticks
-from .train_report import (TrainBenchStopped, _read_json, _result_config, _Stop, _stop_on_signals,  # noqa: F401
-                           _write_json, assemble_result, format_table, timer_noise)
+from .train_report import (StopSignal, TrainBenchStopped, assemble_result, format_table, read_json,  # noqa: F401
+                           result_config, stop_on_signals, timer_noise, write_json)
 from .train_flushfree import FLUSH_VARIANTS, runner_options, split_flush, stream_step
 from .train_recompute import RECOMPUTE_VARIANTS, measured_memory, observe, split_variant, summarize, variant_options
 from .train_data import SHARED_FLAN, build_data, default_data  # noqa: F401
@@ -407,7 +407,7 @@ def worker(rank: int, world_size: int, port: int, cfg_dict: dict):
         last_write[0] = time.monotonic()
         try:
             methods = {m: r.stats() for m, r in runs.items() if r.rows}
-            _write_json(partial_path, assemble_result(config, methods, status="running"))
+            write_json(partial_path, assemble_result(config, methods, status="running"))
         except Exception as e:  # never let the report of a partial result break the run itself
             print(f"bench train: could not write the partial result: {e!r}", file=sys.stderr, flush=True)
 
@@ -447,7 +447,7 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
     if out and os.path.exists(out):
         os.remove(out)  # a stale file must not pass for this run's partial result
     procs, stop, config = None, None, None
-    with tempfile.TemporaryDirectory() as tmp, _stop_on_signals():
+    with tempfile.TemporaryDirectory() as tmp, stop_on_signals():
         partial_path = out or os.path.join(tmp, "partial.json")
         try:
             t0 = time.perf_counter()
@@ -459,23 +459,23 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
                 from .train_hf import prepare_costs
 
                 cfg, costs = prepare_costs(cfg, model, tmp, progress)
-            config = {**_result_config(cfg, index_s, count_parameters(model)), **costs}
+            config = {**result_config(cfg, index_s, count_parameters(model)), **costs}
             payload = {**cfg.to_payload(), "_verbose": verbose, "_partial": partial_path, "_config": config}
             with watch_ticks(os.path.join(tmp, "progress"), cfg.steps,
                              f"bench train ({cfg.model}, {len(cfg.methods)} methods)", "step", progress) as env:
                 procs = launch_local(f"{__name__}:worker", cfg.options.num_stages, args=(payload,),
                                      idle_timeout_s=cfg.timeout_s, max_wall_s=cfg.max_wall_s,
                                      threads_per_proc=cfg.threads_per_proc, env=env)
-        except _Stop as e:
+        except StopSignal as e:
             stop = e
-        partial = _read_json(partial_path)
+        partial = read_json(partial_path)
     bad = [p for p in procs if p.returncode != 0 or p.timed_out] if procs else []
     if stop is None and not bad and procs[0].result is not None:
         if verbose:
             sys.stderr.write(procs[0].stderr)
         result = assemble_result(config, procs[0].result)
         if out:
-            _write_json(out, result)
+            write_json(out, result)
         return result
     # stopped early: report what was done
     if stop is not None:
@@ -493,7 +493,7 @@ def run_train_bench(cfg: TrainBenchConfig, *, verbose: bool = False, generated_s
         methods = (partial or {}).get("methods") or {}
         result = assemble_result(config, methods, status="stopped", stopped_by=why)
         if out:
-            _write_json(out, result)
+            write_json(out, result)
     done = ", ".join(f"{m} {n}" for m, n in result["steps_done"].items()) if result else "none"
     raise TrainBenchStopped(f"bench train {why}; steps done: {done} of {cfg.steps}"
                             + (f"\n{detail}" if detail else ""), result, code)

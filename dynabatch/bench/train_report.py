@@ -71,7 +71,7 @@ def assemble_result(config: dict, methods: dict, *, status: str = "complete", st
             "status": status, "stopped_by": stopped_by, "steps_done": done}
 
 
-def _write_json(path: str, doc: dict) -> None:
+def write_json(path: str, doc: dict) -> None:
     """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -79,7 +79,8 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: str | None) -> dict | None:
+def read_json(path: str | None) -> dict | None:
+    """The JSON document at ``path``; None when there is no path, no file, or not (yet) a whole JSON file."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -99,15 +100,18 @@ class TrainBenchStopped(RuntimeError):
         self.result, self.exit_code = result, exit_code
 
 
-class _Stop(BaseException):
+class StopSignal(BaseException):
+    """SIGINT or SIGTERM arrived (`stop_on_signals`); ``signum`` is the signal's number. A BaseException, so
+    that no ``except Exception`` on the way swallows it."""
+
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
-    """SIGINT/SIGTERM raise `_Stop` (once; a second signal while stopping is ignored). Only in the
+def stop_on_signals():
+    """SIGINT/SIGTERM raise `StopSignal` (once; a second signal while stopping is ignored). Only in the
     main thread, and not for a signal this process ignores (a background job's SIGINT)."""
     import threading
 
@@ -119,7 +123,7 @@ def _stop_on_signals():
     def handler(signum, frame):
         if not fired:
             fired.append(signum)
-            raise _Stop(signum)
+            raise StopSignal(signum)
 
     old = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,7 +136,9 @@ def _stop_on_signals():
             signal.signal(sig, h)
 
 
-def _result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> dict:
+def result_config(cfg: TrainBenchConfig, index_s: float, parameters: int) -> dict:
+    """The result's ``config`` section: the run's settings, the model's ``parameters`` (a count), the index
+    build seconds ``index_s`` and how each reported figure is measured."""
     config = {k: v for k, v in cfg.to_payload().items() if k not in ("index", "model_sizes", "timeout_s", "max_wall_s")}
     config.update(data=list(cfg.data), methods=list(cfg.methods), model_sizes=cfg.resolved_sizes(),
                   parameters=parameters,

@@ -86,7 +86,7 @@ def _jsonl(path):
 
 
 def _shared_image_records(n: int, tmp: Path, seed: int) -> list[dict]:
-    from ..datagen import _image_bytes
+    from ..datagen import image_bytes
 
     rng, pick = np.random.default_rng([seed, 13]), random.Random(seed)
     out = []
@@ -99,7 +99,7 @@ def _shared_image_records(n: int, tmp: Path, seed: int) -> list[dict]:
     def generated(w: int, h: int) -> str:  # one generated image per size: the tiling depends on the size only
         if (w, h) not in made:
             p = tmp / f"gen-{w}x{h}.jpg"
-            p.write_bytes(_image_bytes(rng, w, h, "jpg"))
+            p.write_bytes(image_bytes(rng, w, h, "jpg"))
             made[w, h] = str(p)
         return made[w, h]
 

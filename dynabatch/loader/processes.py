@@ -195,6 +195,12 @@ class WorkerInit:
             self.user_fn(worker_id)
 
 
+def collate_as_is(item):
+    """``collate_fn`` of the loader's torch DataLoaders: the worker's item unchanged (a worker delivers a whole
+    chunk or step, collated already). A module-level function, picklable for ``spawn``/``forkserver``."""
+    return item
+
+
 def start_workers(make_iter):
     """``make_iter()`` (what forks: ``iter(torch DataLoader)``, starting a process) inside `fork_lock`."""
     with fork_lock():

@@ -1,5 +1,9 @@
 """The numba kernels of dynabatch, each beside a readable plain-Python reference.
 
+Every planning kernel lives here. The one numba kernel outside this package is the token cache's read
+kernel (`pread_ragged`, beside `pread_ragged_reference`), which lives in `dynabatch.index.reads` because
+reading files is the loader's job, not planning (``tests/test_layout.py`` fails on a kernel anywhere else).
+
 Every ``@njit(cache=True)`` kernel that code outside this package calls has a ``*_reference``
 function in the same module computing the same result with plain loops; the tests
 (``tests/test_kernels_reference.py``, and ``tests/test_plan.py`` for the DP) compare each pair on
@@ -61,8 +65,8 @@ module                kernel                          reference
 `.packing`            `budget_cuts`                   `budget_cuts_reference`
                       `pack_rows`                     `pack_rows_reference`
 `.rows`               `pad_rows`                      `pad_rows_reference`
-`.caps`               `_pick_caps`                    `pick_caps_reference`
-                      `_pick_caps_between`            checked against `_pick_caps`
+`.caps`               `pick_caps`                     `pick_caps_reference`
+                      `pick_caps_between`             checked against `pick_caps`
 `.bounds`             `capped_partition_cost`         `capped_partition_cost_reference`
 `.recompute`          `stage_peaks`                   `stage_peaks_reference`
 `.stage_order`        `insertion_search`              `insertion_search_reference`
@@ -84,8 +88,6 @@ module                kernel                          reference
                                                       ``tests/test_multitask_allocation.py``)
 ====================  ==============================  ==========================================
 
-The token cache's file reads (`pread_ragged`, beside `pread_ragged_reference`) are the loader's, not the
-planner's: `dynabatch.index.reads`.
 Callers pass arrays through `.arrays.kernel_array` and scalars as ``np.int64``, not literals, where
 types would otherwise vary: numba compiles a kernel (and what it calls) once per argument type.
 """

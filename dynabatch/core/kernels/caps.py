@@ -1,9 +1,9 @@
 """Candidate caps on the largest micro-batch, the DP's outer search (`dynabatch.core.kernels.dp`), in seconds.
 
-`_pick_caps` takes up to ``count`` of the sorted distinct segment times from ``values[lo_index]`` up,
-spread evenly in log space; `pick_caps_reference` mirrors it in plain Python. `_pick_caps_between`
+`pick_caps` takes up to ``count`` of the sorted distinct segment times from ``values[lo_index]`` up,
+spread evenly in log space; `pick_caps_reference` mirrors it in plain Python. `pick_caps_between`
 picks the same caps from the unsorted times in ``[lo, hi]`` without sorting them (tests check it
-against `_pick_caps` of the sorted times)."""
+against `pick_caps` of the sorted times)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from numba import njit
 
 
 @njit(cache=True)
-def _pick_caps(values, lo_index, count):
-    """Up to ``count`` entries of sorted unique ``values[lo_index:]`` spread evenly in log space."""
+def pick_caps(values, lo_index, count):
+    """Up to ``count`` entries of sorted unique ``values[lo_index:]`` (seconds) spread evenly in log space."""
     m = values.shape[0] - lo_index
     if m <= count:
         return values[lo_index:].copy()
@@ -35,12 +35,12 @@ def _pick_caps(values, lo_index, count):
 
 
 @njit(cache=True, nogil=True)
-def _pick_caps_between(times, lo, hi, count):
-    """``_pick_caps(v, 0, count)`` for ``v`` the sorted distinct entries of ``times`` in [lo, hi]
+def pick_caps_between(times, lo, hi, count):
+    """``pick_caps(v, 0, count)`` for ``v`` the sorted distinct entries of ``times`` in [lo, hi]
     (``lo`` and ``hi`` must occur in ``times``), without sorting ``times``.
 
-    Up to ``count`` distinct entries in range are returned sorted, as `_pick_caps` returns all of
-    them. Otherwise `_pick_caps` walks its log-spaced targets and keeps, for each, the smallest entry
+    Up to ``count`` distinct entries in range are returned sorted, as `pick_caps` returns all of
+    them. Otherwise `pick_caps` walks its log-spaced targets and keeps, for each, the smallest entry
     not below it (``hi`` where none is): each entry in range is filed under the last target not
     above it, and the smallest entry filed at or after a target is that target's pick. Same targets,
     same float operations, so the same caps; one pass over ``times`` instead of a sort (the DP's
@@ -97,7 +97,7 @@ def _pick_caps_between(times, lo, hi, count):
 
 
 def pick_caps_reference(values, lo_index, count):
-    """Plain-Python `_pick_caps`: walk ``count`` targets evenly spaced in log space from
+    """Plain-Python `pick_caps`: walk ``count`` targets evenly spaced in log space from
     ``values[lo_index]`` to ``values[-1]`` and keep, for each, the first value not below it
     (never moving back, dropping repeats)."""
     values = [float(v) for v in values]

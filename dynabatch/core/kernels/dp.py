@@ -5,7 +5,7 @@ micro-batches, minimizing the pipeline objective ``sum(t) / R + (S - 1) * max(t)
 shared by ``R`` data-parallel ranks, the bubble is paid once per rank) subject to each segment's
 activation memory staying under the limit. For a fixed cap ``T`` on the largest micro-batch the
 minimal sum is a 1-D DP; the kernel enumerates candidate caps (the distinct segment times, coarse
-on a log grid and then refined around the best coarse cap: `_pick_caps_between` picks them in one
+on a log grid and then refined around the best coarse cap: `pick_caps_between` picks them in one
 pass over the segment times, no sort; a cap at or above the largest micro-batch a larger cap's
 partition used gets that partition unevaluated, `_objectives_for_caps`) and keeps the best
 objective. Finally the DP is rerun with the number of micro-batches tracked modulo ``R`` so every
@@ -20,9 +20,9 @@ rank, which ``sum / R`` does not see (a few large micro-batches cannot be spread
 
 Costs are evaluated inside the kernel from the cost model's linear coefficients (or its profiled
 table), so there is no Python callback per candidate (`dynabatch.core.kernels.segments`). `dp_reference` is the same algorithm in
-plain Python (`pick_caps_reference` mirrors `_pick_caps`); tests check that both reach the same
+plain Python (`pick_caps_reference` mirrors `pick_caps`); tests check that both reach the same
 optimum. The other kernels here are steps of `dp_kernel` and are covered by that comparison;
-`_pick_caps_between` is also checked against `_pick_caps` of the sorted times. (The 1-D DP behind
+`pick_caps_between` is also checked against `pick_caps` of the sorted times. (The 1-D DP behind
 the padded objective bound of `dynabatch.core.plan.bounds` is `dynabatch.core.kernels.bounds`.)
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit
 
 from .assign import assign_ranks, assign_ranks_reference
-from .caps import _pick_caps_between, pick_caps_reference
+from .caps import pick_caps_between, pick_caps_reference
 from .cost import NUM_FEATURES, Q_PAD
 from .objective import objective_kernel, objective_reference
 from .segments import SegmentCost, enumerate_segments, segment_cost  # noqa: F401  (the DP's segment prices)
@@ -196,8 +196,8 @@ def dp_search(main, dec, tiles, cost, search):
         # only the largest segment time is needed (no sort of every segment time).
         coarse = np.full(1, top)
     else:
-        # the caps of `_pick_caps` over the sorted distinct segment times from ``floor`` up
-        coarse = _pick_caps_between(seg_time, floor, top, max_caps)
+        # the caps of `pick_caps` over the sorted distinct segment times from ``floor`` up
+        coarse = pick_caps_between(seg_time, floor, top, max_caps)
     f = np.empty(n + 1)
     back = np.empty(n + 1, np.int64)
     mx = np.empty(n + 1)
@@ -214,7 +214,7 @@ def dp_search(main, dec, tiles, cost, search):
     # Refine between the coarse neighbours of the best cap.
     lo_v = coarse[best_k - 1] if best_k > 0 else coarse[0]
     hi_v = coarse[best_k + 1] if best_k + 1 < coarse.shape[0] else coarse[-1]
-    fine = _pick_caps_between(seg_time, lo_v, hi_v, max_caps) if stages > 1 else coarse[:0].copy()
+    fine = pick_caps_between(seg_time, lo_v, hi_v, max_caps) if stages > 1 else coarse[:0].copy()
     caps = np.concatenate((coarse, fine))
     cobj = np.concatenate((objs, np.full(fine.shape[0], np.inf)))
     fine_objs = np.empty(fine.shape[0])
@@ -335,12 +335,12 @@ def _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, e
     """`dp_search` on one stage with several ranks: the step waits for the slowest rank, so each
     candidate cap's partition is scored by `_slowest_rank_s` (sum / ranks alone ignores that a few large
     micro-batches cannot be spread evenly: on FLAN-like steps of 2 ranks it gave one micro-batch per
-    rank, the slowest rank 1.6-1.8x the mean). Caps: `_pick_caps_between` on a log grid, then refined
+    rank, the slowest rank 1.6-1.8x the mean). Caps: `pick_caps_between` on a log grid, then refined
     between the neighbours of the best one; the uncapped partition (the sum's optimum) is among them."""
     f = np.empty(n + 1)
     back = np.empty(n + 1, np.int64)
     mx = np.empty(n + 1)
-    coarse = _pick_caps_between(seg_time, floor, top, max_caps)
+    coarse = pick_caps_between(seg_time, floor, top, max_caps)
     best_val, best_starts = _caps_by_makespan(offset, count, seg_time, coarse, n, ranks, equal_counts, f, back, mx,
                                               np.inf, np.empty(0, np.int64))
     if best_starts.shape[0] == 0:
@@ -351,7 +351,7 @@ def _one_stage_search(offset, count, seg_time, n, floor, top, ranks, max_caps, e
     k = np.searchsorted(coarse, largest)  # the best partition's largest micro-batch is at most its cap
     lo_v = coarse[k - 1] if k > 0 else coarse[0]
     hi_v = coarse[k + 1] if k + 1 < coarse.shape[0] else coarse[-1]
-    fine = _pick_caps_between(seg_time, lo_v, hi_v, max_caps)
+    fine = pick_caps_between(seg_time, lo_v, hi_v, max_caps)
     best_val, best_starts = _caps_by_makespan(offset, count, seg_time, fine, n, ranks, equal_counts, f, back, mx,
                                               best_val, best_starts)
     return best_starts, 0

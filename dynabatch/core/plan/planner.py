@@ -86,7 +86,7 @@ def _decoder_classes(dec, pad_multiple: int) -> np.ndarray:
     return np.maximum(np.ceil(np.log2(d / base) - 1e-12), 0).astype(np.int64)
 
 
-def _ordering(cost: CostModel, main, dec, tiles, padded: bool = True) -> np.ndarray:
+def sample_order(cost: CostModel, main, dec, tiles, padded: bool = True) -> np.ndarray:
     """Sample order that keeps similar shapes adjacent: by length for decoder-only models, else by
     the sample's own cost (ties by main then decoder length). For padded 2-D (encoder-decoder)
     shapes a 1-D sort cannot keep both lengths close, so samples are first grouped by geometric
@@ -285,7 +285,7 @@ def _check_samples_fit(cost, sample_ids, main, dec, tiles, collation, limit) -> 
 def _dp_grouping(cost, sample_ids, main, dec, tiles, collation, limit, ranks, stages, max_caps,
                  order, equal, tcoef=None, mcoef=None) -> _bl.Grouping:
     varlen = collation == "packed"
-    perm = _ordering(cost, main, dec, tiles, not varlen) if order is None else np.asarray(order, np.int64)
+    perm = sample_order(cost, main, dec, tiles, not varlen) if order is None else np.asarray(order, np.int64)
     seg = segment_cost(varlen, cost.pad_multiple, cost.model.tile_patches, cost.time_coef if tcoef is None else tcoef,
                        cost.mem_coef if mcoef is None else mcoef, limit, cost.table,
                        dense=cost.packed_attention == "dense")

@@ -38,7 +38,7 @@ LAYER_FIELDS = ("forward_s", "backward_s", "memory_bytes", "boundary_bytes")
 DEFAULT_TILES = (1, 2, 4)  # image tiles per micro-batch a vision-language model is measured with
 
 
-def _device_profile(device) -> DeviceProfile:
+def closest_device_profile(device) -> DeviceProfile:
     """The closest device preset: ``cpu``, or the GPU's name and memory mapped by
     `dynabatch.devices.gpu_preset` (the one mapping of GPU names to presets)."""
     import torch
@@ -269,7 +269,8 @@ def fitted_cost_model(prof: Profile, model, *, device="cpu", device_profile: Dev
     device profile (the analytic prior) defaults to the preset closest to ``device``."""
     from .microbatches import stage_cost_model
 
-    dev = device_preset(device_profile) if isinstance(device_profile, str) else (device_profile or _device_profile(device))
+    dev = (device_preset(device_profile) if isinstance(device_profile, str)
+           else device_profile or closest_device_profile(device))
     prior = stage_cost_model(model, len(prof.bounds) - 1, dev)
     cfg = prior.model
     vision = cfg.kind == "vision_language"

@@ -4,12 +4,15 @@
 * `decoder_boundary` / `seq2seq_boundary`: the specs of the state a decoder-only or encoder-decoder model
   passes between its layers (what crosses a stage boundary), known from a micro-batch's shape alone;
 * `decoder_random_batch` / `seq2seq_random_batch`: micro-batches of exactly a given `MicroBatchShape`,
-  in the collators' layouts (for profiles and tests).
+  in the collators' layouts (for profiles and tests);
+* `check_bounds`: stage bounds (layer offsets) that cut a model's layers into stages.
 
 The layer contract itself is `dynabatch.pipeline.models.layered`'s.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -17,6 +20,15 @@ import torch
 from .spec import MicroBatchShape, TensorSpec
 
 IGNORE_INDEX = -100
+
+
+def check_bounds(bounds: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """``bounds`` as a tuple of layer offsets, checked: they rise strictly from 0 to ``n_layers`` (stage
+    ``s`` holds layers ``bounds[s]`` to ``bounds[s + 1] - 1``, one layer at least). Raises ValueError."""
+    b = tuple(int(x) for x in bounds)
+    if len(b) < 2 or b[0] != 0 or b[-1] != n_layers or any(y <= x for x, y in zip(b[:-1], b[1:])):
+        raise ValueError(f"bounds must rise strictly from 0 to {n_layers} (one layer at least per stage), got {b}")
+    return b
 
 
 def decoder_boundary(hidden: int, dtype: torch.dtype):
@@ -108,4 +120,5 @@ def seq2seq_random_batch(vocab: int):
     return make
 
 
-__all__ = ["IGNORE_INDEX", "decoder_boundary", "decoder_random_batch", "seq2seq_boundary", "seq2seq_random_batch"]
+__all__ = ["IGNORE_INDEX", "check_bounds", "decoder_boundary", "decoder_random_batch", "seq2seq_boundary",
+           "seq2seq_random_batch"]

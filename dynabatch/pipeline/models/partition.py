@@ -24,6 +24,7 @@ from ...core.kernels.simulate import held_table_kernel, makespan_table_kernel
 from ...core.schedule.build import step_ops
 from ...core.schedule.ops import StepOps
 from ...core.schedule.registry import schedule_info
+from .contract import check_bounds
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,6 @@ class StagePartition:
         return range(self.bounds[stage], self.bounds[stage + 1])
 
 
-def _check_bounds(bounds: Sequence[int], n_layers: int) -> tuple[int, ...]:
-    b = tuple(int(x) for x in bounds)
-    if len(b) < 2 or b[0] != 0 or b[-1] != n_layers or any(y <= x for x, y in zip(b[:-1], b[1:])):
-        raise ValueError(f"bounds must rise strictly from 0 to {n_layers} (one layer at least per stage), got {b}")
-    return b
-
-
 def _ops(pieces: int, m: int, schedule: str) -> StepOps:
     """The order a split into ``pieces`` is searched under: ``schedule``'s own for a static one (``pieces`` =
     stages x its chunks, the chunks of a stage assigned round-robin), else its registered ``balance`` order
@@ -119,7 +113,7 @@ def _p2p(p2p_s, m: int) -> np.ndarray:
 def partition_makespan(costs: LayerCosts, bounds: Sequence[int], *, schedule: str = "1f1b", p2p_s=0.0) -> float:
     """Simulated makespan (seconds) of one step over the representative micro-batches with the
     stages cut at ``bounds``; ``p2p_s`` is the per-hop transfer time (scalar or [M] seconds)."""
-    b = _check_bounds(bounds, costs.num_layers)
+    b = check_bounds(bounds, costs.num_layers)
     f, bw = costs.stage_times(b)
     ops = _ops(len(b) - 1, costs.num_microbatches, schedule)
     return _span(ops, f, bw, _p2p(p2p_s, costs.num_microbatches))
@@ -316,5 +310,5 @@ def split_model(layers: Sequence[nn.Module], bounds: Sequence[int] | StagePartit
     """Cut ``layers`` (a list or ``nn.Sequential``; embedding first, head last) into stages at
     ``bounds`` (layer offsets, or a `StagePartition`)."""
     layers = list(layers)
-    b = _check_bounds(bounds.bounds if isinstance(bounds, StagePartition) else bounds, len(layers))
+    b = check_bounds(bounds.bounds if isinstance(bounds, StagePartition) else bounds, len(layers))
     return [PipelineStage(layers[b[s]:b[s + 1]], b[s], len(layers)) for s in range(len(b) - 1)]

@@ -1,9 +1,9 @@
 """`launch_local`'s ``"forkserver"`` start method: ranks forked from a fork server of this module's own.
 
-Each server (`_fork_server`) is a `multiprocessing.forkserver.ForkServer` that imported torch,
+Each server (`fork_server`) is a `multiprocessing.forkserver.ForkServer` that imported torch,
 `dynabatch.pipeline` and the op-order kernels (`dynabatch.pipeline.runtime.preload`) once, one per
-import-time environment of the launching process; `_ForkedRank` is a rank forked from it and
-`_forked_rank` what that rank runs (what ``python -c`` does in a fresh interpreter). What is honoured
+import-time environment of the launching process; `ForkedRank` is a rank forked from it and
+`forked_rank` what that rank runs (what ``python -c`` does in a fresh interpreter). What is honoured
 and what makes a launch fall back to spawn: see `dynabatch.pipeline.runtime.launch`.
 """
 
@@ -79,7 +79,7 @@ class _ServerProcess(getattr(multiprocessing.context, "ForkServerProcess", multi
         return _servers[process_obj.server_key]["popen"](process_obj)
 
 
-def _fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
+def fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
     """The key (`_server_for`) of the fork server started with today's import-time environment
     (importing ``preload``; again if it died), to fork ranks with ``rank_env`` from; None where
     ``rank_env`` changes a variable read at import time or the platform has no fork servers."""
@@ -98,26 +98,30 @@ def _fork_server(preload: tuple[str, ...], rank_env: dict) -> tuple | None:
     return key
 
 
-class _ForkedRank:
+class ForkedRank:
     """A rank forked from the fork server, with the parts of `subprocess.Popen` `launch_local` uses."""
 
     def __init__(self, server_key: tuple, argv: list[str], env: dict, out: str, err: str, threads: int):
-        self._p = _ServerProcess(target=_forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
+        self._p = _ServerProcess(target=forked_rank, args=(argv, env, out, err, threads), name="dynabatch-rank")
         self._p.server_key = server_key
         self._p.start()
         self.pid = self._p.pid
 
     def poll(self) -> int | None:
+        """The rank's exit status, None while it runs (as `subprocess.Popen.poll`)."""
         return self._p.exitcode
 
     @property
     def returncode(self) -> int | None:
+        """The rank's exit status, None while it runs."""
         return self._p.exitcode
 
     def kill(self) -> None:
+        """SIGKILL the rank."""
         self._p.kill()
 
     def wait(self) -> int | None:
+        """Wait for the rank to end; its exit status."""
         self._p.join()
         return self._p.exitcode
 
@@ -132,7 +136,7 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -> None:
+def forked_rank(argv: list[str], env: dict, out: str, err: str, threads: int) -> None:
     """A rank in a child of the fork server: what ``python -c _CHILD`` does in a fresh interpreter, on
     the server's imports (see the launch module doc for what is honoured)."""
     for fd, path in ((1, out), (2, err)):

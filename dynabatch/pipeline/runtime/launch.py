@@ -34,7 +34,7 @@ before it was set), the ``PYTHONPATH`` entries at the front of ``sys.path`` (the
 ``sys.path`` entries stay after them), its stdout and stderr on fds 1 and 2 of the same files, written
 through at once, the same exit codes and the same liveness rules. What it cannot honour makes the launch
 fall back to spawn: an ``env`` that changes a variable read at interpreter start or import time
-(`IMPORT_TIME_ENV`), or a platform without fork servers. The servers are ``launch_local``'s own, one per
+(`forked_ranks.IMPORT_TIME_ENV`), or a platform without fork servers. The servers are ``launch_local``'s own, one per
 import-time environment of this process (a variable such as ``TOKENIZERS_PARALLELISM`` set since an
 earlier launch gets a new server, as a fresh interpreter would see it), not the one `multiprocessing`
 shares across a process, so other code that started that one first (a ``DataLoader`` with
@@ -72,7 +72,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .forked_ranks import IMPORT_TIME_ENV, _forked_rank, _ForkedRank, _fork_server, _servers  # noqa: F401
+from .forked_ranks import ForkedRank, fork_server
 from .rank_main import FAILED_SUFFIX, HEARTBEAT_ENV, RESULT_PREFIX, heartbeat, resolve_target  # noqa: F401 (heartbeat: public here)
 from .orphans import LAUNCHER_ENV, PDEATHSIG_CODE, launcher_identity, make_launch_folder
 
@@ -164,10 +164,10 @@ def _resolve_start(start_method: str | None) -> str:
 
 def _start_rank(forked: tuple | None, argv: list[str], env: dict, out, err, threads: int):
     """Rank ``argv[1]``: a fresh interpreter (``forked`` None) or a child of the fork server whose key
-    is ``forked`` (`_fork_server`), output to the files ``out`` and ``err`` (open for reading here)."""
+    is ``forked`` (`fork_server`), output to the files ``out`` and ``err`` (open for reading here)."""
     if forked is None:
         return subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=out, stderr=err, text=True, env=env)
-    return _ForkedRank(forked, argv, env, out.name, err.name, threads)
+    return ForkedRank(forked, argv, env, out.name, err.name, threads)
 
 
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
@@ -196,7 +196,7 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     if preload is None:
         preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
     base_env[LAUNCHER_ENV] = launcher_identity()  # the ranks die with this process (`orphans`)
-    forked = _fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
+    forked = fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
     beat_dir = make_launch_folder()
     beats = [os.path.join(beat_dir, f"rank{r}.beat") for r in range(nprocs)]
     procs = []

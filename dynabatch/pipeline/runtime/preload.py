@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch._dynamo  # noqa: F401  (what the first torch.optim optimizer of a rank imports)
 
 import dynabatch.pipeline  # noqa: F401  (torch with it)
-from dynabatch.pipeline.runtime.launch import _forked_rank  # noqa: F401  (what each forked rank runs)
+from dynabatch.pipeline.runtime.forked_ranks import forked_rank  # noqa: F401  (what each forked rank runs)
 from dynabatch.pipeline.runtime.schedule import warm_orders
 
 warm_orders()

@@ -30,10 +30,9 @@ from ....index.scan import LOADER_ERRORS_KEY
 from .steps import (TOKEN_SETTINGS_KEY, IndexedPlanner, IndexedSteps, TokenCache, WorkerSplitDataset,
                              index_settings, load_index, read_index_table, scan_source, token_cache_bytes,
                              write_index_table)
-from ...processes import WorkerInit, start_workers, warm_kernels
+from ...processes import WorkerInit, collate_as_is, start_workers, warm_kernels
 from ....core.plan.steps import oversized_samples
 from ...records import ReadyStep
-from ..streaming.planner import _identity
 from ..base import Context, Mode
 
 logger = logging.getLogger("dynabatch")
@@ -224,7 +223,7 @@ class IndexedMode(Mode):
             kw = dict(s.loader_kwargs)
             kw["worker_init_fn"] = WorkerInit(kw.get("worker_init_fn"))  # workers die with this process
             dl = TorchDataLoader(WorkerSplitDataset(self.steps), batch_size=None, num_workers=self.ctx.num_workers,
-                                 collate_fn=_identity, pin_memory=s.pin_memory and torch.cuda.is_available(), **kw)
+                                 collate_fn=collate_as_is, pin_memory=s.pin_memory and torch.cuda.is_available(), **kw)
             it = start_workers(lambda: iter(dl))  # forked while no thread compiles a kernel
             self._closers.append(lambda wait: getattr(it, "_shutdown_workers", lambda: None)())
         pending: dict[int, ReadyStep] = {}

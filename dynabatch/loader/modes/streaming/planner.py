@@ -115,10 +115,6 @@ class ChunkProducer:
         yield Chunk(worker, toks, src.state_dict(), done=True)
 
 
-def _identity(x):
-    return x
-
-
 class ChunkFeed:
     """Consumes chunks slot by slot, round-robin, skipping exhausted slots (deterministic order,
     whatever order the DataLoader workers deliver in)."""
@@ -139,12 +135,12 @@ class ChunkFeed:
             from torch.utils.data import DataLoader as TorchDataLoader
 
             from ..indexed.steps import WorkerSplitDataset
-            from ...processes import WorkerInit, start_workers
+            from ...processes import WorkerInit, collate_as_is, start_workers
 
             kw = dict(loader_kwargs or {})
             kw["worker_init_fn"] = WorkerInit(kw.get("worker_init_fn"))  # workers die with this process
             dl = TorchDataLoader(WorkerSplitDataset(producer), batch_size=None, num_workers=producer.num_workers,
-                                 collate_fn=_identity, **kw)
+                                 collate_fn=collate_as_is, **kw)
             self._dl_iter = start_workers(lambda: iter(dl))  # forked while no thread compiles a kernel
 
     @property

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ...runtime.setup_guard import setup_call, setup_phase
-from ..partition import LayerCosts, _check_bounds, uniform_partition
+from ..contract import check_bounds
+from ..partition import LayerCosts, uniform_partition
 from .build import from_hf
 from .checkpoint import merge_stages, save_stage
 from .common import HFLayeredModel
@@ -88,7 +89,7 @@ def load_stage(folder: str | Path, ctx, *, bounds: Sequence[int] | None = None,
         if bounds is None:
             unit = np.ones((n, 1))
             bounds = uniform_partition(LayerCosts(unit, unit), ctx.num_stages).bounds
-        bounds = _check_bounds(bounds, n)
+        bounds = check_bounds(bounds, n)
         if len(bounds) != ctx.num_stages + 1:
             raise ValueError(f"{model.name} from {folder}: bounds {list(bounds)} give {len(bounds) - 1} stages, the "
                              f"pipeline has {ctx.num_stages}")
