@@ -21,6 +21,12 @@ class LoaderError(ValueError):
 
     kind = "error"
 
+    def __init_subclass__(cls, *, kind: str | None = None) -> None:
+        """A subclass declares its ``kind`` in its header (``class X(LoaderError, kind="x")``)."""
+        super().__init_subclass__()
+        if kind is not None:
+            cls.kind = kind
+
     def __init__(self, message: str, *, where: str = "", field: str | None = None):
         self.where = where
         self.field = field
@@ -29,60 +35,44 @@ class LoaderError(ValueError):
         super().__init__(f"{prefix}{message}")
 
 
-class InvalidJSONError(LoaderError):
+class InvalidJSONError(LoaderError, kind="invalid_json"):
     """A JSONL line (or JSON member) that does not parse, or is not a JSON object."""
-
-    kind = "invalid_json"
 
 
 class SchemaError(LoaderError):
     """Base for field problems found while mapping a record to a sample."""
 
 
-class MissingFieldError(SchemaError):
+class MissingFieldError(SchemaError, kind="missing_field"):
     """A field the schema needs is absent."""
 
-    kind = "missing_field"
 
-
-class BadFieldError(SchemaError):
+class BadFieldError(SchemaError, kind="bad_field"):
     """A field has the wrong type or an inconsistent value."""
 
-    kind = "bad_field"
 
-
-class EmptyTextError(SchemaError):
+class EmptyTextError(SchemaError, kind="empty_text"):
     """A sample whose required text is empty or whitespace only."""
 
-    kind = "empty_text"
 
-
-class TruncatedFileError(LoaderError):
+class TruncatedFileError(LoaderError, kind="truncated"):
     """A gzip/zstd stream or tar archive that ends early."""
 
-    kind = "truncated"
 
-
-class CorruptFileError(LoaderError):
+class CorruptFileError(LoaderError, kind="corrupt_file"):
     """A file the reader cannot parse at all (bad Parquet footer, bad gzip header, ...)."""
-
-    kind = "corrupt_file"
 
 
 class ImageError(LoaderError):
     """Base for image references that cannot be used."""
 
 
-class MissingImageError(ImageError):
+class MissingImageError(ImageError, kind="missing_image"):
     """An image path that does not exist."""
 
-    kind = "missing_image"
 
-
-class BadImageError(ImageError):
+class BadImageError(ImageError, kind="bad_image"):
     """Image bytes or file that PIL cannot open (header check only, no decode)."""
-
-    kind = "bad_image"
 
 
 class StateError(ValueError):

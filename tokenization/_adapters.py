@@ -123,14 +123,8 @@ class HFTokenizer(_Adapter):
     ``TOKENIZERS_PARALLELISM=false`` or ``RAYON_NUM_THREADS`` inside process pools).
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        eos_token: str | None = None,
-        pad_token: str | None = None,
-        bos_token: str | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, *, eos_token: str | None = None, pad_token: str | None = None,
+                 bos_token: str | None = None) -> None:
         tk = _require("tokenizers")
         if isinstance(tokenizer, (str, os.PathLike)):
             path = _existing_path(tokenizer, "tokenizer.json")
@@ -206,14 +200,8 @@ class TransformersTokenizer(_Adapter):
         self._setup(tok, f"transformers:{path}")
 
     @classmethod
-    def from_object(
-        cls,
-        tokenizer: Any,
-        *,
-        eos_token: str | None = None,
-        pad_token: str | None = None,
-        bos_token: str | None = None,
-    ) -> "TransformersTokenizer":
+    def from_object(cls, tokenizer: Any, *, eos_token: str | None = None, pad_token: str | None = None,
+                    bos_token: str | None = None) -> "TransformersTokenizer":
         """Adapter of an in-memory transformers tokenizer (any ``PreTrainedTokenizerBase``).
 
         Works on a copy when the object can be copied. Special ids are the object's

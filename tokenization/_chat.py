@@ -62,14 +62,11 @@ class ChatTemplate:
 
     def prefix(self, role: str) -> str:
         """Marker text that opens a turn of ``role`` (user, assistant or system)."""
-        if role == "user":
-            return self.user_prefix
-        if role == "assistant":
-            return self.assistant_prefix
-        if role == "system":
-            return self.system_prefix
-        hint = " (tool turns need a Jinja chat template: chat_template=)" if role == "tool" else ""
-        raise ValueError(f"unknown message role {role!r} (expected 'user', 'assistant' or 'system'){hint}")
+        prefixes = {"user": self.user_prefix, "assistant": self.assistant_prefix, "system": self.system_prefix}
+        if role not in prefixes:
+            hint = " (tool turns need a Jinja chat template: chat_template=)" if role == "tool" else ""
+            raise ValueError(f"unknown message role {role!r} (expected 'user', 'assistant' or 'system'){hint}")
+        return prefixes[role]
 
 
 ChatOption = Any  # None | "tokenizer" | "plain" | ChatTemplate | Jinja template text (see FormatConfig)

@@ -271,17 +271,9 @@ def scan_shapes(
                              "placeholders")
     if image_token_id is not None and vision is None:
         raise ValueError("image_token_id needs a vision policy (vision=DynamicTiling() or FixedResolution())")
-    cfg = FormatConfig(
-        family=family,
-        max_input_tokens=max_input_tokens,
-        max_target_tokens=max_target_tokens,
-        max_total_tokens=max_total_tokens,
-        truncation_side=truncation_side,
-        add_bos=add_bos,
-        chat_template=chat_template,
-        pretokenized=pretokenized,
-        image_token_id=image_token_id,
-    )
+    cfg = FormatConfig(family=family, max_input_tokens=max_input_tokens, max_target_tokens=max_target_tokens,
+                       max_total_tokens=max_total_tokens, truncation_side=truncation_side, add_bos=add_bos,
+                       chat_template=chat_template, pretokenized=pretokenized, image_token_id=image_token_id)
     if add_bos and tok.bos_id is None:
         raise ValueError(f"add_bos=True but tokenizer {tok.name!r} has no BOS token")
     chat = resolve_chat(chat_template, tok, family)

@@ -145,9 +145,8 @@ def assign_stages_reference(st, own, order, ranks, cap, equal_counts, max_rounds
     """Plain-Python `assign_stages` (numpy reductions where the kernel loops)."""
     S, M = st.shape
     rank_of = np.zeros(M, np.int32)
-    load = np.zeros((ranks, S))
-    mx = np.zeros(ranks)
-    cnt = np.zeros(ranks, np.int64)
+    # per rank: seconds on each stage, the largest own time, micro-batches
+    load, mx, cnt = np.zeros((ranks, S)), np.zeros(ranks), np.zeros(ranks, np.int64)
     for j in order:
         v = objective_reference((load + st[:, j]).max(axis=1), np.maximum(mx, own[j]), 1, S) if S \
             else np.full(ranks, -np.inf)

@@ -201,8 +201,7 @@ class Backbone(nn.Module):
                  tile_tokens: int, pool: int):
         super().__init__()
         self.tile_tokens, self.pool = tile_tokens, pool
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(max_positions, hidden)
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(max_positions, hidden)
         self.blocks = nn.ModuleList(GPTBlock(hidden, heads, ffn) for _ in range(layers))
 
     def forward(self, inputs: dict, batch: dict) -> torch.Tensor:
