@@ -28,52 +28,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 
-from .trainer_names import METHODS, MODELS, family, unsupported
+from .trainer_config import TrainerBenchConfig
+from .trainer_names import family, unsupported
 
 THROUGHPUT_TARGET = 1.2
 MAPE_TARGET = 0.10
-
-
-@dataclass(frozen=True)
-class TrainerBenchConfig:
-    """What ``dynabatch bench trainer`` runs (see the module docstring); tokens, steps, seconds."""
-
-    models: tuple[str, ...] = MODELS
-    methods: tuple[str, ...] = METHODS
-    steps: int = 12
-    rounds: int = 3
-    global_batch_tokens: int = 8192
-    max_len: int = 512
-    max_target_len: int = 128
-    samples: int = 2000
-    eval_samples: int = 64
-    data: tuple[str, ...] = ()
-    lr: float = 1e-3
-    refit_every: int = 2
-    seed: int = 0
-    timeout_s: float = 600.0
-    max_wall_s: float | None = None
-    batch_size: dict = field(default_factory=dict)  # per model: the HF methods' samples per rank (set by the run)
-    bfd_batch_size: dict = field(default_factory=dict)  # per model: trl_bfd's packed rows per rank (set by the run)
-    trl_installed: bool = False  # set by the run
-
-    def __post_init__(self):
-        bad = [m for m in self.methods if m not in METHODS] + [m for m in self.models if m not in MODELS]
-        if bad:
-            raise ValueError(f"unknown model/method {bad}: models {MODELS}, methods {METHODS}")
-        if "dp" not in self.methods:
-            raise ValueError("the bench compares dp with the other methods: keep dp in --methods")
-        if self.rounds < 1 or self.steps % self.rounds or self.steps // self.rounds < 2:
-            raise ValueError(f"--steps {self.steps} must be a multiple of --rounds {self.rounds} with at least 2 steps "
-                             "per round (the first step of a round is not timed)")
-
-    @property
-    def steps_per_round(self) -> int:
-        return self.steps // self.rounds
 
 
 def _rows(paths) -> list[dict]:

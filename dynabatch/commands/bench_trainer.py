@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ..bench.trainer_names import METHODS, MODELS
+from ..bench.trainer_config import TrainerBenchConfig
+from ..config_flags import add_config_flags, config_from_args
 from ..progress import add_progress_option
 from . import add_subcommand, lazy_handler
 
@@ -51,24 +52,7 @@ def add_bench_trainer_command(bench_sub) -> None:
                        "dynabatch's DP and feedback, and with what a Hugging Face user would otherwise pick, on the "
                        "same samples, steps and tokens per step, methods interleaved; report target tokens/s, the "
                        "held-out loss, the rank spread and dp's cost-model error.", BENCH_TRAINER_EPILOG)
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per method (default 12)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds the steps are split into (default 3; each round's first step is not timed)")
-    p.add_argument("--global-batch-tokens", type=int, default=8192, help="tokens per step over both ranks (default 8192)")
-    p.add_argument("--max-len", type=int, default=512, help="truncate inputs to this many tokens (default 512)")
-    p.add_argument("--max-target-len", type=int, default=128, help="truncate targets (default 128)")
-    p.add_argument("--samples", type=int, default=2000, help="training samples drawn from the data (default 2000)")
-    p.add_argument("--eval-samples", type=int, default=64,
-                   help="held-out samples the final loss is measured on (default 64)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="JSONL (.gz) or Parquet files with inputs/targets")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (default 1e-3)")
-    p.add_argument("--refit-every", type=int, default=2, help="dp: steps between cost-model refits (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="liveness timeout: stop when no rank made progress for this long (default 600)")
-    p.add_argument("--max-wall", type=float, default=None, metavar="SECONDS", help="optional cap on the run's wall time")
+    add_config_flags(p, TrainerBenchConfig)  # one flag per option, declared on the config
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_progress_option(p, "the steps trained")
     p.set_defaults(func=lazy_handler("dynabatch.commands.bench_trainer", "bench_trainer_command"))
@@ -76,16 +60,11 @@ def add_bench_trainer_command(bench_sub) -> None:
 
 def bench_trainer_command(args) -> int:
     """Run ``dynabatch bench trainer`` with its parsed arguments (1 with a one-line error on bad options)."""
-    from ..bench.trainer import TrainerBenchConfig, format_table, run_trainer_bench
+    from ..bench.trainer import format_table, run_trainer_bench
     from ..progress import show_progress
 
     try:
-        cfg = TrainerBenchConfig(models=tuple(args.models), methods=tuple(args.methods), steps=args.steps,
-                                 rounds=args.rounds, global_batch_tokens=args.global_batch_tokens, max_len=args.max_len,
-                                 max_target_len=args.max_target_len, samples=args.samples, eval_samples=args.eval_samples,
-                                 data=tuple(args.data or ()),
-                                 lr=args.lr, refit_every=args.refit_every, seed=args.seed, timeout_s=args.timeout,
-                                 max_wall_s=args.max_wall)
+        cfg = config_from_args(TrainerBenchConfig, args)
         doc = run_trainer_bench(cfg, progress=show_progress(args))
     except ValueError as e:  # options or data that cannot run: a line, not a traceback
         print(f"dynabatch: error: {e}", file=sys.stderr)
