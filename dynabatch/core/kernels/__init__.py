@@ -82,7 +82,7 @@ module                kernel                          reference
                       `block_frontier_kernel`         `block_frontier_reference`
                       `pareto_sum_kernel`             `pareto_sum_reference`
                       `min_sum_kernel`                `min_sum_reference`
-                      `_lpt_ordered`, `_pareto`,      helpers, covered by their callers'
+                      `lpt_ordered`, `_pareto`,       helpers, covered by their callers'
                       `_undominated`, `stage_time`    references
 `.allocation_stream`  `stream_kernel`                 `stream_reference` (compared in
                                                       ``tests/test_multitask_allocation.py``)

@@ -36,13 +36,14 @@ def lpt_kernel(cost, d, assign):
     the replicas' loads (float64 [d]). Longest first (ties: lower index first), each to the least-loaded
     replica (ties: lower replica)."""
     loads = np.zeros(d)
-    _lpt_ordered(cost, np.argsort(-cost, kind="mergesort"), d, assign, loads)
+    lpt_ordered(cost, np.argsort(-cost, kind="mergesort"), d, assign, loads)
     return loads
 
 
 @njit(cache=True)
-def _lpt_ordered(cost, order, d, assign, loads):
-    """`lpt_kernel` given the longest-first ``order``, into ``assign`` and ``loads[:d]`` (zeroed here)."""
+def lpt_ordered(cost, order, d, assign, loads):
+    """`lpt_kernel` given the longest-first ``order`` (the stream model sorts once and reuses it), into
+    ``assign`` (item -> replica) and ``loads[:d]`` (seconds per replica; zeroed here)."""
     for r in range(d):
         loads[r] = 0.0
     for k in range(cost.shape[0]):
@@ -169,7 +170,7 @@ def options_kernel(t, mem, p2p, recv, ovh, ff, layers, N, state_by_d, grad_bytes
             if n % s != 0:
                 continue
             d = n // s
-            _lpt_ordered(t, order, d, assign, loads)
+            lpt_ordered(t, order, d, assign, loads)
             for r in range(d):
                 held[r] = 0.0
                 rx[r] = 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .allocation import _lpt_ordered, lpt_reference, stage_time
+from .allocation import lpt_ordered, lpt_reference, stage_time
 
 @njit(cache=True)
 def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar, N, parent):
@@ -76,7 +76,7 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
                 assign[k, j] = -1
             continue
         row = np.empty(M, np.int64)
-        _lpt_ordered(t[k], np.argsort(-t[k], kind="mergesort"), d[k], row, loads)
+        lpt_ordered(t[k], np.argsort(-t[k], kind="mergesort"), d[k], row, loads)
         assign[k] = row
         stt[k] = stage_time(t[k], ovh, s[k])
         for q in range(s[k]):
