@@ -102,7 +102,7 @@ def flushfree_kernel(fwd, bwd, p2p, roff, ends, upd, start, end, upd_end):
                 advanced = True
                 continue
             # a local micro-batch, shifted to the flat axis, has simulate's dependency rule
-            slot, dur, ready = op_ready(fwd, bwd, 0.0, p2p, end, S, s, kind, base + j, 0)
+            slot, dur, ready = op_ready(fwd, bwd, 0.0, p2p, end, S, s, kind, base + j, np.int64(0))
             if ready == -np.inf:
                 break
             free[q] = place(start, end, s, base + j, slot, max(free[q], ready), dur)

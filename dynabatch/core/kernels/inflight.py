@@ -108,7 +108,8 @@ def held_table_reference(table, held):
 @njit(cache=True)
 def inflight_kernel(ops, mem, peak_n, peak_bytes):
     """`inflight_table_kernel` of plain op codes ``ops`` (int32 ``[S, 2M]``; ``mem`` float64 ``[M]``)."""
-    inflight_table_kernel(codes_table(ops, mem.shape[0]), mem, 1, peak_n, peak_bytes)
+    # np.int64, not a literal 1: numba compiles a kernel once per literal argument value
+    inflight_table_kernel(codes_table(ops, mem.shape[0]), mem, np.int64(1), peak_n, peak_bytes)
 
 
 def inflight_reference(ops, mem):

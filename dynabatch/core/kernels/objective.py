@@ -14,7 +14,10 @@ from __future__ import annotations
 from numba import njit
 
 
-@njit(cache=True)
+# Inlined into the kernels that call it (before typing): they pass ``ranks = 1`` as a constant, which numba
+# types as a literal, so a dispatcher compiled one specialization per caller's mix of literals and ints.
+# Python callers (scalars, arrays) still get one compiled dispatch each.
+@njit(cache=True, inline="always")
 def objective_kernel(total, largest, ranks, stages):
     """``total / ranks + (stages - 1) * largest``: ``total`` seconds of work shared by ``ranks`` plus the
     pipeline fill and drain of the ``largest`` micro-batch (seconds) over ``stages`` stages. Scalars or

@@ -32,7 +32,9 @@ def warmup_forwards(S, s, M):
     return min(S - s - 1, M)
 
 
-@njit(cache=True)
+# Inlined (untyped IR, before numba types the caller): its callers pass constant kinds and columns, which
+# numba types as literals, so a dispatcher would compile one specialization per combination (24 of them).
+@njit(cache=True, inline="always")
 def _put(table, s, i, kind, j, c, model):
     table[s, i, 0] = kind
     table[s, i, 1] = j
@@ -41,7 +43,7 @@ def _put(table, s, i, kind, j, c, model):
     return i + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # callers pass constant slots and columns: see `_put`
 def one_f_one_b_row(table, r, i, S, s, M, first, model):
     """Write stage ``s``'s 1F1B ops of micro-batches ``first .. first + M - 1`` into row ``r`` of ``table``
     from slot ``i``; returns the next free slot."""
@@ -142,12 +144,10 @@ def static_table(code, S, M):
     elif code == ONE_F_ONE_B:
         for s in range(S):
             one_f_one_b_row(table, s, 0, S, s, M, 0, 0)
-    elif code == ZB_H1:
+    elif code == ZB_H1 or code == ZB_H2:
+        h2 = code == ZB_H2  # a typed bool, not a literal: `_zb_row` compiles once, not once per constant
         for s in range(S):
-            _zb_row(table, s, S, M, warmup_forwards(S, s, M), False)
-    elif code == ZB_H2:
-        for s in range(S):
-            _zb_row(table, s, S, M, zb_h2_warmup(S, s, M), True)
+            _zb_row(table, s, S, M, zb_h2_warmup(S, s, M) if h2 else warmup_forwards(S, s, M), h2)
     elif code == INTERLEAVED:
         _interleaved_rows(table, S, M, v)
     else:

@@ -189,7 +189,7 @@ def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, 
     st = np.empty((stages, times.shape[0]))
     for s in range(stages):
         st[s] = times
-    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, False)
+    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, np.bool_(False))
 
 
 def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
@@ -280,7 +280,8 @@ def rank_ops_kernel(code, st, p2p, mem, fwd_fraction, limit):
     fwd, bwd = split_kernel(st, fwd_fraction)
     if code == ADAPTIVE:
         ops = np.zeros((S, 2 * k), np.int32)
-        status = adaptive_kernel(fwd, bwd, p2p, mem, limit, True, ops)
+        # np.bool_, not a literal True: numba compiles a kernel once per literal argument value
+        status = adaptive_kernel(fwd, bwd, p2p, mem, limit, np.bool_(True), ops)
         return codes_table(ops, k), fwd, bwd, status
     v = chunks_of(code)
     if v > 1:
@@ -400,7 +401,7 @@ def order_ranks_stages(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, 
 
     Returns (perm, rank_time, peak): micro-batch indices rank by rank in execution order, each rank's
     makespan (seconds) and its largest in-flight activation bytes (``mem`` ``[M]``) on any stage."""
-    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, True)
+    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, np.bool_(True))
 
 
 def order_ranks_stages_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):

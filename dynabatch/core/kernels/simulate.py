@@ -194,7 +194,7 @@ def run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, shard_m, c
         advanced = False
         while ptr[s] < n[s]:
             i = ptr[s]
-            j, c = table[s, i, 1], table[s, i, 2]
+            j, c = np.int64(table[s, i, 1]), np.int64(table[s, i, 2])  # as flushfree_kernel's: one op_ready
             slot, dur, ready = op_ready(fwd, bwd, wshare, p2p, end, S, s, table[s, i, 0], j, c)
             if slot < 0:
                 return BAD_INPUT
@@ -242,7 +242,7 @@ def simulate_table_kernel(fwd, bwd, wshare, p2p, table, start, end, wstart, wend
     wstart[:] = -np.inf
     wend[:] = -np.inf
     copies, state = _no_copies(start)
-    return run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, 1, copies, state)
+    return run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, np.int64(1), copies, state)
 
 
 @njit(cache=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.arrays import kernel_array
 from ..kernels.op_tables import multimodel_table, stream_row
 from ..kernels import op_codes as oc
 from ..kernels.schedules import OK, OVERSIZE, adaptive_kernel, rank_ops_kernel
@@ -40,12 +41,13 @@ def step_ops(schedule: str, num_stages: int, num_microbatches: int, *, stage_tim
     if S < 1 or k < 0:
         raise ValueError(f"need num_stages >= 1 and num_microbatches >= 0, got {S} and {k}")
     st = np.ones((S, k)) if stage_times is None else np.asarray(stage_times, np.float64)
-    st = np.ascontiguousarray(np.broadcast_to(st, (S, k)) if st.ndim == 1 else st, np.float64)
+    st = kernel_array(np.broadcast_to(st, (S, k)) if st.ndim == 1 else st, np.float64)
     if st.shape != (S, k) or not np.all(np.isfinite(st)) or st.min(initial=0) < 0:
         raise ValueError(f"stage_times must be [{S}, {k}] (or [{k}]) finite seconds >= 0, got shape {st.shape}")
-    p2p = np.ascontiguousarray(np.broadcast_to(np.asarray(p2p_s, np.float64), (k,)))
-    mem = np.ascontiguousarray(np.ones(k) if mem_bytes is None else np.broadcast_to(
-        np.asarray(mem_bytes, np.float64), (k,)))
+    # kernel_array: a broadcast of a [k] array is a read-only view, which numba would compile apart
+    p2p = kernel_array(np.broadcast_to(np.asarray(p2p_s, np.float64), (k,)), np.float64)
+    mem = np.ones(k) if mem_bytes is None else kernel_array(np.broadcast_to(np.asarray(mem_bytes, np.float64),
+                                                                            (k,)), np.float64)
     limit = float(S if mem_bytes is None and not np.isfinite(memory_limit) else memory_limit)
     table, _, _, status = rank_ops_kernel(np.int64(info.code), st, p2p, mem, float(forward_fraction), limit)
     if status != OK:
@@ -62,9 +64,7 @@ def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, l
     with ``p2p`` ``[k]`` seconds per hop (seconds; the split of ``forward_fraction``). A split backward
     takes ``split_factor`` x the whole one's seconds, ``weight_share`` of them in its weight part (a measured
     `dynabatch.core.cost.backward_split.BackwardSplit`'s figures; default: halves of a whole backward)."""
-    st = np.ascontiguousarray(st, np.float64)
-    held = np.ascontiguousarray(held, np.float64)
-    p2p = np.ascontiguousarray(p2p, np.float64)
+    st, held, p2p = (kernel_array(x, np.float64) for x in (st, held, p2p))
     S, k = st.shape
     ops = step_ops(schedule, S, k, stage_times=st, p2p_s=p2p, mem_bytes=held.max(axis=0),
                    forward_fraction=forward_fraction, memory_limit=limit)
@@ -72,10 +72,10 @@ def rank_span_and_peaks(schedule: str, st, p2p, held, forward_fraction: float, l
     fwd, bwd = split_kernel(st, float(forward_fraction))
     if ops.num_chunks > 1:  # each chunk a 1 / v share of its stage's seconds and bytes
         fwd, bwd, held = (chunk_times(x, ops.num_chunks) for x in (fwd, bwd, held))
-    held_table_kernel(ops.table, held, peaks)
+    held_table_kernel(ops.kernel_table, held, peaks)
     if ops.split:
         bwd = bwd * float(split_factor)
-    return ops, peaks, float(makespan_table_kernel(fwd, bwd, float(weight_share), p2p, ops.table))
+    return ops, peaks, float(makespan_table_kernel(fwd, bwd, float(weight_share), p2p, ops.kernel_table))
 
 
 def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = None, *, p2p_s=0.0,
@@ -113,8 +113,8 @@ def adaptive_order(fwd_s, bwd_s, mem_bytes=None, memory_limit: float | None = No
     if oversize not in ("error", "alone"):
         raise ValueError(f"oversize must be 'error' or 'alone', got {oversize!r}")
     ops = np.zeros((S, 2 * M), np.int32)
-    code = adaptive_kernel(np.ascontiguousarray(fwd), np.ascontiguousarray(bwd), np.ascontiguousarray(p2p),
-                           np.ascontiguousarray(mem), limit, oversize == "alone", ops)
+    code = adaptive_kernel(*(kernel_array(x, np.float64) for x in (fwd, bwd, p2p, mem)), limit, oversize == "alone",
+                           ops)
     if code == OVERSIZE:
         j = int(np.argmax(mem))
         raise ValueError(f"micro-batch {j} alone holds {mem[j]:.4g} bytes of activations, over the memory limit "

@@ -55,17 +55,28 @@ class StepOps:
     table: np.ndarray
 
     def __post_init__(self) -> None:
-        t = np.array(self.table, np.int32)
+        t = np.array(self.table, np.int32, order="C")  # a copy: the order does not change under its owner
         if t.ndim != 3 or t.shape[0] != self.num_stages or t.shape[2] != oc.COLUMNS:
             raise ValueError(f"an op table is int [S, L, {oc.COLUMNS}] with S = {self.num_stages}, got {t.shape}")
-        t.setflags(write=False)
-        object.__setattr__(self, "table", t)
+        view = t.view()
+        view.setflags(write=False)
+        object.__setattr__(self, "table", view)
+        object.__setattr__(self, "_writable", t)
+
+    @property
+    def kernel_table(self) -> np.ndarray:
+        """`table` as the kernels take it: the same memory, typed writable (numba compiles a kernel, and
+        everything it calls, once more for a read-only array); the kernels only read it."""
+        return self._writable
 
     @classmethod
     def from_codes(cls, codes, schedule: str = "") -> "StepOps":
         """The ops of plain op codes ``codes`` (int ``[S, 2M]``)."""
-        c = np.ascontiguousarray(codes, np.int64)
+        c = np.asarray(codes)
         M = c.shape[1] // 2
+        # int32 as the kernels write codes (one compile of `codes_table`); a code outside ±1..±M is invalid
+        # either way, so clipping to ±(M + 1) first keeps it invalid instead of wrapping into range
+        c = np.ascontiguousarray(np.clip(c, -(M + 1), M + 1), np.int32)
         return cls(schedule, c.shape[0], M, 1, codes_table(c, M))
 
     @property
@@ -89,7 +100,7 @@ class StepOps:
 
     def codes(self) -> np.ndarray:
         """Plain op codes int32 ``[S, L]``; ValueError when some op is not a forward or backward of chunk 0."""
-        out, ok = table_codes(self.table)
+        out, ok = table_codes(self.kernel_table)
         if not ok:
             raise ValueError(f"the {self.schedule or 'given'} order has ops beyond plain forwards and backwards "
                              f"(chunks or split backwards): it has no plain op codes")

@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from ..kernels.arrays import kernel_array
 from ..kernels.schedules import OK, record_slots_kernel
 from ..kernels.simulate import split_kernel
 from .build import DEFAULT_FORWARD_FRACTION, step_ops
@@ -36,7 +37,7 @@ def split_times(st, forward_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds ``[S, k]`` of stage times ``st`` ``[S, k]``: the forward takes
     ``forward_fraction`` of each, the backward the rest (`split_kernel`, the split every simulation of
     a plan uses)."""
-    return split_kernel(np.ascontiguousarray(np.atleast_2d(st), np.float64), float(forward_fraction))
+    return split_kernel(kernel_array(np.atleast_2d(st), np.float64), float(forward_fraction))
 
 
 def plan_stage_times(plan) -> np.ndarray:
@@ -120,10 +121,10 @@ def record_orders(plan, p2p, forward_fraction: float):
     slots = np.zeros((plan.num_stages, plan.num_microbatches, 2), np.int32)
     rank_order = np.lexsort((plan.mb_order, plan.mb_rank)).astype(np.int64)  # rank by rank, execution order
     counts = np.bincount(plan.mb_rank, minlength=plan.num_ranks).astype(np.int64)
-    status = record_slots_kernel(np.int64(info.code), np.ascontiguousarray(plan_stage_times(plan)),
-                                 np.ascontiguousarray(p2p, np.float64),
-                                 np.ascontiguousarray(plan.mb_memory_bytes, np.float64), rank_order, counts,
-                                 float(forward_fraction), stage_limit(plan), slots)
+    # kernel_array: a plan's columns may be read-only (read zero-copy from a plan file)
+    status = record_slots_kernel(np.int64(info.code), kernel_array(plan_stage_times(plan), np.float64),
+                                 kernel_array(p2p, np.float64), kernel_array(plan.mb_memory_bytes, np.float64),
+                                 rank_order, counts, float(forward_fraction), stage_limit(plan), slots)
     if status != OK:
         raise RuntimeError("adaptive order construction stalled (internal error)")
     return dataclasses.replace(plan, op_slots=slots)

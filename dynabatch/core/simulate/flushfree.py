@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import op_codes as oc
+from ..kernels.arrays import kernel_array
 from ..kernels.flushfree import DEADLOCK, flushfree_kernel, stage_loads
 from ..schedule.build import stream_ops
 from ..schedule.orders import DEFAULT_FORWARD_FRACTION, plan_p2p_s, plan_stage_times, split_times
@@ -127,8 +128,7 @@ def simulate_flushfree(fwd_s, bwd_s, counts, *, p2p_s=0.0, update_s=0.0) -> Flus
     from plans). ``p2p_s``: scalar or ``[N]`` seconds per stage-to-stage transfer; ``update_s``:
     scalar or ``[S]`` seconds of a stage's gradient all-reduce + optimizer step.
     """
-    fwd = np.ascontiguousarray(np.atleast_2d(np.asarray(fwd_s, np.float64)))
-    bwd = np.ascontiguousarray(np.atleast_2d(np.asarray(bwd_s, np.float64)))
+    fwd, bwd = (kernel_array(np.atleast_2d(np.asarray(x, np.float64)), np.float64) for x in (fwd_s, bwd_s))
     counts = np.asarray(counts, np.int64)
     if counts.ndim != 2 or np.any(counts < 0):
         raise ValueError(f"counts must be a non-negative int array [R, K], got shape {counts.shape}")
@@ -137,8 +137,9 @@ def simulate_flushfree(fwd_s, bwd_s, counts, *, p2p_s=0.0, update_s=0.0) -> Flus
     if bwd.shape != fwd.shape or N != int(counts.sum()):
         raise ValueError(f"fwd_s/bwd_s must both be [S, counts.sum()] = [S, {int(counts.sum())}], got "
                          f"{fwd.shape} and {bwd.shape}")
-    p2p = np.ascontiguousarray(np.broadcast_to(np.asarray(p2p_s, np.float64), (N,)))
-    upd = np.ascontiguousarray(np.broadcast_to(np.asarray(update_s, np.float64), (S,)))
+    # kernel_array: a broadcast of an [N] / [S] array is a read-only view, which numba would compile apart
+    p2p = kernel_array(np.broadcast_to(np.asarray(p2p_s, np.float64), (N,)), np.float64)
+    upd = kernel_array(np.broadcast_to(np.asarray(update_s, np.float64), (S,)), np.float64)
     for name, arr in (("fwd_s", fwd), ("bwd_s", bwd), ("p2p_s", p2p), ("update_s", upd)):
         _check_times(name, arr)
     roff = np.concatenate(([0], np.cumsum(counts.sum(axis=1)))).astype(np.int64)
@@ -300,10 +301,10 @@ def flushfree_report(plans, cost=None, *, p2p_s=None, forward_fraction: float | 
 
 def _loads(plan, p2p, R=None):
     R = plan.num_ranks if R is None else R
-    st = np.ascontiguousarray(plan_stage_times(plan))
+    st = kernel_array(plan_stage_times(plan), np.float64)
     load = np.empty((R, plan.num_stages))
     cyc = np.empty((R, plan.num_stages))
-    stage_loads(st, np.ascontiguousarray(p2p, np.float64), np.ascontiguousarray(plan.mb_rank, np.int64), R, load, cyc)
+    stage_loads(st, kernel_array(p2p, np.float64), kernel_array(plan.mb_rank, np.int64), np.int64(R), load, cyc)
     return load, cyc
 
 

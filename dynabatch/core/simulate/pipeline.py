@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import op_codes as oc
+from ..kernels.arrays import kernel_array
 from ..kernels.op_codes import WEIGHT_SHARE
 from ..kernels.simulate import (
     DEADLOCK,
@@ -126,9 +127,7 @@ def makespan(fwd_s, bwd_s, ops, p2p_s) -> float:
     per virtual stage, or ``[S, M]`` split evenly over a `StepOps`' chunks), ``p2p_s`` is ``[M]`` seconds. A
     schedule that is not a per-stage permutation of all ops gives an unspecified (but memory-safe) answer.
     """
-    fwd = np.ascontiguousarray(fwd_s, dtype=np.float64)
-    bwd = np.ascontiguousarray(bwd_s, dtype=np.float64)
-    p2p = np.ascontiguousarray(p2p_s, dtype=np.float64)
+    fwd, bwd, p2p = (kernel_array(x, np.float64) for x in (fwd_s, bwd_s, p2p_s))
     if fwd.ndim != 2 or bwd.shape != fwd.shape or p2p.shape != (fwd.shape[1],):
         raise ValueError(
             f"makespan needs fwd/bwd [S, M] and p2p [M]; got {fwd.shape}, {bwd.shape}, {p2p.shape}"
@@ -136,9 +135,9 @@ def makespan(fwd_s, bwd_s, ops, p2p_s) -> float:
     if isinstance(ops, StepOps):
         if ops.num_chunks > 1 and fwd.shape[0] == ops.num_stages:
             fwd, bwd = chunk_times(fwd, ops.num_chunks), chunk_times(bwd, ops.num_chunks)
-        out = makespan_table_kernel(fwd, bwd, WEIGHT_SHARE, p2p, ops.table)
+        out = makespan_table_kernel(fwd, bwd, WEIGHT_SHARE, p2p, ops.kernel_table)
     else:
-        out = makespan_kernel(fwd, bwd, p2p, np.ascontiguousarray(ops, dtype=np.int32))
+        out = makespan_kernel(fwd, bwd, p2p, kernel_array(ops, np.int32))
     if np.isnan(out):
         raise ValueError(f"ops must be int32 [S, 2M] = {(fwd.shape[0], 2 * fwd.shape[1])} with codes in ±1..±M")
     return float(out)
@@ -208,7 +207,7 @@ def simulate_pipeline(
     Q = fwd.shape[0]
     start, end = np.empty((Q, M, 2)), np.empty((Q, M, 2))
     wstart, wend = np.empty((Q, M)), np.empty((Q, M))
-    if simulate_table_kernel(fwd, bwd, WEIGHT_SHARE, p2p, ops.table, start, end, wstart, wend) == DEADLOCK:
+    if simulate_table_kernel(fwd, bwd, WEIGHT_SHARE, p2p, ops.kernel_table, start, end, wstart, wend) == DEADLOCK:
         raise _deadlock_error(ops, end, wend)
 
     span = float(max(end.max(), wend.max()))
@@ -217,7 +216,7 @@ def simulate_pipeline(
     bubble = max(0.0, 1.0 - busy / (S * span)) if span > 0 else 0.0
     peak_n = np.empty(S, dtype=np.int64)
     peak_b = np.empty(S, dtype=np.float64)
-    inflight_table_kernel(ops.table, mem, ops.num_chunks, peak_n, peak_b)
+    inflight_table_kernel(ops.kernel_table, mem, np.int64(ops.num_chunks), peak_n, peak_b)
     return SimResult(
         makespan_s=span,
         bubble_fraction=bubble,
@@ -244,7 +243,7 @@ def _simulate_auto(fwd, bwd, p2p, mem_bytes, memory_limit) -> SimResult:
         sims[name] = simulate_pipeline(fwd, bwd, schedule=name, p2p_s=p2p, mem_bytes=mem_bytes, memory_limit=limit)
         peak_n = np.empty(S, dtype=np.int64)
         peak_b = np.empty(S)
-        inflight_table_kernel(sims[name].ops.table, count, sims[name].ops.num_chunks, peak_n, peak_b)
+        inflight_table_kernel(sims[name].ops.kernel_table, count, np.int64(sims[name].ops.num_chunks), peak_n, peak_b)
         peaks[name] = float(peak_b.max())
     return sims[pick_auto({n: sim.makespan_s for n, sim in sims.items()}, peaks, limit)]
 
@@ -275,7 +274,7 @@ def _per_microbatch(name: str, value, M: int) -> np.ndarray:
     if arr.shape != (M,):
         raise ValueError(f"{name} must be a scalar or have shape ({M},), got {arr.shape}")
     _check_times(name, arr)
-    return np.ascontiguousarray(arr)
+    return kernel_array(arr, np.float64)
 
 
 def _stage_times(fwd_s, bwd_s, schedule, num_stages, chunks):
@@ -316,8 +315,10 @@ def _stage_times(fwd_s, bwd_s, schedule, num_stages, chunks):
     if S < 1:
         raise ValueError(f"need at least one stage, got {S}")
     Q = row if row is not None else S
-    fwd = np.ascontiguousarray(np.broadcast_to(fwd, (Q, M)))
-    bwd = np.ascontiguousarray(np.broadcast_to(bwd, (Q, M)))
+    # kernel_array: broadcast_to of a [Q, M] array is a read-only view, which numba types (and compiles
+    # every kernel it reaches) apart from a writable one
+    fwd = kernel_array(np.broadcast_to(fwd, (Q, M)), np.float64)
+    bwd = kernel_array(np.broadcast_to(bwd, (Q, M)), np.float64)
     _check_times("fwd_s", fwd)
     _check_times("bwd_s", bwd)
     return fwd, bwd, S
