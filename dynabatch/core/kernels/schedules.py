@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .arrays import kernel_array
 from .assign import _candidate_orders, candidate_orders_reference
 from .op_codes import ADAPTIVE, INTERLEAVED, INTERLEAVED_CHUNKS, WEIGHT_SHARE
 from .op_tables import codes_table, codes_table_reference, static_table, static_table_reference
@@ -176,7 +177,6 @@ def adaptive_reference(fwd, bwd, p2p, mem, limit, alone):
 # --------------------------------------------------------------------------- per-rank ordering
 
 
-@njit(cache=True, nogil=True)
 def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
     """Execution order within each rank for schedule ``code`` (`dynabatch.core.kernels.op_codes`; adaptive
     with ``limit`` bytes in flight per stage, an oversize micro-batch alone).
@@ -185,11 +185,19 @@ def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, 
     order; ``rank_time`` each rank's simulated makespan (seconds; the best of `_candidate_orders`
     with ``optimize``, else the given order); ``peak`` each rank's largest in-flight activation bytes
     on any stage. Every stage spends ``fwd_fraction`` of a micro-batch's ``times`` in its forward.
+    The kernel `_order_ranks` on ``times`` repeated per stage (`_ordering_args`).
     """
-    st = np.empty((stages, times.shape[0]))
-    for s in range(stages):
-        st[s] = times
-    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, np.bool_(False))
+    times = kernel_array(times, np.float64)
+    st = np.repeat(times[None, :], int(stages), axis=0)
+    return _order_ranks(st, *_ordering_args(p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize), False)
+
+
+def _ordering_args(p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
+    """The arguments of `_order_ranks` after its stage times, each of one type whoever calls: the two
+    orderings are Python faces of the one kernel, so numba compiles the search (and the op tables and
+    simulations it runs) once for both and for every caller, not once per numba wrapper and argument mix."""
+    return (kernel_array(p2p, np.float64), kernel_array(mem, np.float64), kernel_array(rank_of, np.int32),
+            int(ranks), float(fwd_fraction), np.int64(code), float(limit), bool(optimize))
 
 
 def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, code, limit, optimize):
@@ -350,9 +358,9 @@ def record_slots_reference(code, st, p2p, mem, rank_order, counts, fwd_fraction,
 
 @njit(cache=True, nogil=True)
 def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, per_stage):
-    """The loop of `order_ranks_schedule` and `order_ranks_stages`: each rank's candidates (of
-    `stage_candidates` when ``per_stage``, else `_candidate_orders` of stage 0's times) simulated, the
-    first of the lowest makespans kept."""
+    """The kernel of `order_ranks_schedule` and `order_ranks_stages` (their arguments; ``rank_of`` int32,
+    ``code`` int64): each rank's candidates (of `stage_candidates` when ``per_stage``, else `_candidate_orders`
+    of stage 0's times) simulated, the first of the lowest makespans kept."""
     S, M = st.shape
     perm = np.empty(M, np.int64)
     rank_time = np.zeros(ranks)
@@ -392,7 +400,6 @@ def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimi
     return perm, rank_time, peak
 
 
-@njit(cache=True, nogil=True)
 def order_ranks_stages(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
     """`order_ranks_schedule` on stage times ``st`` float64 ``[S, M]`` (seconds per stage and
     micro-batch): each rank's best of `stage_candidates` (with ``optimize``, else the given order) by
@@ -400,8 +407,10 @@ def order_ranks_stages(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, 
     bytes in flight per stage, an oversize micro-batch alone); ties: the first candidate.
 
     Returns (perm, rank_time, peak): micro-batch indices rank by rank in execution order, each rank's
-    makespan (seconds) and its largest in-flight activation bytes (``mem`` ``[M]``) on any stage."""
-    return _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, np.bool_(True))
+    makespan (seconds) and its largest in-flight activation bytes (``mem`` ``[M]``) on any stage. The kernel
+    `_order_ranks` (`_ordering_args`)."""
+    return _order_ranks(kernel_array(st, np.float64),
+                        *_ordering_args(p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize), True)
 
 
 def order_ranks_stages_reference(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize):
