@@ -4,25 +4,30 @@ Numba compiles a dispatcher (and everything it calls) again for every new argume
 constant int or bool that njit code passes as a *literal* (``Literal[int](0)``), a read-only array apart
 from a writable one. So a helper called with constant columns compiled one specialization per mix of
 constants (``op_tables._put``: 24 on a fresh clone) and every wrapper that handed a kernel a broadcast view
-or a frozen `StepOps` table compiled the whole simulator twice: CPU spent on every fresh clone (CI). Here
-a fresh interpreter runs the main entry points once (planning with every schedule, every registered
-schedule's ops, the simulators, the ordering search, plan orders, flush-free), then each dispatcher of the
-op-table, schedule, simulator and objective kernels must hold one signature, none of them literal or
-read-only. A fresh interpreter: a test process that ran other tests first holds their calls' signatures
-too (the kernel tests call kernels with read-only arrays on purpose). A kernel loaded from numba's cache
-compiles nothing it calls, so the helpers' check runs the kernels that pass them constants on an empty
-cache (about 20 CPU seconds); the entry points' check uses the repository's cache (warm: a few seconds).
+or a frozen `StepOps` table compiled the whole simulator twice: CPU spent on every fresh clone (CI).
+
+Two checks. The entry points (planning with every schedule, every registered schedule's ops, the
+simulators, the ordering search, plan orders, flush-free) run once in a fresh interpreter, then each
+dispatcher of the op-table, schedule, simulator and objective kernels holds one signature, none literal
+or read-only (a fresh interpreter: a test process that ran other tests first holds their calls' signatures
+too; the kernel tests call kernels with read-only arrays on purpose). A kernel loaded from numba's cache
+types nothing it calls, so what numba code passes its helpers is read from the source instead: no call
+from these kernels to another (not inlined) kernel passes a constant int or bool, literally or by a
+module constant's name. (Compiling them on an empty cache instead would prove the same at ~30 CPU s a run.)
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
+from numba.core.registry import CPUDispatcher
 
 #: Kernel modules under the rule (`dynabatch.core.kernels.<name>`).
 MODULES = ("op_tables", "schedules", "objective", "simulate", "inflight", "times", "flushfree")
@@ -96,51 +101,17 @@ multimodel_ops(S, 2, M)
 simulate_flushfree(np.ones((S, 6)), np.full((S, 6), 2.0), [[2, 1], [1, 2]], p2p_s=0.1, update_s=0.5)
 """
 
-#: The kernels whose helpers take constants (op columns, slots, flags, chunk counts), each reached once; run
-#: on an empty cache, so that every helper is compiled (a kernel loaded from the cache types nothing it calls).
-HELPER_CALLERS = """
-import json, sys
-import numpy as np
-from dynabatch.core.kernels.assign import assign_ranks
-from dynabatch.core.kernels.inflight import inflight_kernel
-from dynabatch.core.schedule.build import multimodel_ops, step_ops, stream_ops
-from dynabatch.core.schedule.registry import REGISTRY
-from dynabatch.core.simulate.flushfree import simulate_flushfree
-from dynabatch.core.simulate.pipeline import pipeline_schedule, simulate_pipeline
-
-S, M = 3, 5
-st = np.linspace(0.5, 2.0, S * M).reshape(S, M)
-for name, info in REGISTRY.items():
-    if info.concrete:
-        step_ops(name, S, M, stage_times=st, mem_bytes=np.ones(M), memory_limit=2.0)
-stream_ops(S, [2, 5])
-multimodel_ops(S, 2, M)
-simulate_pipeline(st / 3, 2 * st / 3, schedule="zb-h1", p2p_s=0.1)
-inflight_kernel(pipeline_schedule(S, M, "1f1b"), np.ones(M), np.empty(S, np.int64), np.empty(S))
-simulate_flushfree(np.ones((S, 6)), np.full((S, 6), 2.0), [[2, 1], [1, 2]], p2p_s=0.1, update_s=0.5)
-assign_ranks(st[0], 2, 1, True)
-"""
-
-
-def _signatures(script: str, **env) -> dict[str, list[str]]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))), **env)
-    code = f"MODULES = {MODULES!r}\n" + script + DUMP
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=900)
-    assert run.returncode == 0, f"the entry points failed:\n{run.stderr[-4000:]}"
-    return json.loads(run.stdout)
-
 
 @pytest.fixture(scope="module")
 def entry_signatures() -> dict[str, list[str]]:
-    """After the public entry points ran once in a fresh interpreter (the repository's kernel cache)."""
-    return _signatures(ENTRY_POINTS)
-
-
-@pytest.fixture(scope="module")
-def helper_signatures(tmp_path_factory) -> dict[str, list[str]]:
-    """After `HELPER_CALLERS` ran in a fresh interpreter on an empty kernel cache (each kernel compiled)."""
-    return _signatures(HELPER_CALLERS, NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba-cache")))
+    """``{module.kernel: [signature, ...]}`` after the entry points ran once in a fresh interpreter (the
+    repository's kernel cache: a few CPU seconds warm; on a fresh clone it compiles what later tests load)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    code = f"MODULES = {MODULES!r}\n" + ENTRY_POINTS + DUMP
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert run.returncode == 0, f"the entry points failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout)
 
 
 def _check(signatures: dict[str, list[str]]) -> None:
@@ -153,8 +124,8 @@ def _check(signatures: dict[str, list[str]]) -> None:
         + "\n".join(f"{k}: {len(v)}\n    " + "\n    ".join(v) for k, v in {**many, **odd}.items()))
 
 
-def test_the_runs_reach_the_kernels(entry_signatures, helper_signatures):
-    """Both runs compiled (or loaded) the kernels they should, so the checks below do not hold vacuously."""
+def test_the_entry_points_reach_the_kernels(entry_signatures):
+    """The run compiled (or loaded) the kernels it should, so the check below does not hold vacuously."""
     for kernel in ("op_tables.codes_table", "op_tables.table_codes", "schedules._order_ranks",
                    "schedules.record_slots_kernel", "schedules.rank_ops_kernel",
                    "schedules.adaptive_kernel", "simulate.simulate_table_kernel", "simulate.makespan_table_kernel",
@@ -162,11 +133,6 @@ def test_the_runs_reach_the_kernels(entry_signatures, helper_signatures):
                    "inflight.held_table_kernel", "times.split_kernel", "times.chunk_times",
                    "flushfree.flushfree_kernel", "flushfree.stage_loads", "objective.objective_kernel"):
         assert entry_signatures.get(kernel), f"the entry points did not reach {kernel}"
-    for kernel in ("op_tables.static_table", "op_tables._zb_row", "op_tables._interleaved_rows",
-                   "op_tables.stream_row", "op_tables.multimodel_table", "schedules.adaptive_kernel",
-                   "simulate.run_table", "simulate.op_ready", "simulate.table_lengths", "simulate._no_copies",
-                   "inflight.inflight_table_kernel", "inflight.held_table_kernel", "flushfree.flushfree_kernel"):
-        assert helper_signatures.get(kernel), f"the helper callers did not compile {kernel}"
 
 
 def test_the_entry_points_hand_each_kernel_one_type(entry_signatures):
@@ -175,9 +141,32 @@ def test_the_entry_points_hand_each_kernel_one_type(entry_signatures):
     _check(entry_signatures)
 
 
-def test_kernels_call_their_helpers_with_typed_arguments(helper_signatures):
-    """Numba code passes no constant a helper would be compiled for as a literal (``_put`` was compiled 24
-    times, ``objective_kernel`` once per caller's mix of ``1`` and ``int64``)."""
-    _check(helper_signatures)
-    for helper in ("op_tables._put", "op_tables.one_f_one_b_row", "objective.objective_kernel"):
-        assert helper_signatures.get(helper) == [], f"{helper} is inlined into its callers, not dispatched"
+def _constant_arguments(module) -> list[str]:
+    """``kernel -> callee arg i: source`` for each call from a kernel of ``module`` to another kernel that
+    numba does not inline, with an int or bool constant (or a module constant's name) as an argument."""
+    names = vars(module)
+    found = []
+    for fn in ast.walk(ast.parse(inspect.getsource(module))):
+        if not (isinstance(fn, ast.FunctionDef) and isinstance(names.get(fn.name), CPUDispatcher)):
+            continue
+        for call in ast.walk(fn):
+            callee = names.get(call.func.id) if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) \
+                else None
+            if not isinstance(callee, CPUDispatcher) or callee.targetoptions.get("inline") == "always":
+                continue
+            for i, arg in enumerate(call.args):
+                v = arg.operand if isinstance(arg, ast.UnaryOp) else arg
+                value = v.value if isinstance(v, ast.Constant) else names.get(v.id) if isinstance(v, ast.Name) \
+                    else None
+                if isinstance(value, (bool, int)):
+                    found.append(f"{fn.name} -> {call.func.id} arg {i}: {ast.unparse(arg)}")
+    return found
+
+
+@pytest.mark.parametrize("short", MODULES)
+def test_kernels_pass_their_helpers_no_constants(short):
+    """Numba code hands a called kernel typed values (``np.int64(0)``, ``np.bool_(True)``, a comparison),
+    or the helper is inlined (``inline="always"``: `_put`, `one_f_one_b_row`, `objective_kernel`), so no
+    helper compiles once per constant (``_put`` was compiled 24 times, ``objective_kernel`` per caller)."""
+    found = _constant_arguments(importlib.import_module("dynabatch.core.kernels." + short))
+    assert not found, "constants that numba types as literals (one compile each):\n" + "\n".join(found)
