@@ -170,3 +170,21 @@ def test_kernels_pass_their_helpers_no_constants(short):
     helper compiles once per constant (``_put`` was compiled 24 times, ``objective_kernel`` per caller)."""
     found = _constant_arguments(importlib.import_module("dynabatch.core.kernels." + short))
     assert not found, "constants that numba types as literals (one compile each):\n" + "\n".join(found)
+
+
+def test_a_step_order_stays_frozen_and_hands_kernels_its_memory_writable():
+    """`StepOps.table` stays read-only (also pickled or copied); `kernel_table` is the same memory, typed
+    writable for the kernels."""
+    import copy
+    import pickle
+
+    import numpy as np
+
+    from dynabatch.core.schedule.build import step_ops
+
+    ops = step_ops("zb-h1", 3, 4)
+    for x in (ops, pickle.loads(pickle.dumps(ops)), copy.deepcopy(ops)):
+        assert x == ops and not x.table.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            x.table[0, 0, 0] = 1
+        assert x.kernel_table.flags.writeable and np.shares_memory(x.table, x.kernel_table)

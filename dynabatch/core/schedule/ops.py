@@ -69,6 +69,10 @@ class StepOps:
         everything it calls, once more for a read-only array); the kernels only read it."""
         return self._writable
 
+    def __reduce__(self):
+        # rebuilt through __init__: one copy of the table pickled, and `table` read-only again over it
+        return StepOps, (self.schedule, self.num_stages, self.num_microbatches, self.num_chunks, self._writable)
+
     @classmethod
     def from_codes(cls, codes, schedule: str = "") -> "StepOps":
         """The ops of plain op codes ``codes`` (int ``[S, 2M]``)."""
