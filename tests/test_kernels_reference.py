@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynabatch.core.kernels.assign import (
-    _candidate_orders,
+    candidate_orders,
     assign_ranks,
     assign_ranks_reference,
     balance_simulated,
@@ -112,7 +112,7 @@ def test_assign_ranks_improving_swaps_match_reference(ranks, stages, equal, seed
 def test_candidate_orders_match_reference(times):
     if len(times) < 2:  # order_ranks only asks for candidates of two or more micro-batches
         times = times + [1.0, 1.0]
-    got = _candidate_orders(np.array(times)).tolist()
+    got = candidate_orders(np.array(times)).tolist()
     assert got == candidate_orders_reference(times)
     assert all(sorted(order) == list(range(len(times))) for order in got)
 

@@ -155,8 +155,6 @@ PRIVATE_IMPORTS = {
         "torch's own flattening of a tensor list into one buffer (DDP's bucketing); torch has no public one",
     ("dynabatch.pipeline.runtime.update", "_unflatten_dense_tensors"):
         "the inverse of _flatten_dense_tensors (views of the buffer shaped as the tensors); torch has no public one",
-    ("dynabatch.core.kernels.schedules", "_candidate_orders"): "owned by the kernel-signature work this round",
-    ("dynabatch.core.kernels.spill", "_sweep"): "owned by the kernel-signature work this round (simulate.py)",
 }
 
 

@@ -23,7 +23,7 @@ module                kernel                          reference
 `.objective`          `objective_kernel`              `objective_reference`
 `.assign`             `assign_ranks`                  `assign_ranks_reference`
                       `simulate_rank`                 `simulate_rank_reference`
-                      `_candidate_orders`             `candidate_orders_reference`
+                      `candidate_orders`             `candidate_orders_reference`
                       `_rank_stats`, `_max_without`   helpers of `assign_ranks`
                       `balance_simulated`             `balance_simulated_reference`
                       `_rank_span`                    helper of `balance_simulated`
@@ -53,13 +53,12 @@ module                kernel                          reference
                       `round_up`, `dot`,              helpers of the DP and of
                       `_interp_axis`                  `profiled_lookup`
 `.schedules`          `adaptive_kernel`               `adaptive_reference`
-                      `order_ranks_schedule`          `order_ranks_schedule_reference`
-                      `order_ranks_stages`            `order_ranks_stages_reference`
+                      `_order_ranks` (its Python      `order_ranks_schedule_reference`,
+                      faces `order_ranks_schedule`,   `order_ranks_stages_reference`
+                      `order_ranks_stages`)
                       `stage_candidates`              `stage_candidates_reference`
                       `rank_ops_kernel`               `rank_ops_reference`
                       `record_slots_kernel`           `record_slots_reference`
-                      `_order_ranks`                  the loop of both orderings, covered
-                                                      by both references
 `.stage_assign`       `assign_stages`                 `assign_stages_reference`
                       `_stats`                        helper of `assign_stages`
 `.packing`            `budget_cuts`                   `budget_cuts_reference`

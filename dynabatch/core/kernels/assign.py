@@ -15,7 +15,7 @@ kernel                      reference
 ==========================  ===============================
 `assign_ranks`              `assign_ranks_reference`
 `simulate_rank`             `simulate_rank_reference`
-`_candidate_orders`         `candidate_orders_reference`
+`candidate_orders`         `candidate_orders_reference`
 `balance_simulated`         `balance_simulated_reference`
 `_rank_stats`,              helpers of `assign_ranks`, covered by its reference
 `_max_without`
@@ -197,8 +197,10 @@ def apply_move_reference(rank_of: list, a: int, b: int) -> None:
 
 
 @njit(cache=True)
-def _candidate_orders(times):
-    """Candidate execution orders of a rank's micro-batches (rows of the result)."""
+def candidate_orders(times):
+    """The four candidate execution orders of a rank's micro-batches, given their ``times`` (seconds,
+    ``[k]``): int64 ``[4, k]``, one order of positions per row (the planner's ordering search and the
+    rank balancer score each and keep the best)."""
     k = times.shape[0]
     asc = np.argsort(times, kind="mergesort")
     out = np.empty((4, k), np.int64)
@@ -219,7 +221,7 @@ def _candidate_orders(times):
 
 
 def candidate_orders_reference(times):
-    """Plain-Python `_candidate_orders`, as a list of the four orders (lists of positions)."""
+    """Plain-Python `candidate_orders`, as a list of the four orders (lists of positions)."""
     asc = sorted(range(len(times)), key=lambda q: times[q])  # stable, as the kernel's mergesort
     longest_first = asc[::-1]
     shortest_first = asc[:]
@@ -250,7 +252,7 @@ def simulate_rank_reference(times, p2p, fwd_fraction, stages, ops):
 
 @njit(cache=True, nogil=True)
 def _rank_span(times, p2p, rank_of, r, fwd_fraction, stages, ops_by_count):
-    """Simulated makespan of rank ``r``: the best of `_candidate_orders`, as the planner's ordering
+    """Simulated makespan of rank ``r``: the best of `candidate_orders`, as the planner's ordering
     (`dynabatch.core.kernels.schedules.order_ranks_schedule`) picks it for a static schedule."""
     idx = np.flatnonzero(rank_of == r)
     k = idx.shape[0]
@@ -261,7 +263,7 @@ def _rank_span(times, p2p, rank_of, r, fwd_fraction, stages, ops_by_count):
     p = p2p[idx]
     if k == 1:
         return simulate_rank(t, p, fwd_fraction, stages, ops)
-    cands = _candidate_orders(t)
+    cands = candidate_orders(t)
     best = np.inf
     for c in range(cands.shape[0]):
         o = cands[c]

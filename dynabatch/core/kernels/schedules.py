@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from .arrays import kernel_array
-from .assign import _candidate_orders, candidate_orders_reference
+from .assign import candidate_orders, candidate_orders_reference
 from .op_codes import ADAPTIVE, INTERLEAVED, INTERLEAVED_CHUNKS, WEIGHT_SHARE
 from .op_tables import codes_table, codes_table_reference, static_table, static_table_reference
 from .simulate import (chunk_times, chunk_times_reference, inflight_table_kernel, inflight_table_reference,
@@ -182,7 +182,7 @@ def order_ranks_schedule(times, p2p, mem, rank_of, ranks, fwd_fraction, stages, 
     with ``limit`` bytes in flight per stage, an oversize micro-batch alone).
 
     Returns (perm, rank_time, peak): ``perm`` lists micro-batch indices rank by rank in execution
-    order; ``rank_time`` each rank's simulated makespan (seconds; the best of `_candidate_orders`
+    order; ``rank_time`` each rank's simulated makespan (seconds; the best of `candidate_orders`
     with ``optimize``, else the given order); ``peak`` each rank's largest in-flight activation bytes
     on any stage. Every stage spends ``fwd_fraction`` of a micro-batch's ``times`` in its forward.
     The kernel `_order_ranks` on ``times`` repeated per stage (`_ordering_args`).
@@ -212,7 +212,7 @@ def order_ranks_schedule_reference(times, p2p, mem, rank_of, ranks, fwd_fraction
 @njit(cache=True)
 def stage_candidates(st):
     """Candidate execution orders (rows, positions) of one rank's micro-batches with stage times
-    ``st`` float64 ``[S, k]``: `_candidate_orders` of the bottleneck (largest stage) time and of the
+    ``st`` float64 ``[S, k]``: `candidate_orders` of the bottleneck (largest stage) time and of the
     mean stage time, Johnson's two-machine rule on (front half, back half) of the stages, and an
     alternation of the most front-heavy and most back-heavy micro-batches. 10 rows."""
     S, k = st.shape
@@ -234,8 +234,8 @@ def stage_candidates(st):
         top[j] = m
         mean[j] = acc / S
     out = np.empty((10, k), np.int64)
-    out[0:4] = _candidate_orders(top)
-    out[4:8] = _candidate_orders(mean)
+    out[0:4] = candidate_orders(top)
+    out[4:8] = candidate_orders(mean)
     first = np.flatnonzero(front < back)
     last = np.flatnonzero(front >= back)
     a = first[np.argsort(front[first], kind="mergesort")]
@@ -359,7 +359,7 @@ def record_slots_reference(code, st, p2p, mem, rank_order, counts, fwd_fraction,
 @njit(cache=True, nogil=True)
 def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimize, per_stage):
     """The kernel of `order_ranks_schedule` and `order_ranks_stages` (their arguments; ``rank_of`` int32,
-    ``code`` int64): each rank's candidates (of `stage_candidates` when ``per_stage``, else `_candidate_orders`
+    ``code`` int64): each rank's candidates (of `stage_candidates` when ``per_stage``, else `candidate_orders`
     of stage 0's times) simulated, the first of the lowest makespans kept."""
     S, M = st.shape
     perm = np.empty(M, np.int64)
@@ -378,7 +378,7 @@ def _order_ranks(st, p2p, mem, rank_of, ranks, fwd_fraction, code, limit, optimi
         elif per_stage:
             cands = stage_candidates(np.ascontiguousarray(st[:, idx]))
         else:
-            cands = _candidate_orders(st[0][idx])
+            cands = candidate_orders(st[0][idx])
         best = np.inf
         best_c = 0
         for c in range(cands.shape[0]):

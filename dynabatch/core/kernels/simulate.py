@@ -377,13 +377,16 @@ def simulate_reference(fwd, bwd, p2p, ops):
     Returns ``(start, end, deadlocked)``: float64 ``[S, M, 2]`` arrays (seconds, ``-inf`` for ops
     that never ran) and whether some op never ran.
     """
-    start, end, pos = _sweep(fwd, bwd, p2p, ops)
+    start, end, pos = sweep_codes(fwd, bwd, p2p, ops)
     return start, end, any(p < 2 * np.shape(fwd)[1] for p in pos)
 
 
-def _sweep(fwd, bwd, p2p, ops, start_at=None):
-    """`_sweep_table` over plain op codes ``ops``: ``(start, end, pos)``; a stage also stops at an op code
-    outside ``±1..±M``. ``start_at`` as `_sweep_table` takes it."""
+def sweep_codes(fwd, bwd, p2p, ops, start_at=None):
+    """The plain-Python sweep (`_sweep_table`) over plain op codes ``ops`` (``[S, L]``, ±1..±M: forward /
+    backward of micro-batch j), with forward and backward seconds ``fwd``/``bwd`` ``[S, M]`` and the
+    transfer seconds ``p2p``: ``(start, end, pos)``; a stage also stops at an op code outside ``±1..±M``.
+    ``start_at`` as `_sweep_table` takes it. Shared by the references of the simulator and the spill
+    kernels."""
     table = codes_table_reference(ops, np.shape(fwd)[1])
     start, end, _, _, pos, _ = _sweep_table(fwd, bwd, 0.0, p2p, table, start_at)
     return start, end, pos

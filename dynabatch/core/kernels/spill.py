@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 # the copy kinds (``ckind``) are defined beside `gated_start`, which reads them
-from .simulate import (BAD_INPUT, DEMAND_LOAD, DEMAND_SPILL, OK, PREFETCH_LOAD, PREFETCH_SPILL, _sweep, gated_start,
+from .simulate import (BAD_INPUT, DEMAND_LOAD, DEMAND_SPILL, OK, PREFETCH_LOAD, PREFETCH_SPILL, sweep_codes, gated_start,
                        run_ops)
 
 __all__ = ["DEMAND_LOAD", "DEMAND_SPILL", "PREFETCH_LOAD", "PREFETCH_SPILL", "pack_copies", "spill_timing_kernel",
@@ -131,7 +131,7 @@ def spill_timing_reference(fwd, bwd, p2p, ops, M, upd, copies):
         run_copies(s, use, True, t0)      # the next window's shard is fetched as this use starts
         return t0
 
-    start, end, pos = _sweep(fwd, bwd, p2p, ops,
+    start, end, pos = sweep_codes(fwd, bwd, p2p, ops,
                              start_at=lambda s, i, j, free, ready: start_use(s, i, j // M, free, ready))
     if any(p < 2 * N for p in pos):
         return None
