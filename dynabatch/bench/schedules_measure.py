@@ -189,7 +189,7 @@ def analyse(results: list[dict], cfg: MeasureConfig) -> dict:
                 ops = step_ops(name, S, M)
                 start, end = np.empty((S, M, 2)), np.empty((S, M, 2))
                 ws, we = np.empty((S, M)), np.empty((S, M))
-                simulate_table_kernel(fwd, split_bwd if ops.split else bwd, share, np.zeros(M), ops.table, start, end,
+                simulate_table_kernel(fwd, split_bwd if ops.split else bwd, share, np.zeros(M), ops.kernel_table, start, end,
                                       ws, we)
                 span = max(float(end.max()), float(we.max()) if ops.split else 0.0)
                 spans.append(span / max(res["rounds"][i]["runs"][name]["step_s"] for res in results))

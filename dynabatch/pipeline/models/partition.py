@@ -102,7 +102,7 @@ def _ops(pieces: int, m: int, schedule: str) -> StepOps:
 def _span(ops: StepOps, f, bw, p2p) -> float:
     """Makespan of ``ops`` with ``f``/``bw`` seconds per piece (virtual stage)."""
     return float(makespan_table_kernel(np.ascontiguousarray(f), np.ascontiguousarray(bw), WEIGHT_SHARE, p2p,
-                                       ops.table))
+                                       ops.kernel_table))
 
 
 def _p2p(p2p_s, m: int) -> np.ndarray:
@@ -197,7 +197,7 @@ def balanced_partition(costs: LayerCosts, num_stages: int, *, schedule: str = "1
     def score(bounds) -> tuple[float, float]:
         b = np.asarray(bounds, np.int64)
         if pm is not None:
-            held_table_kernel(ops.table, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
+            held_table_kernel(ops.kernel_table, np.ascontiguousarray(pm[b[1:]] - pm[b[:-1]]), peaks)
             if peaks.max() > memory_limit:
                 return math.inf, math.inf
         f = np.ascontiguousarray(pf[b[1:]] - pf[b[:-1]])

@@ -204,7 +204,7 @@ def witness(ops: StepOps, time_units) -> tuple[list[list[float]], np.ndarray]:
     u = np.broadcast_to(np.asarray(time_units, np.float64), (Q, M)).copy()
     start, end = np.empty((Q, M, 2)), np.empty((Q, M, 2))
     wstart, wend = np.empty((Q, M)), np.empty((Q, M))
-    if simulate_table_kernel(u, 2 * u, oc.WEIGHT_SHARE, np.zeros(M), ops.table, start, end, wstart, wend) != 0:
+    if simulate_table_kernel(u, 2 * u, oc.WEIGHT_SHARE, np.zeros(M), ops.kernel_table, start, end, wstart, wend) != 0:
         raise ProgramError(f"the {ops.schedule or 'given'} order cannot run: it deadlocks in the witness simulation")
     out = []
     for s in range(S):
