@@ -237,19 +237,17 @@ def make_trainer(method: str, model_name: str, cfg: dict, paths: dict, rank: int
     else:
         import datasets
 
-        data = datasets.Dataset.from_list(paths["samples"])
-        batch = cfg["batch_size"][model_name]
-        if method == "flattening":
-            collator = transformers.DataCollatorWithFlattening(separator_id=-100)
-        elif method == "trl_bfd":
+        if method == "trl_bfd":
             from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-            data, batch = bfd_rows(paths["samples"], cfg["max_len"]), cfg["bfd_batch_size"][model_name]
+            data, batch = paths["bfd_rows"], cfg["bfd_batch_size"][model_name]  # packed once per rank (bench_rank)
             collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
             args.update(remove_unused_columns=False)  # the collator needs seq_lengths, which the model does not take
         else:
-            collator = transformers.DataCollatorForSeq2Seq(byte_tokenizer(), model=model if seq2seq else None,
-                                                           label_pad_token_id=-100)
+            data, batch = datasets.Dataset.from_list(paths["samples"]), cfg["batch_size"][model_name]
+            collator = (transformers.DataCollatorWithFlattening(separator_id=-100) if method == "flattening" else
+                        transformers.DataCollatorForSeq2Seq(byte_tokenizer(), model=model if seq2seq else None,
+                                                            label_pad_token_id=-100))
         args.update(per_device_train_batch_size=batch,
                     train_sampling_strategy=method if method in ("group_by_length", "batch_rebalance") else "random")
         trainer = _recording(transformers.Trainer)(model=model, args=transformers.TrainingArguments(**args),
@@ -292,6 +290,8 @@ def bench_rank(rank: int, world: int, port: int, cfg: dict, paths: dict) -> dict
     runs = [(m, k) for m in cfg["models"] for k in cfg["methods"] if unsupported(m, k, cfg["trl_installed"]) is None]
     data = {m: {"train": paths[m]["train"], "samples": tokenize(paths[m]["train"], m, cfg["max_len"],
                                                                 cfg["max_target_len"])} for m in cfg["models"]}
+    for m in {m for m, k in runs if k == "trl_bfd"}:  # BFD packs the whole set: once, not every round
+        data[m]["bfd_rows"] = bfd_rows(data[m]["samples"], cfg["max_len"])
     heartbeat()
     results = {f"{m}/{k}": {"records": [], "rounds": []} for m, k in runs}
     spr = cfg["steps_per_round"]
