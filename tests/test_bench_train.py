@@ -1,18 +1,20 @@
 """`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens.
 
-Each bench run is a CLI process with 2 ranks that leave the 2 cores partly idle (startup, waits), so
-the selected tests' runs start in the background, two at a time, when the module's first test begins
-(``tests/prelaunch.py``); each test checks its own run exactly as when it runs alone.
+Each completed run goes through the console script's own entry point (`dynabatch.cli.main`) in this
+process, its stdout and stderr captured: what the command does does not depend on a fresh interpreter,
+and a CLI interpreter plus a fork server of its own (torch imported twice, ~6 CPU-s) was a third of a
+small run's cost. The ranks still are separate processes (`launch_local`, forked from this process's fork
+server, shared by every run here). The SIGTERM test keeps a bench process of its own: its point is a
+signal to that process and its session.
 """
 
 import json
-import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from liveness import run_live, tiny_models_env
-from prelaunch import Prelaunch, job
+from liveness import tiny_models_env
 
 from dynabatch import CostModel
 from dynabatch.bench.train import TRAIN_METHODS
@@ -20,43 +22,29 @@ from dynabatch.datagen import write_text_shards
 from dynabatch.pipeline import batch_shapes, make_model, stage_cost_model
 from dynabatch.pipeline.measure import representative
 
-LAUNCHES = Prelaunch(parallel=2)
 
-@pytest.fixture(scope="module", autouse=True)
-def _launches(request, tmp_path_factory):
-    yield from LAUNCHES.started(request, tmp=tmp_path_factory.mktemp("bench"))
+def bench_train(capsys, *argv):
+    """``dynabatch bench train ARGV`` in this process: ``returncode``, ``stdout``, ``stderr`` (as a
+    `subprocess.CompletedProcess` has them). Liveness: ``--timeout`` (the ranks' idle timeout)."""
+    from dynabatch.cli import main
 
-
-def _bench_json(tmp_path):
-    paths = write_text_shards(tmp_path / "data", 300, seed=0)
-    return run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "t5-tiny", "--stages", "2",
-         "--steps", "4", "--warmup", "1", "--hidden", "64", "--global-batch-tokens", "4096", "--max-len", "512",
-         "--data", *map(str, paths), "--timeout", "60", "--json", "--save-cost-model", str(tmp_path / "refit.json"),
-         "--out", str(tmp_path / "result.json"), "--progress"], idle_s=120, env=tiny_models_env())
-
-
-BENCH_WEIGHT = {"_bench_json": 11, "_bench_flush_free": 11}  # about their seconds (others: 8): the longest first
-
-
-def bench_job(fn, tmp):
-    """Bench run ``fn(dir)`` as a `prelaunch.Job` returning ``(fn(dir), dir)``: ``dir`` is its own folder
-    under ``tmp``."""
-    return job(fn.__name__, _in_dir, fn, tmp / fn.__name__.strip("_"), weight=BENCH_WEIGHT.get(fn.__name__, 8))
-
-
-def _in_dir(fn, path):
-    path.mkdir(parents=True, exist_ok=True)
-    return fn(path), path
+    capsys.readouterr()
+    code = main(["bench", "train", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 @pytest.mark.slow
-@LAUNCHES.plan(lambda tmp: [bench_job(_bench_json, tmp)])
-def test_bench_train_json(tmp_path):
-    """(No wall clock: --timeout is the bench's liveness timeout, run_live the test's.) Caps of 512
-    tokens keep each step cheap (the default 2048 spends the run in attention); dp still plans 3-4
-    micro-batches a step."""
-    out, tmp_path = LAUNCHES.result(bench_job(_bench_json, tmp_path))
+def test_bench_train_json(tmp_path, capsys):
+    """(No wall clock: --timeout is the bench's liveness timeout.) 2048-token global batches under caps
+    of 256 tokens keep each step cheap (the default caps spend the run in attention; 4096/512 cost
+    twice the ranks' CPU for the same checks): dp plans 1-2 micro-batches a step, pack 3, so the methods
+    still group each global batch differently, and 4 steps give dp two refits to move its cost model."""
+    paths = write_text_shards(tmp_path / "data", 300, seed=0)
+    out = bench_train(capsys, "--model", "t5-tiny", "--stages", "2", "--steps", "4", "--warmup", "1", "--hidden", "64",
+                      "--global-batch-tokens", "2048", "--max-len", "256", "--data", *paths, "--timeout", "60",
+                      "--json", "--save-cost-model", tmp_path / "refit.json", "--out", tmp_path / "result.json",
+                      "--progress")
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     assert "bench train (" not in out.stderr  # --json: no bar even with --progress
@@ -96,20 +84,14 @@ def test_batch_shapes_carry_the_plans_time_and_memory():
     assert shape.time_s == 0.25 and shape.memory_bytes == 1.5e6
 
 
-def _bench_adaptive(tmp_path):
-    paths = write_text_shards(tmp_path / "data", 120, seed=1)
-    return run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--schedule",
-         "adaptive", "--methods", "dp", "pack", "--data", *map(str, paths), "--timeout", "60", "--progress",
-         "--out", str(tmp_path / "adaptive.json")], idle_s=120, env=tiny_models_env())
-
-
 @pytest.mark.slow
-@LAUNCHES.plan(lambda tmp: [bench_job(_bench_adaptive, tmp)])
-def test_bench_train_runs_the_adaptive_schedule(tmp_path):
+def test_bench_train_runs_the_adaptive_schedule(tmp_path, capsys):
     """--schedule adaptive: the planner orders and simulates the memory-bounded order the runner runs."""
-    out, folder = LAUNCHES.result(bench_job(_bench_adaptive, tmp_path))
+    paths = write_text_shards(tmp_path / "data", 120, seed=1)
+    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
+                      "--global-batch-tokens", "2048", "--max-len", "512", "--schedule", "adaptive", "--methods", "dp",
+                      "pack", "--data", *paths, "--timeout", "60", "--progress", "--out", tmp_path / "adaptive.json")
+    folder = tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((folder / "adaptive.json").read_text())
     # --progress: a bar of the 3 steps (each: both methods) on stderr, the table on stdout
@@ -138,7 +120,9 @@ def test_public_microbatch_helpers():
 @pytest.mark.slow
 def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
     """A run asked for far more steps than it gets: SIGTERM after a few rounds still prints (--json)
-    and writes (--out) the per-method results of the steps done, marked partial; the ranks are gone."""
+    and writes (--out) the per-method results of the steps done, marked partial; the ranks are gone.
+    A bench process of its own (the signal goes to it; its session is checked). ``--partition uniform``:
+    the stop does not depend on the split, and searching it profiled every layer for each method."""
     import os
     import signal
     import subprocess
@@ -149,7 +133,8 @@ def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "100000",
          "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048", "--max-len", "512", "--methods", "dp",
-         "pack", "--data", *map(str, paths), "--timeout", "60", "--json", "--out", str(out_file)],
+         "pack", "--partition", "uniform", "--data", *map(str, paths), "--timeout", "60", "--json", "--out",
+         str(out_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env=tiny_models_env())
     try:
@@ -190,8 +175,11 @@ def test_bench_train_stopped_by_sigterm_leaves_a_partial_json(tmp_path):
     assert max(m["steps"] for m in res["methods"].values()) <= n + 1
     assert [r["real_tokens"] for r in res["methods"]["dp"]["per_step"][:n]] == \
         [r["real_tokens"] for r in res["methods"]["pack"]["per_step"][:n]]
-    # no rank outlived the stop (they are in the bench process's session)
-    time.sleep(0.5)
+    # no rank outlived the stop (they are in the bench process's session; the fork server they came from
+    # leaves once it sees its launcher gone): wait for that, under a liveness bound, not a fixed sleep
+    gone_by = time.monotonic() + 60
+    while _session_members(proc.pid) and time.monotonic() < gone_by:
+        time.sleep(0.05)
     assert _session_members(proc.pid) == []
 
 
@@ -246,24 +234,18 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
 
 # -- vlm-tiny: image+text and text-only records, stage-aware dp vs stage-blind dp vs pack/token_budget -------
 
-def _bench_vlm(tmp_path):
-    from dynabatch.bench.train_vlm import build_vlm_data
-
-    (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
-    return run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "vlm-tiny", "--stages", "2",
-         "--steps", "3", "--warmup", "1", "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1",
-         "--data", data, "--timeout", "90", "--json"], idle_s=150, env=tiny_models_env()), data
-
-
 @pytest.mark.slow
-@LAUNCHES.plan(lambda tmp: [bench_job(_bench_vlm, tmp)])
-def test_bench_train_vlm_tiny_json(tmp_path):
+def test_bench_train_vlm_tiny_json(tmp_path, capsys):
     """A tiny vlm-tiny run on generated image+text and text records (no shared data): every method, the
     per-stage MAPE fields, the modality split, the same samples per method step by step."""
     from dynabatch.bench.train_vlm import VLM_METHODS
 
-    (out, data), _ = LAUNCHES.result(bench_job(_bench_vlm, tmp_path))
+    from dynabatch.bench.train_vlm import build_vlm_data
+
+    (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
+    out = bench_train(capsys, "--model", "vlm-tiny", "--stages", "2", "--steps", "3", "--warmup", "1",
+                      "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1", "--data", data,
+                      "--timeout", "90", "--json")
     rows = [json.loads(line) for line in open(data)]
     assert sum(bool(r.get("image")) for r in rows) == 24 and len(rows) == 48
     assert out.returncode == 0, out.stderr[-3000:]
@@ -327,21 +309,14 @@ def test_packed_rows_become_one_sequence_per_row():
     assert rows_as_sequences([{"input_ids": 1}]) == [{"input_ids": 1}]
 
 
-def _bench_recompute(tmp_path):
-    paths = write_text_shards(tmp_path / "data", 160, seed=2)
-    return run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "3",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512",
-         "--device-memory-limit", "0.5x", "--data", *map(str, paths), "--timeout", "60", "--json"],
-        idle_s=180, env=tiny_models_env())
-
-
-@LAUNCHES.plan(lambda tmp: [bench_job(_bench_recompute, tmp)])
-def test_bench_train_compares_recompute_policies(tmp_path):
+def test_bench_train_compares_recompute_policies(tmp_path, capsys):
     """--device-memory-limit: dp+none, dp+full and dp+adaptive at a level below the peak without
     recomputation; the measured bytes of full and adaptive stay within the limit, none's do not, and
     every variant trains the same real tokens."""
-    out, _ = LAUNCHES.result(bench_job(_bench_recompute, tmp_path))
+    paths = write_text_shards(tmp_path / "data", 160, seed=2)
+    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
+                      "--global-batch-tokens", "4096", "--max-len", "512", "--device-memory-limit", "0.5x", "--data",
+                      *paths, "--timeout", "60", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     (level,) = doc["levels"]
@@ -360,20 +335,16 @@ def test_bench_train_compares_recompute_policies(tmp_path):
     assert m["dp+full"]["step_time_vs_full"] == pytest.approx(1.0)
 
 
-def _bench_flush_free(tmp_path):
-    paths = write_text_shards(tmp_path / "data", 160, seed=4)
-    return run_live(
-        [sys.executable, "-m", "dynabatch.cli", "bench", "train", "--model", "gpt-tiny", "--steps", "6",
-         "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free",
-         "--flush-window", "3", "--data", *map(str, paths), "--timeout", "60", "--json"], idle_s=180,
-        env=tiny_models_env())
-
-
-@LAUNCHES.plan(lambda tmp: [bench_job(_bench_flush_free, tmp)])
-def test_bench_train_flush_free_variants(tmp_path):
+def test_bench_train_flush_free_variants(tmp_path, capsys):
     """--flush-free: dp/sync against the three flush-free streams; the same global batches and real
-    tokens, every variant trains, the weight memory is reported (stash and predict hold copies)."""
-    out, _ = LAUNCHES.result(bench_job(_bench_flush_free, tmp_path))
+    tokens, every variant trains, the weight memory is reported (stash and predict hold copies). Two
+    windows of 3 steps, 2 micro-batches a step (4096-token batches, 512-token caps). ``--partition
+    uniform``: the split is not what this test is about (test_bench_train_json checks the searched one),
+    and searching it profiled every layer once per variant, half the ranks' CPU."""
+    paths = write_text_shards(tmp_path / "data", 160, seed=4)
+    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "6", "--warmup", "1", "--hidden", "32",
+                      "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free", "--flush-window", "3",
+                      "--partition", "uniform", "--data", *paths, "--timeout", "60", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     m = res["methods"]
