@@ -135,16 +135,20 @@ def hf_worker(rank, world, port, cases, schedules):
     out = []
     with ctx:
         for family, bounds, collation, bypass in cases:
+            # one model and one reference per case, shared by its schedules: a step without an optimizer leaves
+            # the weights as they were, and each runner's step starts from no gradients (`start_program` sets
+            # them to None), so every schedule is compared with the same fresh reference gradients; the
+            # reference runs once (it does not depend on the schedule)
+            hf = build(_config(family), seed=1)
+            ref = copy.deepcopy(hf)
+            model = from_hf(hf)
+            shapes, batches, ref_batches = _microbatches(family, collation, model)
+            ref_loss, ref_n = _reference(ref, ref_batches)
             for schedule in schedules:
-                hf = build(_config(family), seed=1)
-                ref = copy.deepcopy(hf)
-                model = from_hf(hf)
                 config = RunnerConfig(schedule=schedule, bypass_idle_stages=bypass)
                 events = []
                 runner = PipelineRunner.from_model(model, ctx, list(bounds), config, recorder=events.append)
-                shapes, batches, ref_batches = _microbatches(family, collation, model)
                 res = runner.step(shapes, batches if ctx.stage in (0, world - 1) or bypass else None)
-                ref_loss, ref_n = _reference(ref, ref_batches)
                 diff, scale = grad_gap(model, ref, range(bounds[ctx.stage], bounds[ctx.stage + 1]))
                 sent, predicted = _sent_and_predicted(model, shapes, events, bounds, ctx.stage, world)
                 out.append({"case": [family, collation, schedule], "loss": res.loss, "ref_loss": ref_loss,
