@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from liveness import run_live
+from liveness import run_live, tiny_models_env
 from prelaunch import Prelaunch, job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -27,10 +27,11 @@ def _launches(request):
 
 
 def example_job(script):
-    # --timeout is launch_local's liveness timeout (no rank printed a step for that long)
+    # --timeout is launch_local's liveness timeout (no rank printed a step for that long); the example's ranks
+    # build dynabatch's tiny models only, so its fork server preloads no transformers (`tiny_models_env`)
     return job(script, run_live, [sys.executable, str(EXAMPLES / script), "--steps", "8", "--samples", "400",
                                   "--hidden", "64", "--batch-tokens", "4096", "--lr", "3e-3", "--seed", "0",
-                                  "--timeout", "60"], idle_s=120, weight=9)
+                                  "--timeout", "60"], idle_s=120, env=tiny_models_env(), weight=9)
 
 
 HF_TRAINER = job("hf_trainer.py", run_live, [sys.executable, str(EXAMPLES / "hf_trainer.py"), "", "300"], idle_s=120,
