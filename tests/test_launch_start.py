@@ -4,7 +4,6 @@ timeouts from ranks spawned as fresh interpreters and ranks forked from the fork
 import multiprocessing
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -42,15 +41,28 @@ def pkg(tmp_path_factory):
     return str(where)
 
 
-def _launch(pkg, method, target="launchmod:act", nprocs=4, args=("t",), idle=120.0, extra=None):
+def _launch(pkg, method, target="launchmod:act", nprocs=4, args=("t",), idle=120.0, extra=None, preload=None):
     env = {"PYTHONPATH": os.pathsep.join([pkg, os.environ.get("PYTHONPATH", "")]), "LAUNCH_TEST": "yes",
            **(extra or {})}
     return launch_local(target, nprocs, args=args, env=env, idle_timeout_s=idle, threads_per_proc=2,
-                        start_method=method)
+                        start_method=method, preload=preload)
 
 
-def test_both_start_methods_give_the_same_ranks(pkg):
-    spawned, forked = _launch(pkg, "spawn"), _launch(pkg, "forkserver")
+# a variable read at import time that the fork server's interpreter did not see: a forkserver launch that
+# sets it falls back to spawning fresh interpreters (`forked_ranks.IMPORT_TIME_ENV`)
+IMPORT_TIME = {"NUMBA_LAUNCH_TEST": "1"}
+
+
+@pytest.fixture(scope="module")
+def both(pkg):
+    """Four ranks of a forkserver launch that had to spawn (IMPORT_TIME), and four forked ones: the spawned
+    ranks serve the comparison and the fallback's own test, from one set of fresh interpreters (both
+    launches here, so that the environment pytest sets, PYTEST_CURRENT_TEST, is the same for both)."""
+    return _launch(pkg, "forkserver", extra=IMPORT_TIME), _launch(pkg, "forkserver")
+
+
+def test_both_start_methods_give_the_same_ranks(pkg, both):
+    spawned, forked = both
     for s, f in zip(spawned, forked):
         assert (s.rank, s.returncode, s.timed_out) == (f.rank, f.returncode, f.timed_out)
         # rank 0's result line names its heartbeat file and says how it started: compared below
@@ -64,7 +76,7 @@ def test_both_start_methods_give_the_same_ranks(pkg):
     assert [r.result for r in forked[1:]] == [None] * 3
     s, f = spawned[0].result, forked[0].result
     assert (s["forked"], f["forked"]) == (False, True)  # the forkserver launch did not fall back to spawn
-    assert _same_env(s["env"], f["env"])  # the whole environment, heartbeat file names aside
+    assert _same_env(s["env"], {**f["env"], **IMPORT_TIME})  # the whole environment, heartbeat file names aside
     assert f["env"]["LAUNCH_TEST"] == "yes" and f["env"]["OMP_NUM_THREADS"] == "2"
     assert s["threads"] == f["threads"] == 2
     assert s["path0"] == f["path0"] == pkg
@@ -76,14 +88,20 @@ def _same_env(a, b):
 
 
 def test_a_hung_launch_is_killed_at_the_idle_timeout_either_way(pkg):
-    for method in ("spawn", "forkserver"):
-        res = _launch(pkg, method, "launchmod:hang", nprocs=2, args=(), idle=4.0)
+    """Both launches wait out their idle timeout at once (two threads of this process: each launch keeps
+    its own liveness rule), not one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    methods = ("spawn", "forkserver")
+    with ThreadPoolExecutor(len(methods)) as pool:
+        runs = list(pool.map(lambda m: _launch(pkg, m, "launchmod:hang", nprocs=2, args=(), idle=4.0), methods))
+    for method, res in zip(methods, runs):
         assert [(r.timed_out, r.timeout_reason, r.returncode) for r in res] == [(True, "idle", None)] * 2, method
         assert [r.stdout for r in res] == ["started 0\n", "started 1\n"], method
 
 
-def test_an_import_time_variable_falls_back_to_spawn(pkg):
-    (res,) = _launch(pkg, "forkserver", nprocs=1, extra={"NUMBA_LAUNCH_TEST": "1"})
+def test_an_import_time_variable_falls_back_to_spawn(both):
+    res = both[0][0]
     assert res.returncode == 0 and res.result["forked"] is False
     assert res.result["env"]["NUMBA_LAUNCH_TEST"] == "1"
 
@@ -120,7 +138,9 @@ def test_an_environment_changed_since_the_server_started_gets_its_own_server(pkg
 
     (first,) = _launch(pkg, "forkserver", nprocs=1)
     monkeypatch.setenv("TOKENIZERS_LAUNCH_TEST", "changed")
-    (second,) = _launch(pkg, "forkserver", nprocs=1)
+    # the new server serves this launch only (no other test sets the variable): the suite's preload
+    # (transformers, conftest.py) would cost it seconds of CPU for nothing
+    (second,) = _launch(pkg, "forkserver", nprocs=1, preload=())
     assert (first.result["forked"], second.result["forked"]) == (True, True)
     assert "TOKENIZERS_LAUNCH_TEST" not in first.result["env"]
     assert second.result["env"]["TOKENIZERS_LAUNCH_TEST"] == "changed"
