@@ -96,6 +96,7 @@ def schedules_worker(rank, world, port, cases):
     torch.set_default_dtype(torch.float64)
     ctx = init_pipeline(world, rank=rank, world_size=world, master_port=port, timeout_s=300, abort_after_s=30)
     out = []
+    llamas = {}  # (tied, collation) -> the Llama case's model, reference, shapes, batches and reference loss
     with ctx:
         for model_name, schedule, collation, recompute, tied in cases:
             bounds = _bounds(model_name, schedule, world)
@@ -108,11 +109,17 @@ def schedules_worker(rank, world, port, cases):
                 batches = replica_batches(model, plan, 0, seed=len(out))
                 planned = plan_orders(plan, 0)
             else:
-                hf = build(decoder_config("llama", num_hidden_layers=4, tie_word_embeddings=tied), seed=1)
-                ref, model = copy.deepcopy(hf), from_hf(hf)
-                plan = _hf_shapes(collation)
-                gen = torch.Generator().manual_seed(5)
-                batches = [model.random_batch(s, gen) for s in plan]
+                # one model and one reference per (tied, collation), shared by its schedules: a step without an
+                # optimizer keeps the weights and starts from no gradients on this rank's layers (the ones
+                # compared), and the reference does not depend on the schedule or the cut
+                if (tied, collation) not in llamas:
+                    hf = build(decoder_config("llama", num_hidden_layers=4, tie_word_embeddings=tied), seed=1)
+                    ref, model = copy.deepcopy(hf), from_hf(hf)
+                    plan = _hf_shapes(collation)
+                    gen = torch.Generator().manual_seed(5)
+                    batches = [model.random_batch(s, gen) for s in plan]
+                    llamas[(tied, collation)] = (model, ref, plan, batches, _hf_reference(ref, batches)[0])
+                model, ref, plan, batches, _ = llamas[(tied, collation)]
                 planned = stage_orders(schedule, world, len(plan), time_s=[s.time_s for s in plan],
                                        memory_bytes=[s.memory_bytes for s in plan])
             runner = PipelineRunner.from_model(model, ctx, bounds, config)
@@ -129,7 +136,7 @@ def schedules_worker(rank, world, port, cases):
                         diff = max(diff, float((p.grad - q.grad).abs().max()))
                         scale = max(scale, float(q.grad.abs().max()))
             else:
-                ref_loss, _ = _hf_reference(ref, batches)
+                ref_loss = llamas[(tied, collation)][4]
                 diff, scale = grad_gap(model, ref, mine)
             out.append({"case": [model_name, schedule, collation, recompute, tied], "loss": res.loss,
                         "ref_loss": ref_loss, "diff": diff, "scale": scale, "layers": mine,
