@@ -8,7 +8,8 @@ launcher in fresh processes: keep this module's top level light, stdlib and this
 Every run here mostly sleeps (it prints every 0.25 s, or waits for a timeout to expire), so the
 selected tests' runs start together in the background when the module's first test begins
 (``tests/prelaunch.py``); each test then checks its own run exactly as when it runs alone. Elapsed
-times are taken inside each run.
+times are taken inside each run. Ranks are spawned (fresh interpreters: the module fixture) where an
+interpreter's start or teardown is the point, else forked from the fork server (`FORKED`).
 """
 
 import atexit
@@ -32,10 +33,19 @@ LAUNCHES = Prelaunch(parallel=6)
 SPIN_ENV = "LIVENESS_TEST_SPIN_AT_IMPORT"
 
 
+# a spinning rank computes BURN_S CPU seconds, then sleeps REST_S, over and over: a tenth of a core on
+# an idle machine instead of a whole one, still 10x the 1% of a core that counts as progress (where CPU
+# time is progress) and, under load 26 on 2 cores (burning then takes ~0.13 s), still 4.5%
+BURN_S, REST_S = 0.01, 0.09
+
+
 def _spin(seconds: float) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
-        pass
+        c0 = time.process_time()
+        while time.process_time() - c0 < BURN_S:
+            pass
+        time.sleep(REST_S)
 
 
 if os.environ.get(SPIN_ENV):  # a rank of test_cpu_time_is_progress_...: its import of this module computes
@@ -76,12 +86,17 @@ def silent(rank, world, port, seconds):
     return "woke up"
 
 
+# Launches whose point is not a fresh interpreter's start or teardown fork their rank from the fork server
+# (FORKED): ~0.3 s of CPU instead of ~3 s for a spawned interpreter's imports of torch and dynabatch.
+FORKED = "forkserver"
+
+
 def _printing():
-    return launch_local(f"{__file__}:chatty", 1, args=(IDLE + 3, 0.25), timeout_s=IDLE)
+    return launch_local(f"{__file__}:chatty", 1, args=(IDLE + 3, 0.25), timeout_s=IDLE, start_method=FORKED)
 
 
 def _beating():
-    return launch_local(f"{__file__}:beating", 1, args=(IDLE + 3, 0.25), idle_timeout_s=IDLE)
+    return launch_local(f"{__file__}:beating", 1, args=(IDLE + 3, 0.25), idle_timeout_s=IDLE, start_method=FORKED)
 
 
 def _nested():
@@ -113,9 +128,9 @@ def test_ranks_that_make_progress_are_not_killed_past_the_timeout():
 
 
 def spinning(rank, world, port, where, seconds):
-    """Print nothing; spin the CPU for ``seconds`` seconds in this function (``where="function"``) or
-    in the interpreter's teardown (``"exit"``: an atexit handler); ``"import"``: this module's import
-    did (`SPIN_ENV`)."""
+    """Print nothing; compute (`_spin`: a tenth of a core) for ``seconds`` seconds in this function
+    (``where="function"``) or in the interpreter's teardown (``"exit"``: an atexit handler); ``"import"``:
+    this module's import did (`SPIN_ENV`)."""
     if where == "function":
         _spin(seconds)
     elif where == "exit":
@@ -137,7 +152,10 @@ def test_cpu_time_is_progress_outside_the_worker_function_only():
     """A rank computing silently while it imports (torch: 30 s on a loaded 2-core machine) or tears
     its interpreter down (19 s) outlives the idle timeout; one spinning silently inside its worker
     function (a hung loop) is killed about ``IDLE`` seconds after it began (3 s was too tight for the
-    imports at load 26 with 3 CPU hogs: 1% of a core over the idle window is the rule)."""
+    imports at load 26 with 3 CPU hogs: 1% of a core over the idle window is the rule). Spawned ranks:
+    a fresh interpreter's start and teardown are the point. The spins use a tenth of a core (`_spin`),
+    10x the rule's share: a launcher that counted CPU time inside the worker function would keep the
+    hung loop alive, one that did not count it outside would kill the other two."""
     for where in ("import", "exit"):
         (r,) = LAUNCHES.result(job(("spin", where), _spinning, where, SPINS[where]))
         assert r.returncode == 0 and not r.timed_out and r.result == where, (where, r.stderr[-2000:])
@@ -164,7 +182,11 @@ COMPILE_IDLE = 4.0
 
 
 def _compiling():
-    return launch_local(f"{__file__}:compiling", 1, args=(COMPILE_IDLE + 2,), idle_timeout_s=COMPILE_IDLE)
+    """Forked: a spawned rank's first compile sets numba's CPU target up (1.4 s of CPU, silent, inside the
+    worker function, before the first compiler pass: 9 s at load 13 on 2 cores, past COMPILE_IDLE); the
+    fork server did that when it loaded the op-order kernels, as a rank's own earlier planning would."""
+    return launch_local(f"{__file__}:compiling", 1, args=(COMPILE_IDLE + 2,), idle_timeout_s=COMPILE_IDLE,
+                        start_method=FORKED)
 
 
 @pytest.mark.slow
@@ -178,13 +200,16 @@ def test_a_rank_compiling_numba_kernels_is_alive():
 
 
 def _silent(idle):
+    """Forked: spawned ranks' imports under a 4 s idle timeout were killed before they started at load 10
+    (the spins above show a fresh interpreter's start is progress)."""
     t0 = time.time()
-    res = launch_local(f"{__file__}:silent", 2, args=(300,), idle_timeout_s=idle)
+    res = launch_local(f"{__file__}:silent", 2, args=(300,), idle_timeout_s=idle, start_method=FORKED)
     return t0, res, time.time()
 
 
 def _max_wall():
-    return launch_local(f"{__file__}:chatty", 1, args=(300, 0.2), idle_timeout_s=60, max_wall_s=6)
+    return launch_local(f"{__file__}:chatty", 1, args=(300, 0.2), idle_timeout_s=60, max_wall_s=6,
+                        start_method=FORKED)
 
 
 def _run_live_chatty():
@@ -220,7 +245,7 @@ def test_silent_ranks_are_killed_soon_after_their_last_sign_of_life():
     starts = [float(r.stdout.split()[1]) for r in res if r.stdout.startswith("started")]
     last_sign = max(starts, default=t0)
     # killed after idle seconds of silence (not before), with a margin for a loaded machine
-    assert len(starts) == 2  # both started (their imports were progress), then went silent
+    assert len(starts) == 2  # both started, then went silent
     assert idle - 0.5 <= t_end - last_sign < idle + 15, (t0, starts, t_end)
 
 
