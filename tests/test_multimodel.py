@@ -230,14 +230,14 @@ def _data(model, steps, seed, mbs=(2, 4), max_len=24):
     return out
 
 
-def _multi(ctx, K, factor, interleave, recorder=None, lrs=LRS):
-    """K fresh gpt-tiny models (seeds 1..K) with AdamW at ``lrs``; budget ``factor`` x the largest shard
-    of this stage (None: unlimited)."""
+def _multi(ctx, K, factor, interleave, recorder=None, lrs=LRS, gpt=GPT, bounds=BOUNDS):
+    """K fresh gpt-tiny models (``gpt``, seeds 1..K, cut at ``bounds``) with AdamW at ``lrs``; budget
+    ``factor`` x the largest shard of this stage (None: unlimited)."""
     from dynabatch.pipeline import PipelineRunner, RunnerConfig, make_model
     from dynabatch.pipeline.runtime.multimodel import MultiModelRunner, shard_bytes
 
-    models = [make_model("gpt-tiny", **GPT, seed=1 + k) for k in range(K)]
-    runners = [PipelineRunner.from_model(m, ctx, BOUNDS, RunnerConfig(schedule="1f1b")) for m in models]
+    models = [make_model("gpt-tiny", **gpt, seed=1 + k) for k in range(K)]
+    runners = [PipelineRunner.from_model(m, ctx, bounds, RunnerConfig(schedule="1f1b")) for m in models]
     opts = [torch.optim.AdamW(r.parameters(), lr=lrs[k], eps=1e-4) for k, r in enumerate(runners)]
     budget = None if factor is None else \
         int(factor * max(sum(shard_bytes(r.stage, o, ctx.device)) for r, o in zip(runners, opts)))
@@ -398,16 +398,22 @@ def test_failing_shard_stops_every_rank_with_its_error():
     assert "rank 1 (stage 1, replica 0) failed: ValueError: boom in model 1" in res[0].stderr
 
 
+# the soak's models: one block per stage instead of two (the runner's shard bookkeeping walks every
+# tensor of every shard at each operation: most of a soak step's CPU); what the soak is for, shards
+# moving in and out of the budget and the ranks' step orders varying, does not depend on the depth
+SOAK_GPT, SOAK_BOUNDS = dict(GPT, layers=2), [0, 2, 4]
+
+
 def soak_worker(rank, world, port, steps):
-    """K = 3, two-shard budget, ``steps`` small steps (1-2 micro-batches), alternating the update
-    placement; returns the losses of model 0 and the moves."""
+    """K = 3 (`SOAK_GPT`), two-shard budget, ``steps`` small steps (1-2 micro-batches), alternating the
+    update placement; returns the losses of model 0 and the moves."""
     from dynabatch.pipeline import init_pipeline
     from dynabatch.pipeline.runtime.launch import heartbeat
 
     ctx = init_pipeline(2, rank=rank, world_size=world, master_port=port, timeout_s=30, abort_after_s=5)
     losses, spills, peak_ok = [], 0, True
     with ctx:
-        models, multi = _multi(ctx, 3, 2.0, True)
+        models, multi = _multi(ctx, 3, 2.0, True, gpt=SOAK_GPT, bounds=SOAK_BOUNDS)
         for k, (p, bs, n) in enumerate(_data(models[0], steps, seed=9, mbs=(1, 2), max_len=8)):
             res = multi.step(p, bs, num_tokens=n if k % 2 else None)
             losses.append(res.results[0].loss)
@@ -422,7 +428,8 @@ def test_three_hundred_steps_do_not_hang():
     the point. A spill that leaves a model's shard or a stale buffer behind shows only after many moves
     of shards in and out of the budget, and a hang between the two ranks only once their step orders
     have varied enough; both ranks' losses stay finite and equal, shards did spill, and the resident
-    bytes never passed the budget."""
+    bytes never passed the budget. The models have one block per stage (`SOAK_GPT`: a fifth less CPU per
+    step than two; the shards still spill and load at every model change)."""
     res = ok(launch_local(f"{__file__}:soak_worker", 2, args=(300,), idle_timeout_s=90))
     for r in res:
         assert len(r["losses"]) == 300 and np.all(np.isfinite(r["losses"]))
