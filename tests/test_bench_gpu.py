@@ -25,34 +25,51 @@ def _python(code: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_import_without_datasets_and_webdataset():
-    code = BLOCK + (
-        "import dynabatch, loaders, tokenization, dynabatch.cli, dynabatch.pipeline\n"
-        "from loaders import MissingDependencyError, open_source\n"
-        "from loaders._webdataset import _split\n"
-        "for call in (lambda: open_source([{'text': 'a'}]), lambda: _split('a.txt')):\n"
-        "    try:\n"
-        "        call()\n"
-        "    except MissingDependencyError as e:\n"
-        "        print(e)\n"
-        "    else:\n"
-        "        raise SystemExit('no error without the package')\n")
-    p = _python(code, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = p.stdout.strip().splitlines()
+MARK = "--- end of the import checks"  # on stdout: the checks' lines before it, the bench's JSON after it
+#: the import checks of `test_import_without_datasets_and_webdataset`: each feature's error, one line each
+IMPORT_CHECKS = (
+    "import dynabatch, loaders, tokenization, dynabatch.cli, dynabatch.pipeline\n"
+    "from loaders import MissingDependencyError, open_source\n"
+    "from loaders._webdataset import _split\n"
+    "for call in (lambda: open_source([{'text': 'a'}]), lambda: _split('a.txt')):\n"
+    "    try:\n"
+    "        call()\n"
+    "    except MissingDependencyError as e:\n"
+    "        print(e)\n"
+    "    else:\n"
+    "        raise SystemExit('no error without the package')\n"
+    f"print({MARK!r}, flush=True)\n")
+
+
+@pytest.fixture(scope="module")
+def blocked(request, tmp_path_factory):
+    """One interpreter without ``datasets`` and ``webdataset`` for this file: the import checks, then, when
+    `test_bench_gpu_cpu_form` is selected, the bench's CPU form (``--json`` to stdout, ``--out`` a folder).
+    One fresh interpreter instead of two (its start is most of the import test's cost); the checks run
+    before the bench, so the imports they see are an untouched interpreter's. ``(process, out folder)``."""
+    out = tmp_path_factory.mktemp("gpu") / "out"
+    bench = any(item.name == "test_bench_gpu_cpu_form" for item in request.session.items)
+    code = BLOCK + IMPORT_CHECKS
+    if bench:
+        code += ("from dynabatch.cli import main\n"
+                 f"raise SystemExit(main(['bench', 'gpu', '--quick', '--json', '--out', {str(out)!r}]))\n")
+    return _python(code, timeout=900), out  # liveness: the CPU form takes about a minute on a busy 2-core machine
+
+
+def test_import_without_datasets_and_webdataset(blocked):
+    p, _ = blocked
+    assert MARK in p.stdout, p.stderr[-3000:]
+    lines = p.stdout.split(MARK)[0].strip().splitlines()
     assert len(lines) == 2
     assert "a list of records" in lines[0] and "pip install 'datasets>=2.16'" in lines[0]
     assert "webdataset tar shards" in lines[1] and "pip install 'webdataset>=0.2.86'" in lines[1]
 
 
 @pytest.mark.slow
-def test_bench_gpu_cpu_form(tmp_path):
-    out = tmp_path / "out"
-    code = BLOCK + ("from dynabatch.cli import main\n"
-                    f"raise SystemExit(main(['bench', 'gpu', '--quick', '--json', '--out', {str(out)!r}]))\n")
-    p = _python(code, timeout=900)  # liveness: the CPU form takes about a minute on a busy 2-core machine
+def test_bench_gpu_cpu_form(blocked):
+    p, out = blocked
     assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout)  # --json: the JSON alone on stdout
+    res = json.loads(p.stdout.split(MARK + "\n", 1)[1])  # --json: the JSON alone on stdout (after the checks')
     assert res == json.loads((out / "result.json").read_text())
     s = res["sections"]
     assert list(s) == ["environment", "cost_model", "training", "recompute", "multimodel"]
