@@ -226,7 +226,9 @@ EVERY_MODE = launch(4, [0, 2, 3, 4, 6], [(n, 50, mode, "adamw", False, 4, mbs) f
 def test_every_mode_trains_on_four_stages_for_500_steps():
     """4 stages, 500 flush-free steps with prediction in windows of 50, and 50 steps with stale and
     stashed weights (no hang: the launcher's liveness timeout); the loss falls, and the memory each mode
-    held is reported (none holds nothing, stash and predict hold copies)."""
+    held is reported (none holds nothing, stash and predict hold copies). The 500 steps are the soak: ten
+    streams of 50 steps one after the other on the same runner, optimizer and weight predictor (the whole
+    launch ~32 CPU-s over its 4 ranks, measured alone)."""
     modes = [(mode, n) for mode, n, _ in EVERY_MODE_RUNS]
     res = _run(EVERY_MODE)
     held = {}
@@ -245,7 +247,8 @@ TWO_STAGE_SOAK = launch(2, [0, 3, 6], [(500, 100, "predict", "adamw", False, 6, 
 @LAUNCHES.plan(lambda: TWO_STAGE_SOAK)
 def test_two_stages_stream_500_steps():
     """2 stages, 500 flush-free steps with prediction in windows of 100: no hang, finite falling losses,
-    the same on both ranks (replicas are covered by the frozen-weights test)."""
+    the same on both ranks (replicas are covered by the frozen-weights test). The length is the soak: five
+    streams of 100 steps one after the other on the same runner, optimizer and weight predictor."""
     (res,) = _run(TWO_STAGE_SOAK)
     losses = res[0]["losses"]
     assert len(losses) == 500 and all(r["losses"] == losses for r in res)
