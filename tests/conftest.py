@@ -6,7 +6,10 @@ interpreter); tests whose point is a fresh interpreter's start or teardown pin `
 import os
 
 os.environ.setdefault("DYNABATCH_LAUNCH_START", "forkserver")
-os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers")
+# The fork server (one per xdist worker) imports transformers' model code once: a Hugging Face rank that
+# imported modeling_utils and Llama/T5 itself paid 1.2-3 s CPU each (measured), the server pays ~1.7 s.
+os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers,transformers.modeling_utils,"
+                      "transformers.models.llama.modeling_llama,transformers.models.t5.modeling_t5")
 # Two xdist workers share two cores: a worker whose torch ran two intra-op threads oversubscribed them
 # (OpenMP's spinning threads: 24% more user CPU on the in-process model tests, no faster). Ranks get
 # their own count from launch_local's threads_per_proc; a run may still choose another.

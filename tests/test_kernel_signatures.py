@@ -36,17 +36,30 @@ MODULES = ("op_tables", "schedules", "objective", "simulate", "inflight", "times
 #: scalars (`BatchPlan.objective_s`) and on arrays (`dynabatch.core.plan.bounds`); numba code inlines it.
 REAL_TYPES = {"objective.objective_kernel": 2}
 
-#: Prints ``{module.kernel: [signature, ...]}`` of every dispatcher of `MODULES`.
-DUMP = """
-import importlib
+#: ``signatures(shorts)``: ``{module.kernel: [signature, ...]}`` of every dispatcher of those kernel modules;
+#: then `dynabatch.core.plan.warm.warm_planner` runs (as in the fork server) and its signatures are kept.
+WARM = """
+import importlib, json, pkgutil, sys
 from numba.core.registry import CPUDispatcher
-out = {}
-for short in MODULES:
-    mod = importlib.import_module("dynabatch.core.kernels." + short)
-    for name, obj in vars(mod).items():
-        if isinstance(obj, CPUDispatcher) and obj.py_func.__module__ == mod.__name__:
-            out[short + "." + name] = [str(sig) for sig in obj.signatures]
-json.dump(out, sys.stdout)
+import dynabatch.core.kernels as kernels
+ALL = [m.name for m in pkgutil.iter_modules(kernels.__path__)]
+def signatures(shorts):
+    out = {}
+    for short in shorts:
+        mod = importlib.import_module("dynabatch.core.kernels." + short)
+        for name, obj in vars(mod).items():
+            if isinstance(obj, CPUDispatcher) and obj.py_func.__module__ == mod.__name__:
+                out[short + "." + name] = [str(sig) for sig in obj.signatures]
+    return out
+from dynabatch.core.plan.warm import warm_planner
+warm_planner()
+warm = signatures(ALL)
+"""
+
+#: Prints the signatures of `MODULES` after the entry points, and of every kernel module after warm_planner
+#: and after the entry points.
+DUMP = """
+json.dump({"entry": signatures(MODULES), "warm": warm, "after": signatures(ALL)}, sys.stdout)
 """
 
 #: The public entry points, as the planner, inspect, the simulators and the runtime call them.
@@ -55,6 +68,8 @@ import json, sys
 import numpy as np
 from dynabatch import CostModel, Shapes, plan_microbatches
 from dynabatch.core.cost.model import device_preset, model_preset
+from dynabatch.core.methods import BASELINES
+from dynabatch.core.plan.planner import split_global_batches
 from dynabatch.core.schedule.build import adaptive_order, multimodel_ops, step_ops, stream_ops
 from dynabatch.core.schedule.ops import StepOps
 from dynabatch.core.schedule.orders import plan_orders
@@ -70,6 +85,9 @@ shapes = Shapes.from_lengths(input_tokens=rng.integers(16, 2048, 120))
 plans = [plan_microbatches(shapes, cost, num_stages=4, num_ranks=2, method="dp", max_len=2048, schedule=name)
          for name in REGISTRY]
 plans.append(plan_microbatches(shapes, cost, num_stages=4, num_ranks=2, method="dp", max_len=2048, flush=False))
+for method in ("dp_varlen", "pack") + BASELINES:  # every method, for the warm-up check
+    plan_microbatches(shapes, cost, num_stages=3, num_ranks=4, method=method, max_len=1024, schedule="1f1b")
+split_global_batches(shapes, 8192, seed=3)
 for p in plans:
     for r in range(p.num_ranks):
         plan_orders(p, r, cost)
@@ -103,15 +121,36 @@ simulate_flushfree(np.ones((S, 6)), np.full((S, 6), 2.0), [[2, 1], [1, 2]], p2p_
 
 
 @pytest.fixture(scope="module")
-def entry_signatures() -> dict[str, list[str]]:
-    """``{module.kernel: [signature, ...]}`` after the entry points ran once in a fresh interpreter (the
-    repository's kernel cache: a few CPU seconds warm; on a fresh clone it compiles what later tests load)."""
+def dumped() -> dict[str, dict[str, list[str]]]:
+    """``{"entry"|"warm"|"after": {module.kernel: [signature, ...]}}`` (see `WARM`, `DUMP`) from one fresh
+    interpreter that ran `warm_planner` and then the entry points (the repository's kernel cache: a few CPU
+    seconds warm; on a fresh clone it compiles what later tests load)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
-    code = f"MODULES = {MODULES!r}\n" + ENTRY_POINTS + DUMP
+    code = f"MODULES = {MODULES!r}\n" + WARM + ENTRY_POINTS + DUMP
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert run.returncode == 0, f"the entry points failed:\n{run.stderr[-4000:]}"
     return json.loads(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def entry_signatures(dumped) -> dict[str, list[str]]:
+    """``{module.kernel: [signature, ...]}`` of `MODULES` after the entry points."""
+    return dumped["entry"]
+
+
+def test_warm_planner_loads_the_types_real_plans_use(dumped):
+    """`warm_planner` (the fork server's, so forked ranks plan without loading kernels) reaches the planner's
+    kernels with the argument types real plans pass: planning every method on other sizes, stage and rank
+    counts afterwards adds no signature to a kernel it loaded (a second type would be a second load or
+    compile in every rank, and the warm-up wasted)."""
+    warm, after = dumped["warm"], dumped["after"]
+    for kernel in ("dp._dp_entry", "assign.assign_ranks", "global_batches.greedy_cuts", "schedules._order_ranks",
+                   "simulate.makespan_table_kernel", "simulate.schedule_kernel"):
+        assert warm.get(kernel), f"warm_planner did not reach {kernel}"
+    grown = {k: sorted(set(after[k]) - set(v)) for k, v in warm.items() if v and set(after[k]) - set(v)}
+    assert not grown, "warm_planner loaded these kernels for other types than real plans use:\n" + "\n".join(
+        f"{k}: {v}" for k, v in grown.items())
 
 
 def _check(signatures: dict[str, list[str]]) -> None:
