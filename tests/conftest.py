@@ -4,6 +4,9 @@ interpreter); tests whose point is a fresh interpreter's start or teardown pin `
 (or the environment variable). ``setdefault``: a run may still choose spawn for everything."""
 
 import os
+from types import SimpleNamespace
+
+import pytest
 
 os.environ.setdefault("DYNABATCH_LAUNCH_START", "forkserver")
 # The fork server (one per xdist worker) imports transformers' model code once: a Hugging Face rank that
@@ -14,6 +17,25 @@ os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers,transformers.mod
 # (OpenMP's spinning threads: 24% more user CPU on the in-process model tests, no faster). Ranks get
 # their own count from launch_local's threads_per_proc; a run may still choose another.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """``run_cli(*argv)``: ``dynabatch ARGV`` through the console script's entry point (`dynabatch.cli.main`) in
+    this process, its output captured: ``returncode``, ``stdout``, ``stderr`` (as a
+    `subprocess.CompletedProcess` has them). For commands whose behaviour does not depend on a fresh
+    interpreter: a CLI interpreter and a fork server of its own per run (torch imported twice, ~6 CPU-s)
+    were a third of a small bench run's cost; the ranks a command launches are still processes of their own."""
+
+    def run(*argv) -> SimpleNamespace:
+        from dynabatch.cli import main
+
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
 def pytest_configure(config):

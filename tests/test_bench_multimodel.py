@@ -9,30 +9,17 @@ from dynabatch.bench.multimodel import format_multimodel, summarize_k
 from dynabatch.datagen import write_text_shards
 
 
-def bench_multimodel(capsys, argv):
-    """``dynabatch bench multimodel ARGV`` through the console script's entry point (`dynabatch.cli.main`) in
-    this process: ``(exit code, stdout, stderr)``. What the command does does not depend on a fresh interpreter;
-    a CLI interpreter and a fork server of its own per run (torch imported twice) were a third of this test's
-    CPU. Its ranks are still processes of their own (`launch_local`)."""
-    from dynabatch.cli import main
-
-    capsys.readouterr()
-    code = main(["bench", "multimodel", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.slow
-def test_bench_multimodel_json_and_table(tmp_path, capsys):
+def test_bench_multimodel_json_and_table(tmp_path, run_cli):
     """K = 2 interleaved and K = 3 model after model under a 1.2-shard budget (so shards spill), 2 gloo
     stages, 3 steps (1 warm-up); liveness timeouts only (``--timeout``)."""
     paths = write_text_shards(tmp_path / "data", 400, seed=0)
     common = ["--stages", "2", "--steps", "3", "--warmup", "1", "--hidden", "32", "--global-batch-tokens", "2048",
               "--max-len", "256", "--data", *paths, "--timeout", "60"]
-    code, stdout, stderr = bench_multimodel(capsys, common + ["--k", "2", "--json", "--progress"])
-    assert code == 0, stderr[-3000:]
-    res = json.loads(stdout)
-    assert "bench multimodel" not in stderr  # --json: no bar even with --progress
+    out = run_cli("bench", "multimodel", *common, "--k", "2", "--json", "--progress")  # in this process
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert "bench multimodel" not in out.stderr  # --json: no bar even with --progress
     (r,) = res["ks"]
     assert r["K"] == 2 and r["steps_timed"] == 2 and r["identical"] is True
     assert r["together_s"] > 0 and r["sequential_s"] > 0
@@ -44,10 +31,11 @@ def test_bench_multimodel_json_and_table(tmp_path, capsys):
     for row in r["per_step"]:
         assert len(row["single_s"]) == 2 and row["tokens"] > 0
 
-    code, table, stderr = bench_multimodel(capsys, common + ["--k", "3", "--budget-shards", "1.2", "--no-interleave",
-                                                             "--progress"])
-    assert code == 0, stderr[-3000:]
-    assert "bench multimodel (K=(3,))" in stderr and "3/3" in stderr  # the bar of the steps trained
+    out = run_cli("bench", "multimodel", *common, "--k", "3", "--budget-shards", "1.2", "--no-interleave",
+                  "--progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bench multimodel (K=(3,))" in out.stderr and "3/3" in out.stderr  # the bar of the steps trained
+    table = out.stdout
     assert "model after model" in table and "spills" in table, table
     row = [ln for ln in table.splitlines() if ln.strip().startswith("3 ")]
     assert row and " yes " in row[0], table

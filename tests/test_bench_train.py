@@ -1,16 +1,13 @@
 """`dynabatch bench train` on tiny generated data: JSON schema, every method, same real tokens.
 
-Each completed run goes through the console script's own entry point (`dynabatch.cli.main`) in this
-process, its stdout and stderr captured: what the command does does not depend on a fresh interpreter,
-and a CLI interpreter plus a fork server of its own (torch imported twice, ~6 CPU-s) was a third of a
-small run's cost. The ranks still are separate processes (`launch_local`, forked from this process's fork
-server, shared by every run here). The SIGTERM test keeps a bench process of its own: its point is a
+Each completed run goes through the console script's own entry point in this process (the `run_cli`
+fixture, conftest.py); its ranks are still separate processes (`launch_local`, forked from this process's
+fork server, shared by every run here). The SIGTERM test keeps a bench process of its own: its point is a
 signal to that process and its session.
 """
 
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,25 +20,14 @@ from dynabatch.pipeline import batch_shapes, make_model, stage_cost_model
 from dynabatch.pipeline.measure import representative
 
 
-def bench_train(capsys, *argv):
-    """``dynabatch bench train ARGV`` in this process: ``returncode``, ``stdout``, ``stderr`` (as a
-    `subprocess.CompletedProcess` has them). Liveness: ``--timeout`` (the ranks' idle timeout)."""
-    from dynabatch.cli import main
-
-    capsys.readouterr()
-    code = main(["bench", "train", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-
 @pytest.mark.slow
-def test_bench_train_json(tmp_path, capsys):
+def test_bench_train_json(tmp_path, run_cli):
     """(No wall clock: --timeout is the bench's liveness timeout.) 2048-token global batches under caps
     of 256 tokens keep each step cheap (the default caps spend the run in attention; 4096/512 cost
     twice the ranks' CPU for the same checks): dp plans 1-2 micro-batches a step, pack 3, so the methods
     still group each global batch differently, and 4 steps give dp two refits to move its cost model."""
     paths = write_text_shards(tmp_path / "data", 300, seed=0)
-    out = bench_train(capsys, "--model", "t5-tiny", "--stages", "2", "--steps", "4", "--warmup", "1", "--hidden", "64",
+    out = run_cli("bench", "train", "--model", "t5-tiny", "--stages", "2", "--steps", "4", "--warmup", "1", "--hidden", "64",
                       "--global-batch-tokens", "2048", "--max-len", "256", "--data", *paths, "--timeout", "60",
                       "--json", "--save-cost-model", tmp_path / "refit.json", "--out", tmp_path / "result.json",
                       "--progress")
@@ -85,15 +71,14 @@ def test_batch_shapes_carry_the_plans_time_and_memory():
 
 
 @pytest.mark.slow
-def test_bench_train_runs_the_adaptive_schedule(tmp_path, capsys):
+def test_bench_train_runs_the_adaptive_schedule(tmp_path, run_cli):
     """--schedule adaptive: the planner orders and simulates the memory-bounded order the runner runs."""
     paths = write_text_shards(tmp_path / "data", 120, seed=1)
-    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
+    out = run_cli("bench", "train", "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
                       "--global-batch-tokens", "2048", "--max-len", "512", "--schedule", "adaptive", "--methods", "dp",
                       "pack", "--data", *paths, "--timeout", "60", "--progress", "--out", tmp_path / "adaptive.json")
-    folder = tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads((folder / "adaptive.json").read_text())
+    res = json.loads((tmp_path / "adaptive.json").read_text())
     # --progress: a bar of the 3 steps (each: both methods) on stderr, the table on stdout
     assert "bench train (gpt-tiny, 2 methods)" in out.stderr and "3/3" in out.stderr and "dp" in out.stdout
     assert res["config"]["options"]["schedule"] == "adaptive" and set(res["methods"]) == {"dp", "pack"}
@@ -235,15 +220,13 @@ def test_bench_train_liveness_timeout_reports_the_partial_result(tmp_path, monke
 # -- vlm-tiny: image+text and text-only records, stage-aware dp vs stage-blind dp vs pack/token_budget -------
 
 @pytest.mark.slow
-def test_bench_train_vlm_tiny_json(tmp_path, capsys):
+def test_bench_train_vlm_tiny_json(tmp_path, run_cli):
     """A tiny vlm-tiny run on generated image+text and text records (no shared data): every method, the
     per-stage MAPE fields, the modality split, the same samples per method step by step."""
-    from dynabatch.bench.train_vlm import VLM_METHODS
-
-    from dynabatch.bench.train_vlm import build_vlm_data
+    from dynabatch.bench.train_vlm import VLM_METHODS, build_vlm_data
 
     (data,) = build_vlm_data(str(tmp_path), 48, text_fraction=0.5, seed=0, use_shared=False)
-    out = bench_train(capsys, "--model", "vlm-tiny", "--stages", "2", "--steps", "3", "--warmup", "1",
+    out = run_cli("bench", "train", "--model", "vlm-tiny", "--stages", "2", "--steps", "3", "--warmup", "1",
                       "--global-batch-tokens", "2048", "--max-len", "512", "--refit-every", "1", "--data", data,
                       "--timeout", "90", "--json")
     rows = [json.loads(line) for line in open(data)]
@@ -309,12 +292,12 @@ def test_packed_rows_become_one_sequence_per_row():
     assert rows_as_sequences([{"input_ids": 1}]) == [{"input_ids": 1}]
 
 
-def test_bench_train_compares_recompute_policies(tmp_path, capsys):
+def test_bench_train_compares_recompute_policies(tmp_path, run_cli):
     """--device-memory-limit: dp+none, dp+full and dp+adaptive at a level below the peak without
     recomputation; the measured bytes of full and adaptive stay within the limit, none's do not, and
     every variant trains the same real tokens."""
     paths = write_text_shards(tmp_path / "data", 160, seed=2)
-    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
+    out = run_cli("bench", "train", "--model", "gpt-tiny", "--steps", "3", "--warmup", "1", "--hidden", "32",
                       "--global-batch-tokens", "4096", "--max-len", "512", "--device-memory-limit", "0.5x", "--data",
                       *paths, "--timeout", "60", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -335,14 +318,14 @@ def test_bench_train_compares_recompute_policies(tmp_path, capsys):
     assert m["dp+full"]["step_time_vs_full"] == pytest.approx(1.0)
 
 
-def test_bench_train_flush_free_variants(tmp_path, capsys):
+def test_bench_train_flush_free_variants(tmp_path, run_cli):
     """--flush-free: dp/sync against the three flush-free streams; the same global batches and real
     tokens, every variant trains, the weight memory is reported (stash and predict hold copies). Two
     windows of 3 steps, 2 micro-batches a step (4096-token batches, 512-token caps). ``--partition
     uniform``: the split is not what this test is about (test_bench_train_json checks the searched one),
     and searching it profiled every layer once per variant, half the ranks' CPU."""
     paths = write_text_shards(tmp_path / "data", 160, seed=4)
-    out = bench_train(capsys, "--model", "gpt-tiny", "--steps", "6", "--warmup", "1", "--hidden", "32",
+    out = run_cli("bench", "train", "--model", "gpt-tiny", "--steps", "6", "--warmup", "1", "--hidden", "32",
                       "--global-batch-tokens", "4096", "--max-len", "512", "--flush-free", "--flush-window", "3",
                       "--partition", "uniform", "--data", *paths, "--timeout", "60", "--json")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -22,22 +22,16 @@ def _size_args():
 
 
 @pytest.mark.slow
-def test_bench_train_hf_llama(tmp_path, capsys):
-    """(No wall clock: --timeout is the bench's liveness timeout.) The command runs through the console
-    script's entry point (`dynabatch.cli.main`) in this process, its output captured: what it does does not
-    depend on a fresh interpreter, whose start (torch and transformers imported, then again by a fork server
-    of its own) was a third of this test's CPU. The ranks are still processes of their own."""
-    from dynabatch.cli import main
-
+def test_bench_train_hf_llama(tmp_path, run_cli):
+    """(No wall clock: --timeout is the bench's liveness timeout.) The command runs in this process
+    (`run_cli`); its ranks are still processes of their own."""
     paths = write_text_shards(tmp_path / "data", 300, seed=0)
-    capsys.readouterr()
-    code = main(["bench", "train", "--model", "hf-llama", "--stages", "2", "--steps", "3", "--warmup", "1",
-                 *_size_args(), "--global-batch-tokens", "2048", "--max-len", "128", "--data", *map(str, paths),
-                 "--timeout", "300", "--json", "--progress", "--save-cost-model", str(tmp_path / "refit.json")])
-    stdout, stderr = capsys.readouterr()
-    assert code == 0, stderr[-3000:]
-    res = json.loads(stdout)
-    assert "bench train (" not in stderr and "profiling" not in stderr  # --json: nothing extra
+    out = run_cli("bench", "train", "--model", "hf-llama", "--stages", "2", "--steps", "3", "--warmup", "1",
+                  *_size_args(), "--global-batch-tokens", "2048", "--max-len", "128", "--data", *paths,
+                  "--timeout", "300", "--json", "--progress", "--save-cost-model", tmp_path / "refit.json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert "bench train (" not in out.stderr and "profiling" not in out.stderr  # --json: nothing extra
     assert res["status"] == "complete" and set(res["methods"]) == set(TRAIN_METHODS)
     cfg = res["config"]
     # the Hugging Face Llama was built: its parameter count, not a tiny model's

@@ -7,7 +7,6 @@ parts' weights (the same logits as a model built from the parts alone) and not t
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -20,16 +19,6 @@ from liveness import run_live  # noqa: E402
 
 LIMIT = 200_000  # activation bytes a stage may hold
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_hf.py"
-# the example's fork server imports the Llama modeling code once (~1.3 s CPU), instead of each of its ranks
-# importing it for itself (~1.2 s CPU each: transformers' model registry, modeling_utils, modeling_llama)
-HF_PRELOAD = "transformers,transformers.modeling_utils,transformers.models.llama.modeling_llama"
-
-
-def example_env() -> dict:
-    """This process's environment with the Hugging Face example's fork-server preload (`HF_PRELOAD`)."""
-    from dynabatch.pipeline.runtime.launch import PRELOAD_ENV
-
-    return {**os.environ, PRELOAD_ENV: HF_PRELOAD}
 
 
 def _model_folder(folder: Path, texts: list[str]):
@@ -64,8 +53,7 @@ def test_example_trains_a_hugging_face_folder_on_two_stages(tmp_path):
     initial = _model_folder(tmp_path / "model", [r["inputs"] + r["targets"] for r in text_records(240, seed=0)])
     out = tmp_path / "out"
     res = run_live([sys.executable, str(EXAMPLE), str(tmp_path / "model"), str(data), "--steps", "3", "--out", str(out),
-                    "--batch-tokens", "1024", "--max-len", "128", "--memory-limit", str(LIMIT)], idle_s=180,
-                   env=example_env())
+                    "--batch-tokens", "1024", "--max-len", "128", "--memory-limit", str(LIMIT)], idle_s=180)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = re.findall(r"^step (\d+) loss (\S+) tokens (\d+) recomputed layers (\d+) peak activations (\d+) B",
                        res.stdout, re.M)

@@ -92,7 +92,7 @@ def test_two_replicas_of_two_stages_equal_one_replica_on_the_doubled_batch():
 @pytest.mark.slow
 def test_example_trains_two_replicas_of_two_stages(tmp_path):
     import transformers
-    from test_pipeline_hf_example import LIMIT, _model_folder, example_env
+    from test_pipeline_hf_example import LIMIT, _model_folder
 
     from dynabatch.datagen import text_records, write_text_shards
 
@@ -102,7 +102,7 @@ def test_example_trains_two_replicas_of_two_stages(tmp_path):
     out = tmp_path / "out"
     res = run_live([sys.executable, str(EXAMPLE), str(tmp_path / "model"), str(data), "--stages", "2", "--ranks", "4",
                     "--steps", "3", "--out", str(out), "--batch-tokens", "1024", "--max-len", "128",
-                    "--memory-limit", str(LIMIT)], idle_s=240, env=example_env())
+                    "--memory-limit", str(LIMIT)], idle_s=240)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = re.findall(r"^step (\d+) loss (\S+) tokens (\d+)", res.stdout, re.M)
     assert [int(k) for k, *_ in lines] == [0, 1, 2], res.stdout

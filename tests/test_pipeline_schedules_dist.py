@@ -119,7 +119,7 @@ def schedules_worker(rank, world, port, cases):
                     gen = torch.Generator().manual_seed(5)
                     batches = [model.random_batch(s, gen) for s in plan]
                     llamas[(tied, collation)] = (model, ref, plan, batches, _hf_reference(ref, batches)[0])
-                model, ref, plan, batches, _ = llamas[(tied, collation)]
+                model, ref, plan, batches, hf_ref_loss = llamas[(tied, collation)]
                 planned = stage_orders(schedule, world, len(plan), time_s=[s.time_s for s in plan],
                                        memory_bytes=[s.memory_bytes for s in plan])
             runner = PipelineRunner.from_model(model, ctx, bounds, config)
@@ -136,7 +136,7 @@ def schedules_worker(rank, world, port, cases):
                         diff = max(diff, float((p.grad - q.grad).abs().max()))
                         scale = max(scale, float(q.grad.abs().max()))
             else:
-                ref_loss = llamas[(tied, collation)][4]
+                ref_loss = hf_ref_loss
                 diff, scale = grad_gap(model, ref, mine)
             out.append({"case": [model_name, schedule, collation, recompute, tied], "loss": res.loss,
                         "ref_loss": ref_loss, "diff": diff, "scale": scale, "layers": mine,

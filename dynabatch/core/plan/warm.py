@@ -1,8 +1,8 @@
 """Load the planner's numba kernels once, before a process forks its workers.
 
 A rank forked from `launch_local`'s fork server that plans its steps (a `DataLoader` in every rank) would
-otherwise load each planner kernel from numba's on-disk cache on its first step, 0.2-0.9 s CPU per rank
-(measured), paid again by every rank of every launch. `warm_planner` plans one tiny global batch with each
+otherwise load each planner kernel from numba's on-disk cache on its first step (0.13 s CPU per rank on an
+idle machine, measured; more under load), paid again by every rank of every launch. `warm_planner` plans one tiny global batch with each
 method and collation through `plan_microbatches`, the planner's one entry, so it loads exactly the kernel
 signatures a real plan uses (`Shapes` normalizes its columns' dtypes, so the types are the real ones)."""
 
@@ -20,9 +20,10 @@ from .planner import plan_microbatches, split_global_batches
 
 
 def warm_planner() -> None:
-    """Plan 24 synthetic samples (16-200 input tokens, 4-40 target tokens) with the dp planner of each collation
-    (`default_method`) and every baseline, on 2 stages and 2 ranks of the ``gpt`` preset, cut into global
-    batches and priced by the simulator as the partition search does: the kernels those calls run stay loaded in this process (and in every process it forks). Costs about 0.3 s CPU from a warm cache."""
+    """Plan 24 synthetic samples (16-200 input tokens, 4-40 target tokens) with the dp planner of each
+    collation (`default_method`) and every baseline, on 2 stages and 2 ranks of the ``gpt`` preset, cut them
+    into global batches and price one order as the partition search does: the kernels those calls run stay
+    loaded in this process (and in every process it forks). About 0.13 s CPU from a warm cache (measured)."""
     n = 24
     ids = np.arange(n, dtype=np.int64)
     shapes = Shapes(sample_id=ids, input_tokens=16 + (ids * 37) % 185, target_tokens=4 + (ids * 11) % 37,
