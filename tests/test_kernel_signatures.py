@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 
@@ -30,7 +31,8 @@ import pytest
 from numba.core.registry import CPUDispatcher
 
 #: Kernel modules under the rule (`dynabatch.core.kernels.<name>`).
-MODULES = ("op_tables", "schedules", "objective", "simulate", "inflight", "times", "flushfree")
+MODULES = ("op_tables", "schedules", "objective", "simulate", "inflight", "times", "flushfree", "dp", "segments",
+           "cost", "assign", "global_batches", "packing", "caps", "rows")
 
 #: Kernels with more than one real argument type, and why. ``objective_kernel`` is called from Python on
 #: scalars (`BatchPlan.objective_s`) and on arrays (`dynabatch.core.plan.bounds`); numba code inlines it.
@@ -88,6 +90,18 @@ plans.append(plan_microbatches(shapes, cost, num_stages=4, num_ranks=2, method="
 for method in ("dp_varlen", "pack") + BASELINES:  # every method, for the warm-up check
     plan_microbatches(shapes, cost, num_stages=3, num_ranks=4, method=method, max_len=1024, schedule="1f1b")
 split_global_batches(shapes, 8192, seed=3)
+# The records as Ray's object store hands them to a part (`--engine ray`): pickle 5 with out-of-band buffers,
+# so every array is read-only. The planner takes them as they are and its kernels get writable arrays.
+import pickle
+def zero_copy(x):
+    buffers = []
+    data = pickle.dumps(x, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[memoryview(b.raw()).toreadonly() for b in buffers])
+ro_shapes, ro_cost = zero_copy(shapes), zero_copy(cost)
+assert not ro_cost.mem_coef.flags.writeable
+for method in ("dp", "dp_varlen"):
+    plan_microbatches(ro_shapes, ro_cost, num_stages=4, num_ranks=2, method=method, max_len=2048)
+split_global_batches(ro_shapes, 8192, seed=3)
 for p in plans:
     for r in range(p.num_ranks):
         plan_orders(p, r, cost)
@@ -202,7 +216,11 @@ def _constant_arguments(module) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("short", MODULES)
+#: Every kernel module, for the source check (it costs no compile).
+ALL_MODULES = tuple(m.name for m in pkgutil.iter_modules(importlib.import_module("dynabatch.core.kernels").__path__))
+
+
+@pytest.mark.parametrize("short", ALL_MODULES)
 def test_kernels_pass_their_helpers_no_constants(short):
     """Numba code hands a called kernel typed values (``np.int64(0)``, ``np.bool_(True)``, a comparison),
     or the helper is inlined (``inline="always"``: `_put`, `one_f_one_b_row`, `objective_kernel`), so no

@@ -168,9 +168,10 @@ def test_lower_bound_named_schedules(seed, kind):
 def test_kernels_callable_from_njit():
     @njit
     def best_of_two(fwd, bwd, p2p):
-        S, M = fwd.shape
-        a = makespan_kernel(fwd, bwd, p2p, schedule_kernel(S, M, 0))
-        b = makespan_kernel(fwd, bwd, p2p, schedule_kernel(S, M, 1))
+        S, M = fwd.shape  # typed codes, as the library's kernels pass them (a literal 0 would compile a second
+        # schedule_kernel and static_table on every fresh clone)
+        a = makespan_kernel(fwd, bwd, p2p, schedule_kernel(S, M, np.int64(0)))
+        b = makespan_kernel(fwd, bwd, p2p, schedule_kernel(S, M, np.int64(1)))
         return min(a, b)
 
     fwd = np.ones((3, 4))

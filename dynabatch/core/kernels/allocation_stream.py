@@ -90,15 +90,15 @@ def stream_kernel(t, mem, p2p, xfer, prod, d, s, ranks, off, ff, ovh, state, ar,
     for k in range(C):
         if d[k] == 0:
             continue
-        _arrivals(k, True, prod, assign, ranks, off, s, xfer, fend, parent, first, cur)
-        _stage_pass(k, True, assign, ranks, off, s, p2p, stt, ff[k], free, cb, cur)
+        _arrivals(k, np.bool_(True), prod, assign, ranks, off, s, xfer, fend, parent, first, cur)
+        _stage_pass(k, np.bool_(True), assign, ranks, off, s, p2p, stt, ff[k], free, cb, cur)
         fend[k] = cur
     # backward, in the reverse order; each rank posts k's all-reduce once past k
     for k in range(C - 1, -1, -1):
         if d[k] == 0:
             continue
-        _arrivals(k, False, prod, assign, ranks, off, s, xfer, bfirst, parent, first, cur)
-        _stage_pass(k, False, assign, ranks, off, s, p2p, stt, 1.0 - ff[k], free, cb, cur)
+        _arrivals(k, np.bool_(False), prod, assign, ranks, off, s, xfer, bfirst, parent, first, cur)
+        _stage_pass(k, np.bool_(False), assign, ranks, off, s, p2p, stt, 1.0 - ff[k], free, cb, cur)
         bfirst[k] = cur
         for x in range(d[k] * s[k]):
             r = ranks[off[k] + x]

@@ -297,7 +297,7 @@ def _partition_times(offset, count, seg_time, starts, n):
 def _slowest_rank_s(times, ranks, equal_counts):
     """Seconds of the slowest rank once ``times`` are spread over ``ranks`` by `assign_ranks` (one
     stage): the step time a one-stage data-parallel plan of these micro-batches waits for."""
-    rank_of = assign_ranks(times, ranks, 1, equal_counts)
+    rank_of = assign_ranks(times, ranks, np.int64(1), equal_counts)  # typed: a literal 1 compiles a second assign_ranks
     per_rank = np.zeros(ranks)
     for k in range(times.shape[0]):
         per_rank[rank_of[k]] += times[k]

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from .arrays import kernel_array
 from .cost import NUM_FEATURES, Q_PAD, padded_features, profiled_lookup, round_up
 
 
@@ -45,7 +46,7 @@ def segment_cost(varlen: bool, pad_multiple: int, tile_patches: int, time_coef, 
     """A `SegmentCost` with numba's types; ``table``: a profiled table (``rows``, ``main_len``,
     ``dec_len``, ``time_s``, ``memory_bytes``, ``extrapolate``; used for padded segments) or None;
     ``dense``: the cost model's ``packed_attention == "dense"`` (packed segments only)."""
-    f64 = lambda x: np.ascontiguousarray(x, np.float64)  # noqa: E731
+    f64 = lambda x: kernel_array(x, np.float64)  # noqa: E731  (a cost model unpickled by Ray is read-only)
     if table is None or varlen:
         z1, z3 = np.zeros(1), np.zeros((1, 1, 1))
         grid, extrapolate = (z1, z1, z1, z3, z3), False
@@ -144,7 +145,7 @@ def enumerate_segments(main, dec, tiles, cost):
                     t = profiled_lookup(grid_r, grid_l, grid_d, tab_t, i - j, Lp, Tp, extrapolate)
                     m = profiled_lookup(grid_r, grid_l, grid_d, tab_m, i - j, Lp, Tp, extrapolate)
                     if low < Lp and tcoef[Q_PAD] > 0:  # q_pad as `padded_features` defines it
-                        padded_features(i - j, Lp, Tp, v, tile_patches, phi, True)
+                        padded_features(i - j, Lp, Tp, v, tile_patches, phi, np.bool_(True))
                         t += tcoef[Q_PAD] * phi[Q_PAD]
                 else:
                     padded_features(i - j, Lp, Tp, v, tile_patches, phi, low < Lp)
