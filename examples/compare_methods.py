@@ -13,7 +13,7 @@ import numpy as np
 
 from dynabatch.core.options import METHODS
 from dynabatch import CostModel, PlanOptions, plan_microbatches, read_shapes, split_global_batches
-from dynabatch.core.plan.bounds import objective_lower_bound
+from dynabatch.core.plan import objective_lower_bound
 from dynabatch.shape_sources import synthetic_shapes
 
 

@@ -16,6 +16,8 @@ _NAMES = {
     "Tokenization": "settings", "DataSource": "settings", "Costing": "settings", "Runtime": "settings",
     "Mode": "modes", "IndexedMode": "modes", "ReplayMode": "modes", "StreamingMode": "modes",
     "LoaderStateError": "state", "merge_states": "state", "load_loader_state": "state", "save_loader_state": "state",
+    "collate_padded": "collate", "collate_packed": "collate", "ThreadCollective": "collective",
+    "TaskMixture": "tasks", "step_samples": "tasks",
 }
 __all__ = sorted(_NAMES)
 

@@ -15,7 +15,7 @@ from ..lazy import lazy_names
 # Names load on first use (name -> submodule): `presets` alone, which the command line's choices read,
 # then costs no numba import (`model`, `features` and the kernels do).
 _NAMES = {
-    "microbatch_features": "features", "plan_features": "features", "CostModel": "model",
+    "microbatch_features": "features", "plan_features": "features", "CostModel": "model", "describe": "model",
     "DEVICE_PRESETS": "presets", "GPU_PRESETS": "presets", "MODEL_PRESETS": "presets",
     "TINY_MODEL_PRESETS": "presets", "DeviceProfile": "presets", "ModelConfig": "presets",
     "device_preset": "presets", "model_preset": "presets", "ProfiledTable": "profiled",

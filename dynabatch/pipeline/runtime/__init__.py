@@ -26,7 +26,7 @@ from .reference import sequential_step
 from .replicas import loader_runtime
 from .runner import PipelineRunner
 from .schedule import (SCHEDULES, Compute, Message, Post, ProgramError, build_programs, check_programs,
-                       stage_orders)
+                       quantize_times, stage_orders)
 from .shards import ShardStore, shard_bytes
 from .tied import Ties, tie_stages
 from .weight_prediction import WeightPredictor
@@ -36,6 +36,6 @@ __all__ = [
     "init_pipeline", "RunnerConfig", "PipelineAborted", "Hooks", "StageRun", "run_program", "ProcResult",
     "free_port", "launch_local", "run_ranks", "MultiModelRunner", "MultiStepResult", "sequential_step", "PipelineRunner",
     "SCHEDULES", "Compute", "Message", "Post", "ProgramError", "build_programs", "check_programs",
-    "stage_orders", "ShardStore", "shard_bytes", "Ties", "tie_stages", "WeightPredictor",
+    "quantize_times", "stage_orders", "ShardStore", "shard_bytes", "Ties", "tie_stages", "WeightPredictor",
 ]
 __all__ += ["NonFiniteStep", "loader_runtime"]
