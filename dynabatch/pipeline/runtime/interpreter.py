@@ -66,15 +66,15 @@ class Hooks:
 
     def module(self, v: int):
         """The `PipelineStage` that runs virtual micro-batch ``v`` on this rank."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement Hooks.module (see run_program)")
 
     def specs(self, v: int) -> tuple[Sequence[TensorSpec] | None, Sequence[TensorSpec] | None]:
         """``v``'s boundary specs at this stage's input and output (None at the first/last stage)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement Hooks.specs (see run_program)")
 
     def describe(self, v: int) -> str:
         """``v`` in the monitor's texts and errors (``micro-batch 3 of step 7``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement Hooks.describe (see run_program)")
 
     def batch(self, v: int) -> dict | None:
         """``v``'s micro-batch dictionary on the device, where this stage reads it (else None)."""
