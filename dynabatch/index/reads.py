@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from numba import njit, types
+from numba import types
+
+from ..core.kernels.compile_once import njit  # numba's njit, its compile lock installed (compile_once)
 
 # pread(fd, buffer, count, offset) of the C library, linked by name: a cached kernel stays valid in
 # every process (a ctypes function pointer would be an address of one process only)

@@ -89,4 +89,8 @@ module                kernel                          reference
 
 Callers pass arrays through `.arrays.kernel_array` and scalars as ``np.int64``, not literals, where
 types would otherwise vary: numba compiles a kernel (and what it calls) once per argument type.
+
+Processes that start together on an empty cache compile each kernel once between them, not once each
+(`.compile_once`: every kernel module takes numba's ``njit`` from there, so the lock is installed before
+any kernel can compile; importing this package alone imports no numba).
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .simulate import makespan_kernel, makespan_reference
 

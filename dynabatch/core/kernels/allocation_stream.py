@@ -8,7 +8,7 @@ graphs and allocations. Times are seconds, memory bytes.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .allocation import lpt_ordered, lpt_reference, stage_time
 

@@ -25,7 +25,7 @@ kernel                      reference
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .objective import objective_kernel, objective_reference
 from .simulate import makespan_kernel, makespan_reference, split_kernel, split_reference

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)

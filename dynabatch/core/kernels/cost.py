@@ -21,7 +21,7 @@ import itertools
 import math
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 #: Feature layout of ``phi``; `padded_features` and the DP write these slots by position.
 FEATURES = ("n_main", "q_main", "n_dec", "q_dec", "x_dec", "n_vis", "q_vis", "one", "has_vis", "q_pad")

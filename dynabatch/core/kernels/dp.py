@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .assign import assign_ranks, assign_ranks_reference
 from .caps import pick_caps_between, pick_caps_reference

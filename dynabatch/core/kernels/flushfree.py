@@ -27,7 +27,7 @@ Each kernel has its plain-Python reference, named with ``_reference`` (`flushfre
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .op_codes import COLUMNS, FORWARD, UPDATE
 from .op_tables import stream_row, stream_row_reference

@@ -8,7 +8,7 @@ compares it with. Tokens are integers; the result is end positions (exclusive) i
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)

@@ -16,7 +16,7 @@ kernel                     reference
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .op_codes import BACKWARD, BACKWARD_WEIGHT, FORWARD, NOP
 from .op_tables import codes_table, codes_table_reference

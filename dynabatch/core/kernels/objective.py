@@ -11,7 +11,7 @@ one rank, ``R = 1``) balances it per rank, `BatchPlan.objective_s` reports it an
 
 from __future__ import annotations
 
-from numba import njit
+from .compile_once import njit
 
 
 # Inlined into the kernels that call it (before typing): they pass ``ranks = 1`` as a constant, which numba

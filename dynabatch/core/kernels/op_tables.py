@@ -20,7 +20,7 @@ state each order in plain loops over lists of ``(kind, micro-batch, chunk, model
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .op_codes import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COLUMNS, FORWARD, GPIPE, INTERLEAVED,
                        INTERLEAVED_CHUNKS, INVALID, NOP, ONE_F_ONE_B, UPDATE, ZB_H1, ZB_H2)

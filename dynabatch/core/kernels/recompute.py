@@ -10,7 +10,7 @@ holds ``mem[s, j]`` bytes on stage ``s`` from the start of its forward to the en
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)

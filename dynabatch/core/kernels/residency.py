@@ -11,7 +11,7 @@ kernel                     reference
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ kernel         reference
 
 from __future__ import annotations
 
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)

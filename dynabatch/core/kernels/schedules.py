@@ -22,7 +22,7 @@ kernel                     reference
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .arrays import kernel_array
 from .assign import candidate_orders, candidate_orders_reference

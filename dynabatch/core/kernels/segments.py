@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .arrays import kernel_array
 from .cost import NUM_FEATURES, Q_PAD, padded_features, profiled_lookup, round_up

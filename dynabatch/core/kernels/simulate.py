@@ -36,7 +36,7 @@ same purpose. `worklist`, `requeue` and `place` are also pieces of the flush-fre
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .op_codes import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, NOP, UPDATE
 from .op_tables import codes_table, codes_table_reference, static_table, static_table_reference, table_codes

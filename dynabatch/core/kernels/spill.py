@@ -32,7 +32,7 @@ kernel                   reference
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 # the copy kinds (``ckind``) are defined beside `gated_start`, which reads them
 from .simulate import (BAD_INPUT, DEMAND_LOAD, DEMAND_SPILL, OK, PREFETCH_LOAD, PREFETCH_SPILL, sweep_codes, gated_start,

@@ -17,7 +17,7 @@ ranks with the same float operations in the same order:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .assign import apply_move_reference
 from .objective import objective_kernel, objective_reference

@@ -13,7 +13,7 @@ st[s, j]`` and a backward of the rest, neighbouring stages pass it on after ``p2
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 from .simulate import OK, makespan_reference, simulate_kernel, split_kernel, split_reference
 

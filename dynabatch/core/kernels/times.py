@@ -5,7 +5,7 @@ of a plan uses, and the chunks of a stage (virtual stages). Numba kernels beside
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .compile_once import njit
 
 
 @njit(cache=True)
