@@ -34,6 +34,9 @@ from numba.core.registry import CPUDispatcher
 MODULES = ("op_tables", "schedules", "objective", "simulate", "inflight", "times", "flushfree", "dp", "segments",
            "cost", "assign", "global_batches", "packing", "caps", "rows")
 
+#: Every kernel module: the source check's, and the signature dumps' of `WARM`/`DUMP`.
+ALL_MODULES = tuple(m.name for m in pkgutil.iter_modules(importlib.import_module("dynabatch.core.kernels").__path__))
+
 #: Kernels with more than one real argument type, and why. ``objective_kernel`` is called from Python on
 #: scalars (`BatchPlan.objective_s`) and on arrays (`dynabatch.core.plan.bounds`); numba code inlines it.
 REAL_TYPES = {"objective.objective_kernel": 2}
@@ -41,10 +44,8 @@ REAL_TYPES = {"objective.objective_kernel": 2}
 #: ``signatures(shorts)``: ``{module.kernel: [signature, ...]}`` of every dispatcher of those kernel modules;
 #: then `dynabatch.core.plan.warm.warm_planner` runs (as in the fork server) and its signatures are kept.
 WARM = """
-import importlib, json, pkgutil, sys
+import importlib, json, sys
 from numba.core.registry import CPUDispatcher
-import dynabatch.core.kernels as kernels
-ALL = [m.name for m in pkgutil.iter_modules(kernels.__path__)]
 def signatures(shorts):
     out = {}
     for short in shorts:
@@ -55,13 +56,13 @@ def signatures(shorts):
     return out
 from dynabatch.core.plan.warm import warm_planner
 warm_planner()
-warm = signatures(ALL)
+warm = signatures(ALL_MODULES)
 """
 
 #: Prints the signatures of `MODULES` after the entry points, and of every kernel module after warm_planner
 #: and after the entry points.
 DUMP = """
-json.dump({"entry": signatures(MODULES), "warm": warm, "after": signatures(ALL)}, sys.stdout)
+json.dump({"entry": signatures(MODULES), "warm": warm, "after": signatures(ALL_MODULES)}, sys.stdout)
 """
 
 #: The public entry points, as the planner, inspect, the simulators and the runtime call them.
@@ -141,7 +142,7 @@ def dumped() -> dict[str, dict[str, list[str]]]:
     seconds warm; on a fresh clone it compiles what later tests load)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
-    code = f"MODULES = {MODULES!r}\n" + WARM + ENTRY_POINTS + DUMP
+    code = f"MODULES = {MODULES!r}\nALL_MODULES = {ALL_MODULES!r}\n" + WARM + ENTRY_POINTS + DUMP
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert run.returncode == 0, f"the entry points failed:\n{run.stderr[-4000:]}"
     return json.loads(run.stdout)
@@ -214,10 +215,6 @@ def _constant_arguments(module) -> list[str]:
                 if isinstance(value, (bool, int)):
                     found.append(f"{fn.name} -> {call.func.id} arg {i}: {ast.unparse(arg)}")
     return found
-
-
-#: Every kernel module, for the source check (it costs no compile).
-ALL_MODULES = tuple(m.name for m in pkgutil.iter_modules(importlib.import_module("dynabatch.core.kernels").__path__))
 
 
 @pytest.mark.parametrize("short", ALL_MODULES)
