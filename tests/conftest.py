@@ -11,8 +11,12 @@ import pytest
 os.environ.setdefault("DYNABATCH_LAUNCH_START", "forkserver")
 # The fork server (one per xdist worker) imports transformers' model code once: a Hugging Face rank that
 # imported modeling_utils and Llama/T5 itself paid 1.2-3 s CPU each (measured), the server pays ~1.7 s.
+# Rank workers live in test modules, so a rank imports pytest with its worker's module (0.15 s CPU each,
+# measured; most of the suite's ~130 ranks), and the loader's ranks pyarrow's dataset reader (0.5 s):
+# the server imports both once.
 os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers,transformers.modeling_utils,"
-                      "transformers.models.llama.modeling_llama,transformers.models.t5.modeling_t5")
+                      "transformers.models.llama.modeling_llama,transformers.models.t5.modeling_t5,"
+                      "pytest,pyarrow.dataset")
 # Two xdist workers share two cores: a worker whose torch ran two intra-op threads oversubscribed them
 # (OpenMP's spinning threads: 24% more user CPU on the in-process model tests, no faster). Ranks get
 # their own count from launch_local's threads_per_proc; a run may still choose another.

@@ -41,6 +41,16 @@ IMPORT_CHECKS = (
     f"print({MARK!r}, flush=True)\n")
 
 
+def _failed_sections(stdout: str) -> str:
+    """The failed sections of the bench's JSON on ``stdout`` (status and traceback), or its last lines."""
+    try:
+        res = json.loads(stdout.split(MARK + "\n", 1)[1])
+    except (IndexError, ValueError):
+        return stdout[-3000:]
+    return "\n".join(f"{name}: {sec['status']}\n{sec.get('traceback', '')}" for name, sec in res["sections"].items()
+                     if str(sec.get("status", "")).startswith("failed"))
+
+
 @pytest.fixture(scope="module")
 def blocked(request, tmp_path_factory):
     """One interpreter without ``datasets`` and ``webdataset`` for this file: the import checks, then, when
@@ -68,7 +78,8 @@ def test_import_without_datasets_and_webdataset(blocked):
 @pytest.mark.slow
 def test_bench_gpu_cpu_form(blocked):
     p, out = blocked
-    assert p.returncode == 0, p.stderr[-4000:]
+    # --json prints a failed section's status and traceback on stdout: show them with stderr
+    assert p.returncode == 0, _failed_sections(p.stdout) + p.stderr[-4000:]
     res = json.loads(p.stdout.split(MARK + "\n", 1)[1])  # --json: the JSON alone on stdout (after the checks')
     assert res == json.loads((out / "result.json").read_text())
     s = res["sections"]
