@@ -265,5 +265,9 @@ def _cmd_bench_gpu(args) -> int:
     result = run_gpu_bench(quick=args.quick, out_dir=args.out, device=args.device, data=tuple(args.data),
                            attn_implementation=args.attn, progress=show_progress(args))
     print(json.dumps(result, indent=1) if args.json else format_table(result))
-    failed = [n for n, sec in result["sections"].items() if str(sec.get("status", "")).startswith("failed")]
-    return 1 if failed else 0
+    return 1 if failed_sections(result) else 0
+
+
+def failed_sections(result: dict) -> list[str]:
+    """The names of ``result``'s sections whose status says they failed (`run_gpu_bench`'s result)."""
+    return [n for n, sec in result["sections"].items() if str(sec.get("status", "")).startswith("failed")]
