@@ -41,7 +41,7 @@ dynabatch.scan (paths, tokenizer, options, loader error counts), dynabatch.datas
 The bytes do not depend on --workers or --engine (rows and task names are sorted).
 
 parallelism: the rows are split into 2 x --workers parts with the loaders' rank/world_size layout
-and each part is tokenized in its own process (--engine local) or Ray Data task (--engine ray,
+and each part is tokenized in its own process (--engine local) or Ray task (--engine ray,
 pip install 'dynabatch[ray]'; uses $RAY_ADDRESS or starts a local Ray of --workers CPUs).
 
 examples:
@@ -163,7 +163,7 @@ def _add_engine_options(p) -> None:
                    help="processes (local) or Ray CPUs (default: the CPUs available, but on the local engine at "
                         "most one process per 16384 samples, so a smaller job runs in this process)")
     g.add_argument("--engine", choices=("local", "ray"), default="local",
-                   help="local processes (default) or Ray Data (pip install 'dynabatch[ray]')")
+                   help="local processes (default) or Ray tasks (pip install 'dynabatch[ray]')")
     add_progress_option(g, "the samples scanned and the steps planned")
 
 
