@@ -24,10 +24,12 @@ from .rank_main import heartbeat, rank_main
 
 # prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
 # libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
-# change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the launch module doc)
+# change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the launch module doc;
+# TORCHINDUCTOR_CACHE_DIR: torch reads it whenever inductor uses its cache and sets it to its default the
+# first time, e.g. on importing transformers' Trainer, which gave every test worker a second server)
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
                    "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
-_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED")
+_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR")
 # this module's fork servers by import-time environment (`_server_for`): "server", "popen", once
 # started "pid"
 _servers: dict = {}
