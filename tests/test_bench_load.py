@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import pytest
 
@@ -62,8 +63,11 @@ def test_table_output(capsys, data):
         assert word in out
 
 
-def test_workers_and_a_subword_tokenizer_agree(capsys, data, tmp_path):
+def test_workers_and_a_subword_tokenizer_agree(capsys, data, tmp_path, monkeypatch):
+    """Two workers, a BPE tokenizer: the counts agree, and the TOKENIZERS_PARALLELISM the bench sets for its
+    forked workers is gone afterwards (the caller's later launches and subprocesses see its own environment)."""
     tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     raw = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
@@ -79,6 +83,7 @@ def test_workers_and_a_subword_tokenizer_agree(capsys, data, tmp_path):
     _assert_agree(doc)
     assert doc["config"]["workers"] == 2 and doc["config"]["tokenizer_name"].startswith("tokenizers:")
     assert doc["sources"]["hf"]["methods"]["dynabatch"]["samples"] == 120
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
 
 
 def test_files_with_different_fields(capsys, tmp_path):

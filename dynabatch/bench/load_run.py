@@ -78,38 +78,45 @@ def run_load_bench(cfg: LoadBenchConfig, progress: bool = True) -> dict:
     from ..progress import progress_bar
 
     tok = load_tokenizer(cfg.tokenizer)
-    if cfg.workers > 1:
-        # Forked workers must not inherit a busy Rust thread pool (tokenizers warns, may hang).
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with tempfile.TemporaryDirectory(prefix="dynabatch-bench-load-") as tmp_name:
-        tmp = Path(tmp_name)
-        prep = prepare(cfg, tmp, progress)
-        runs = {s: {m: [] for m in METHODS} for s in cfg.sources}
-        cpu = {s: {m: [] for m in METHODS} for s in cfg.sources}
-        counts = {s: {} for s in cfg.sources}
-        bar = progress_bar(len(cfg.sources) * cfg.repeat * 2, "bench load", "run", progress)
-        try:
-            for kind in cfg.sources:
-                for r in range(cfg.repeat):
-                    # Alternate which path goes first, so file-cache warmth favours neither.
-                    for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
-                        bar.set_postfix_str(f"{kind} {method}")
-                        cache = tmp / f"hf-cache-{kind}-{r}"  # fresh per run: nothing cached
-                        cache.mkdir()
-                        gc.collect()
-                        c0, t0 = _cpu_s(), time.perf_counter()
-                        counted = _run_one(kind, method, prep, tok, cfg, cache)
-                        runs[kind][method].append(time.perf_counter() - t0)
-                        cpu[kind][method].append(_cpu_s() - c0)
-                        counts[kind][method] = counted
-                        bar.update(1)
-                        # Free the disk the run used (Arrow copies, .map caches), untimed.
-                        shutil.rmtree(cache, ignore_errors=True)
-                        if kind == "hf" and method == "baseline":
-                            drop_map_cache(prep.hf_dir)
-        finally:
-            bar.close()
-        gc.collect()
+    # Forked workers must not inherit a busy Rust thread pool (tokenizers warns, may hang). Set for the runs
+    # only: the caller's later subprocesses and launches see the environment it had (an import-time variable
+    # changed in the process gives `launch_local` a second fork server, a second preload of torch).
+    own_setting = cfg.workers > 1 and "TOKENIZERS_PARALLELISM" not in os.environ
+    if own_setting:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with tempfile.TemporaryDirectory(prefix="dynabatch-bench-load-") as tmp_name:
+            tmp = Path(tmp_name)
+            prep = prepare(cfg, tmp, progress)
+            runs = {s: {m: [] for m in METHODS} for s in cfg.sources}
+            cpu = {s: {m: [] for m in METHODS} for s in cfg.sources}
+            counts = {s: {} for s in cfg.sources}
+            bar = progress_bar(len(cfg.sources) * cfg.repeat * 2, "bench load", "run", progress)
+            try:
+                for kind in cfg.sources:
+                    for r in range(cfg.repeat):
+                        # Alternate which path goes first, so file-cache warmth favours neither.
+                        for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                            bar.set_postfix_str(f"{kind} {method}")
+                            cache = tmp / f"hf-cache-{kind}-{r}"  # fresh per run: nothing cached
+                            cache.mkdir()
+                            gc.collect()
+                            c0, t0 = _cpu_s(), time.perf_counter()
+                            counted = _run_one(kind, method, prep, tok, cfg, cache)
+                            runs[kind][method].append(time.perf_counter() - t0)
+                            cpu[kind][method].append(_cpu_s() - c0)
+                            counts[kind][method] = counted
+                            bar.update(1)
+                            # Free the disk the run used (Arrow copies, .map caches), untimed.
+                            shutil.rmtree(cache, ignore_errors=True)
+                            if kind == "hf" and method == "baseline":
+                                drop_map_cache(prep.hf_dir)
+            finally:
+                bar.close()
+            gc.collect()
+    finally:
+        if own_setting:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
     per_source = {}
     for kind in cfg.sources:
