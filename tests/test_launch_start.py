@@ -148,13 +148,16 @@ def test_an_environment_changed_since_the_server_started_gets_its_own_server(pkg
     assert {first.result["ppid"], second.result["ppid"]} <= {e["pid"] for e in forked_ranks._servers.values()}
 
 
-def test_torchs_own_cache_folder_variable_keeps_the_server(pkg, monkeypatch, tmp_path):
+def test_variables_read_only_when_used_keep_the_server(pkg, monkeypatch, tmp_path):
     """torch sets TORCHINDUCTOR_CACHE_DIR to its default the first time inductor looks for its cache (on
-    importing transformers' Trainer, say) and reads it only then: ranks forked from the running server
-    get the new value, and no second server (a second preload of torch and transformers) starts for it."""
+    importing transformers' Trainer, say) and reads it only then; ``ray.init`` sets PYTHONBREAKPOINT, read
+    at each ``breakpoint()``. Ranks forked from the running server get the new values, and no second server
+    (a second preload of torch and transformers) starts for them."""
     (first,) = _launch(pkg, "forkserver", nprocs=1)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    new = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONBREAKPOINT": "launchmod.act"}
+    for name, value in new.items():
+        monkeypatch.setenv(name, value)
     (second,) = _launch(pkg, "forkserver", nprocs=1)
     assert (first.result["forked"], second.result["forked"]) == (True, True)
     assert first.result["ppid"] == second.result["ppid"]
-    assert second.result["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert {k: second.result["env"][k] for k in new} == new

@@ -24,12 +24,14 @@ from .rank_main import heartbeat, rank_main
 
 # prefixes of environment variables that Python, torch, numba, the BLAS/OpenMP runtimes or the HF
 # libraries read when the interpreter starts or a module is imported: a forked rank cannot honour a
-# change of one (OMP_NUM_THREADS and PYTHONPATH excepted: set explicitly, see the launch module doc;
-# TORCHINDUCTOR_CACHE_DIR: torch reads it whenever inductor uses its cache and sets it to its default the
-# first time, e.g. on importing transformers' Trainer, which gave every test worker a second server)
+# change of one. Excepted: OMP_NUM_THREADS and PYTHONPATH (set explicitly, see the launch module doc), and
+# variables read only when used, which a forked rank honours as it is: TORCHINDUCTOR_CACHE_DIR (torch reads
+# it whenever inductor uses its cache, and sets it to its default the first time, e.g. on importing
+# transformers' Trainer) and PYTHONBREAKPOINT (read at each breakpoint(); ray.init sets it). Each gave the
+# suite's test workers a second server, a second preload of torch and transformers.
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "NUMBA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_",
                    "LD_", "MALLOC_", "CUDA_", "CUBLAS_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
-_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR")
+_HONOURED_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", "PYTHONBREAKPOINT")
 # this module's fork servers by import-time environment (`_server_for`): "server", "popen", once
 # started "pid"
 _servers: dict = {}
