@@ -273,8 +273,14 @@ def _rank_span(times, p2p, rank_of, r, fwd_fraction, stages, ops_by_count):
     return best
 
 
+#: The planner's `balance_simulated` search: at most this many rounds, simulating this many best estimates
+#: a round. (The kernel takes them as arguments, with no defaults: a call that left them out would compile
+#: the whole search again for the omitted arguments' types.)
+BALANCE_ROUNDS, BALANCE_TOP = 16, 8
+
+
 @njit(cache=True, nogil=True)
-def balance_simulated(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, max_rounds=16, top=8):
+def balance_simulated(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, max_rounds, top):
     """Swap micro-batches out of the slowest rank while its simulated makespan drops (int32 ranks).
 
     Each round takes the rank ``a`` with the largest simulated makespan (the first of equals,
@@ -352,8 +358,8 @@ def balance_simulated(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_c
     return rank_of
 
 
-def balance_simulated_reference(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count, max_rounds=16,
-                                top=8):
+def balance_simulated_reference(times, p2p, rank_of, ranks, fwd_fraction, stages, ops_by_count,
+                                max_rounds=BALANCE_ROUNDS, top=BALANCE_TOP):
     """Plain-Python `balance_simulated`: the same rounds of estimated, then simulated, swaps out of
     the slowest rank (a list of ranks)."""
     times = [float(t) for t in times]

@@ -222,7 +222,9 @@ def run_table(fwd, bwd, wshare, p2p, table, start, end, wstart, wend, shard_m, c
 
 @njit(cache=True)
 def _no_copies(start):
-    ints, flat, sheet = np.empty(0, np.int64), np.empty(0), start[:0, :0, 0]
+    # C-contiguous empties, as the real copies' arrays are: a slice of ``start`` (layout 'A') compiled
+    # `run_table` and what it calls a second time, for the same arithmetic
+    ints, flat, sheet = np.empty(0, np.int64), np.empty(0), np.empty((0, 0))
     table = np.empty((0, 0), np.int64)
     return (ints, table, table, table, sheet), (ints, flat, sheet, sheet, sheet, flat)
 
@@ -352,7 +354,7 @@ def run_ops(fwd, bwd, p2p, ops, start, end, M, copies, state):
     """`run_table` over plain op codes ``ops`` (int32 ``[S, 2N]``, shape checked by the caller; ``start``/``end``
     ``[S, N, 2]``, set to ``-inf`` by the caller); shard ``j // M`` of micro-batch ``j``. Returns `OK`,
     `DEADLOCK` or `BAD_INPUT` (an op code outside ``±1..±N``, reached)."""
-    w = start[:0, :, 0]
+    w = np.empty((0, start.shape[1]))  # no weight parts; C-contiguous as `simulate_table_kernel`'s (one compile)
     return run_table(fwd, bwd, 0.0, p2p, codes_table(ops, fwd.shape[1]), start, end, w, w, M, copies, state)
 
 

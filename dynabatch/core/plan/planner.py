@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import baselines as _bl
-from ..kernels.assign import assign_ranks, balance_simulated
+from ..kernels.assign import BALANCE_ROUNDS, BALANCE_TOP, assign_ranks, balance_simulated
 from ..kernels.global_batches import greedy_cuts
 from ..kernels.dp import INFEASIBLE_SAMPLE, NO_EQUAL_SPLIT, TOO_FEW_SAMPLES, DPSearch, dp_kernel, segment_cost
 from ..batchplan import BatchPlan
@@ -339,7 +339,8 @@ def _balance_simulated(schedule, time_s, p2p, rank_of, ranks, stages, fwd_fracti
     if ranks < 2 or stages < 2 or not len(time_s) or not np.all(np.isfinite(time_s)):
         return rank_of
     return balance_simulated(np.ascontiguousarray(time_s, np.float64), np.ascontiguousarray(p2p, np.float64),
-                             np.ascontiguousarray(rank_of, np.int32), ranks, fwd_fraction, stages, ops)
+                             np.ascontiguousarray(rank_of, np.int32), ranks, fwd_fraction, stages, ops,
+                             BALANCE_ROUNDS, BALANCE_TOP)
 
 
 def _assemble(shapes, cost, main, dec, tiles, g: _bl.Grouping, collation, method, ranks, stages, schedule, limit,
