@@ -240,7 +240,7 @@ def _cancel(ray, refs) -> None:
 
 
 class _UserError(Exception):
-    """Carries the exception a part raised out of the row loop (internal)."""
+    """Carries the exception a part raised out of the result loop (internal)."""
 
     def __init__(self, error: Exception):
         super().__init__(str(error))
