@@ -220,23 +220,16 @@ def _map_ray(fn, items, context, workers, bar, weights) -> list:
                 results[i] = value
                 bar.update(weights[i])
     except _UserError as e:
-        _cancel(ray, pending)
         raise e.error from None
-    except BaseException as e:
-        _cancel(ray, pending)
-        if isinstance(e, Exception):
-            raise _ray_failure(e) from e
-        raise
+    except Exception as e:
+        raise _ray_failure(e) from e
+    finally:  # the first error, or an interrupt, stops the parts not yet finished (none left on success)
+        for ref in pending:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # already finished or already gone: nothing to stop
+                pass
     return results
-
-
-def _cancel(ray, refs) -> None:
-    """Stop the parts not yet finished (the first error, or an interrupt, ends the map)."""
-    for ref in refs:
-        try:
-            ray.cancel(ref, force=True)
-        except Exception:  # already finished or already gone: nothing to stop
-            pass
 
 
 class _UserError(Exception):

@@ -7,6 +7,7 @@ and CPU seconds, samples/s, tokens/s and the dynabatch / baseline ratios.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -63,6 +64,21 @@ def _aggregate(per_source: dict, names: list[str]) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _serial_tokenizers(on: bool):
+    """``TOKENIZERS_PARALLELISM=false`` while the block runs (when ``on`` and the caller has not set it), then
+    the caller's environment again: its later subprocesses and launches see what it had (an import-time
+    variable changed in the process gives `launch_local` a second fork server, a second preload of torch)."""
+    own = on and "TOKENIZERS_PARALLELISM" not in os.environ
+    if own:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if own:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+
+
 def run_load_bench(cfg: LoadBenchConfig, progress: bool = True) -> dict:
     """Prepare the inputs, time both paths ``cfg.repeat`` times per source, report medians.
 
@@ -78,45 +94,36 @@ def run_load_bench(cfg: LoadBenchConfig, progress: bool = True) -> dict:
     from ..progress import progress_bar
 
     tok = load_tokenizer(cfg.tokenizer)
-    # Forked workers must not inherit a busy Rust thread pool (tokenizers warns, may hang). Set for the runs
-    # only: the caller's later subprocesses and launches see the environment it had (an import-time variable
-    # changed in the process gives `launch_local` a second fork server, a second preload of torch).
-    own_setting = cfg.workers > 1 and "TOKENIZERS_PARALLELISM" not in os.environ
-    if own_setting:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        with tempfile.TemporaryDirectory(prefix="dynabatch-bench-load-") as tmp_name:
-            tmp = Path(tmp_name)
-            prep = prepare(cfg, tmp, progress)
-            runs = {s: {m: [] for m in METHODS} for s in cfg.sources}
-            cpu = {s: {m: [] for m in METHODS} for s in cfg.sources}
-            counts = {s: {} for s in cfg.sources}
-            bar = progress_bar(len(cfg.sources) * cfg.repeat * 2, "bench load", "run", progress)
-            try:
-                for kind in cfg.sources:
-                    for r in range(cfg.repeat):
-                        # Alternate which path goes first, so file-cache warmth favours neither.
-                        for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
-                            bar.set_postfix_str(f"{kind} {method}")
-                            cache = tmp / f"hf-cache-{kind}-{r}"  # fresh per run: nothing cached
-                            cache.mkdir()
-                            gc.collect()
-                            c0, t0 = _cpu_s(), time.perf_counter()
-                            counted = _run_one(kind, method, prep, tok, cfg, cache)
-                            runs[kind][method].append(time.perf_counter() - t0)
-                            cpu[kind][method].append(_cpu_s() - c0)
-                            counts[kind][method] = counted
-                            bar.update(1)
-                            # Free the disk the run used (Arrow copies, .map caches), untimed.
-                            shutil.rmtree(cache, ignore_errors=True)
-                            if kind == "hf" and method == "baseline":
-                                drop_map_cache(prep.hf_dir)
-            finally:
-                bar.close()
-            gc.collect()
-    finally:
-        if own_setting:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    # Forked workers must not inherit a busy Rust thread pool (tokenizers warns, may hang).
+    with _serial_tokenizers(cfg.workers > 1), tempfile.TemporaryDirectory(prefix="dynabatch-bench-load-") as tmp_name:
+        tmp = Path(tmp_name)
+        prep = prepare(cfg, tmp, progress)
+        runs = {s: {m: [] for m in METHODS} for s in cfg.sources}
+        cpu = {s: {m: [] for m in METHODS} for s in cfg.sources}
+        counts = {s: {} for s in cfg.sources}
+        bar = progress_bar(len(cfg.sources) * cfg.repeat * 2, "bench load", "run", progress)
+        try:
+            for kind in cfg.sources:
+                for r in range(cfg.repeat):
+                    # Alternate which path goes first, so file-cache warmth favours neither.
+                    for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                        bar.set_postfix_str(f"{kind} {method}")
+                        cache = tmp / f"hf-cache-{kind}-{r}"  # fresh per run: nothing cached
+                        cache.mkdir()
+                        gc.collect()
+                        c0, t0 = _cpu_s(), time.perf_counter()
+                        counted = _run_one(kind, method, prep, tok, cfg, cache)
+                        runs[kind][method].append(time.perf_counter() - t0)
+                        cpu[kind][method].append(_cpu_s() - c0)
+                        counts[kind][method] = counted
+                        bar.update(1)
+                        # Free the disk the run used (Arrow copies, .map caches), untimed.
+                        shutil.rmtree(cache, ignore_errors=True)
+                        if kind == "hf" and method == "baseline":
+                            drop_map_cache(prep.hf_dir)
+        finally:
+            bar.close()
+        gc.collect()
 
     per_source = {}
     for kind in cfg.sources:
