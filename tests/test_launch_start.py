@@ -11,7 +11,7 @@ import pytest
 from dynabatch.pipeline import launch_local
 
 MOD = '''
-import os, signal, sys
+import gc, os, signal, sys
 
 def act(rank, world, port, tag):
     import torch
@@ -24,7 +24,8 @@ def act(rank, world, port, tag):
     if rank == 3:
         os.kill(os.getpid(), signal.SIGTERM)
     return {"env": dict(os.environ), "threads": torch.get_num_threads(), "path0": sys.path[1],
-            "forked": "dynabatch.pipeline.runtime.preload" in sys.modules, "ppid": os.getppid()}
+            "forked": "dynabatch.pipeline.runtime.preload" in sys.modules, "ppid": os.getppid(),
+            "frozen": gc.get_freeze_count(), "gc": gc.isenabled()}
 
 def hang(rank, world, port):
     import time
@@ -80,6 +81,8 @@ def test_both_start_methods_give_the_same_ranks(pkg, both):
     assert f["env"]["LAUNCH_TEST"] == "yes" and f["env"]["OMP_NUM_THREADS"] == "2"
     assert s["threads"] == f["threads"] == 2
     assert s["path0"] == f["path0"] == pkg
+    # a forked rank keeps the server's heap out of its collector's passes (frozen), and collects its own
+    assert f["frozen"] > 100_000 and s["frozen"] == 0 and s["gc"] is f["gc"] is True
 
 
 def _same_env(a, b):
