@@ -48,6 +48,15 @@ def pytest_configure(config):
     # order from pytest_collection_modifyitems (longest files first, tests/suite_order.py) must hold.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ["DYNABATCH_LAUNCH_START"] == "forkserver":
+        # A worker's first launch waited for its fork server's preload (torch, transformers, the kernels:
+        # ~10 CPU-s, and on a fresh clone the compile of the kernels it warms) with its core idle; started
+        # here, the server preloads while the worker collects. The server is the one that first launch
+        # would start (same preload, same environment). A single-process run starts it at its first launch,
+        # as before: it may run no launch at all.
+        from dynabatch.pipeline.runtime.forked_ranks import fork_server
+
+        fork_server(tuple(m for m in os.environ["DYNABATCH_LAUNCH_PRELOAD"].split(",") if m), dict(os.environ))
 
 
 def pytest_collection_modifyitems(session, config, items):
