@@ -211,18 +211,15 @@ def _map_ray(fn, items, context, workers, bar, weights) -> list:
     pending = list(index)
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                i = index[ref]
+            try:  # only Ray's own failures here; a part's exception is a value, raised below as it was
+                (ref,), pending = ray.wait(pending, num_returns=1)
                 status, value = pickle.loads(ray.get(ref))
-                if status == "error":
-                    raise _UserError(value)
-                results[i] = value
-                bar.update(weights[i])
-    except _UserError as e:
-        raise e.error from None
-    except Exception as e:
-        raise _ray_failure(e) from e
+            except Exception as e:
+                raise _ray_failure(e) from e
+            if status == "error":
+                raise value from None
+            results[index[ref]] = value
+            bar.update(weights[index[ref]])
     finally:  # the first error, or an interrupt, stops the parts not yet finished (none left on success)
         for ref in pending:
             try:
@@ -230,14 +227,6 @@ def _map_ray(fn, items, context, workers, bar, weights) -> list:
             except Exception:  # already finished or already gone: nothing to stop
                 pass
     return results
-
-
-class _UserError(Exception):
-    """Carries the exception a part raised out of the result loop (internal)."""
-
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
 
 
 def _ray_failure(e: BaseException) -> EngineError:

@@ -55,8 +55,9 @@ def pytest_configure(config):
         # would start (same preload, same environment). A single-process run starts it at its first launch,
         # as before: it may run no launch at all.
         from dynabatch.pipeline.runtime.forked_ranks import fork_server
+        from dynabatch.pipeline.runtime.launch import default_preload
 
-        fork_server(tuple(m for m in os.environ["DYNABATCH_LAUNCH_PRELOAD"].split(",") if m), dict(os.environ))
+        fork_server(default_preload(), dict(os.environ))
 
 
 def pytest_collection_modifyitems(session, config, items):

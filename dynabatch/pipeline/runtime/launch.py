@@ -170,6 +170,12 @@ def _start_rank(forked: tuple | None, argv: list[str], env: dict, out, err, thre
     return ForkedRank(forked, argv, env, out.name, err.name, threads)
 
 
+def default_preload() -> tuple[str, ...]:
+    """The modules a fork server imports besides its own when the launch names none:
+    ``$DYNABATCH_LAUNCH_PRELOAD`` (names separated by commas), else none."""
+    return tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
+
+
 def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: float | None = None,
                  timeout_s: float | None = None, max_wall_s: float | None = None, env: dict | None = None,
                  threads_per_proc: int = 1, poll_s: float = 0.05, start_method: str | None = None,
@@ -194,7 +200,7 @@ def launch_local(target: str, nprocs: int, *, args: tuple = (), idle_timeout_s: 
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_proc), **(env or {})}
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # a print is progress as soon as it is made
     if preload is None:
-        preload = tuple(m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m)
+        preload = default_preload()
     base_env[LAUNCHER_ENV] = launcher_identity()  # the ranks die with this process (`orphans`)
     forked = fork_server(tuple(preload), base_env) if _resolve_start(start_method) == "forkserver" else None
     beat_dir = make_launch_folder()
