@@ -5,6 +5,7 @@ interpreter); tests whose point is a fresh interpreter's start or teardown pin `
 
 import gc
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,14 @@ os.environ.setdefault("DYNABATCH_LAUNCH_PRELOAD", "transformers,transformers.mod
 # (OpenMP's spinning threads: 24% more user CPU on the in-process model tests, no faster). Ranks get
 # their own count from launch_local's threads_per_proc; a run may still choose another.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A run starts ~120 Python interpreters (xdist workers, fork servers, spawned ranks, CLI and example
+# subprocesses; counted). With PYTHONDONTWRITEBYTECODE set, each compiled the repository's own modules
+# again (~1 CPU-s each for dynabatch and its pipeline, measured) and each worker re-rewrote every test
+# module's asserts. The suite writes bytecode into the `__pycache__` folders beside the sources (ignored
+# by git, where numba's kernel caches already are), set before the workers and children inherit the
+# environment; installed packages keep the bytecode pip wrote for them.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture
