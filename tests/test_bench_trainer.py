@@ -1,7 +1,8 @@
 """``dynabatch bench trainer`` (`dynabatch.bench.trainer`): the document and table from the ranks'
 records (figures computed by hand here), the refused configurations, and one tiny real run on two
 gloo ranks (generated data: the shared FLAN sample is not needed) whose document holds every method
-that runs, the skipped ones with their reason, and the same token budget per step for each."""
+that runs, the skipped ones with their reason, and the same token budget per step for each; each model's
+methods train on one pool, an epoch of the HF methods' steps (`epoch_pools`)."""
 
 import importlib.util
 import math
@@ -10,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs transformers (Hugging Face Trainer)")
 
-from dynabatch.bench.trainer import TrainerBenchConfig, assemble, format_table  # noqa: E402
+from dynabatch.bench.trainer import TrainerBenchConfig, assemble, epoch_pools, format_table  # noqa: E402
 from dynabatch.cli import main  # noqa: E402
 
 
@@ -157,6 +158,23 @@ def test_refused_configurations(capsys, tmp_path, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_each_model_trains_on_the_first_steps_worth_of_the_draw(tmp_path):
+    """Sorting by length reorders only the samples a run reaches: group_by_length's first steps of a large
+    draw held its longest samples alone. Each model's pool is the first ``steps x batch x world`` samples of
+    the seeded draw (in the draw's order), all of it when the draw is smaller."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"inputs": f"x{i}", "targets": str(i)} for i in range(50)]), train)
+    paths = {m: {"train": str(train), "eval": "held"} for m in ("llama", "t5")}
+    cfg = TrainerBenchConfig(models=("llama", "t5"), steps=4, rounds=2)
+    assert epoch_pools(cfg, paths, {"llama": 3, "t5": 7}, 2) == {"llama": 24, "t5": 50}
+    assert pq.read_table(paths["llama"]["train"]).column("targets").to_pylist() == [str(i) for i in range(24)]
+    assert pq.read_table(paths["t5"]["train"]).column("targets").to_pylist() == [str(i) for i in range(50)]
+    assert paths["llama"]["eval"] == "held" and pq.read_table(train).num_rows == 50  # the draw is left as it was
+
+
 def test_a_tiny_run_on_two_gloo_ranks(tmp_path, capsys):
     from dynabatch.datagen import write_text_shards
 
@@ -178,5 +196,8 @@ def test_a_tiny_run_on_two_gloo_ranks(tmp_path, capsys):
         assert m["steps"] == 2 and m["timed_steps"] == 1 and m["tokens_per_s"] > 0, key
         assert 0 < m["padding_efficiency"] <= 1 and math.isfinite(m["eval_loss"]), key
         assert 0.5 * 1024 < m["tokens_per_step"] < 1.5 * 1024, key  # the same budget, in tokens per step
+    # the HF methods' two steps are one epoch of the same pool: the same real tokens, however each orders them
+    hf = {doc["methods"][f"llama/{k}"]["tokens_per_step"] for k in ("group_by_length", "flattening")}
+    assert len(hf) == 1 and "trained on the first " in doc["config"]["data"], (hf, doc["config"]["data"])
     assert doc["methods"]["llama/flattening"]["padding_efficiency"] == 1.0  # padding-free
     assert "mape_start" in doc["methods"]["llama/dp"]

@@ -100,6 +100,26 @@ def batch_sizes(cfg: TrainerBenchConfig, paths: dict, world: int, trl_installed:
     return samples_per_rank, rows_per_rank
 
 
+def epoch_pools(cfg: TrainerBenchConfig, paths: dict, samples_per_rank: dict, world: int) -> dict:
+    """Per model, the number of training samples every method of it trains on: the first ``steps x
+    samples_per_rank x world`` of the seeded draw (all of them if fewer), written to the model's own train file
+    in ``paths`` (changed in place). The HF methods' ``steps`` steps are then one epoch of that pool, as dp's are
+    on average: on the whole draw, ``group_by_length``'s first steps held only its longest samples (its sampler
+    sorts each mega-batch longest first; on the shared FLAN sample all 12 steps were 512-token rows, 9,216 real
+    tokens a step against dp's 8,409), so the methods were timed on different tokens."""
+    import pyarrow.parquet as pq
+
+    sizes = {}
+    for m in cfg.models:
+        table = pq.read_table(paths[m]["train"])
+        n = min(table.num_rows, cfg.steps * samples_per_rank[m] * world)
+        pool = os.path.join(os.path.dirname(paths[m]["train"]), f"train-{m}.parquet")
+        pq.write_table(table.slice(0, n), pool)
+        paths[m] = {**paths[m], "train": pool}
+        sizes[m] = n
+    return sizes
+
+
 def _summary(per_rank: list[dict], cfg: TrainerBenchConfig) -> dict:
     """One (model, method)'s figures from every rank's records (see the module docstring)."""
     from .train_report import timer_noise
@@ -212,6 +232,9 @@ def run_trainer_bench(cfg: TrainerBenchConfig, progress: bool = False) -> dict:
         paths, data = prepare_data(cfg, tmp)
         trl = importlib.util.find_spec("trl") is not None
         samples_per_rank, rows_per_rank = batch_sizes(cfg, paths, 2, trl)
+        pools = epoch_pools(cfg, paths, samples_per_rank, 2)
+        data += "; trained on " + ", ".join(f"the first {n} ({m})" for m, n in pools.items()) + \
+            " (steps x the HF batch: one epoch for every method)"
         cfg = replace(cfg, batch_size=samples_per_rank, bfd_batch_size=rows_per_rank, trl_installed=trl)
         payload = {**asdict(cfg), "steps_per_round": cfg.steps_per_round}
         runs = sum(unsupported(m, k, trl) is None for m in cfg.models for k in cfg.methods)
@@ -275,5 +298,5 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "fit_floor",
+__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "epoch_pools", "fit_floor",
            "format_table", "prepare_data", "run_trainer_bench"]

@@ -21,7 +21,8 @@ class TrainerBenchConfig:
     global_batch_tokens: int = flag_field(8192, "--global-batch-tokens", "tokens per step over both ranks")
     max_len: int = flag_field(512, "--max-len", "truncate inputs to this many tokens")
     max_target_len: int = flag_field(128, "--max-target-len", "truncate targets to this many tokens")
-    samples: int = flag_field(2000, "--samples", "training samples drawn from the data")
+    samples: int = flag_field(2000, "--samples", "training samples drawn from the data (their mean length sets the HF "
+                              "methods' batch; every method of a model trains on the first steps x batch x 2)")
     eval_samples: int = flag_field(64, "--eval-samples", "held-out samples the final loss is measured on")
     data: tuple[str, ...] = flag_field((), "--data", "JSONL (.gz) or Parquet files with inputs/targets; none: "
                                                      "the shared FLAN sample, else generated text", metavar="PATH")
