@@ -67,3 +67,78 @@ def test_a_second_process_waits_and_loads_instead_of_compiling(tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_compile_notice_is_said_once_on_a_terminal_for_an_unsaved_kernel(tmp_path, monkeypatch):
+    from dynabatch.core.kernels import compile_once
+
+    monkeypatch.setattr(compile_once, "_announced", False)
+    saved = tmp_path / "k.nbi"
+    saved.write_text("")
+    pipe, tty = _Stream(False), _Stream(True)
+    assert not compile_once.announce_compile(str(tmp_path / "new.nbi.lock"), pipe) and pipe.text == ""  # a log
+    assert not compile_once.announce_compile(str(saved) + ".lock", tty) and tty.text == ""  # saved: loads
+    assert compile_once.announce_compile(str(tmp_path / "new.nbi.lock"), tty)
+    assert not compile_once.announce_compile(str(tmp_path / "other.nbi.lock"), tty)  # once per process
+    assert tty.text == compile_once.COMPILE_NOTICE
+
+
+#: Compiles ``round_up`` (and nothing else) with stderr on whatever the test gives it.
+COMPILER = """
+from dynabatch.core.kernels import cost
+assert cost.round_up(7, 8) == 8
+print("compiled", sum(cost.round_up.stats.cache_misses.values()), flush=True)
+"""
+
+
+def test_a_first_compile_at_a_terminal_says_so_and_a_log_stays_quiet(tmp_path):
+    """On an empty cache a process whose stderr is a terminal (a pseudo-terminal here) gets the notice
+    before the compile; one writing to a file gets nothing; once saved, a terminal gets nothing either."""
+    pty = pytest.importorskip("pty")
+
+    def run(cache, on_tty: bool) -> tuple[str, str]:
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+        if on_tty:
+            leader, follower = pty.openpty()
+            try:
+                out = subprocess.run([sys.executable, "-c", COMPILER], stdout=subprocess.PIPE, stderr=follower,
+                                     text=True, env=env, timeout=LIVENESS_S).stdout
+            finally:
+                os.close(follower)
+            err = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:  # the terminal's other end is closed: all was read
+                    break
+                if not chunk:
+                    break
+                err += chunk
+            os.close(leader)
+            return out, err.decode().replace("\r\n", "\n")
+        done = subprocess.run([sys.executable, "-c", COMPILER], capture_output=True, text=True, env=env,
+                              timeout=LIVENESS_S)
+        return done.stdout, done.stderr
+
+    from dynabatch.core.kernels.compile_once import COMPILE_NOTICE
+
+    out, err = run(tmp_path / "logged", on_tty=False)
+    assert out == "compiled 1\n" and err == "", err  # compiled, said nothing off a terminal
+    out, err = run(tmp_path / "shown", on_tty=True)
+    assert out == "compiled 1\n" and err == COMPILE_NOTICE, err
+    out, err = run(tmp_path / "shown", on_tty=True)
+    assert out == "compiled 0\n" and err == "", err  # saved by the run before: loaded, nothing to say
