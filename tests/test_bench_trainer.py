@@ -196,7 +196,7 @@ def test_a_tiny_run_on_two_gloo_ranks(tmp_path, capsys):
         assert m["steps"] == 2 and m["timed_steps"] == 1 and m["tokens_per_s"] > 0, key
         assert 0 < m["padding_efficiency"] <= 1 and math.isfinite(m["eval_loss"]), key
         assert 0.5 * 1024 < m["tokens_per_step"] < 1.5 * 1024, key  # the same budget, in tokens per step
-    # the HF methods' two steps are one epoch of the same pool: the same real tokens, however each orders them
+    # the HF methods' two steps are one epoch of one pool: the same real tokens, however each orders them
     hf = {doc["methods"][f"llama/{k}"]["tokens_per_step"] for k in ("group_by_length", "flattening")}
     assert len(hf) == 1 and "trained on the first " in doc["config"]["data"], (hf, doc["config"]["data"])
     assert doc["methods"]["llama/flattening"]["padding_efficiency"] == 1.0  # padding-free

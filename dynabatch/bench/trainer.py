@@ -298,5 +298,5 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "epoch_pools", "fit_floor",
-           "format_table", "prepare_data", "run_trainer_bench"]
+__all__ = ["MAPE_TARGET", "THROUGHPUT_TARGET", "TrainerBenchConfig", "assemble", "batch_sizes", "epoch_pools",
+           "fit_floor", "format_table", "prepare_data", "run_trainer_bench"]
