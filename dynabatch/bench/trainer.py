@@ -109,9 +109,12 @@ def epoch_pools(cfg: TrainerBenchConfig, paths: dict, samples_per_rank: dict, wo
     tokens a step against dp's 8,409), so the methods were timed on different tokens."""
     import pyarrow.parquet as pq
 
-    sizes = {}
+    sizes, drawn = {}, {}
     for m in cfg.models:
-        table = pq.read_table(paths[m]["train"])
+        src = paths[m]["train"]
+        if src not in drawn:  # the models share one draw: read it once
+            drawn[src] = pq.read_table(src)
+        table = drawn[src]
         n = min(table.num_rows, cfg.steps * samples_per_rank[m] * world)
         pool = os.path.join(os.path.dirname(paths[m]["train"]), f"train-{m}.parquet")
         pq.write_table(table.slice(0, n), pool)

@@ -41,6 +41,9 @@ except ImportError:  # not POSIX: numba compiles as it would without this module
 #: Modules whose cached kernels compile under the lock (other libraries' numba code is left alone).
 PACKAGE = "dynabatch."
 
+#: A kernel's lock file is its cache index's path plus this (`lock_path`; `announce_compile` strips it again).
+LOCK_SUFFIX = ".lock"
+
 _held: set[str] = set()  # lock files this process holds (numba's compiler lock makes this one thread's set)
 _announced = False  # whether this process has said that it compiles kernels (`announce_compile`)
 
@@ -58,7 +61,7 @@ def lock_path(dispatcher) -> str | None:
     if not getattr(dispatcher.py_func, "__module__", "").startswith(PACKAGE):
         return None
     index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-    return None if index is None else index + ".lock"
+    return None if index is None else index + LOCK_SUFFIX
 
 
 @contextlib.contextmanager
@@ -92,7 +95,7 @@ def announce_compile(lock: str, stream=None) -> bool:
     get nothing, as with the progress bars. Returns whether it wrote."""
     global _announced
     stream = sys.stderr if stream is None else stream
-    if _announced or os.path.exists(lock[:-len(".lock")]):
+    if _announced or os.path.exists(lock[:-len(LOCK_SUFFIX)]):
         return False
     try:
         if not stream.isatty():
